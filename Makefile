@@ -1,0 +1,33 @@
+# kvroute — top-level Makefile. Each component's targets live in mk/<component>.mk.
+# `make help` lists them; `make test` is the one command CI runs (via .ci/run).
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+CARGO ?= cargo
+# Honour CARGO_TARGET_DIR so paths to built artefacts stay right.
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
+# Real traces, prompts, metrics and request bodies, read in place (never copied into the repo).
+KVROUTE_SHARED_DATA ?= $(abspath $(CURDIR)/../shared/data)
+export KVROUTE_SHARED_DATA
+# Python venv holding the PyPI Envoy build (see mk/filter.mk).
+VENV ?= $(CURDIR)/.venv
+
+include $(sort $(wildcard mk/*.mk))
+
+.PHONY: help test lint fmt
+help: ## List the targets
+	@grep -hE '^[a-zA-Z0-9_.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN{FS=":.*## "}{printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}'
+
+fmt: ## Format all Rust code
+	$(CARGO) fmt --all
+
+lint: ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter), warnings denied
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p kvroute-core --target wasm32-wasip1 -- -D warnings
+	$(CARGO) clippy -p kvroute-filter --target wasm32-wasip1 -- -D warnings
+
+test: lint test-core test-wasm test-filter test-sim test-cp ## Everything CI runs: lint, unit, wasm, property, golden and real-Envoy tests
+	@echo "make test: all suites passed"

@@ -1,0 +1,2 @@
+//! kvroute-cp (skeleton; see issue 5).
+fn main() {}

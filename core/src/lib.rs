@@ -1,0 +1,23 @@
+//! # kvroute-core
+//!
+//! The pure routing logic of kvroute, shared by the proxy-wasm filter (`kvroute-filter`),
+//! the control plane (`kvroute-cp`) and the simulator/benchmark (`kvroute-integration`).
+//!
+//! Nothing here depends on proxy-wasm, tokio, a clock or an OS random source: callers pass
+//! the current time (`now_ms`, Unix milliseconds) and a seed. The crate builds natively and
+//! for `wasm32-wasip1` / `wasm32-unknown-unknown`, and behaves identically on both.
+//!
+//! Pipeline of one routing decision:
+//! 1. [`analysis::analyze`] reads an OpenAI-style body into a [`analysis::RequestAnalysis`]
+//!    (model, stream, n, output limit, estimated prompt tokens, text for prefix hashing).
+//! 2. [`profile::ModelProfile::demand`] turns that into KV demand (tokens and bytes).
+//! 3. [`prefix::block_hashes`] hashes the prefix text into a chain of block hashes.
+//! 4. [`picker::Picker::pick`] chooses a primary endpoint and ordered fallbacks from a
+//!    [`snapshot::Snapshot`] plus local in-flight reservations.
+
+pub mod analysis;
+pub mod estimate;
+pub mod picker;
+pub mod prefix;
+pub mod profile;
+pub mod snapshot;

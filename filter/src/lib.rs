@@ -1,0 +1,1 @@
+//! kvroute proxy-wasm filter (skeleton; see issue 3).

@@ -1,0 +1,1 @@
+//! Test harness: free ports, process supervision, real Envoy, recording backends (issue 3).

@@ -1,0 +1,5 @@
+//! kvroute integration tools: the vLLM-compatible simulator ([`sim`]) and the harness that
+//! starts real Envoy and backends for end-to-end tests ([`harness`]).
+
+pub mod harness;
+pub mod sim;

@@ -1,0 +1,1 @@
+//! kvroute-sim: vLLM-compatible model-server simulator (issue 4).
