@@ -15,9 +15,12 @@
 //! 4. [`picker::Picker::pick`] chooses a primary endpoint and ordered fallbacks from a
 //!    [`snapshot::Snapshot`] plus local in-flight reservations.
 
+pub mod admission;
 pub mod analysis;
 pub mod estimate;
+pub mod inflight;
 pub mod picker;
 pub mod prefix;
 pub mod profile;
 pub mod snapshot;
+pub mod usage;

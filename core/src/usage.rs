@@ -1,0 +1,1 @@
+//! (owned by the filter engineer; see issue 3)
