@@ -1,4 +1,12 @@
 # kvroute-sim: engine model, server, metrics dialects.
-.PHONY: test-sim
-test-sim: ## Simulator tests
-	@true
+.PHONY: test-sim bench-sim-replay bench-sim-load
+test-sim: ## Simulator tests: engine model, HTTP/SSE, metrics dialects, golden timings, Mooncake replay
+	$(CARGO) test -p kvroute-integration --lib sim::
+	$(CARGO) test -p kvroute-integration --test sim_engine --test sim_server
+
+bench-sim-replay: ## Mooncake 1 h trace through the engine model alone (release build); prints wall time
+	$(CARGO) run --release -p kvroute-integration --bin kvroute-sim-replay -- \
+		--trace $(KVROUTE_SHARED_DATA)/traces/mooncake_conversation_trace.jsonl --replicas 16
+
+bench-sim-load: ## 16 replicas in one process under a short-request load generator (release build)
+	$(CARGO) run --release -p kvroute-integration --bin kvroute-sim-load -- --replicas 16 --seconds 10

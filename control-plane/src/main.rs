@@ -1,2 +1,143 @@
-//! kvroute-cp (skeleton; see issue 5).
-fn main() {}
+//! `kvroute-cp`: command-line entry point. Loads and validates the config, starts the
+//! control plane, reloads on SIGHUP or when the config file changes, and shuts down
+//! gracefully on SIGTERM/SIGINT.
+
+use anyhow::Context;
+use clap::Parser;
+use kvroute_cp::{Config, ControlPlane};
+use std::path::PathBuf;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing_subscriber::EnvFilter;
+
+/// kvroute control plane: scrapes model servers' /metrics and pushes KV stats to every Envoy.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Config file (YAML).
+    #[arg(long, env = "KVROUTE_CP_CONFIG")]
+    config: PathBuf,
+    /// Override `listen` (own HTTP server address, ip:port).
+    #[arg(long, env = "KVROUTE_CP_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+    /// Log format.
+    #[arg(long, env = "KVROUTE_CP_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+    /// Validate the config, print a summary and exit.
+    #[arg(long)]
+    check: bool,
+    /// Do not watch the config file for changes (SIGHUP still reloads).
+    #[arg(long, env = "KVROUTE_CP_NO_WATCH")]
+    no_watch: bool,
+}
+
+fn load(args: &Args) -> Result<Config, kvroute_cp::ConfigError> {
+    let mut c = Config::load(&args.config)?;
+    if let Some(l) = args.listen {
+        c.listen = l;
+    }
+    Ok(c)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    if args.log_format == "json" {
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    let config = match load(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvroute-cp: {e}");
+            std::process::exit(2);
+        }
+    };
+    if args.check {
+        println!(
+            "config ok: {} endpoints, {} targets, listen {}",
+            config.endpoints.len(),
+            config.targets.len(),
+            config.listen
+        );
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    rt.block_on(run(args, config))
+}
+
+async fn run(args: Args, config: Config) -> anyhow::Result<()> {
+    let cp = ControlPlane::start(config).await?;
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("SIGHUP handler")?;
+    let (file_tx, mut file_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let _watcher = if args.no_watch {
+        None
+    } else {
+        watch_file(&args.config, file_tx)
+    };
+    loop {
+        let why = tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => "SIGHUP",
+            Some(()) = file_rx.recv() => "file change",
+        };
+        match load(&args) {
+            Ok(c) => {
+                if let Err(e) = cp.reload(c).await {
+                    tracing::error!(error = %e, trigger = why, "reload failed; keeping the running config");
+                    cp.hub().telemetry.reload_failures.inc();
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, trigger = why, "invalid config; keeping the running config");
+                cp.hub().telemetry.reload_failures.inc();
+            }
+        }
+    }
+    tracing::info!("shutting down");
+    cp.shutdown().await;
+    Ok(())
+}
+
+/// Watch the config file's directory (editors and Kubernetes ConfigMaps replace the file);
+/// any event naming the file triggers a reload.
+fn watch_file(
+    path: &std::path::Path,
+    tx: tokio::sync::mpsc::Sender<()>,
+) -> Option<notify::RecommendedWatcher> {
+    use notify::Watcher;
+    let name = path.file_name()?.to_owned();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut w = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
+        if let Ok(ev) = ev {
+            let relevant = ev.kind.is_modify() || ev.kind.is_create();
+            if relevant
+                && ev
+                    .paths
+                    .iter()
+                    .any(|p| p.file_name() == Some(name.as_os_str()))
+            {
+                let _ = tx.try_send(());
+            }
+        }
+    })
+    .map_err(|e| tracing::warn!(error = %e, "cannot watch the config file; SIGHUP still reloads"))
+    .ok()?;
+    w.watch(&dir, notify::RecursiveMode::NonRecursive)
+        .map_err(|e| tracing::warn!(error = %e, "cannot watch the config directory"))
+        .ok()?;
+    Some(w)
+}

@@ -1,1 +1,277 @@
-//! (owned by the filter engineer; see issue 3)
+//! Router-local in-flight reservations, shared by all Envoy worker threads.
+//!
+//! When the filter routes a request it *reserves* the request's estimated KV demand
+//! (tokens) on the chosen endpoint, so that the next decisions see that load before the
+//! control plane's next scrape does (herd protection). The reservation is *released*
+//! exactly once when the stream ends (completion, client reset or upstream error).
+//!
+//! Design:
+//! - The table is a map from a reservation id (`u64`, unique per request across workers:
+//!   the filter derives it from a per-worker random prefix and the context id) to the
+//!   endpoint id, the reserved tokens and an expiry time.
+//! - Per-endpoint totals ([`InflightTable::totals`]) are *computed* from the live entries,
+//!   so a counter can never go negative and a double release cannot corrupt it:
+//!   [`InflightTable::release`] of an unknown id is a no-op that returns `None`.
+//! - A leaked reservation (a stream whose end was never observed, e.g. a VM restart)
+//!   expires at `expires_at_ms` and is dropped by [`InflightTable::purge_expired`];
+//!   expired entries are also ignored by [`InflightTable::totals`].
+//! - The table is bounded ([`InflightTable::new`]'s `max_entries`): when full, the entry that
+//!   expires first is evicted, so memory stays bounded under any load.
+//! - Wire format: JSON via [`InflightTable::encode`] / [`InflightTable::decode`], stored
+//!   in proxy-wasm shared data and updated with compare-and-swap (the filter retries on
+//!   a CAS mismatch).
+//!
+//! Default TTL: [`DEFAULT_TTL_MS`] = 10 minutes, longer than a typical completion
+//! (vLLM's default request timeout is unbounded; Envoy's default route timeout is 15 s,
+//! which LLM routes usually raise to minutes).
+
+use crate::picker::InFlight;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Default reservation lifetime, milliseconds (10 minutes).
+pub const DEFAULT_TTL_MS: u64 = 600_000;
+
+/// Default bound on live reservations in one table.
+pub const DEFAULT_MAX_ENTRIES: usize = 65_536;
+
+/// One reservation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservation {
+    /// Endpoint id (`EndpointStats::id`).
+    pub endpoint: String,
+    /// Reserved KV demand, tokens.
+    pub tokens: u64,
+    /// When the reservation lapses, Unix milliseconds.
+    pub expires_at_ms: u64,
+}
+
+/// Errors decoding a table.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InflightError {
+    /// The bytes are not a table.
+    #[error("in-flight table is not valid: {0}")]
+    Decode(String),
+}
+
+/// The shared reservation table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InflightTable {
+    /// Live reservations by id.
+    entries: BTreeMap<u64, Reservation>,
+    /// Bound on `entries.len()`.
+    max_entries: usize,
+}
+
+impl Default for InflightTable {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_ENTRIES)
+    }
+}
+
+impl InflightTable {
+    /// An empty table holding at most `max_entries` reservations (at least 1).
+    pub fn new(max_entries: usize) -> Self {
+        Self {
+            entries: BTreeMap::new(),
+            max_entries: max_entries.max(1),
+        }
+    }
+
+    /// Number of live (possibly expired, not yet purged) reservations.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no reservation is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Reserve `tokens` on `endpoint` under `id`, lapsing `ttl_ms` after `now_ms`.
+    ///
+    /// Re-reserving an existing id replaces it (the caller's id is unique per request, so
+    /// this only happens on a retried CAS write of the same request). When the table is
+    /// full, the reservation expiring first is evicted and returned.
+    pub fn reserve(
+        &mut self,
+        id: u64,
+        endpoint: &str,
+        tokens: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Option<(u64, Reservation)> {
+        let mut evicted = None;
+        if !self.entries.contains_key(&id) && self.entries.len() >= self.max_entries {
+            let oldest = self
+                .entries
+                .iter()
+                .min_by_key(|(k, r)| (r.expires_at_ms, **k))
+                .map(|(k, _)| *k);
+            if let Some(k) = oldest {
+                evicted = self.entries.remove(&k).map(|r| (k, r));
+            }
+        }
+        self.entries.insert(
+            id,
+            Reservation {
+                endpoint: endpoint.to_owned(),
+                tokens,
+                expires_at_ms: now_ms.saturating_add(ttl_ms),
+            },
+        );
+        evicted
+    }
+
+    /// Release reservation `id`. Returns it the first time, `None` afterwards (and for
+    /// unknown ids), so releasing twice is harmless.
+    pub fn release(&mut self, id: u64) -> Option<Reservation> {
+        self.entries.remove(&id)
+    }
+
+    /// Change the tokens held by `id` (e.g. once the actual prompt size is known from the
+    /// response's `usage`). Returns false when `id` is not held.
+    pub fn adjust(&mut self, id: u64, tokens: u64) -> bool {
+        match self.entries.get_mut(&id) {
+            Some(r) => {
+                r.tokens = tokens;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The reservation held under `id`, if any.
+    pub fn get(&self, id: u64) -> Option<&Reservation> {
+        self.entries.get(&id)
+    }
+
+    /// Drop every reservation with `expires_at_ms <= now_ms`; returns how many.
+    pub fn purge_expired(&mut self, now_ms: u64) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|_, r| r.expires_at_ms > now_ms);
+        before - self.entries.len()
+    }
+
+    /// Per-endpoint load of the unexpired reservations: requests and tokens (saturating
+    /// sums; never negative by construction).
+    pub fn totals(&self, now_ms: u64) -> BTreeMap<String, InFlight> {
+        let mut out: BTreeMap<String, InFlight> = BTreeMap::new();
+        for r in self.entries.values().filter(|r| r.expires_at_ms > now_ms) {
+            let e = out.entry(r.endpoint.clone()).or_default();
+            e.requests = e.requests.saturating_add(1);
+            e.tokens = e.tokens.saturating_add(r.tokens);
+        }
+        out
+    }
+
+    /// Encode for shared data (JSON bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Decode bytes written by [`InflightTable::encode`]. Empty input is an empty table
+    /// (shared data not yet written).
+    pub fn decode(bytes: &[u8]) -> Result<Self, InflightError> {
+        if bytes.is_empty() {
+            return Ok(Self::default());
+        }
+        let mut t: Self =
+            serde_json::from_slice(bytes).map_err(|e| InflightError::Decode(e.to_string()))?;
+        t.max_entries = t.max_entries.max(1);
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn reserve_release_exactly_once() {
+        let mut t = InflightTable::default();
+        assert_eq!(t.reserve(1, "a", 100, 0, 1000), None);
+        t.reserve(2, "a", 50, 0, 1000);
+        t.reserve(3, "b", 7, 0, 1000);
+        let tot = t.totals(10);
+        assert_eq!(tot["a"], InFlight { requests: 2, tokens: 150 });
+        assert_eq!(tot["b"], InFlight { requests: 1, tokens: 7 });
+        assert_eq!(t.release(1).map(|r| r.tokens), Some(100));
+        assert_eq!(t.release(1), None);
+        assert_eq!(t.totals(10)["a"], InFlight { requests: 1, tokens: 50 });
+    }
+
+    #[test]
+    fn expired_entries_are_ignored_and_purged() {
+        let mut t = InflightTable::default();
+        t.reserve(1, "a", 100, 0, 1000);
+        t.reserve(2, "a", 10, 500, 1000);
+        assert_eq!(t.totals(999)["a"].tokens, 110);
+        assert_eq!(t.totals(1000)["a"].tokens, 10);
+        assert_eq!(t.purge_expired(1000), 1);
+        assert_eq!(t.len(), 1);
+        assert!(t.totals(1500).is_empty());
+    }
+
+    #[test]
+    fn full_table_evicts_the_earliest_expiry() {
+        let mut t = InflightTable::new(2);
+        t.reserve(1, "a", 1, 100, 10);
+        t.reserve(2, "a", 2, 0, 10);
+        let ev = t.reserve(3, "b", 3, 200, 10);
+        assert_eq!(ev.map(|(k, _)| k), Some(2));
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn adjust_changes_tokens_of_held_ids_only() {
+        let mut t = InflightTable::default();
+        t.reserve(1, "a", 100, 0, 1000);
+        assert!(t.adjust(1, 40));
+        assert!(!t.adjust(9, 40));
+        assert_eq!(t.totals(0)["a"].tokens, 40);
+    }
+
+    #[test]
+    fn encode_decode_roundtrip_and_errors() {
+        let mut t = InflightTable::new(5);
+        t.reserve(u64::MAX, "pool/x", 3, 1, 2);
+        let back = InflightTable::decode(&t.encode()).unwrap();
+        assert_eq!(back, t);
+        assert_eq!(InflightTable::decode(b"").unwrap(), InflightTable::default());
+        assert!(matches!(
+            InflightTable::decode(b"{nope"),
+            Err(InflightError::Decode(_))
+        ));
+    }
+
+    proptest! {
+        /// Any interleaving of reserves and (double) releases leaves totals equal to the
+        /// sum of the still-held reservations, and releasing everything leaves nothing.
+        #[test]
+        fn totals_match_held(ops in proptest::collection::vec((0u64..20, 0u8..3, 0u64..1000), 0..200)) {
+            let mut t = InflightTable::default();
+            let mut model: BTreeMap<u64, (String, u64)> = BTreeMap::new();
+            for (id, ep, tokens) in ops {
+                if tokens % 3 == 0 {
+                    let got = t.release(id).map(|r| r.tokens);
+                    prop_assert_eq!(got, model.remove(&id).map(|m| m.1));
+                } else {
+                    let ep = format!("e{ep}");
+                    t.reserve(id, &ep, tokens, 0, 1000);
+                    model.insert(id, (ep, tokens));
+                }
+                let tot = t.totals(0);
+                let sum: u64 = tot.values().map(|v| v.tokens).sum();
+                prop_assert_eq!(sum, model.values().map(|m| m.1).sum::<u64>());
+                let reqs: u32 = tot.values().map(|v| v.requests).sum();
+                prop_assert_eq!(reqs as usize, model.len());
+            }
+            for id in model.keys() {
+                prop_assert!(t.release(*id).is_some());
+            }
+            prop_assert!(t.totals(0).is_empty());
+        }
+    }
+}

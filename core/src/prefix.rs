@@ -1,7 +1,36 @@
 //! Prefix block hashing, compatible with the Gateway API Inference Extension approximate
-//! prefix-cache scorer.
+//! prefix-cache scorer, and an approximate per-endpoint index of routed prefixes.
 //!
-//! CONTRACT SKELETON (see `analysis.rs`).
+//! ## Hash chain
+//! Same construction as GIE's `hashPrompt`
+//! (kubernetes-sigs/gateway-api-inference-extension,
+//! `pkg/epp/scheduling/framework/plugins/multi/prefix/plugin.go`):
+//! 1. the text is truncated to `max_blocks × block_chars` bytes (defaults 256 × 64, GIE's
+//!    `DefaultMaxPrefixBlocks` / `DefaultHashBlockSize`: vLLM's 16-token blocks at ~4
+//!    characters per token);
+//! 2. `h₀ = xxh64(model)` (seed 0), so different models never share prefixes;
+//! 3. block `i` (bytes `[i·B, (i+1)·B)`) hashes as `hᵢ = xxh64(blockᵢ ‖ le_u64(hᵢ₋₁))`;
+//! 4. a trailing partial block is not hashed (text shorter than one block gives no hashes).
+//!
+//! kvroute adds vLLM's `cache_salt`: when present, the seed becomes
+//! `h₀ = xxh64(salt ‖ le_u64(xxh64(model)))`, so tenants with different salts never match
+//! each other (vLLM mixes the salt into the first block's hash the same way,
+//! `vllm/v1/core/kv_cache_utils.py`). Without a salt the chain is bit-identical to GIE's.
+//!
+//! [`block_hashes`] returns `h₁..hₖ` (GIE's list minus its leading model hash), so its length
+//! is the number of full blocks.
+//!
+//! ## PrefixIndex
+//! [`PrefixIndex`] remembers, per endpoint, the block hashes of requests recently routed
+//! there, with LRU eviction at a bounded capacity (GIE's `DefaultLRUCapacityPerServer`,
+//! 31,250 blocks: ~500k tokens of Llama-3-8B KV on an 80 GB GPU at 16 tokens/block). Because
+//! hashes are chained, an endpoint's match length is the number of leading hashes it holds.
+//! It is an approximation of the server's real prefix cache: it does not see evictions on the
+//! server, and [`PrefixIndex::forget`] must be called when an endpoint restarts.
+
+use std::collections::BTreeMap;
+
+use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 /// Prefix hashing parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -22,14 +51,166 @@ impl Default for PrefixConfig {
     }
 }
 
+/// Seed of the chain: `xxh64(model)`, or `xxh64(salt ‖ le_u64(xxh64(model)))` with a salt.
+pub fn seed_hash(model: &str, cache_salt: Option<&str>) -> u64 {
+    let h = xxh64(model.as_bytes(), 0);
+    match cache_salt {
+        None => h,
+        Some(salt) => {
+            let mut s = Xxh64::new(0);
+            s.update(salt.as_bytes());
+            s.update(&h.to_le_bytes());
+            s.digest()
+        }
+    }
+}
+
 /// Chain of block hashes of `text`: block *i*'s hash covers blocks 0..=i, seeded with the
-/// model name and `cache_salt`. A trailing partial block is not hashed.
+/// model name and `cache_salt`. A trailing partial block is not hashed. Returns at most
+/// `config.max_blocks` hashes; none when `block_chars` is 0.
 pub fn block_hashes(
     model: &str,
     cache_salt: Option<&str>,
     text: &str,
     config: &PrefixConfig,
 ) -> Vec<u64> {
-    let _ = (model, cache_salt, text, config);
-    Vec::new()
+    if config.block_chars == 0 {
+        return Vec::new();
+    }
+    let bytes = text.as_bytes();
+    let limit = config.block_chars.saturating_mul(config.max_blocks);
+    let bytes = bytes.get(..limit).unwrap_or(bytes);
+    let mut out = Vec::with_capacity(bytes.len() / config.block_chars);
+    let mut prev = seed_hash(model, cache_salt);
+    for block in bytes.chunks_exact(config.block_chars) {
+        let mut s = Xxh64::new(0);
+        s.update(block);
+        s.update(&prev.to_le_bytes());
+        prev = s.digest();
+        out.push(prev);
+    }
+    out
+}
+
+/// GIE's `DefaultLRUCapacityPerServer` (see the module doc), in blocks.
+pub const DEFAULT_INDEX_CAPACITY: usize = 31_250;
+
+#[derive(Debug, Clone, Default)]
+struct Lru {
+    /// hash → last-use tick
+    by_hash: BTreeMap<u64, u64>,
+    /// last-use tick → hash (oldest first)
+    by_tick: BTreeMap<u64, u64>,
+}
+
+/// Approximate per-endpoint LRU of recently routed block hashes (see the module doc).
+#[derive(Debug, Clone)]
+pub struct PrefixIndex {
+    capacity: usize,
+    tick: u64,
+    endpoints: BTreeMap<String, Lru>,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new(DEFAULT_INDEX_CAPACITY)
+    }
+}
+
+impl PrefixIndex {
+    /// An empty index keeping at most `capacity_per_endpoint` blocks per endpoint
+    /// (at least 1).
+    pub fn new(capacity_per_endpoint: usize) -> Self {
+        Self {
+            capacity: capacity_per_endpoint.max(1),
+            tick: 0,
+            endpoints: BTreeMap::new(),
+        }
+    }
+
+    /// Record that a request with chain `hashes` was routed to `endpoint_id`; evicts the
+    /// least recently used blocks beyond capacity.
+    pub fn record(&mut self, endpoint_id: &str, hashes: &[u64]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let lru = match self.endpoints.get_mut(endpoint_id) {
+            Some(l) => l,
+            None => self.endpoints.entry(endpoint_id.to_string()).or_default(),
+        };
+        for &h in hashes {
+            self.tick = self.tick.wrapping_add(1);
+            if let Some(old) = lru.by_hash.insert(h, self.tick) {
+                lru.by_tick.remove(&old);
+            }
+            lru.by_tick.insert(self.tick, h);
+        }
+        while lru.by_hash.len() > self.capacity {
+            match lru.by_tick.pop_first() {
+                Some((_, h)) => {
+                    lru.by_hash.remove(&h);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// Leading blocks of `hashes` recorded for `endpoint_id`.
+    pub fn match_one(&self, hashes: &[u64], endpoint_id: &str) -> u32 {
+        match self.endpoints.get(endpoint_id) {
+            None => 0,
+            Some(lru) => {
+                let n = hashes
+                    .iter()
+                    .take_while(|h| lru.by_hash.contains_key(h))
+                    .count();
+                u32::try_from(n).unwrap_or(u32::MAX)
+            }
+        }
+    }
+
+    /// Leading blocks of `hashes` recorded for each of `endpoint_ids`, aligned with them
+    /// (suitable for [`crate::picker::PickInput::prefix_match_blocks`]).
+    pub fn match_blocks<'a, I>(&self, hashes: &[u64], endpoint_ids: I) -> Vec<u32>
+    where
+        I: IntoIterator<Item = &'a str>,
+    {
+        endpoint_ids
+            .into_iter()
+            .map(|id| self.match_one(hashes, id))
+            .collect()
+    }
+
+    /// [`Self::match_blocks`] over every endpoint of a snapshot, in snapshot order.
+    pub fn match_snapshot(&self, hashes: &[u64], snapshot: &crate::snapshot::Snapshot) -> Vec<u32> {
+        self.match_blocks(hashes, snapshot.endpoints.iter().map(|e| e.id.as_str()))
+    }
+
+    /// Drop everything recorded for `endpoint_id` (it restarted: its cache is cold).
+    pub fn forget(&mut self, endpoint_id: &str) {
+        self.endpoints.remove(endpoint_id);
+    }
+
+    /// Keep only endpoints for which `keep(id)` is true (e.g. those still in the snapshot).
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.endpoints.retain(|id, _| keep(id));
+    }
+
+    /// Blocks currently held for `endpoint_id`.
+    pub fn len(&self, endpoint_id: &str) -> usize {
+        self.endpoints
+            .get(endpoint_id)
+            .map(|l| l.by_hash.len())
+            .unwrap_or(0)
+    }
+
+    /// True when nothing is recorded for any endpoint.
+    pub fn is_empty(&self) -> bool {
+        self.endpoints.values().all(|l| l.by_hash.is_empty())
+    }
+
+    /// Per-endpoint capacity in blocks.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
 }

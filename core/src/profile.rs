@@ -1,6 +1,29 @@
 //! Model profiles and KV-cache demand.
 //!
-//! CONTRACT SKELETON (see `analysis.rs`).
+//! ## KV bytes per token
+//! Every decoder layer stores one key and one value vector per KV head per token, so
+//! `bytes/token = 2 × num_layers × num_kv_heads × head_dim × kv_dtype_bytes`. With grouped-query
+//! attention (GQA, Ainslie et al. 2023, arXiv:2305.13245) `num_kv_heads` is smaller than the
+//! number of attention heads, which is why Llama-3.1-8B needs 128 KiB/token, not 512 KiB.
+//! This is the same formula vLLM uses to size its paged KV cache
+//! (`vllm/v1/kv_cache_interface.py`, `AttentionSpec.page_size_bytes`).
+//!
+//! ## Demand of one request
+//! * prompt tokens `P` (from [`crate::analysis`]);
+//! * output limit `L` = the request's explicit limit or [`ModelProfile::default_max_tokens`];
+//! * expected output per choice `E = ⌈L × expected_output_fraction⌉`, capped so that
+//!   `P + E ≤ max_model_len`;
+//! * with `n > 1` choices, vLLM shares the prompt blocks across the sequences (prefix caching
+//!   / forked sequences) but each choice decodes separately: expected output = `n × E`;
+//! * `tokens = P + n × E`, `blocks = ⌈P/B⌉ + n × ⌈E/B⌉` for block size `B`,
+//!   `bytes = tokens × bytes/token`.
+//!
+//! ## Built-in profiles
+//! Architecture numbers are copied from each model's `config.json` on Hugging Face (URL in
+//! [`ModelProfile::source`]); `weight_bytes` is the published parameter count × 2 bytes (bf16).
+//! `default_max_tokens` (1024) and `expected_output_fraction` (0.5) are router assumptions, not
+//! model facts: the Azure conversation trace in `../shared/data/traces/` (Splitwise, ISCA'24)
+//! has a median of a few hundred generated tokens, about half a typical 1k limit.
 
 use crate::analysis::RequestAnalysis;
 
@@ -66,19 +89,176 @@ impl ModelProfile {
             .unwrap_or(self.default_max_tokens)
     }
 
-    /// KV demand of a request on this model.
+    /// KV demand of a request on this model (see the module doc for the formula).
+    /// Saturating arithmetic: never overflows or panics.
     pub fn demand(&self, analysis: &RequestAnalysis) -> KvDemand {
-        let _ = analysis;
-        KvDemand::default()
+        self.demand_for(
+            analysis.prompt_tokens,
+            u64::from(self.output_limit(analysis)),
+            analysis.n,
+        )
+    }
+
+    /// KV demand from raw numbers: `prompt_tokens`, output limit in tokens, `n` choices
+    /// (0 is treated as 1).
+    pub fn demand_for(&self, prompt_tokens: u64, output_limit: u64, n: u32) -> KvDemand {
+        let n = u64::from(n.max(1));
+        let frac = if self.expected_output_fraction.is_finite() {
+            self.expected_output_fraction.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        let expected = (output_limit as f64 * frac).ceil();
+        let mut per_choice = if expected.is_finite() && expected > 0.0 {
+            expected as u64
+        } else {
+            0
+        };
+        let room = u64::from(self.max_model_len).saturating_sub(prompt_tokens);
+        if self.max_model_len > 0 {
+            per_choice = per_choice.min(room);
+        }
+        let expected_output_tokens = per_choice.saturating_mul(n);
+        let tokens = prompt_tokens.saturating_add(expected_output_tokens);
+        let bs = u64::from(self.block_size.max(1));
+        let blocks = prompt_tokens
+            .div_ceil(bs)
+            .saturating_add(per_choice.div_ceil(bs).saturating_mul(n));
+        KvDemand {
+            prompt_tokens,
+            expected_output_tokens,
+            tokens,
+            bytes: tokens.saturating_mul(self.kv_bytes_per_token()),
+            blocks,
+        }
     }
 }
 
-/// The built-in profiles (Llama-3.1-8B, Llama-3.1-70B, Qwen3-32B, Mistral-7B, SmolLM2-135M).
-pub fn builtin_profiles() -> Vec<ModelProfile> {
-    Vec::new()
+/// Router assumption: output tokens when a request sets no limit (see the module doc).
+pub const DEFAULT_MAX_TOKENS: u32 = 1024;
+/// Router assumption: fraction of the output limit actually generated (see the module doc).
+pub const DEFAULT_EXPECTED_OUTPUT_FRACTION: f64 = 0.5;
+/// vLLM's default KV cache block size in tokens (`vllm/config/cache.py`, `block_size = 16`
+/// on CUDA).
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+#[allow(clippy::too_many_arguments)]
+fn profile(
+    name: &str,
+    num_layers: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    params: u64,
+    max_model_len: u32,
+    source: &str,
+) -> ModelProfile {
+    ModelProfile {
+        name: name.to_string(),
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        kv_dtype_bytes: 2,
+        block_size: DEFAULT_BLOCK_SIZE,
+        weight_bytes: params.saturating_mul(2),
+        max_model_len,
+        default_max_tokens: DEFAULT_MAX_TOKENS,
+        expected_output_fraction: DEFAULT_EXPECTED_OUTPUT_FRACTION,
+        source: source.to_string(),
+    }
 }
 
-/// Look up a built-in profile by served model name (exact or known alias).
+/// The built-in profiles (Llama-3.1-8B, Llama-3.1-70B, Qwen3-32B, Mistral-7B, SmolLM2-135M),
+/// bf16 KV cache, block size 16.
+///
+/// | model | layers | KV heads | head dim | KV bytes/token | max len | params |
+/// |---|---|---|---|---|---|---|
+/// | Llama-3.1-8B-Instruct | 32 | 8 | 128 | 131,072 | 131,072 | 8.03 B |
+/// | Llama-3.1-70B-Instruct | 80 | 8 | 128 | 327,680 | 131,072 | 70.6 B |
+/// | Qwen3-32B | 64 | 8 | 128 | 262,144 | 40,960 | 32.8 B |
+/// | Mistral-7B-Instruct-v0.3 | 32 | 8 | 128 | 131,072 | 32,768 | 7.25 B |
+/// | SmolLM2-135M-Instruct | 30 | 3 | 64 | 23,040 | 8,192 | 134.5 M |
+pub fn builtin_profiles() -> Vec<ModelProfile> {
+    vec![
+        profile(
+            "meta-llama/Llama-3.1-8B-Instruct",
+            32,
+            8,
+            128, // hidden_size 4096 / 32 attention heads
+            8_030_261_248,
+            131_072,
+            "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json",
+        ),
+        profile(
+            "meta-llama/Llama-3.1-70B-Instruct",
+            80,
+            8,
+            128, // hidden_size 8192 / 64 attention heads
+            70_553_706_496,
+            131_072,
+            "https://huggingface.co/meta-llama/Llama-3.1-70B-Instruct/blob/main/config.json",
+        ),
+        profile(
+            "Qwen/Qwen3-32B",
+            64,
+            8,
+            128, // explicit head_dim in config.json
+            32_800_000_000, // "32.8B" on the model card
+            40_960,
+            "https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json",
+        ),
+        profile(
+            "mistralai/Mistral-7B-Instruct-v0.3",
+            32,
+            8,
+            128, // explicit head_dim in config.json
+            7_248_023_552,
+            32_768,
+            "https://huggingface.co/mistralai/Mistral-7B-Instruct-v0.3/blob/main/config.json",
+        ),
+        profile(
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            30,
+            3,
+            64, // hidden_size 576 / 9 attention heads
+            134_515_008,
+            8_192,
+            "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json",
+        ),
+    ]
+}
+
+/// Known aliases of the built-in profiles' served names (`alias`, `canonical name`).
+pub const ALIASES: &[(&str, &str)] = &[
+    (
+        "meta-llama/Meta-Llama-3.1-8B-Instruct",
+        "meta-llama/Llama-3.1-8B-Instruct",
+    ),
+    (
+        "meta-llama/Meta-Llama-3.1-70B-Instruct",
+        "meta-llama/Llama-3.1-70B-Instruct",
+    ),
+    ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct"),
+    ("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct"),
+    ("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
+    ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+];
+
+/// Look up a built-in profile by served model name: exact, a known alias ([`ALIASES`]), or
+/// the name without its `org/` prefix, compared case-insensitively.
 pub fn builtin(name: &str) -> Option<ModelProfile> {
-    builtin_profiles().into_iter().find(|p| p.name == name)
+    let canonical = ALIASES
+        .iter()
+        .find(|(a, _)| a.eq_ignore_ascii_case(name))
+        .map(|(_, c)| *c)
+        .unwrap_or(name);
+    let short = |s: &str| s.rsplit('/').next().unwrap_or(s).to_ascii_lowercase();
+    let profiles = builtin_profiles();
+    if let Some(p) = profiles
+        .iter()
+        .find(|p| p.name.eq_ignore_ascii_case(canonical))
+    {
+        return Some(p.clone());
+    }
+    let want = short(canonical);
+    profiles.into_iter().find(|p| short(&p.name) == want)
 }

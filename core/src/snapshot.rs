@@ -1,7 +1,9 @@
 //! Routing snapshot: the per-endpoint state the control plane publishes to every filter.
 //!
-//! CONTRACT SKELETON (see `analysis.rs`): the types are final enough to build against;
-//! the core owner completes validation, tests and docs.
+//! Validation ([`Snapshot::validate`], run by [`Snapshot::decode`]) rejects an unknown
+//! `format`, duplicate or empty ids, an address that is not `host:port` (IPv6 hosts in
+//! brackets), `kv_usage` that is NaN, infinite, negative or above 1, and a zero block size.
+//! Negative counts cannot be represented (unsigned fields) and fail decoding.
 //!
 //! Wire format: JSON (`serde_json`, already linked into the filter for body parsing), an
 //! object `{"format": 1, "version": N, "generated_at_ms": T, "endpoints": [...]}`.
@@ -117,7 +119,8 @@ impl Snapshot {
     }
 
     /// Check the invariants: known format, no duplicate ids, finite non-negative numbers,
-    /// `kv_usage` in 0..=1, non-empty id and address.
+    /// `kv_usage` in 0..=1, non-empty id, `host:port` address, non-zero block size.
+    /// Errors: the first violation found, in endpoint order.
     pub fn validate(&self) -> Result<(), SnapshotError> {
         if self.format != FORMAT_VERSION {
             return Err(SnapshotError::UnsupportedFormat { found: self.format });
@@ -136,6 +139,12 @@ impl Snapshot {
             if e.address.is_empty() {
                 return Err(bad("address", "is empty"));
             }
+            if let Err(reason) = check_address(&e.address) {
+                return Err(bad("address", reason));
+            }
+            if e.block_size == Some(0) {
+                return Err(bad("block_size", "is zero"));
+            }
             if let Some(u) = e.kv_usage {
                 if !u.is_finite() {
                     return Err(bad("kv_usage", "is not a finite number"));
@@ -152,5 +161,37 @@ impl Snapshot {
             }
         }
         Ok(())
+    }
+}
+
+/// Check a `host:port` address: a non-empty host, IPv6 literals in brackets
+/// (`[::1]:8000`), a decimal port 1..=65535. Returns the reason on failure.
+pub fn check_address(address: &str) -> Result<(), &'static str> {
+    let (host, port) = if let Some(rest) = address.strip_prefix('[') {
+        let Some((host, port)) = rest.split_once("]:") else {
+            return Err("is not `[ipv6]:port`");
+        };
+        if host.is_empty() || !host.contains(':') {
+            return Err("has an empty or non-IPv6 bracketed host");
+        }
+        (host, port)
+    } else {
+        let Some((host, port)) = address.rsplit_once(':') else {
+            return Err("has no `:port`");
+        };
+        if host.contains(':') {
+            return Err("has an IPv6 host without brackets");
+        }
+        (host, port)
+    };
+    if host.is_empty() {
+        return Err("has an empty host");
+    }
+    if host.chars().any(|c| c.is_whitespace() || c == '/') {
+        return Err("has an invalid host");
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 && port.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
+        _ => Err("has an invalid port (expected 1..=65535)"),
     }
 }

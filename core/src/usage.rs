@@ -1,1 +1,360 @@
-//! (owned by the filter engineer; see issue 3)
+//! Token `usage` from OpenAI-compatible responses, without buffering them.
+//!
+//! Two shapes:
+//! - **Non-streamed** (`stream: false`): one JSON object whose top-level `usage` is
+//!   `{"prompt_tokens", "completion_tokens", "total_tokens"}` (Chat/Completions API), or
+//!   `{"input_tokens", "output_tokens", "total_tokens"}` (Responses API). See
+//!   <https://platform.openai.com/docs/api-reference/chat/object>. [`parse_json`] reads it.
+//! - **Streamed** (Server-Sent Events): `data: {json}` events separated by a blank line.
+//!   With `stream_options.include_usage` (OpenAI, vLLM, SGLang) the last event before
+//!   `data: [DONE]` carries `usage`; the Responses API sends it in
+//!   `response.completed` as `response.usage`. [`SseUsageScanner`] is fed the body chunk by
+//!   chunk as Envoy delivers it, keeps only the unfinished tail of the current event (bounded
+//!   by `max_tail` bytes, default [`DEFAULT_MAX_TAIL`]) and remembers the last `usage` seen,
+//!   so an event split across chunks is still read.
+//!
+//! Only events whose text contains `"usage"` are JSON-parsed, so ordinary token deltas cost a
+//! substring search, not a parse.
+
+use serde::Deserialize;
+
+/// Default bound on the unfinished SSE tail kept between chunks, bytes (16 KiB: a usage
+/// event is a few hundred bytes; a content delta carrying it rarely exceeds a few KiB).
+pub const DEFAULT_MAX_TAIL: usize = 16 * 1024;
+
+/// Token counts reported by the model server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Prompt (input) tokens.
+    pub prompt_tokens: u64,
+    /// Generated (output) tokens.
+    pub completion_tokens: u64,
+    /// Prompt tokens served from the prefix cache, when reported
+    /// (`prompt_tokens_details.cached_tokens` / `input_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct RawUsage {
+    #[serde(default, alias = "input_tokens")]
+    prompt_tokens: Option<u64>,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: Option<u64>,
+    #[serde(default, alias = "input_tokens_details")]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Inner {
+    #[serde(default)]
+    usage: Option<RawUsage>,
+}
+
+#[derive(Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    usage: Option<RawUsage>,
+    #[serde(default)]
+    response: Option<Inner>,
+}
+
+impl RawUsage {
+    fn into_usage(self) -> Option<Usage> {
+        let prompt_tokens = self.prompt_tokens?;
+        Some(Usage {
+            prompt_tokens,
+            completion_tokens: self.completion_tokens.unwrap_or(0),
+            cached_tokens: self.prompt_tokens_details.and_then(|d| d.cached_tokens),
+        })
+    }
+}
+
+/// Read `usage` (or `response.usage`) from one JSON object. `None` when the body is not
+/// JSON, has no usage, or the usage lacks a prompt-token count.
+pub fn parse_json(body: &[u8]) -> Option<Usage> {
+    let env: Envelope = serde_json::from_slice(body).ok()?;
+    env.usage
+        .or(env.response.and_then(|r| r.usage))
+        .and_then(RawUsage::into_usage)
+}
+
+/// Read the last `"usage": {...}` object found in `tail`, the end of a JSON body too large
+/// to keep whole. The object is located by brace matching (usage objects hold only numbers
+/// and nested objects, no strings with braces). `None` when absent or cut off.
+pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
+    let key = b"\"usage\"";
+    let mut end = tail.len();
+    while let Some(pos) = tail.get(..end)?.windows(key.len()).rposition(|w| w == key) {
+        if let Some(u) = usage_object_at(tail, pos + key.len()) {
+            return Some(u);
+        }
+        end = pos;
+    }
+    None
+}
+
+fn usage_object_at(buf: &[u8], mut i: usize) -> Option<Usage> {
+    let skip_ws = |i: &mut usize| {
+        while buf.get(*i).is_some_and(|b| b.is_ascii_whitespace()) {
+            *i += 1;
+        }
+    };
+    skip_ws(&mut i);
+    if buf.get(i) != Some(&b':') {
+        return None;
+    }
+    i += 1;
+    skip_ws(&mut i);
+    if buf.get(i) != Some(&b'{') {
+        return None;
+    }
+    let start = i;
+    let mut depth = 0usize;
+    while let Some(b) = buf.get(i) {
+        match b {
+            b'{' => depth += 1,
+            b'}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    let obj: RawUsage = serde_json::from_slice(buf.get(start..=i)?).ok()?;
+                    return obj.into_usage();
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Incremental SSE reader that keeps the last `usage` seen.
+#[derive(Debug, Clone)]
+pub struct SseUsageScanner {
+    tail: Vec<u8>,
+    max_tail: usize,
+    skipping: bool,
+    last: Option<Usage>,
+    overflows: u64,
+}
+
+impl Default for SseUsageScanner {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_TAIL)
+    }
+}
+
+fn find_boundary(buf: &[u8]) -> Option<(usize, usize)> {
+    // An event ends at a blank line: "\n\n" or "\r\n\r\n" (SSE spec, "dispatch the event").
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+impl SseUsageScanner {
+    /// A scanner keeping at most `max_tail` bytes of an unfinished event.
+    pub fn new(max_tail: usize) -> Self {
+        Self {
+            tail: Vec::new(),
+            max_tail,
+            skipping: false,
+            last: None,
+            overflows: 0,
+        }
+    }
+
+    /// Feed the next body chunk.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.tail.extend_from_slice(chunk);
+        while let Some((at, len)) = find_boundary(&self.tail) {
+            let event: Vec<u8> = self.tail.drain(..at + len).collect();
+            if self.skipping {
+                // The start of this event was dropped: its remainder is not parseable.
+                self.skipping = false;
+                continue;
+            }
+            self.scan_event(event.get(..at).unwrap_or(&[]));
+        }
+        if self.tail.len() > self.max_tail {
+            self.tail.clear();
+            self.skipping = true;
+            self.overflows += 1;
+        }
+    }
+
+    /// Call at end of stream: reads a final event that was not followed by a blank line.
+    pub fn finish(&mut self) {
+        if !self.skipping && !self.tail.is_empty() {
+            let event = std::mem::take(&mut self.tail);
+            self.scan_event(&event);
+        }
+        self.tail.clear();
+    }
+
+    /// The last usage seen so far.
+    pub fn usage(&self) -> Option<Usage> {
+        self.last
+    }
+
+    /// Bytes held for the unfinished event (never more than `max_tail`).
+    pub fn tail_len(&self) -> usize {
+        self.tail.len()
+    }
+
+    /// How many times an event outgrew `max_tail` and was skipped.
+    pub fn overflows(&self) -> u64 {
+        self.overflows
+    }
+
+    fn scan_event(&mut self, event: &[u8]) {
+        if !event.windows(7).any(|w| w == b"\"usage\"") {
+            return;
+        }
+        // Concatenate the event's data lines (SSE: multiple `data:` lines join with "\n").
+        let mut data: Vec<u8> = Vec::new();
+        for line in event.split(|b| *b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if let Some(rest) = line.strip_prefix(b"data:") {
+                if !data.is_empty() {
+                    data.push(b'\n');
+                }
+                data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+            }
+        }
+        if let Some(u) = parse_json(&data) {
+            self.last = Some(u);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const CHAT: &[u8] = br#"{"id":"x","object":"chat.completion","choices":[],"usage":{"prompt_tokens":17,"completion_tokens":9,"total_tokens":26,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+
+    fn stream() -> Vec<u8> {
+        let mut s = Vec::new();
+        s.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n");
+        s.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"content\":\" there\"}}]}\n\n");
+        s.extend_from_slice(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"completion_tokens\":2,\"total_tokens\":122}}\n\n");
+        s.extend_from_slice(b"data: [DONE]\n\n");
+        s
+    }
+
+    #[test]
+    fn json_chat_and_responses_usage() {
+        assert_eq!(
+            parse_json(CHAT),
+            Some(Usage {
+                prompt_tokens: 17,
+                completion_tokens: 9,
+                cached_tokens: Some(16)
+            })
+        );
+        let resp = br#"{"object":"response","usage":{"input_tokens":5,"output_tokens":3,"total_tokens":8}}"#;
+        assert_eq!(
+            parse_json(resp),
+            Some(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 3,
+                cached_tokens: None
+            })
+        );
+        assert_eq!(parse_json(b"{\"usage\":null}"), None);
+        assert_eq!(parse_json(b"not json"), None);
+        assert_eq!(parse_json(b"[1,2]"), None);
+    }
+
+    #[test]
+    fn usage_found_in_the_tail_of_a_large_body() {
+        let body = format!(
+            r#"{{"choices":[{{"message":{{"content":"{}"}}}}],"usage":{{"prompt_tokens":42,"completion_tokens":7}}}}"#,
+            "x".repeat(100_000)
+        );
+        let tail = &body.as_bytes()[body.len() - 200..];
+        assert_eq!(
+            parse_json_tail(tail),
+            Some(Usage { prompt_tokens: 42, completion_tokens: 7, cached_tokens: None })
+        );
+        assert_eq!(parse_json_tail(br#"{"usage": {"prompt_tokens": 1"#), None);
+        assert_eq!(parse_json_tail(br#""usage":null"#), None);
+    }
+
+    #[test]
+    fn sse_usage_in_one_chunk() {
+        let mut s = SseUsageScanner::default();
+        s.feed(&stream());
+        s.finish();
+        assert_eq!(
+            s.usage(),
+            Some(Usage {
+                prompt_tokens: 120,
+                completion_tokens: 2,
+                cached_tokens: None
+            })
+        );
+    }
+
+    #[test]
+    fn responses_api_completed_event() {
+        let mut s = SseUsageScanner::default();
+        s.feed(b"event: response.completed\r\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":44,\"output_tokens\":4}}}\r\n\r\n");
+        assert_eq!(s.usage().map(|u| u.prompt_tokens), Some(44));
+    }
+
+    #[test]
+    fn overlong_event_is_skipped_and_tail_stays_bounded() {
+        let mut s = SseUsageScanner::new(64);
+        s.feed(b"data: {\"usage\":{\"prompt_tokens\":1}");
+        s.feed(&[b'x'; 100]);
+        assert!(s.tail_len() <= 64);
+        assert_eq!(s.overflows(), 1);
+        s.feed(b"}\n\ndata: {\"usage\":{\"prompt_tokens\":2}}\n\n");
+        assert_eq!(s.usage().map(|u| u.prompt_tokens), Some(2));
+    }
+
+    #[test]
+    fn final_event_without_blank_line_is_read_at_finish() {
+        let mut s = SseUsageScanner::default();
+        s.feed(b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}");
+        assert_eq!(s.usage(), None);
+        s.finish();
+        assert_eq!(s.usage().map(|u| u.prompt_tokens), Some(3));
+    }
+
+    proptest! {
+        /// However the stream is cut into chunks, the usage is found.
+        #[test]
+        fn any_chunking_finds_usage(cuts in proptest::collection::vec(0usize..400, 0..20)) {
+            let body = stream();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % body.len()).collect();
+            cuts.sort_unstable();
+            let mut s = SseUsageScanner::default();
+            let mut prev = 0;
+            for c in cuts.into_iter().chain([body.len()]) {
+                s.feed(&body[prev..c]);
+                prev = c;
+            }
+            s.finish();
+            prop_assert_eq!(s.usage().map(|u| (u.prompt_tokens, u.completion_tokens)), Some((120, 2)));
+        }
+
+        /// Arbitrary bytes never panic and never grow the tail past the bound.
+        #[test]
+        fn arbitrary_bytes(chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..100), 0..10)) {
+            let mut s = SseUsageScanner::new(128);
+            for c in chunks { s.feed(&c); prop_assert!(s.tail_len() <= 128); }
+            s.finish();
+        }
+    }
+}

@@ -1,11 +1,42 @@
 //! Endpoint picker.
 //!
-//! CONTRACT SKELETON (see `analysis.rs`). One file per policy goes beside this one
-//! (`round_robin.rs`, `random.rs`, `least_request.rs`, `least_kv.rs`, `prefix_affinity.rs`,
-//! `hybrid.rs`), each opening with a `//!` doc of its algorithm and defaults.
+//! One decision ([`Picker::pick`]) runs in four steps over a [`Snapshot`] plus router-local
+//! in-flight reservations ([`InFlight`]) and per-endpoint prefix matches:
+//!
+//! 1. **Class → pool.** The first [`RequestClass`] whose bounds all hold (estimated prompt
+//!    tokens, output limit, model, API) restricts candidates to its pool ("short Q&A",
+//!    "long document", "multi-turn" instance groups). If that pool has no healthy endpoint
+//!    serving the model, the restriction is dropped rather than failing the request.
+//! 2. **Filters.** Candidates serve the model (base model or loaded LoRA adapter) and are
+//!    healthy. None → [`PickOutcome::NoEndpoints`] (the caller answers 503). Among them,
+//!    *fresh* endpoints have stats younger than `stale_after_ms` (default 2 s: a few scrape
+//!    intervals of the control plane). If none is fresh, the least-loaded stale candidate is
+//!    used ([`PickReason::StaleFallback`]) so a control-plane outage does not take the
+//!    gateway down. Fresh endpoints must then have KV headroom:
+//!    `capacity × (1 − usage) − in-flight tokens − demand ≥ min_kv_headroom × capacity`
+//!    (endpoints with unknown usage or capacity pass). Fresh endpoints exist but none fits →
+//!    [`PickOutcome::NoCapacity`] (429). A stale or unhealthy endpoint is therefore never
+//!    chosen while a fresh, healthy one can serve.
+//! 3. **Policy.** The configured [`PolicyKind`] ranks the eligible endpoints (one file per
+//!    policy: `round_robin.rs`, `random.rs`, `least_request.rs`, `least_kv.rs`,
+//!    `prefix_affinity.rs`, `hybrid.rs`; each documents its algorithm). Ranking keys are a
+//!    primary cost, a secondary cost and a random tie-break drawn from the picker's seeded
+//!    `fastrand::Rng`, so equal endpoints share load evenly.
+//! 4. **Output.** The best endpoint is the primary; the next `max_fallbacks` (default 2) are
+//!    ordered fallbacks for retries.
+//!
+//! The picker reuses one scratch buffer, so a decision allocates only its result
+//! (the fallback vector and class name).
 
 use crate::analysis::ApiKind;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{EndpointStats, Snapshot};
+
+mod hybrid;
+mod least_kv;
+mod least_request;
+mod prefix_affinity;
+mod random;
+mod round_robin;
 
 /// Routing policy names (as written in config and in metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -213,15 +244,134 @@ pub struct Picker {
     config: PickerConfig,
     rng: fastrand::Rng,
     cursor: usize,
+    scratch: Vec<Candidate>,
+}
+
+/// One eligible endpoint during a decision, with its ranking keys.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Candidate {
+    /// Index into `snapshot.endpoints`.
+    pub index: usize,
+    /// Running + waiting + router in-flight requests.
+    pub load: u64,
+    /// Waiting requests (queue depth).
+    pub waiting: u32,
+    /// Router-local in-flight reservation.
+    pub inflight: InFlight,
+    /// Projected usage 0..1+ including in-flight tokens (not this request).
+    pub projected_usage: Option<f64>,
+    /// Fraction of capacity left after in-flight tokens and this request (may be < 0).
+    pub headroom_after: Option<f64>,
+    /// Prefix blocks of this request already routed here.
+    pub prefix_blocks: u32,
+    /// Primary ranking key (lower is better).
+    pub cost: f64,
+    /// Secondary ranking key (lower is better).
+    pub cost2: f64,
+    /// Random tie-break.
+    pub tie: u64,
+}
+
+fn rank_cmp(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
+    a.cost
+        .total_cmp(&b.cost)
+        .then(a.cost2.total_cmp(&b.cost2))
+        .then(a.tie.cmp(&b.tie))
+}
+
+fn serves(e: &EndpointStats, model: Option<&str>) -> bool {
+    match model {
+        None => true,
+        Some(m) => e.models.iter().any(|x| x == m) || e.lora_adapters.iter().any(|x| x == m),
+    }
+}
+
+impl RequestClass {
+    /// True when every set bound of this class holds for `req`.
+    pub fn matches(&self, req: &PickRequest<'_>) -> bool {
+        let within = |v: u64, lo: Option<u64>, hi: Option<u64>| {
+            lo.is_none_or(|lo| v >= lo) && hi.is_none_or(|hi| v < hi)
+        };
+        within(req.prompt_tokens, self.min_prompt_tokens, self.max_prompt_tokens)
+            && within(req.output_limit, self.min_output_tokens, self.max_output_tokens)
+            && (self.models.is_empty()
+                || req.model.is_some_and(|m| self.models.iter().any(|x| x == m)))
+            && (self.apis.is_empty() || self.apis.contains(&req.api))
+    }
+}
+
+impl PickerConfig {
+    /// Check every field; the error names the field, its value and the reason.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |field: String, value: String, reason: &'static str| {
+            Err(ConfigError {
+                field,
+                value,
+                reason,
+            })
+        };
+        if self.stale_after_ms == 0 {
+            return err("stale_after_ms".into(), "0".into(), "must be at least 1");
+        }
+        if !(self.min_kv_headroom.is_finite() && (0.0..1.0).contains(&self.min_kv_headroom)) {
+            return err(
+                "min_kv_headroom".into(),
+                self.min_kv_headroom.to_string(),
+                "must be a number in 0..1",
+            );
+        }
+        let w = &self.weights;
+        for (name, v) in [
+            ("weights.kv_headroom", w.kv_headroom),
+            ("weights.queue", w.queue),
+            ("weights.inflight", w.inflight),
+            ("weights.prefix", w.prefix),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return err(name.into(), v.to_string(), "must be a finite number >= 0");
+            }
+        }
+        for (i, c) in self.classes.iter().enumerate() {
+            if c.name.is_empty() {
+                return err(format!("classes[{i}].name"), "\"\"".into(), "must not be empty");
+            }
+            if c.pool.is_empty() {
+                return err(format!("classes[{i}].pool"), "\"\"".into(), "must not be empty");
+            }
+            if let (Some(lo), Some(hi)) = (c.min_prompt_tokens, c.max_prompt_tokens) {
+                if lo >= hi {
+                    return err(
+                        format!("classes[{i}].max_prompt_tokens"),
+                        hi.to_string(),
+                        "must be greater than min_prompt_tokens",
+                    );
+                }
+            }
+            if let (Some(lo), Some(hi)) = (c.min_output_tokens, c.max_output_tokens) {
+                if lo >= hi {
+                    return err(
+                        format!("classes[{i}].max_output_tokens"),
+                        hi.to_string(),
+                        "must be greater than min_output_tokens",
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Picker {
     /// Validate `config` and build a picker whose random choices come from `seed`.
+    ///
+    /// Errors: [`ConfigError`] naming the first invalid field (see [`PickerConfig::validate`]).
     pub fn new(config: PickerConfig, seed: u64) -> Result<Self, ConfigError> {
+        config.validate()?;
         Ok(Self {
             config,
             rng: fastrand::Rng::with_seed(seed),
             cursor: 0,
+            scratch: Vec::new(),
         })
     }
 
@@ -230,9 +380,157 @@ impl Picker {
         &self.config
     }
 
-    /// Choose an endpoint for `req`.
+    /// The request class `req` falls into, if any (first match wins).
+    pub fn class_for(&self, req: &PickRequest<'_>) -> Option<&RequestClass> {
+        self.config.classes.iter().find(|c| c.matches(req))
+    }
+
+    /// Choose an endpoint for `req` (see the module doc for the steps).
     pub fn pick(&mut self, input: &PickInput<'_>, req: &PickRequest<'_>) -> PickOutcome {
-        let _ = (input, req, &mut self.rng, self.cursor);
-        PickOutcome::NoEndpoints
+        let class = self.config.classes.iter().find(|c| c.matches(req));
+        let class_name = class.map(|c| c.name.clone());
+        let mut pool = class.map(|c| c.pool.as_str());
+        let endpoints = &input.snapshot.endpoints;
+        let usable = |e: &EndpointStats, pool: Option<&str>| {
+            e.healthy && serves(e, req.model) && pool.is_none_or(|p| e.pool == p)
+        };
+        if pool.is_some() && !endpoints.iter().any(|e| usable(e, pool)) {
+            pool = None;
+        }
+
+        let mut cands = std::mem::take(&mut self.scratch);
+        cands.clear();
+        let mut any_usable = false;
+        let mut any_fresh = false;
+        for (index, e) in endpoints.iter().enumerate() {
+            if !usable(e, pool) {
+                continue;
+            }
+            any_usable = true;
+            let fresh = input.now_ms.saturating_sub(e.scraped_at_ms) <= self.config.stale_after_ms;
+            if !fresh {
+                continue;
+            }
+            any_fresh = true;
+            let c = candidate(index, e, input, req);
+            if fits(&c, e, req, self.config.min_kv_headroom) {
+                cands.push(c);
+            }
+        }
+
+        let outcome = if !any_usable {
+            PickOutcome::NoEndpoints
+        } else if !any_fresh {
+            // Stale fallback: least-request over the usable (all stale) endpoints.
+            for (index, e) in endpoints.iter().enumerate() {
+                if usable(e, pool) {
+                    cands.push(candidate(index, e, input, req));
+                }
+            }
+            for c in cands.iter_mut() {
+                c.cost = c.load as f64;
+                c.tie = self.rng.u64(..);
+            }
+            self.finish(&mut cands, PolicyKind::LeastRequest, PickReason::StaleFallback, class_name)
+        } else if cands.is_empty() {
+            PickOutcome::NoCapacity
+        } else {
+            let policy = self.config.policy;
+            for c in cands.iter_mut() {
+                c.tie = self.rng.u64(..);
+            }
+            match policy {
+                PolicyKind::RoundRobin => {
+                    round_robin::rank(&mut cands, self.cursor);
+                    self.cursor = self.cursor.wrapping_add(1);
+                }
+                PolicyKind::Random => random::rank(&mut cands),
+                PolicyKind::LeastRequest => least_request::rank(&mut cands),
+                PolicyKind::LeastKv => least_kv::rank(&mut cands),
+                PolicyKind::PrefixAffinity => prefix_affinity::rank(&mut cands),
+                PolicyKind::Hybrid => hybrid::rank(&mut cands, &self.config.weights, req),
+            }
+            self.finish(&mut cands, policy, PickReason::Policy, class_name)
+        };
+        self.scratch = cands;
+        outcome
+    }
+
+    fn finish(
+        &mut self,
+        cands: &mut [Candidate],
+        policy: PolicyKind,
+        reason: PickReason,
+        class: Option<String>,
+    ) -> PickOutcome {
+        let k = self.config.max_fallbacks.saturating_add(1).min(cands.len());
+        if k == 0 {
+            return PickOutcome::NoEndpoints;
+        }
+        if k < cands.len() {
+            cands.select_nth_unstable_by(k - 1, rank_cmp);
+        }
+        let top = cands.get_mut(..k).unwrap_or_default();
+        top.sort_unstable_by(rank_cmp);
+        let mut it = top.iter().map(|c| c.index);
+        let Some(primary) = it.next() else {
+            return PickOutcome::NoEndpoints;
+        };
+        PickOutcome::Picked(Pick {
+            primary,
+            fallbacks: it.collect(),
+            policy,
+            reason,
+            class,
+        })
+    }
+}
+
+fn candidate(index: usize, e: &EndpointStats, input: &PickInput<'_>, req: &PickRequest<'_>) -> Candidate {
+    let inflight = input.inflight.get(index).copied().unwrap_or_default();
+    let prefix_blocks = input
+        .prefix_match_blocks
+        .get(index)
+        .copied()
+        .unwrap_or(0)
+        .min(req.prefix_blocks);
+    let cap = e.kv_capacity_tokens.filter(|&c| c > 0).map(|c| c as f64);
+    let usage = e.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
+    let projected_usage = match (usage, cap) {
+        (Some(u), Some(c)) => Some(u + inflight.tokens as f64 / c),
+        (Some(u), None) => Some(u),
+        _ => None,
+    };
+    let headroom_after = match (usage, cap) {
+        (Some(u), Some(c)) => {
+            Some(1.0 - u - (inflight.tokens.saturating_add(req.demand_tokens)) as f64 / c)
+        }
+        (Some(u), None) => Some(1.0 - u),
+        _ => None,
+    };
+    Candidate {
+        index,
+        load: u64::from(e.running) + u64::from(e.waiting) + u64::from(inflight.requests),
+        waiting: e.waiting,
+        inflight,
+        projected_usage,
+        headroom_after,
+        prefix_blocks,
+        cost: 0.0,
+        cost2: 0.0,
+        tie: 0,
+    }
+}
+
+/// KV headroom filter (see the module doc). Unknown usage passes.
+fn fits(c: &Candidate, e: &EndpointStats, req: &PickRequest<'_>, min_headroom: f64) -> bool {
+    if let Some(cap) = e.kv_capacity_tokens.filter(|&c| c > 0) {
+        if req.demand_tokens > cap {
+            return false;
+        }
+    }
+    match c.headroom_after {
+        None => true,
+        Some(h) => h >= min_headroom,
     }
 }

@@ -1,0 +1,244 @@
+//! Model-server adapters: one file per server kind, each turning a parsed `/metrics` body
+//! into [`ServerStats`].
+//!
+//! | kind | file | KV usage (0..1) | capacity (tokens) |
+//! |---|---|---|---|
+//! | `vllm` | [`vllm`] | `vllm:kv_cache_usage_perc` (V1), else `vllm:gpu_cache_usage_perc` (V0) | `cache_config_info` `num_gpu_blocks × block_size` |
+//! | `llmd-sim` | [`llmd_sim`] | `vllm:kv_cache_usage_perc` | `cache_config_info` |
+//! | `sglang` | [`sglang`] | `sglang:token_usage` | `sglang:max_total_num_tokens` when exported |
+//! | `tgi` | [`tgi`] | `tgi_batch_current_max_tokens / tgi_batch_max_total_tokens` (derived) | `tgi_batch_max_total_tokens` |
+//! | `llamacpp` | [`llamacpp`] | `GET /slots` (Σ cached tokens of busy slots / Σ `n_ctx`), else legacy `llamacpp:kv_cache_usage_ratio` | Σ `n_ctx` |
+//! | `trtllm` | [`trtllm`] | `used / max` of `nv_trt_llm_kv_cache_block_metrics` (`fraction` only as fallback) | `max × tokens_per` |
+//!
+//! Rules shared by all: a missing KV signal is `None` (unknown), never 0; data-parallel
+//! ranks (vLLM's `engine` label, any repeated sample) are summed for queue depths and
+//! capacity and capacity-weighted for usage; `process_start_time_seconds` (the standard
+//! process collector of Python's and Go's Prometheus clients) gives the process start.
+
+pub mod llamacpp;
+pub mod llmd_sim;
+pub mod sglang;
+pub mod tgi;
+pub mod trtllm;
+pub mod vllm;
+
+use crate::expo::Exposition;
+use serde::{Deserialize, Serialize};
+
+/// Standard process-collector gauge: process start, Unix seconds
+/// (<https://prometheus.io/docs/instrumenting/writing_clientlibs/#process-metrics>).
+pub const PROCESS_START: &str = "process_start_time_seconds";
+
+/// Model-server kind, as written in the config (`kind:`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServerKind {
+    /// Detect from the exposed metric names on every scrape ([`detect`]).
+    #[default]
+    Auto,
+    /// vLLM, V1 engine (`vllm:kv_cache_usage_perc`) or V0 (`vllm:gpu_cache_usage_perc`).
+    Vllm,
+    /// SGLang (`sglang:*`).
+    Sglang,
+    /// Hugging Face TGI (`tgi_*`).
+    Tgi,
+    /// llama.cpp `llama-server --metrics` (`llamacpp:*`), plus `GET /slots`.
+    Llamacpp,
+    /// Triton with the TensorRT-LLM backend (`nv_trt_llm_*`).
+    Trtllm,
+    /// llm-d-inference-sim (vLLM names, simulator-only `vllm:max_num_generation_tokens`).
+    LlmdSim,
+}
+
+impl ServerKind {
+    /// Config spelling, also used as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Tgi => "tgi",
+            Self::Llamacpp => "llamacpp",
+            Self::Trtllm => "trtllm",
+            Self::LlmdSim => "llmd-sim",
+        }
+    }
+}
+
+/// What one scrape says about one endpoint.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ServerStats {
+    /// Kind that produced these stats (never `Auto`).
+    pub kind: ServerKind,
+    /// KV cache usage 0..1; `None` when the server exposes no usable signal.
+    pub kv_usage: Option<f64>,
+    /// KV cache capacity, tokens.
+    pub kv_capacity_tokens: Option<u64>,
+    /// KV cache block size, tokens.
+    pub block_size: Option<u32>,
+    /// Requests running.
+    pub running: u32,
+    /// Requests waiting.
+    pub waiting: u32,
+    /// LoRA adapters loaded (running or waiting), sorted, deduplicated.
+    pub lora_adapters: Vec<String>,
+    /// Process start, Unix milliseconds, when exposed.
+    pub process_start_ms: Option<u64>,
+    /// A monotonically increasing counter (e.g. prompt tokens total); a decrease means the
+    /// server restarted. `None` when the kind has none.
+    pub monotonic_total: Option<f64>,
+}
+
+/// Why an exposition could not be read as a model server's.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AdapterError {
+    /// `auto` found no known metric family.
+    #[error(
+        "no known model-server metrics (looked for vllm:, sglang:, tgi_, llamacpp:, nv_trt_llm_)"
+    )]
+    UnknownKind,
+    /// The configured kind's metrics are absent.
+    #[error("no `{kind}` metrics in the exposition (expected e.g. `{expected}`)")]
+    KindMismatch {
+        /// Configured kind.
+        kind: &'static str,
+        /// A metric the kind always exports.
+        expected: &'static str,
+    },
+}
+
+/// Detect the kind from exposed names. Order matters: llm-d-inference-sim exports vLLM names
+/// plus `vllm:max_num_generation_tokens` (its own spelling; vLLM's is
+/// `vllm:request_max_num_generation_tokens`, llm-d-inference-sim `pkg/llm-d-inference-sim/metrics.go`).
+pub fn detect(expo: &Exposition) -> Option<ServerKind> {
+    let mut has_vllm = false;
+    for s in &expo.samples {
+        let n = s.name.as_str();
+        if n.starts_with("vllm:max_num_generation_tokens") {
+            return Some(ServerKind::LlmdSim);
+        }
+        has_vllm |= n.starts_with("vllm:");
+    }
+    if has_vllm {
+        Some(ServerKind::Vllm)
+    } else if expo.has_prefix("sglang:") {
+        Some(ServerKind::Sglang)
+    } else if expo.has_prefix("llamacpp:") {
+        Some(ServerKind::Llamacpp)
+    } else if expo.has_prefix("nv_trt_llm_") {
+        Some(ServerKind::Trtllm)
+    } else if expo.has_prefix("tgi_") {
+        Some(ServerKind::Tgi)
+    } else {
+        None
+    }
+}
+
+/// Extract stats for `kind` (`Auto` detects first). `slots` is the body of llama.cpp's
+/// `GET /slots` when it was fetched.
+pub fn extract(
+    kind: ServerKind,
+    expo: &Exposition,
+    slots: Option<&[u8]>,
+) -> Result<ServerStats, AdapterError> {
+    let kind = match kind {
+        ServerKind::Auto => detect(expo).ok_or(AdapterError::UnknownKind)?,
+        k => k,
+    };
+    let mut stats = match kind {
+        ServerKind::Vllm | ServerKind::Auto => vllm::extract(expo)?,
+        ServerKind::LlmdSim => llmd_sim::extract(expo)?,
+        ServerKind::Sglang => sglang::extract(expo)?,
+        ServerKind::Tgi => tgi::extract(expo)?,
+        ServerKind::Llamacpp => llamacpp::extract(expo, slots)?,
+        ServerKind::Trtllm => trtllm::extract(expo)?,
+    };
+    if stats.process_start_ms.is_none() {
+        stats.process_start_ms = expo
+            .family(PROCESS_START)
+            .next()
+            .and_then(|s| seconds_to_ms(s.value));
+    }
+    Ok(stats)
+}
+
+/// Unix seconds (float) to milliseconds; `None` for non-finite or non-positive input.
+pub fn seconds_to_ms(s: f64) -> Option<u64> {
+    (s.is_finite() && s > 0.0).then(|| (s * 1000.0).round() as u64)
+}
+
+/// A gauge value as a request count: non-finite and negative become 0, fractions round.
+pub fn count(v: Option<f64>) -> u32 {
+    match v {
+        Some(x) if x.is_finite() && x > 0.0 => x.round().min(u32::MAX as f64) as u32,
+        _ => 0,
+    }
+}
+
+/// A ratio clamped to 0..=1; `None` for non-finite input (e.g. vLLM's `-1` hit rates are
+/// not ratios, but usage gauges are always 0..1 upstream).
+pub fn ratio(v: f64) -> Option<f64> {
+    v.is_finite().then(|| v.clamp(0.0, 1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detect_by_names() {
+        let p = |t: &str| Exposition::parse(t).unwrap();
+        assert_eq!(
+            detect(&p("vllm:num_requests_running 1")),
+            Some(ServerKind::Vllm)
+        );
+        assert_eq!(
+            detect(&p(
+                "vllm:num_requests_running 1\nvllm:max_num_generation_tokens_sum 3"
+            )),
+            Some(ServerKind::LlmdSim)
+        );
+        assert_eq!(
+            detect(&p("sglang:token_usage 0.1")),
+            Some(ServerKind::Sglang)
+        );
+        assert_eq!(detect(&p("tgi_queue_size 1")), Some(ServerKind::Tgi));
+        assert_eq!(
+            detect(&p("llamacpp:requests_processing 1")),
+            Some(ServerKind::Llamacpp)
+        );
+        assert_eq!(
+            detect(&p("nv_trt_llm_request_metrics{request_type=\"max\"} 1")),
+            Some(ServerKind::Trtllm)
+        );
+        assert_eq!(detect(&p("go_goroutines 3")), None);
+        assert_eq!(
+            extract(ServerKind::Auto, &p("go_goroutines 3"), None),
+            Err(AdapterError::UnknownKind)
+        );
+    }
+
+    #[test]
+    fn configured_kind_must_match() {
+        let e = Exposition::parse("tgi_queue_size 1").unwrap();
+        assert_eq!(
+            extract(ServerKind::Vllm, &e, None),
+            Err(AdapterError::KindMismatch {
+                kind: "vllm",
+                expected: "vllm:num_requests_running"
+            })
+        );
+    }
+
+    #[test]
+    fn helpers() {
+        assert_eq!(count(Some(2.6)), 3);
+        assert_eq!(count(Some(-1.0)), 0);
+        assert_eq!(count(Some(f64::NAN)), 0);
+        assert_eq!(count(None), 0);
+        assert_eq!(ratio(1.2), Some(1.0));
+        assert_eq!(ratio(f64::NAN), None);
+        assert_eq!(seconds_to_ms(1.7548326417716122e9), Some(1_754_832_641_772));
+        assert_eq!(seconds_to_ms(0.0), None);
+    }
+}

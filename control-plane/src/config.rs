@@ -1,0 +1,500 @@
+//! Configuration: YAML file, parsed with serde (`deny_unknown_fields`), then validated into
+//! [`Config`] with errors that name the field (`pools[0].endpoints[2].metrics_url`).
+//!
+//! Defaults and why:
+//! - `scrape.interval_ms` 200: vLLM's KV gauge moves within a few decode steps; 200 ms is
+//!   the refresh the issue asks for and keeps one request/s per endpoint × 5 cheap.
+//! - `scrape.timeout_ms` 500: a stat older than a few intervals is no longer useful for
+//!   routing, and each endpoint has its own task, so a slow one only delays itself.
+//! - `scrape.jitter` 0.1: each wait is `interval × (1 + U(0, jitter))`, so endpoints drift
+//!   apart instead of being scraped in lock-step.
+//! - `push.heartbeat_ms` 1000: the filter sees a fresh snapshot at least every second even
+//!   when nothing changed.
+//! - `push.min_interval_ms` 10: changes arriving within 10 ms are coalesced into one push.
+//! - `push.backoff_initial_ms` 100, `push.backoff_max_ms` 5000: exponential retry per target.
+
+use crate::adapters::ServerKind;
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Environment variable read for the ingest bearer token when `push.token_env` is not set.
+pub const DEFAULT_TOKEN_ENV: &str = "KVROUTE_INGEST_TOKEN";
+
+/// The config file as written.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// Address of kvroute-cp's own HTTP server (`/healthz`, `/readyz`, `/metrics`,
+    /// `/v1/snapshot`). Default `127.0.0.1:9090`.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Scrape settings.
+    #[serde(default)]
+    pub scrape: RawScrape,
+    /// Push settings.
+    #[serde(default)]
+    pub push: RawPush,
+    /// Envoy ingest targets.
+    #[serde(default)]
+    pub targets: Vec<RawTarget>,
+    /// Static discovery: pools of endpoints.
+    #[serde(default)]
+    pub pools: Vec<RawPool>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:9090".into()
+}
+
+/// `scrape:` section.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawScrape {
+    /// Milliseconds between scrapes of one endpoint (default 200, 10..=60000).
+    pub interval_ms: u64,
+    /// Milliseconds one scrape may take, connect to last byte (default 500, 1..=60000).
+    pub timeout_ms: u64,
+    /// Extra random wait, as a fraction of the interval (default 0.1, 0..=1).
+    pub jitter: f64,
+    /// Largest `/metrics` body read, bytes (default 8 MiB).
+    pub max_body_bytes: usize,
+}
+
+impl Default for RawScrape {
+    fn default() -> Self {
+        Self {
+            interval_ms: 200,
+            timeout_ms: 500,
+            jitter: 0.1,
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
+/// `push:` section.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPush {
+    /// Push the current snapshot at least this often, ms (default 1000, 50..=60000).
+    pub heartbeat_ms: u64,
+    /// Coalescing window for changes, ms (default 10, 0..=heartbeat).
+    pub min_interval_ms: u64,
+    /// Milliseconds one push may take (default 1000).
+    pub timeout_ms: u64,
+    /// First retry delay after a failed push, ms (default 100).
+    pub backoff_initial_ms: u64,
+    /// Longest retry delay, ms (default 5000).
+    pub backoff_max_ms: u64,
+    /// File holding the bearer token (trailing whitespace trimmed). Wins over `token_env`.
+    pub token_file: Option<PathBuf>,
+    /// Environment variable holding the bearer token (default `KVROUTE_INGEST_TOKEN`).
+    pub token_env: Option<String>,
+}
+
+impl Default for RawPush {
+    fn default() -> Self {
+        Self {
+            heartbeat_ms: 1000,
+            min_interval_ms: 10,
+            timeout_ms: 1000,
+            backoff_initial_ms: 100,
+            backoff_max_ms: 5000,
+            token_file: None,
+            token_env: None,
+        }
+    }
+}
+
+/// One Envoy ingest target.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTarget {
+    /// Name used in logs and metric labels; unique.
+    pub name: String,
+    /// Full ingest URL, `http://host:port/kvroute/v1/snapshot`.
+    pub url: String,
+}
+
+/// One pool (InferencePool).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPool {
+    /// Pool name; unique.
+    pub name: String,
+    /// Default server kind for the pool's endpoints (default `auto`).
+    #[serde(default)]
+    pub kind: ServerKind,
+    /// Default models for the pool's endpoints.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Endpoints (model-server replicas).
+    pub endpoints: Vec<RawEndpoint>,
+}
+
+/// One model-server endpoint.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEndpoint {
+    /// Name, unique in the pool; the snapshot id is `<pool>/<name>`.
+    pub name: String,
+    /// Serving address `host:port` the filter routes to.
+    pub address: String,
+    /// Prometheus URL; default `http://<address>/metrics`.
+    pub metrics_url: Option<String>,
+    /// Envoy cluster reaching this endpoint; default `<pool>`.
+    pub cluster: Option<String>,
+    /// Server kind; default the pool's.
+    pub kind: Option<ServerKind>,
+    /// Models served; default the pool's.
+    pub models: Option<Vec<String>>,
+    /// llama.cpp only: slots URL; default the metrics URL with path `/slots`.
+    pub slots_url: Option<String>,
+}
+
+/// A validated, defaulted configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Own HTTP listen address.
+    pub listen: SocketAddr,
+    /// Scrape settings.
+    pub scrape: ScrapeSettings,
+    /// Push settings.
+    pub push: PushSettings,
+    /// Ingest targets.
+    pub targets: Vec<Target>,
+    /// Endpoints across all pools, in config order.
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+/// Validated scrape settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScrapeSettings {
+    /// Interval between scrapes.
+    pub interval: Duration,
+    /// Per-scrape timeout.
+    pub timeout: Duration,
+    /// Jitter fraction 0..=1.
+    pub jitter: f64,
+    /// Body size limit, bytes.
+    pub max_body_bytes: usize,
+}
+
+/// Validated push settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PushSettings {
+    /// Heartbeat period.
+    pub heartbeat: Duration,
+    /// Coalescing window.
+    pub min_interval: Duration,
+    /// Per-push timeout.
+    pub timeout: Duration,
+    /// First retry delay.
+    pub backoff_initial: Duration,
+    /// Longest retry delay.
+    pub backoff_max: Duration,
+    /// Token file.
+    pub token_file: Option<PathBuf>,
+    /// Token env var name.
+    pub token_env: String,
+}
+
+/// A validated ingest target.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// Name.
+    pub name: String,
+    /// Ingest URL.
+    pub url: http::Uri,
+}
+
+/// A validated endpoint (what discovery yields).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EndpointSpec {
+    /// Snapshot id `<pool>/<name>`.
+    pub id: String,
+    /// Pool name.
+    pub pool: String,
+    /// Serving address.
+    pub address: String,
+    /// Metrics URL.
+    pub metrics_url: http::Uri,
+    /// llama.cpp slots URL.
+    pub slots_url: Option<http::Uri>,
+    /// Envoy cluster.
+    pub cluster: String,
+    /// Server kind.
+    pub kind: ServerKind,
+    /// Models.
+    pub models: Vec<String>,
+}
+
+/// A configuration error that names the field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {reason}")]
+    Read {
+        /// Path.
+        path: String,
+        /// OS error.
+        reason: String,
+    },
+    /// Not valid YAML for the schema (unknown field, wrong type); serde names the field and line.
+    #[error("config: {0}")]
+    Syntax(String),
+    /// A field's value is invalid.
+    #[error("config field `{field}` = `{value}`: {reason}")]
+    Invalid {
+        /// Field path, e.g. `pools[0].endpoints[2].metrics_url`.
+        field: String,
+        /// The offending value.
+        value: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn invalid(
+    field: impl Into<String>,
+    value: impl ToString,
+    reason: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Parse an `http://host:port/...` URL.
+fn http_url(field: &str, s: &str) -> Result<http::Uri, ConfigError> {
+    let uri: http::Uri = s
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| invalid(field, s, format!("not a URL ({e})")))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(invalid(
+            field,
+            s,
+            "must start with http:// (TLS is not supported)",
+        ));
+    }
+    if uri.authority().is_none() {
+        return Err(invalid(field, s, "has no host"));
+    }
+    Ok(uri)
+}
+
+fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<Duration, ConfigError> {
+    if v < lo || v > hi {
+        return Err(invalid(field, v, format!("must be in {lo}..={hi} ms")));
+    }
+    Ok(Duration::from_millis(v))
+}
+
+impl Config {
+    /// Parse and validate YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        raw.validate()
+    }
+
+    /// Read, parse and validate a file.
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_yaml(&text)
+    }
+}
+
+impl RawConfig {
+    /// Validate and apply defaults.
+    pub fn validate(&self) -> Result<Config, ConfigError> {
+        let listen: SocketAddr = self
+            .listen
+            .parse()
+            .map_err(|_| invalid("listen", &self.listen, "not an ip:port socket address"))?;
+        let s = &self.scrape;
+        let interval = in_range("scrape.interval_ms", s.interval_ms, 10, 60_000)?;
+        let timeout = in_range("scrape.timeout_ms", s.timeout_ms, 1, 60_000)?;
+        if !(0.0..=1.0).contains(&s.jitter) {
+            return Err(invalid(
+                "scrape.jitter",
+                s.jitter,
+                "must be a ratio in 0..=1",
+            ));
+        }
+        if s.max_body_bytes < 1024 {
+            return Err(invalid(
+                "scrape.max_body_bytes",
+                s.max_body_bytes,
+                "must be at least 1024",
+            ));
+        }
+        let p = &self.push;
+        let heartbeat = in_range("push.heartbeat_ms", p.heartbeat_ms, 50, 60_000)?;
+        let min_interval = in_range("push.min_interval_ms", p.min_interval_ms, 0, p.heartbeat_ms)?;
+        let push_timeout = in_range("push.timeout_ms", p.timeout_ms, 1, 60_000)?;
+        let backoff_initial = in_range("push.backoff_initial_ms", p.backoff_initial_ms, 1, 60_000)?;
+        let backoff_max = in_range(
+            "push.backoff_max_ms",
+            p.backoff_max_ms,
+            p.backoff_initial_ms,
+            600_000,
+        )?;
+        if let Some(env) = &p.token_env {
+            if env.is_empty() {
+                return Err(invalid("push.token_env", env, "must not be empty"));
+            }
+        }
+        let mut names = BTreeSet::new();
+        let mut targets = Vec::new();
+        for (i, t) in self.targets.iter().enumerate() {
+            if t.name.is_empty() {
+                return Err(invalid(
+                    format!("targets[{i}].name"),
+                    "",
+                    "must not be empty",
+                ));
+            }
+            if !names.insert(t.name.as_str()) {
+                return Err(invalid(
+                    format!("targets[{i}].name"),
+                    &t.name,
+                    "duplicate target name",
+                ));
+            }
+            let url = http_url(&format!("targets[{i}].url"), &t.url)?;
+            targets.push(Target {
+                name: t.name.clone(),
+                url,
+            });
+        }
+        let mut pools = BTreeSet::new();
+        let mut endpoints = Vec::new();
+        for (pi, pool) in self.pools.iter().enumerate() {
+            if pool.name.is_empty() || pool.name.contains('/') {
+                return Err(invalid(
+                    format!("pools[{pi}].name"),
+                    &pool.name,
+                    "must be non-empty and contain no `/`",
+                ));
+            }
+            if !pools.insert(pool.name.as_str()) {
+                return Err(invalid(
+                    format!("pools[{pi}].name"),
+                    &pool.name,
+                    "duplicate pool name",
+                ));
+            }
+            let mut eps = BTreeSet::new();
+            for (ei, e) in pool.endpoints.iter().enumerate() {
+                let at = |f: &str| format!("pools[{pi}].endpoints[{ei}].{f}");
+                if e.name.is_empty() {
+                    return Err(invalid(at("name"), "", "must not be empty"));
+                }
+                if !eps.insert(e.name.as_str()) {
+                    return Err(invalid(
+                        at("name"),
+                        &e.name,
+                        "duplicate endpoint name in this pool",
+                    ));
+                }
+                let addr: http::uri::Authority = e
+                    .address
+                    .parse()
+                    .map_err(|_| invalid(at("address"), &e.address, "not a host:port address"))?;
+                if addr.port_u16().is_none() {
+                    return Err(invalid(at("address"), &e.address, "has no port"));
+                }
+                let metrics_raw = e
+                    .metrics_url
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{}/metrics", e.address));
+                let metrics_url = http_url(&at("metrics_url"), &metrics_raw)?;
+                let kind = e.kind.unwrap_or(pool.kind);
+                let slots_url = match (&e.slots_url, kind) {
+                    (Some(s), _) => Some(http_url(&at("slots_url"), s)?),
+                    (None, ServerKind::Llamacpp | ServerKind::Auto) => {
+                        let authority = metrics_url
+                            .authority()
+                            .map(|a| a.as_str().to_owned())
+                            .unwrap_or_default();
+                        Some(http_url(
+                            &at("slots_url"),
+                            &format!("http://{authority}/slots"),
+                        )?)
+                    }
+                    (None, _) => None,
+                };
+                let models = e.models.clone().unwrap_or_else(|| pool.models.clone());
+                if let Some(m) = models.iter().find(|m| m.is_empty()) {
+                    return Err(invalid(at("models"), m, "model names must not be empty"));
+                }
+                let cluster = e.cluster.clone().unwrap_or_else(|| pool.name.clone());
+                if cluster.is_empty() {
+                    return Err(invalid(at("cluster"), "", "must not be empty"));
+                }
+                endpoints.push(EndpointSpec {
+                    id: format!("{}/{}", pool.name, e.name),
+                    pool: pool.name.clone(),
+                    address: e.address.clone(),
+                    metrics_url,
+                    slots_url,
+                    cluster,
+                    kind,
+                    models,
+                });
+            }
+        }
+        Ok(Config {
+            listen,
+            scrape: ScrapeSettings {
+                interval,
+                timeout,
+                jitter: s.jitter,
+                max_body_bytes: s.max_body_bytes,
+            },
+            push: PushSettings {
+                heartbeat,
+                min_interval,
+                timeout: push_timeout,
+                backoff_initial,
+                backoff_max,
+                token_file: p.token_file.clone(),
+                token_env: p
+                    .token_env
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_TOKEN_ENV.into()),
+            },
+            targets,
+            endpoints,
+        })
+    }
+}
+
+impl PushSettings {
+    /// Read the bearer token: `token_file` (trimmed) if set, else the env var; `Ok(None)` when
+    /// neither holds one. Errors name the file.
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        if let Some(path) = &self.token_file {
+            let t = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            let t = t.trim().to_owned();
+            if t.is_empty() {
+                return Err(invalid("push.token_file", path.display(), "file is empty"));
+            }
+            return Ok(Some(t));
+        }
+        Ok(std::env::var(&self.token_env)
+            .ok()
+            .filter(|t| !t.trim().is_empty()))
+    }
+}

@@ -1,0 +1,161 @@
+//! Pushing snapshots: one tokio task per Envoy ingest target.
+//!
+//! Each task waits for a newly published snapshot and POSTs its wire bytes to the target
+//! with `Authorization: Bearer <token>` (the filter's ingest contract: 204 accepted, 400
+//! invalid, 401 bad token, 413 too large). On failure it retries with exponential backoff
+//! (`push.backoff_initial_ms` doubling to `push.backoff_max_ms`, plus up to 10 % jitter),
+//! always sending the newest snapshot available at the time of the retry. Targets never
+//! wait on each other.
+
+use crate::config::{PushSettings, Target};
+use crate::hub::{Hub, Published};
+use crate::telemetry::TargetLabel;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// HTTP client used for pushes.
+pub type PushClient = Client<HttpConnector, Full<Bytes>>;
+
+/// A keep-alive client for pushes.
+pub fn client(connect_timeout: Duration) -> PushClient {
+    let mut conn = HttpConnector::new();
+    conn.set_nodelay(true);
+    conn.set_connect_timeout(Some(connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build(conn)
+}
+
+/// Why one push failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    /// No answer within `push.timeout_ms`.
+    #[error("timed out")]
+    Timeout,
+    /// Connection failure.
+    #[error("request failed: {0}")]
+    Connect(String),
+    /// The ingest answered something other than 2xx.
+    #[error("ingest answered HTTP {0}")]
+    Status(u16),
+}
+
+impl PushError {
+    /// Metric label.
+    pub fn reason(&self) -> String {
+        match self {
+            Self::Timeout => "timeout".into(),
+            Self::Connect(_) => "connect".into(),
+            Self::Status(s) => s.to_string(),
+        }
+    }
+}
+
+/// POST one snapshot body.
+pub async fn post(
+    client: &PushClient,
+    url: &http::Uri,
+    token: Option<&str>,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<(), PushError> {
+    let mut req =
+        http::Request::post(url.clone()).header(http::header::CONTENT_TYPE, "application/json");
+    if let Some(t) = token {
+        req = req.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    let req = req
+        .body(Full::new(body))
+        .map_err(|e| PushError::Connect(e.to_string()))?;
+    let fut = async {
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| PushError::Connect(format!("{e:?}")))?;
+        let status = resp.status();
+        // Drain so the connection can be reused.
+        let _ = resp.into_body().collect().await;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(PushError::Status(status.as_u16()))
+        }
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .unwrap_or(Err(PushError::Timeout))
+}
+
+/// The per-target loop; returns when `shutdown` turns true.
+pub async fn run_target(
+    hub: Arc<Hub>,
+    client: PushClient,
+    target: Target,
+    settings: PushSettings,
+    token: Option<Arc<str>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut rx = hub.subscribe();
+    let label = TargetLabel {
+        target: target.name.clone(),
+    };
+    let mut rng = fastrand::Rng::with_seed(target.name.len() as u64 ^ 0x9e37_79b9_7f4a_7c15);
+    let mut pending: Option<Arc<Published>> = rx.borrow_and_update().clone();
+    loop {
+        let Some(snap) = pending.take() else {
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = shutdown.changed() => return,
+            }
+            pending = rx.borrow_and_update().clone();
+            continue;
+        };
+        let mut backoff = settings.backoff_initial;
+        let mut current = snap;
+        loop {
+            let started = Instant::now();
+            match post(
+                &client,
+                &target.url,
+                token.as_deref(),
+                current.body.clone(),
+                settings.timeout,
+            )
+            .await
+            {
+                Ok(()) => {
+                    let t = &hub.telemetry;
+                    t.push_duration
+                        .get_or_create(&label)
+                        .observe(started.elapsed().as_secs_f64());
+                    t.pushes.get_or_create(&label).inc();
+                    if let Some(c) = current.changed_at {
+                        t.scrape_to_push
+                            .get_or_create(&label)
+                            .observe(c.elapsed().as_secs_f64());
+                    }
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(target = %target.name, error = %e, retry_in = ?backoff, "push failed");
+                    hub.telemetry.push_failure(&target.name, &e.reason());
+                    let wait = backoff.mul_f64(1.0 + 0.1 * rng.f64());
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                    backoff = (backoff * 2).min(settings.backoff_max);
+                    if let Some(newer) = rx.borrow_and_update().clone() {
+                        current = newer;
+                    }
+                }
+            }
+        }
+    }
+}

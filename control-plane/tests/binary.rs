@@ -1,0 +1,160 @@
+//! The `kvroute-cp` binary: bad config exits 2 naming the field; SIGHUP and file changes
+//! reload; SIGTERM shuts down cleanly.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::*;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvroute-cp");
+
+struct Guard(Child);
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+#[test]
+fn bad_config_field_exits_2_with_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cp.yaml");
+    std::fs::write(&cfg, "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:1\n        metrics_url: https://x/metrics\n").unwrap();
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "kvroute-cp: config field `pools[0].endpoints[0].metrics_url` = `https://x/metrics`: must start with http:// (TLS is not supported)\n"
+    );
+    std::fs::write(&cfg, "pools: []\n").unwrap();
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "config ok: 0 endpoints, 0 targets, listen 127.0.0.1:9090\n"
+    );
+}
+
+async fn snapshot_ids(base: &str) -> Vec<String> {
+    let Some((status, body)) = try_get(&format!("{base}/v1/snapshot")).await else {
+        return Vec::new();
+    };
+    if status != 200 {
+        return Vec::new();
+    }
+    let snap = kvroute_core::snapshot::Snapshot::decode(body.as_bytes()).unwrap();
+    snap.endpoints
+        .iter()
+        .filter(|e| e.healthy)
+        .map(|e| e.id.clone())
+        .collect()
+}
+
+async fn wait_ids(base: &str, want: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let ids = snapshot_ids(base).await;
+        if ids == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "snapshot ids {ids:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn reload_on_sighup_and_file_change_then_sigterm() {
+    let a = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let b = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cp.yaml");
+    std::fs::write(&cfg, config_yaml(&[("a", a.addr())], &[], "")).unwrap();
+    let port = free_port();
+    let child = Command::new(BIN)
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut guard = Guard(child);
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ids(&base, &["p/a"]).await;
+    // File change (the watcher) picks up b.
+    std::fs::write(
+        &cfg,
+        config_yaml(&[("a", a.addr()), ("b", b.addr())], &[], ""),
+    )
+    .unwrap();
+    wait_ids(&base, &["p/a", "p/b"]).await;
+    // An invalid edit is rejected; the running config stays.
+    std::fs::write(&cfg, "scrape:\n  jitter: 7\n").unwrap();
+    signal(&guard.0, "-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m) = get(&format!("{base}/metrics")).await;
+        if m.contains("kvroute_cp_config_reload_failures_total 1")
+            || m.contains("kvroute_cp_config_reload_failures_total 2")
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "reload failure not counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_ids(&base, &["p/a", "p/b"]).await;
+    // SIGHUP with b only.
+    std::fs::write(&cfg, config_yaml(&[("b", b.addr())], &[], "")).unwrap();
+    signal(&guard.0, "-HUP");
+    wait_ids(&base, &["p/b"]).await;
+    signal(&guard.0, "-TERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = guard.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kvroute-cp did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0));
+}

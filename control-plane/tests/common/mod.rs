@@ -1,0 +1,292 @@
+//! Test doubles: a fake model server and a fake Envoy ingest, both hyper servers on
+//! 127.0.0.1:0 that stop (connections included) when told or dropped.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// What the fake model server answers on `/metrics`.
+#[derive(Clone, Debug)]
+pub enum Behavior {
+    /// 200 with this body.
+    Body(String),
+    /// Never answers.
+    Hang,
+    /// This status, empty body.
+    Status(u16),
+}
+
+type Handler =
+    Arc<dyn Fn(http::Method, String, Bytes, Option<String>) -> (u16, Bytes) + Send + Sync>;
+
+/// A stoppable hyper server.
+pub struct Server {
+    pub addr: SocketAddr,
+    stop: watch::Sender<bool>,
+}
+
+impl Server {
+    async fn start_on(addr: SocketAddr, handler: Handler, hang: Arc<Mutex<bool>>) -> Self {
+        let listener = TcpListener::bind(addr).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stop_rx) = watch::channel(false);
+        let mut accept_stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = tokio::select! {
+                    r = listener.accept() => match r { Ok(s) => s, Err(_) => continue },
+                    _ = accept_stop.changed() => return,
+                };
+                let handler = handler.clone();
+                let hang = hang.clone();
+                let mut conn_stop = stop_rx.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req: http::Request<Incoming>| {
+                        let handler = handler.clone();
+                        let hang = hang.clone();
+                        async move {
+                            let method = req.method().clone();
+                            let path = req.uri().path().to_owned();
+                            let auth = req
+                                .headers()
+                                .get(http::header::AUTHORIZATION)
+                                .and_then(|v| v.to_str().ok())
+                                .map(str::to_owned);
+                            let body = req
+                                .into_body()
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            if *hang.lock().unwrap() && path == "/metrics" {
+                                std::future::pending::<()>().await;
+                            }
+                            let (status, body) = handler(method, path, body, auth);
+                            let mut resp = http::Response::new(Full::new(body));
+                            *resp.status_mut() = http::StatusCode::from_u16(status).unwrap();
+                            Ok::<_, Infallible>(resp)
+                        }
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc);
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = conn_stop.changed() => {}
+                    }
+                });
+            }
+        });
+        Self { addr, stop }
+    }
+
+    /// Stop accepting and drop every open connection.
+    pub fn stop(&self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Fake model server.
+pub struct FakeModelServer {
+    pub server: Server,
+    pub behavior: Arc<Mutex<Behavior>>,
+    pub slots: Arc<Mutex<Option<String>>>,
+    hang: Arc<Mutex<bool>>,
+}
+
+impl FakeModelServer {
+    pub async fn start(b: Behavior) -> Self {
+        Self::start_on("127.0.0.1:0".parse().unwrap(), b).await
+    }
+
+    pub async fn start_on(addr: SocketAddr, b: Behavior) -> Self {
+        let behavior = Arc::new(Mutex::new(b));
+        let slots: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let hang = Arc::new(Mutex::new(false));
+        let (bh, sl, hg) = (behavior.clone(), slots.clone(), hang.clone());
+        let handler: Handler = Arc::new(move |_m, path, _b, _a| {
+            if path == "/slots" {
+                return match sl.lock().unwrap().clone() {
+                    Some(s) => (200, Bytes::from(s)),
+                    None => (404, Bytes::new()),
+                };
+            }
+            match bh.lock().unwrap().clone() {
+                Behavior::Body(s) => (200, Bytes::from(s)),
+                Behavior::Status(c) => (c, Bytes::new()),
+                Behavior::Hang => (200, Bytes::new()),
+            }
+        });
+        let is_hang = matches!(*behavior.lock().unwrap(), Behavior::Hang);
+        *hg.lock().unwrap() = is_hang;
+        let server = Server::start_on(addr, handler, hang.clone()).await;
+        Self {
+            server,
+            behavior,
+            slots,
+            hang,
+        }
+    }
+
+    pub fn set(&self, b: Behavior) {
+        *self.hang.lock().unwrap() = matches!(b, Behavior::Hang);
+        *self.behavior.lock().unwrap() = b;
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.server.addr
+    }
+}
+
+/// One POST the fake ingest received.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub at: Instant,
+    pub auth: Option<String>,
+    pub snapshot: kvroute_core::snapshot::Snapshot,
+}
+
+/// Fake Envoy ingest: records decoded snapshots, answers `status`.
+pub struct FakeIngest {
+    pub server: Server,
+    pub received: Arc<Mutex<Vec<Received>>>,
+    pub status: Arc<Mutex<u16>>,
+}
+
+impl FakeIngest {
+    pub async fn start() -> Self {
+        Self::start_on("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    pub async fn start_on(addr: SocketAddr) -> Self {
+        let received: Arc<Mutex<Vec<Received>>> = Arc::new(Mutex::new(Vec::new()));
+        let status = Arc::new(Mutex::new(204u16));
+        let (rc, st) = (received.clone(), status.clone());
+        let handler: Handler = Arc::new(move |_m, _path, body, auth| {
+            let code = *st.lock().unwrap();
+            if code == 204 {
+                let snapshot = kvroute_core::snapshot::Snapshot::decode(&body).unwrap();
+                rc.lock().unwrap().push(Received {
+                    at: Instant::now(),
+                    auth,
+                    snapshot,
+                });
+            }
+            (code, Bytes::new())
+        });
+        let server = Server::start_on(addr, handler, Arc::new(Mutex::new(false))).await;
+        Self {
+            server,
+            received,
+            status,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/kvroute/v1/snapshot", self.server.addr)
+    }
+
+    pub fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+
+    pub fn last(&self) -> Option<Received> {
+        self.received.lock().unwrap().last().cloned()
+    }
+}
+
+/// GET a URL: (status, body).
+pub async fn get(url: &str) -> (u16, String) {
+    try_get(url)
+        .await
+        .unwrap_or_else(|| panic!("GET {url} failed"))
+}
+
+/// GET a URL; `None` when the connection fails.
+pub async fn try_get(url: &str) -> Option<(u16, String)> {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Empty<Bytes>>();
+    let resp = client.get(url.parse().unwrap()).await.ok()?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Poll `cond` every 10 ms until it holds or `within` passes; panics with `what` on timeout.
+pub async fn wait_for<F: FnMut() -> bool>(within: Duration, what: &str, mut cond: F) {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A vLLM V1 body.
+pub fn vllm_body(
+    kv: f64,
+    running: u32,
+    waiting: u32,
+    start_s: Option<f64>,
+    prompt_tokens: f64,
+) -> String {
+    let mut s = format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}.0\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}.0\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {kv}\n\
+         vllm:prompt_tokens_total{{engine=\"0\",model_name=\"m\"}} {prompt_tokens}\n\
+         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"1000\"}} 1.0\n"
+    );
+    if let Some(t) = start_s {
+        s.push_str(&format!("process_start_time_seconds {t}\n"));
+    }
+    s
+}
+
+/// A test config: fast intervals, given endpoints (name, addr) and ingest URLs.
+pub fn config_yaml(
+    endpoints: &[(&str, SocketAddr)],
+    ingests: &[String],
+    extra_push: &str,
+) -> String {
+    let mut y = String::from(
+        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 150\n  jitter: 0.1\n",
+    );
+    y.push_str(&format!(
+        "push:\n  heartbeat_ms: 100\n  min_interval_ms: 5\n  timeout_ms: 200\n  backoff_initial_ms: 10\n  backoff_max_ms: 50\n{extra_push}"
+    ));
+    y.push_str("targets:\n");
+    if ingests.is_empty() {
+        y.push_str("  []\n");
+    }
+    for (i, u) in ingests.iter().enumerate() {
+        y.push_str(&format!("  - name: envoy-{i}\n    url: {u}\n"));
+    }
+    y.push_str("pools:\n  - name: p\n    kind: auto\n    models: [m]\n    endpoints:\n");
+    for (n, a) in endpoints {
+        y.push_str(&format!("      - name: {n}\n        address: {a}\n"));
+    }
+    y
+}

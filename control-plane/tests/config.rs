@@ -1,0 +1,206 @@
+//! Config validation: a full config, a minimal config, and one invalid case per field,
+//! each with its exact error.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use kvroute_cp::adapters::ServerKind;
+use kvroute_cp::{Config, ConfigError};
+use std::time::Duration;
+
+const FULL: &str = r#"
+listen: 0.0.0.0:9090
+scrape:
+  interval_ms: 250
+  timeout_ms: 400
+  jitter: 0.2
+  max_body_bytes: 1048576
+push:
+  heartbeat_ms: 2000
+  min_interval_ms: 20
+  timeout_ms: 300
+  backoff_initial_ms: 50
+  backoff_max_ms: 1000
+  token_env: MY_TOKEN
+targets:
+  - name: envoy-a
+    url: http://10.0.0.1:15000/kvroute/v1/snapshot
+pools:
+  - name: llama
+    kind: vllm
+    models: [meta-llama/Llama-3.1-8B-Instruct]
+    endpoints:
+      - name: pod-0
+        address: 10.1.0.1:8000
+      - name: pod-1
+        address: "[fd00::2]:8000"
+        metrics_url: http://[fd00::2]:9400/metrics
+        cluster: llama_pod1
+        kind: llamacpp
+        models: [smol]
+"#;
+
+#[test]
+fn full_config() {
+    let c = Config::from_yaml(FULL).unwrap();
+    assert_eq!(c.listen, "0.0.0.0:9090".parse().unwrap());
+    assert_eq!(c.scrape.interval, Duration::from_millis(250));
+    assert_eq!(c.scrape.timeout, Duration::from_millis(400));
+    assert_eq!(c.scrape.jitter, 0.2);
+    assert_eq!(c.scrape.max_body_bytes, 1_048_576);
+    assert_eq!(c.push.heartbeat, Duration::from_secs(2));
+    assert_eq!(c.push.min_interval, Duration::from_millis(20));
+    assert_eq!(c.push.backoff_max, Duration::from_secs(1));
+    assert_eq!(c.push.token_env, "MY_TOKEN");
+    assert_eq!(
+        c.targets[0].url.to_string(),
+        "http://10.0.0.1:15000/kvroute/v1/snapshot"
+    );
+    let e0 = &c.endpoints[0];
+    assert_eq!(e0.id, "llama/pod-0");
+    assert_eq!(e0.metrics_url.to_string(), "http://10.1.0.1:8000/metrics");
+    assert_eq!(e0.cluster, "llama");
+    assert_eq!(e0.kind, ServerKind::Vllm);
+    assert_eq!(e0.slots_url, None);
+    assert_eq!(e0.models, vec!["meta-llama/Llama-3.1-8B-Instruct"]);
+    let e1 = &c.endpoints[1];
+    assert_eq!(e1.id, "llama/pod-1");
+    assert_eq!(e1.address, "[fd00::2]:8000");
+    assert_eq!(e1.cluster, "llama_pod1");
+    assert_eq!(e1.kind, ServerKind::Llamacpp);
+    assert_eq!(
+        e1.slots_url.as_ref().unwrap().to_string(),
+        "http://[fd00::2]:9400/slots"
+    );
+    assert_eq!(e1.models, vec!["smol"]);
+}
+
+#[test]
+fn minimal_config_gets_documented_defaults() {
+    let c = Config::from_yaml("pools: []\n").unwrap();
+    assert_eq!(c.listen, "127.0.0.1:9090".parse().unwrap());
+    assert_eq!(c.scrape.interval, Duration::from_millis(200));
+    assert_eq!(c.scrape.timeout, Duration::from_millis(500));
+    assert_eq!(c.scrape.jitter, 0.1);
+    assert_eq!(c.scrape.max_body_bytes, 8 << 20);
+    assert_eq!(c.push.heartbeat, Duration::from_secs(1));
+    assert_eq!(c.push.min_interval, Duration::from_millis(10));
+    assert_eq!(c.push.timeout, Duration::from_secs(1));
+    assert_eq!(c.push.backoff_initial, Duration::from_millis(100));
+    assert_eq!(c.push.backoff_max, Duration::from_secs(5));
+    assert_eq!(c.push.token_env, "KVROUTE_INGEST_TOKEN");
+    assert!(c.targets.is_empty() && c.endpoints.is_empty());
+}
+
+fn err(yaml: &str) -> String {
+    Config::from_yaml(yaml).unwrap_err().to_string()
+}
+
+fn with_endpoint(field: &str) -> String {
+    format!("pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:1\n      - name: b\n        address: 127.0.0.1:2\n        {field}\n")
+}
+
+#[test]
+fn invalid_fields_are_named() {
+    let cases: &[(&str, &str)] = &[
+        ("listen: nowhere\n", "config field `listen` = `nowhere`: not an ip:port socket address"),
+        ("scrape:\n  interval_ms: 5\n", "config field `scrape.interval_ms` = `5`: must be in 10..=60000 ms"),
+        ("scrape:\n  timeout_ms: 0\n", "config field `scrape.timeout_ms` = `0`: must be in 1..=60000 ms"),
+        ("scrape:\n  jitter: 1.5\n", "config field `scrape.jitter` = `1.5`: must be a ratio in 0..=1"),
+        ("scrape:\n  max_body_bytes: 10\n", "config field `scrape.max_body_bytes` = `10`: must be at least 1024"),
+        ("push:\n  heartbeat_ms: 10\n", "config field `push.heartbeat_ms` = `10`: must be in 50..=60000 ms"),
+        ("push:\n  min_interval_ms: 5000\n", "config field `push.min_interval_ms` = `5000`: must be in 0..=1000 ms"),
+        ("push:\n  backoff_max_ms: 10\n", "config field `push.backoff_max_ms` = `10`: must be in 100..=600000 ms"),
+        ("push:\n  token_env: ''\n", "config field `push.token_env` = ``: must not be empty"),
+        ("targets:\n  - name: e\n    url: https://x:1/\n", "config field `targets[0].url` = `https://x:1/`: must start with http:// (TLS is not supported)"),
+        ("targets:\n  - name: e\n    url: http://a:1/\n  - name: e\n    url: http://b:1/\n", "config field `targets[1].name` = `e`: duplicate target name"),
+        ("pools:\n  - name: a/b\n    endpoints: []\n", "config field `pools[0].name` = `a/b`: must be non-empty and contain no `/`"),
+        ("pools:\n  - name: p\n    endpoints: []\n  - name: p\n    endpoints: []\n", "config field `pools[1].name` = `p`: duplicate pool name"),
+    ];
+    for (yaml, want) in cases {
+        assert_eq!(&err(yaml), want, "for {yaml:?}");
+    }
+    let ep_cases: &[(&str, &str)] = &[
+        ("metrics_url: ftp://x/metrics", "config field `pools[0].endpoints[1].metrics_url` = `ftp://x/metrics`: must start with http:// (TLS is not supported)"),
+        ("metrics_url: 'not a url'", "config field `pools[0].endpoints[1].metrics_url` = `not a url`: not a URL (invalid uri character)"),
+        ("slots_url: /slots", "config field `pools[0].endpoints[1].slots_url` = `/slots`: must start with http:// (TLS is not supported)"),
+        ("cluster: ''", "config field `pools[0].endpoints[1].cluster` = ``: must not be empty"),
+        ("models: ['']", "config field `pools[0].endpoints[1].models` = ``: model names must not be empty"),
+    ];
+    for (field, want) in ep_cases {
+        assert_eq!(&err(&with_endpoint(field)), want, "for {field}");
+    }
+    assert_eq!(
+        err("pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: nohost\n"),
+        "config field `pools[0].endpoints[0].address` = `nohost`: has no port"
+    );
+    assert_eq!(
+        err("pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:1\n      - name: a\n        address: 127.0.0.1:2\n"),
+        "config field `pools[0].endpoints[1].name` = `a`: duplicate endpoint name in this pool"
+    );
+}
+
+#[test]
+fn unknown_fields_and_kinds_are_rejected_by_name() {
+    let e = err("scrape:\n  intervall_ms: 100\n");
+    assert!(
+        e.starts_with("config: scrape: unknown field `intervall_ms`"),
+        "{e}"
+    );
+    let e = err(&with_endpoint("kind: vllm2"));
+    assert!(
+        e.starts_with("config: pools[0].endpoints[1].kind: unknown variant `vllm2`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn missing_file_is_a_read_error() {
+    let e = Config::load(std::path::Path::new("/nonexistent/kvroute.yaml")).unwrap_err();
+    assert!(matches!(e, ConfigError::Read { .. }));
+    assert!(e
+        .to_string()
+        .starts_with("cannot read config file /nonexistent/kvroute.yaml: "));
+}
+
+#[test]
+fn token_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("t");
+    std::fs::write(&f, "  abc \n").unwrap();
+    let c = Config::from_yaml(&format!("push:\n  token_file: {}\n", f.display())).unwrap();
+    assert_eq!(c.push.read_token().unwrap().as_deref(), Some("abc"));
+    std::fs::write(&f, "\n").unwrap();
+    assert_eq!(
+        c.push.read_token().unwrap_err().to_string(),
+        format!(
+            "config field `push.token_file` = `{}`: file is empty",
+            f.display()
+        )
+    );
+    let c = Config::from_yaml("push:\n  token_env: KVROUTE_TEST_TOKEN_UNSET_XYZ\n").unwrap();
+    assert_eq!(c.push.read_token().unwrap(), None);
+}
+
+#[test]
+fn shipped_examples_are_valid() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let c = Config::load(&root.join("examples/control-plane/kvroute-cp.yaml")).unwrap();
+    assert_eq!((c.endpoints.len(), c.targets.len()), (3, 2));
+    assert_eq!(c.endpoints[2].kind, ServerKind::Llamacpp);
+    // The ConfigMap embedded in the Kubernetes example.
+    let text = std::fs::read_to_string(root.join("examples/kubernetes/kvroute-cp.yaml")).unwrap();
+    let mut found = 0;
+    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+        let v: serde_yaml_ng::Value = serde::Deserialize::deserialize(doc).unwrap();
+        if let Some(cfg) = v.get("data").and_then(|d| d.get("kvroute-cp.yaml")).and_then(|s| s.as_str()) {
+            let c = Config::from_yaml(cfg).unwrap();
+            assert_eq!((c.endpoints.len(), c.targets.len()), (2, 1));
+            found += 1;
+        }
+    }
+    assert_eq!(found, 1);
+}

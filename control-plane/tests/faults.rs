@@ -1,0 +1,379 @@
+//! kvroute-cp against fake model servers and fake Envoy ingests: fault handling with exact
+//! outcomes. Every wait is a poll with a deadline.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::*;
+use kvroute_cp::{Config, ControlPlane};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+async fn start(yaml: &str) -> ControlPlane {
+    ControlPlane::start(Config::from_yaml(yaml).unwrap())
+        .await
+        .unwrap()
+}
+
+fn state(cp: &ControlPlane, id: &str) -> kvroute_cp::hub::EndpointState {
+    cp.hub().endpoint(id).unwrap()
+}
+
+#[tokio::test]
+async fn hung_endpoint_does_not_delay_others() {
+    let ok = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 2, 1, None, 10.0))).await;
+    let hung = FakeModelServer::start(Behavior::Hang).await;
+    let cp = start(&config_yaml(
+        &[("a", ok.addr()), ("b", hung.addr())],
+        &[],
+        "",
+    ))
+    .await;
+    wait_for(WAIT, "b to time out", || state(&cp, "p/b").attempted).await;
+    let b = state(&cp, "p/b");
+    assert!(!b.healthy);
+    assert_eq!(b.last_error.as_deref(), Some("timed out after 150ms"));
+    // While b hangs (150 ms per try), a keeps being scraped every ~20 ms.
+    let first = state(&cp, "p/a").scraped_at_ms;
+    wait_for(WAIT, "a to be scraped again", || {
+        state(&cp, "p/a").scraped_at_ms > first
+    })
+    .await;
+    let a = state(&cp, "p/a");
+    assert!(a.healthy);
+    assert_eq!(a.stats.as_ref().unwrap().kv_usage, Some(0.5));
+    let snap = cp.hub().latest().unwrap().snapshot.clone();
+    let ids: Vec<(&str, bool)> = snap
+        .endpoints
+        .iter()
+        .map(|e| (e.id.as_str(), e.healthy))
+        .collect();
+    assert_eq!(ids, vec![("p/a", true), ("p/b", false)]);
+    let (_, metrics) = get(&format!("http://{}/metrics", cp.local_addr())).await;
+    assert!(
+        metrics.contains("kvroute_cp_scrape_errors_total{endpoint=\"p/b\",reason=\"timeout\"}"),
+        "{metrics}"
+    );
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn garbage_and_500_are_unhealthy_with_the_reason() {
+    let garbage =
+        FakeModelServer::start(Behavior::Body("<html>502 Bad Gateway</html>\n".into())).await;
+    let err = FakeModelServer::start(Behavior::Status(500)).await;
+    let unknown = FakeModelServer::start(Behavior::Body("go_goroutines 12\n".into())).await;
+    let cp = start(&config_yaml(
+        &[
+            ("g", garbage.addr()),
+            ("e", err.addr()),
+            ("u", unknown.addr()),
+        ],
+        &[],
+        "",
+    ))
+    .await;
+    wait_for(WAIT, "all scraped", || cp.hub().all_attempted()).await;
+    assert_eq!(
+        state(&cp, "p/g").last_error.as_deref(),
+        Some(
+            "not a Prometheus exposition: line 1: metric name must start with a letter, `_` or `:`"
+        )
+    );
+    assert_eq!(
+        state(&cp, "p/e").last_error.as_deref(),
+        Some("HTTP status 500")
+    );
+    assert_eq!(
+        state(&cp, "p/u").last_error.as_deref(),
+        Some("no known model-server metrics (looked for vllm:, sglang:, tgi_, llamacpp:, nv_trt_llm_)")
+    );
+    for id in ["p/g", "p/e", "p/u"] {
+        let s = state(&cp, id);
+        assert!(
+            !s.healthy && s.stats.is_none() && s.scraped_at_ms == 0,
+            "{id}"
+        );
+    }
+    // A garbage endpoint that recovers becomes healthy.
+    garbage.set(Behavior::Body(vllm_body(0.25, 0, 0, None, 1.0)));
+    wait_for(WAIT, "g to recover", || state(&cp, "p/g").healthy).await;
+    let (_, metrics) = get(&format!("http://{}/metrics", cp.local_addr())).await;
+    assert!(metrics.contains("kvroute_cp_scrape_errors_total{endpoint=\"p/e\",reason=\"status\"}"));
+    assert!(metrics.contains("kvroute_cp_scrape_errors_total{endpoint=\"p/g\",reason=\"parse\"}"));
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn vanished_endpoint_turns_unhealthy_and_keeps_last_stats() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.75, 4, 0, None, 10.0))).await;
+    let addr = srv.addr();
+    let cp = start(&config_yaml(&[("a", addr)], &[], "")).await;
+    wait_for(WAIT, "a healthy", || state(&cp, "p/a").healthy).await;
+    let scraped = state(&cp, "p/a").scraped_at_ms;
+    srv.server.stop();
+    drop(srv);
+    wait_for(WAIT, "a unhealthy", || !state(&cp, "p/a").healthy).await;
+    let a = state(&cp, "p/a");
+    assert!(
+        a.last_error
+            .as_deref()
+            .unwrap()
+            .starts_with("request failed"),
+        "{:?}",
+        a.last_error
+    );
+    assert_eq!(a.stats.as_ref().unwrap().kv_usage, Some(0.75));
+    assert!(a.scraped_at_ms >= scraped);
+    wait_for(WAIT, "snapshot shows it", || {
+        cp.hub()
+            .latest()
+            .is_some_and(|p| !p.snapshot.endpoints[0].healthy)
+    })
+    .await;
+    // Comes back on the same port.
+    let _back =
+        FakeModelServer::start_on(addr, Behavior::Body(vllm_body(0.1, 0, 0, None, 20.0))).await;
+    wait_for(WAIT, "a healthy again", || state(&cp, "p/a").healthy).await;
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn restart_in_place_changes_process_start() {
+    let srv =
+        FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, Some(1000.0), 500.0))).await;
+    let cnt = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 500.0))).await;
+    let ingest = FakeIngest::start().await;
+    let cp = start(&config_yaml(
+        &[("a", srv.addr()), ("c", cnt.addr())],
+        &[ingest.url()],
+        "",
+    ))
+    .await;
+    wait_for(WAIT, "first push", || ingest.count() > 0).await;
+    let ep = |id: &str| {
+        ingest
+            .last()
+            .and_then(|r| r.snapshot.endpoints.into_iter().find(|e| e.id == id))
+    };
+    assert_eq!(ep("p/a").unwrap().process_start_ms, Some(1_000_000));
+    assert_eq!(ep("p/c").unwrap().process_start_ms, None);
+    // a restarts with a newer start time; c restarts and its counter goes down.
+    let before = hub_now();
+    srv.set(Behavior::Body(vllm_body(0.0, 0, 0, Some(2000.0), 3.0)));
+    cnt.set(Behavior::Body(vllm_body(0.0, 0, 0, None, 3.0)));
+    wait_for(WAIT, "restart of a pushed", || {
+        ep("p/a").and_then(|e| e.process_start_ms) == Some(2_000_000)
+    })
+    .await;
+    wait_for(WAIT, "restart of c pushed", || {
+        ep("p/c").and_then(|e| e.process_start_ms).is_some()
+    })
+    .await;
+    let c_start = ep("p/c").unwrap().process_start_ms.unwrap();
+    assert!(
+        c_start >= before && c_start <= hub_now(),
+        "{c_start} not in [{before}, now]"
+    );
+    assert_eq!(state(&cp, "p/a").restart.restarts, 1);
+    assert_eq!(state(&cp, "p/c").restart.restarts, 1);
+    cp.shutdown().await;
+}
+
+fn hub_now() -> u64 {
+    kvroute_cp::hub::now_ms()
+}
+
+#[tokio::test]
+async fn ingest_down_then_back_gets_newer_versions() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    let addr = ingest.server.addr;
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], "")).await;
+    wait_for(WAIT, "first push", || ingest.count() > 0).await;
+    let last_before = ingest.last().unwrap().snapshot.version;
+    ingest.server.stop();
+    drop(ingest);
+    let (_, _) = get(&format!("http://{}/metrics", cp.local_addr())).await;
+    wait_for(WAIT, "push failures counted", || {
+        cp.hub()
+            .telemetry
+            .push_failures
+            .get(&kvroute_cp::telemetry::TargetReason {
+                target: "envoy-0".into(),
+                reason: "connect".into(),
+            })
+            .is_some_and(|c| c.get() >= 2)
+    })
+    .await;
+    let back = FakeIngest::start_on(addr).await;
+    wait_for(WAIT, "push after recovery", || back.count() > 0).await;
+    let first_after = back.received.lock().unwrap()[0].snapshot.version;
+    assert!(first_after > last_before, "{first_after} <= {last_before}");
+    // Versions received keep increasing.
+    wait_for(WAIT, "three pushes", || back.count() >= 3).await;
+    let versions: Vec<u64> = back
+        .received
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.snapshot.version)
+        .collect();
+    assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_unreachable_target_does_not_delay_the_other() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let good = FakeIngest::start().await;
+    // A port nobody listens on.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let cp = start(&config_yaml(
+        &[("a", srv.addr())],
+        &[format!("http://{dead}/kvroute/v1/snapshot"), good.url()],
+        "",
+    ))
+    .await;
+    // Heartbeat 100 ms: within 1 s the good target gets several pushes.
+    wait_for(Duration::from_secs(2), "good target fed", || {
+        good.count() >= 5
+    })
+    .await;
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn bearer_token_from_file_and_401_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    let extra = format!("  token_file: {}\n", token.display());
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], &extra)).await;
+    wait_for(WAIT, "push", || ingest.count() > 0).await;
+    assert_eq!(
+        ingest.last().unwrap().auth.as_deref(),
+        Some("Bearer s3cret")
+    );
+    *ingest.status.lock().unwrap() = 401;
+    wait_for(WAIT, "401 counted", || {
+        cp.hub()
+            .telemetry
+            .push_failures
+            .get(&kvroute_cp::telemetry::TargetReason {
+                target: "envoy-0".into(),
+                reason: "401".into(),
+            })
+            .is_some_and(|c| c.get() >= 1)
+    })
+    .await;
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn own_endpoints() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 2, 1, None, 1.0))).await;
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[], "")).await;
+    let base = format!("http://{}", cp.local_addr());
+    assert_eq!(get(&format!("{base}/healthz")).await, (200, "ok\n".into()));
+    wait_for(WAIT, "ready", || cp.hub().ready()).await;
+    assert_eq!(
+        get(&format!("{base}/readyz")).await,
+        (200, "ready\n".into())
+    );
+    let (status, body) = get(&format!("{base}/v1/snapshot")).await;
+    assert_eq!(status, 200);
+    let snap = kvroute_core::snapshot::Snapshot::decode(body.as_bytes()).unwrap();
+    let e = &snap.endpoints[0];
+    assert_eq!(
+        (e.id.as_str(), e.address.as_str(), e.cluster.as_str()),
+        ("p/a", srv.addr().to_string().as_str(), "p")
+    );
+    assert_eq!(
+        (
+            e.kv_usage,
+            e.kv_capacity_tokens,
+            e.block_size,
+            e.running,
+            e.waiting
+        ),
+        (Some(0.5), Some(16_000), Some(16), 2, 1)
+    );
+    assert_eq!(e.models, vec!["m".to_string()]);
+    let (status, metrics) = get(&format!("{base}/metrics")).await;
+    assert_eq!(status, 200);
+    for needle in [
+        "kvroute_cp_endpoints{state=\"healthy\"} 1",
+        "kvroute_cp_endpoints{state=\"pending\"} 0",
+        "# TYPE kvroute_cp_scrape_duration_seconds histogram",
+        "# TYPE kvroute_cp_snapshot_age_seconds gauge",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+    assert_eq!(get(&format!("{base}/nope")).await.0, 404);
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn version_grows_across_restarts_and_reload_changes_endpoints() {
+    let a = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let b = FakeModelServer::start(Behavior::Body(vllm_body(0.2, 1, 0, None, 1.0))).await;
+    let cp = start(&config_yaml(&[("a", a.addr())], &[], "")).await;
+    wait_for(WAIT, "snapshot", || cp.hub().ready()).await;
+    let v1 = cp.hub().latest().unwrap().snapshot.version;
+    cp.reload(Config::from_yaml(&config_yaml(&[("b", b.addr())], &[], "")).unwrap())
+        .await
+        .unwrap();
+    wait_for(WAIT, "reloaded snapshot", || {
+        cp.hub().latest().is_some_and(|p| {
+            p.snapshot.endpoints.len() == 1
+                && p.snapshot.endpoints[0].id == "p/b"
+                && p.snapshot.endpoints[0].healthy
+        })
+    })
+    .await;
+    let v2 = cp.hub().latest().unwrap().snapshot.version;
+    cp.shutdown().await;
+    let cp = start(&config_yaml(&[("a", a.addr())], &[], "")).await;
+    wait_for(WAIT, "snapshot after restart", || cp.hub().ready()).await;
+    let v3 = cp.hub().latest().unwrap().snapshot.version;
+    assert!(v1 < v2 && v2 < v3, "{v1} {v2} {v3}");
+    cp.shutdown().await;
+}
+
+#[tokio::test]
+async fn llamacpp_uses_slots() {
+    let srv = FakeModelServer::start(Behavior::Body(
+        "llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\nllamacpp:prompt_tokens_total 5\n".into(),
+    ))
+    .await;
+    *srv.slots.lock().unwrap() = Some(
+        r#"[{"id":0,"n_ctx":1000,"is_processing":true,"n_prompt_tokens":200,"next_token":[{"n_decoded":50}]},{"id":1,"n_ctx":1000,"is_processing":false,"n_prompt_tokens":900}]"#.into(),
+    );
+    let cp = start(&config_yaml(&[("l", srv.addr())], &[], "")).await;
+    wait_for(WAIT, "scraped", || state(&cp, "p/l").healthy).await;
+    let s = state(&cp, "p/l").stats.unwrap();
+    assert_eq!(
+        (s.kv_usage, s.kv_capacity_tokens, s.running),
+        (Some(0.125), Some(2000), 1)
+    );
+    // /slots disabled: healthy, KV unknown.
+    *srv.slots.lock().unwrap() = None;
+    wait_for(WAIT, "kv unknown", || {
+        state(&cp, "p/l").stats.unwrap().kv_usage.is_none()
+    })
+    .await;
+    assert!(state(&cp, "p/l").healthy);
+    cp.shutdown().await;
+}

@@ -1,0 +1,259 @@
+//! Request analysis: exact values for each API and a typed error for each malformed shape.
+
+use kvroute_core::analysis::{analyze, AnalysisError, ApiKind, MediaCounts};
+use kvroute_core::estimate::{Estimator, EstimatorConfig};
+
+fn est() -> Estimator {
+    Estimator::default()
+}
+
+fn ok(api: ApiKind, body: &str) -> kvroute_core::analysis::RequestAnalysis {
+    analyze(api, body.as_bytes(), &est()).unwrap_or_else(|e| panic!("{body}: {e}"))
+}
+
+fn err(api: ApiKind, body: &str) -> AnalysisError {
+    analyze(api, body.as_bytes(), &est()).expect_err(body)
+}
+
+fn invalid(field: &str, expected: &'static str) -> AnalysisError {
+    AnalysisError::InvalidField { field: field.into(), expected }
+}
+
+#[test]
+fn api_kind_from_path() {
+    assert_eq!(ApiKind::from_path("/v1/chat/completions"), ApiKind::ChatCompletions);
+    assert_eq!(ApiKind::from_path("/v1/chat/completions/?x=1"), ApiKind::ChatCompletions);
+    assert_eq!(ApiKind::from_path("/v1/completions"), ApiKind::Completions);
+    assert_eq!(ApiKind::from_path("/v1/responses"), ApiKind::Responses);
+    assert_eq!(ApiKind::from_path("/v1/embeddings"), ApiKind::Embeddings);
+    assert_eq!(ApiKind::from_path("/generate"), ApiKind::Other);
+}
+
+#[test]
+fn chat_minimal_exact_values() {
+    let a = ok(ApiKind::ChatCompletions, r#"{"model":"m","messages":[{"role":"user","content":"Hello world"}]}"#);
+    assert_eq!(a.model.as_deref(), Some("m"));
+    assert!(!a.stream);
+    assert_eq!(a.n, 1);
+    assert_eq!(a.max_output_tokens, None);
+    // "Hello" + "world" = 2 text tokens, + 3 per message + 3 reply priming.
+    assert_eq!(a.prompt_tokens, 8);
+    assert!(!a.prompt_tokens_exact);
+    assert_eq!(a.prefix_text, "<|user|>\nHello world\n");
+    assert_eq!(a.cache_salt, None);
+    assert_eq!(a.priority, 0);
+    assert_eq!(a.media, MediaCounts::default());
+}
+
+#[test]
+fn chat_fields_and_limits() {
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","stream":true,"n":3,"max_tokens":16,"max_completion_tokens":512,
+            "cache_salt":"s","priority":-5,"temperature":0.2,"logit_bias":{"1":2},
+            "messages":[{"role":"system","content":"Be terse."},{"role":"user","content":"Hi"}]}"#,
+    );
+    assert!(a.stream);
+    assert_eq!(a.n, 3);
+    assert_eq!(a.max_output_tokens, Some(512));
+    assert_eq!(a.cache_salt.as_deref(), Some("s"));
+    assert_eq!(a.priority, -5);
+    // "Be"+"terse"+"." = 3, "Hi" = 1; 2 messages × 3 + 3.
+    assert_eq!(a.prompt_tokens, 13);
+    assert_eq!(a.prefix_text, "<|system|>\nBe terse.\n<|user|>\nHi\n");
+    let b = ok(ApiKind::ChatCompletions, r#"{"model":"m","max_tokens":16,"messages":[]}"#);
+    assert_eq!(b.max_output_tokens, Some(16));
+    assert_eq!(b.prompt_tokens, 3);
+    // Huge limits saturate instead of failing.
+    let c = ok(ApiKind::ChatCompletions, r#"{"model":"m","max_tokens":99999999999,"messages":[]}"#);
+    assert_eq!(c.max_output_tokens, Some(u32::MAX));
+    // Explicit nulls mean "absent".
+    let d = ok(ApiKind::ChatCompletions, r#"{"model":"m","max_tokens":null,"stream":null,"messages":[]}"#);
+    assert_eq!(d.max_output_tokens, None);
+}
+
+#[test]
+fn chat_parts_media_tools_and_tool_calls() {
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"messages":[
+          {"role":"user","content":[{"type":"text","text":"Look"},
+             {"type":"image_url","image_url":{"url":"https://x/a.png"}},
+             {"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}},
+             {"type":"video_url","video_url":{"url":"https://x/v.mp4"}}]},
+          {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+             "function":{"name":"get","arguments":"{}"}}]},
+          {"role":"tool","tool_call_id":"c1","content":"sunny"}]}"#,
+    );
+    assert_eq!(a.media, MediaCounts { images: 1, audio: 1, video: 1 });
+    assert!(a.prefix_text.starts_with("<|tools|>\n[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]\n<|user|>\nLook<|image:"));
+    assert!(a.prefix_text.contains("<|assistant|>\n<|tool_call|>get{}\n\n<|tool|>\nsunny\n"));
+    let allow = &est().config.media;
+    let media = u64::from(allow.image_tokens + allow.audio_tokens + allow.video_tokens);
+    assert!(a.prompt_tokens > media && a.prompt_tokens < media + 40, "{}", a.prompt_tokens);
+    // Different images hash differently, so they never share a prefix block.
+    let b = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x/b.png"}}]}]}"#,
+    );
+    let c = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x/c.png"}}]}]}"#,
+    );
+    assert_ne!(b.prefix_text, c.prefix_text);
+}
+
+#[test]
+fn completions_prompt_shapes() {
+    let s = ok(ApiKind::Completions, r#"{"model":"m","prompt":"Hello world","max_tokens":7}"#);
+    assert_eq!((s.prompt_tokens, s.prompt_tokens_exact, s.max_output_tokens), (2, false, Some(7)));
+    assert_eq!(s.prefix_text, "Hello world");
+    let arr = ok(ApiKind::Completions, r#"{"model":"m","prompt":["a b","c"]}"#);
+    assert_eq!(arr.prompt_tokens, 3);
+    assert_eq!(arr.prefix_text, "a b\nc");
+    let ids = ok(ApiKind::Completions, r#"{"model":"m","prompt":[1,22,333]}"#);
+    assert_eq!((ids.prompt_tokens, ids.prompt_tokens_exact), (3, true));
+    assert_eq!(ids.prefix_text, "1 22 333");
+    let batch = ok(ApiKind::Completions, r#"{"model":"m","prompt":[[1,2],[3,4,5]]}"#);
+    assert_eq!((batch.prompt_tokens, batch.prompt_tokens_exact), (5, true));
+    assert_eq!(batch.prefix_text, "1 2\n3 4 5");
+}
+
+#[test]
+fn calibration_and_media_allowances_are_configurable() {
+    let mut cfg = EstimatorConfig::default();
+    cfg.calibration.insert("m".into(), 2.0);
+    cfg.media.image_tokens = 10;
+    let e = Estimator::new(cfg);
+    let a = analyze(ApiKind::Completions, br#"{"model":"m","prompt":"Hello world"}"#, &e).unwrap();
+    assert_eq!(a.prompt_tokens, 4);
+    // Token ids are exact: no calibration.
+    let ids = analyze(ApiKind::Completions, br#"{"model":"m","prompt":[1,2,3]}"#, &e).unwrap();
+    assert_eq!(ids.prompt_tokens, 3);
+    let img = analyze(
+        ApiKind::ChatCompletions,
+        br#"{"model":"other","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}]}"#,
+        &e,
+    )
+    .unwrap();
+    assert_eq!(img.prompt_tokens, 10 + 3 + 3);
+}
+
+#[test]
+fn responses_and_embeddings() {
+    let r = ok(
+        ApiKind::Responses,
+        r#"{"model":"g","instructions":"Be terse.","input":"Hi","max_output_tokens":100}"#,
+    );
+    assert_eq!(r.max_output_tokens, Some(100));
+    assert_eq!(r.prefix_text, "<|system|>\nBe terse.\n<|user|>\nHi\n");
+    assert_eq!(r.prompt_tokens, 13);
+    let items = ok(
+        ApiKind::Responses,
+        r#"{"model":"g","input":[{"role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_image","image_url":"data:x"}]},
+            {"type":"function_call","call_id":"c","name":"f","arguments":"{}"},
+            {"type":"function_call_output","call_id":"c","output":"ok"}]}"#,
+    );
+    assert_eq!(items.media.images, 1);
+    assert!(items.prefix_text.contains("<|function_call|>\n<|tool_call|>f{}\n<|function_call_output|>\nok\n"));
+    let e = ok(ApiKind::Embeddings, r#"{"model":"e","input":"Hello world"}"#);
+    assert_eq!((e.prompt_tokens, e.max_output_tokens), (2, Some(0)));
+    let e2 = ok(ApiKind::Embeddings, r#"{"model":"e","input":[[0,1],[2]]}"#);
+    assert_eq!((e2.prompt_tokens, e2.prompt_tokens_exact), (3, true));
+}
+
+#[test]
+fn other_paths_read_tgi_bodies_and_need_no_model() {
+    let a = ok(ApiKind::Other, r#"{"inputs":"Hello world","parameters":{"max_new_tokens":64}}"#);
+    assert_eq!((a.model, a.prompt_tokens, a.max_output_tokens), (None, 2, Some(64)));
+    let b = ok(ApiKind::Other, r#"{}"#);
+    assert_eq!((b.prompt_tokens, b.max_output_tokens), (0, None));
+}
+
+#[test]
+fn malformed_bodies_name_the_field() {
+    use ApiKind::*;
+    let cases: Vec<(ApiKind, &str, AnalysisError)> = vec![
+        (ChatCompletions, r#"{"messages":[]}"#, AnalysisError::MissingField { field: "model".into() }),
+        (ChatCompletions, r#"{"model":"m"}"#, AnalysisError::MissingField { field: "messages".into() }),
+        (ChatCompletions, r#"{"model":5,"messages":[]}"#, invalid("model", "a string")),
+        (ChatCompletions, r#"{"model":"","messages":[]}"#, invalid("model", "a non-empty string")),
+        (ChatCompletions, r#"{"model":"m","messages":{}}"#, invalid("messages", "an array of messages")),
+        (ChatCompletions, r#"{"model":"m","messages":[1]}"#, invalid("messages[0]", "a message object")),
+        (ChatCompletions, r#"{"model":"m","messages":[{"content":"x"}]}"#, AnalysisError::MissingField { field: "messages[0].role".into() }),
+        (
+            ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"},{"role":"user","content":7}]}"#,
+            invalid("messages[2].content", "a string or an array of content parts"),
+        ),
+        (
+            ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":3}]}]}"#,
+            invalid("messages[0].content[0].text", "a string"),
+        ),
+        (
+            ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"text":"x"}]}]}"#,
+            AnalysisError::MissingField { field: "messages[0].content[0].type".into() },
+        ),
+        (
+            ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"assistant","tool_calls":[{"function":{"name":"f","arguments":{}}}]}]}"#,
+            invalid("messages[0].tool_calls[0].function.arguments", "a string"),
+        ),
+        (ChatCompletions, r#"{"model":"m","tools":{},"messages":[]}"#, invalid("tools", "an array of tool definitions")),
+        (ChatCompletions, r#"{"model":"m","messages":[],"stream":"yes"}"#, invalid("stream", "a boolean")),
+        (ChatCompletions, r#"{"model":"m","messages":[],"n":0}"#, invalid("n", "an integer of at least 1")),
+        (ChatCompletions, r#"{"model":"m","messages":[],"max_tokens":-1}"#, invalid("max_tokens", "a non-negative integer")),
+        (ChatCompletions, r#"{"model":"m","messages":[],"max_completion_tokens":1.5}"#, invalid("max_completion_tokens", "a non-negative integer")),
+        (ChatCompletions, r#"{"model":"m","messages":[],"priority":"high"}"#, invalid("priority", "a 32-bit integer")),
+        (ChatCompletions, r#"{"model":"m","messages":[],"cache_salt":1}"#, invalid("cache_salt", "a string")),
+        (Completions, r#"{"model":"m","prompt":[]}"#, invalid("prompt", "a non-empty prompt")),
+        (Completions, r#"{"model":"m","prompt":[1,-2]}"#, invalid("prompt", "an array of token ids (non-negative integers)")),
+        (Completions, r#"{"model":"m","prompt":["a",2]}"#, invalid("prompt[1]", "a string")),
+        (Completions, r#"{"model":"m","prompt":[[1],["x"]]}"#, invalid("prompt[1]", "an array of token ids")),
+        (
+            Completions,
+            r#"{"model":"m","prompt":true}"#,
+            invalid("prompt", "a string, an array of strings, an array of token ids, or an array of token-id arrays"),
+        ),
+        (Responses, r#"{"model":"m","input":5}"#, invalid("input", "a string or an array of input items")),
+        (Responses, r#"{"model":"m","input":[{"call_id":"x"}]}"#, AnalysisError::MissingField { field: "input[0].type".into() }),
+        (Embeddings, r#"{"model":"m"}"#, AnalysisError::MissingField { field: "input".into() }),
+        (Other, r#"{"inputs":1}"#, invalid("inputs", "a string")),
+    ];
+    for (api, body, want) in cases {
+        assert_eq!(err(api, body), want, "{body}");
+    }
+}
+
+#[test]
+fn invalid_json_reports_position() {
+    match err(ApiKind::ChatCompletions, "{\n  \"model\": \"m\",\n  oops }") {
+        AnalysisError::InvalidJson { line, column, .. } => assert_eq!((line, column), (3, 3)),
+        e => panic!("{e:?}"),
+    }
+    for body in ["", "[1,2]", "\"str\"", "null", "{\"model\":\"m\"", "{\"model\":\"m\",\"messages\":[]} trailing"] {
+        assert!(matches!(err(ApiKind::ChatCompletions, body), AnalysisError::InvalidJson { .. }), "{body:?}");
+    }
+    match analyze(ApiKind::ChatCompletions, b"{\"model\":\"\xff\"}", &est()) {
+        Err(AnalysisError::InvalidJson { line: 1, column: 11, message }) => assert_eq!(message, "body is not valid UTF-8"),
+        r => panic!("{r:?}"),
+    }
+    // Deep nesting is captured as raw slices without recursion (no stack overflow), and a
+    // deeply nested value where a content part belongs is a typed field error.
+    let (open, close) = ("[".repeat(100_000), "]".repeat(100_000));
+    let skipped = format!("{{\"model\":\"m\",\"messages\":[],\"x\":{open}{close}}}");
+    let a = analyze(ApiKind::ChatCompletions, skipped.as_bytes(), &est()).map_err(|e| e.to_string());
+    assert_eq!(a.map(|a| a.prompt_tokens), Ok(3));
+    let inside = format!("{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":{open}{close}}}]}}");
+    let e = analyze(ApiKind::ChatCompletions, inside.as_bytes(), &est()).map(|_| ());
+    assert_eq!(e, Err(invalid("messages[0].content[0]", "a content part object")));
+}
+
+#[test]
+fn escaped_strings_are_decoded() {
+    let a = ok(ApiKind::ChatCompletions, r#"{"model":"m\u0031","messages":[{"role":"user","content":"a\nb \"q\""}]}"#);
+    assert_eq!(a.model.as_deref(), Some("m1"));
+    assert_eq!(a.prefix_text, "<|user|>\na\nb \"q\"\n");
+}

@@ -1,0 +1,115 @@
+//! Estimator accuracy against real BPE tokenizers (`tiktoken-rs` cl100k_base and o200k_base)
+//! on every prompt in `../shared/data/prompts/` (ShareGPT first turns and the LMBenchmark
+//! multi-round inputs). Asserts median |relative error| ≤ 10% and p90 ≤ 25% per tokenizer and
+//! prints the table published in the README. Native only (tiktoken ships vocabularies).
+#![cfg(not(target_family = "wasm"))]
+
+mod common;
+
+use kvroute_core::estimate::{estimate_with, CharClassCosts, Estimator};
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let idx = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+struct Row {
+    median: f64,
+    p90: f64,
+    p99: f64,
+    bias: f64,
+    n: usize,
+}
+
+fn errors(est: &[f64], truth: &[usize]) -> Row {
+    let mut rel: Vec<f64> = Vec::new();
+    let mut signed = 0.0;
+    for (e, &t) in est.iter().zip(truth) {
+        if t == 0 {
+            continue;
+        }
+        let r = (e - t as f64) / t as f64;
+        signed += r;
+        rel.push(r.abs());
+    }
+    rel.sort_by(f64::total_cmp);
+    Row {
+        median: quantile(&rel, 0.5),
+        p90: quantile(&rel, 0.9),
+        p99: quantile(&rel, 0.99),
+        bias: signed / rel.len() as f64,
+        n: rel.len(),
+    }
+}
+
+#[test]
+fn estimator_within_targets_on_shared_prompts() {
+    let prompts = common::all_prompts();
+    assert!(prompts.len() >= 1000, "expected ≥1000 prompts, got {}", prompts.len());
+    let est = Estimator::default();
+    let estimates: Vec<f64> = prompts.iter().map(|(_, p)| est.estimate_text(p) as f64).collect();
+    println!("| tokenizer | subset | prompts | median abs rel err | p90 | p99 | mean signed err |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, bpe) in [
+        ("cl100k_base", tiktoken_rs::cl100k_base().unwrap()),
+        ("o200k_base", tiktoken_rs::o200k_base().unwrap()),
+    ] {
+        let truth: Vec<usize> = prompts.iter().map(|(_, p)| bpe.encode_ordinary(p).len()).collect();
+        for subset in ["all", "sharegpt_v3_filtered_1000", "lmbenchmark_run", "lmbenchmark_warmup"] {
+            let (e, t): (Vec<f64>, Vec<usize>) = prompts
+                .iter()
+                .zip(&estimates)
+                .zip(&truth)
+                .filter(|(((s, _), _), _)| subset == "all" || *s == subset)
+                .map(|((_, e), t)| (*e, *t))
+                .unzip();
+            let r = errors(&e, &t);
+            println!(
+                "| {name} | {subset} | {} | {:.1}% | {:.1}% | {:.1}% | {:+.1}% |",
+                r.n,
+                r.median * 100.0,
+                r.p90 * 100.0,
+                r.p99 * 100.0,
+                r.bias * 100.0
+            );
+            if subset == "all" {
+                assert!(r.median <= 0.10, "{name}: median {:.3} > 0.10", r.median);
+                assert!(r.p90 <= 0.25, "{name}: p90 {:.3} > 0.25", r.p90);
+            }
+        }
+    }
+}
+
+/// Grid search used to fit [`CharClassCosts::default`] against cl100k_base. Ignored by
+/// default (slow); run with `cargo test -p kvroute-core --test estimator_accuracy -- --ignored
+/// --nocapture` to refit after changing the heuristic.
+#[test]
+#[ignore]
+fn fit_char_class_costs() {
+    let prompts = common::all_prompts();
+    let bpe = tiktoken_rs::cl100k_base().unwrap();
+    let truth: Vec<usize> = prompts.iter().map(|(_, p)| bpe.encode_ordinary(p).len()).collect();
+    let mut best = (f64::MAX, CharClassCosts::default());
+    for free in [6.0, 7.0, 8.0, 9.0, 10.0, 12.0] {
+        for per in [3.0, 4.0, 5.0, 6.0] {
+            for pm in [0.0, 0.25, 0.5, 1.0] {
+                for ob in [0.25, 0.33, 0.5, 0.75] {
+                    let c = CharClassCosts {
+                        word_free_chars: free,
+                        word_chars_per_token: per,
+                        punct_more: pm,
+                        other_byte: ob,
+                        ..CharClassCosts::default()
+                    };
+                    let e: Vec<f64> = prompts.iter().map(|(_, p)| estimate_with(&c, p).ceil()).collect();
+                    let r = errors(&e, &truth);
+                    let loss = r.median + 0.5 * r.p90;
+                    if loss < best.0 {
+                        best = (loss, c);
+                        println!("median {:.3} p90 {:.3} bias {:+.3}: {:?}", r.median, r.p90, r.bias, c);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! Endpoint picker: exact selections per policy, filters, typed outcomes, config validation
+//! and statistical bounds on the random choices.
+
+use kvroute_core::analysis::ApiKind;
+use kvroute_core::picker::*;
+use kvroute_core::snapshot::{EndpointStats, Snapshot};
+
+const NOW: u64 = 1_000_000;
+
+fn ep(id: &str) -> EndpointStats {
+    EndpointStats {
+        id: id.into(),
+        address: "10.0.0.1:8000".into(),
+        cluster: format!("c-{id}"),
+        pool: "default".into(),
+        models: vec!["m".into()],
+        lora_adapters: vec![],
+        kv_usage: Some(0.0),
+        kv_capacity_tokens: Some(100_000),
+        block_size: Some(16),
+        running: 0,
+        waiting: 0,
+        healthy: true,
+        scraped_at_ms: NOW,
+        process_start_ms: Some(1),
+    }
+}
+
+fn req(demand: u64) -> PickRequest<'static> {
+    PickRequest {
+        model: Some("m"),
+        api: ApiKind::ChatCompletions,
+        prompt_tokens: demand / 2,
+        output_limit: demand / 2,
+        demand_tokens: demand,
+        prefix_blocks: 10,
+    }
+}
+
+fn picker(policy: PolicyKind) -> Picker {
+    Picker::new(PickerConfig { policy, ..PickerConfig::default() }, 7).unwrap()
+}
+
+fn pick_with(p: &mut Picker, snap: &Snapshot, inflight: &[InFlight], prefix: &[u32], r: &PickRequest<'_>) -> PickOutcome {
+    p.pick(&PickInput { snapshot: snap, inflight, prefix_match_blocks: prefix, now_ms: NOW }, r)
+}
+
+fn primary(o: &PickOutcome) -> usize {
+    match o {
+        PickOutcome::Picked(p) => p.primary,
+        other => panic!("expected a pick, got {other:?}"),
+    }
+}
+
+fn snap(eps: Vec<EndpointStats>) -> Snapshot {
+    Snapshot::new(1, NOW, eps)
+}
+
+#[test]
+fn round_robin_exact_sequence_and_fallbacks() {
+    let s = snap(vec![ep("a"), ep("b"), ep("c")]);
+    let mut p = picker(PolicyKind::RoundRobin);
+    let picks: Vec<PickOutcome> = (0..4).map(|_| pick_with(&mut p, &s, &[], &[], &req(10))).collect();
+    let prim: Vec<usize> = picks.iter().map(primary).collect();
+    assert_eq!(prim, vec![0, 1, 2, 0]);
+    match &picks[1] {
+        PickOutcome::Picked(pk) => {
+            assert_eq!(pk.fallbacks, vec![2, 0]);
+            assert_eq!(pk.policy, PolicyKind::RoundRobin);
+            assert_eq!(pk.reason, PickReason::Policy);
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn least_request_counts_snapshot_and_inflight() {
+    let mut a = ep("a");
+    a.running = 3;
+    let mut b = ep("b");
+    b.waiting = 1;
+    let c = ep("c");
+    let s = snap(vec![a, b, c]);
+    let mut p = picker(PolicyKind::LeastRequest);
+    // c is idle.
+    assert_eq!(primary(&pick_with(&mut p, &s, &[], &[], &req(10))), 2);
+    // With 2 in-flight on c, b (1 waiting) wins; fallbacks c then a.
+    let infl = [InFlight::default(), InFlight::default(), InFlight { requests: 2, tokens: 0 }];
+    match pick_with(&mut p, &s, &infl, &[], &req(10)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (1, vec![2, 0])),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn least_kv_uses_projected_usage_and_ranks_unknown_last() {
+    let mut a = ep("a");
+    a.kv_usage = Some(0.5);
+    let mut b = ep("b");
+    b.kv_usage = Some(0.2);
+    let mut c = ep("c");
+    c.kv_usage = None;
+    let s = snap(vec![a, b, c]);
+    let mut p = picker(PolicyKind::LeastKv);
+    match pick_with(&mut p, &s, &[], &[], &req(10)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (1, vec![0, 2])),
+        o => panic!("{o:?}"),
+    }
+    // 40k in-flight tokens on b (capacity 100k): projected 0.6 > 0.5.
+    let infl = [InFlight::default(), InFlight { requests: 1, tokens: 40_000 }];
+    assert_eq!(primary(&pick_with(&mut p, &s, &infl, &[], &req(10))), 0);
+}
+
+#[test]
+fn prefix_affinity_prefers_longest_match_then_load() {
+    let mut a = ep("a");
+    a.running = 5;
+    let b = ep("b");
+    let c = ep("c");
+    let s = snap(vec![a, b, c]);
+    let mut p = picker(PolicyKind::PrefixAffinity);
+    assert_eq!(primary(&pick_with(&mut p, &s, &[], &[8, 2, 0], &req(10))), 0);
+    // Equal match: lower load wins.
+    let mut c2 = s.clone();
+    c2.endpoints[1].running = 2;
+    assert_eq!(primary(&pick_with(&mut p, &c2, &[], &[0, 4, 4], &req(10))), 2);
+}
+
+#[test]
+fn hybrid_exact_scores() {
+    // Default weights kv 1, queue 1, inflight 1, prefix 2; capacity 100k; demand 10k.
+    // a: usage 0.1, waiting 0, prefix 10/10 → 1·(1−0.1−0.1) + 1 + 1 + 2·1 = 4.8
+    // b: usage 0.0, waiting 4             → 1·0.9 + 0 + 1 + 0 = 1.9
+    // c: usage 0.5, waiting 2, prefix 5   → 1·0.4 + 0.5 + 1 + 1 = 2.9
+    let mut a = ep("a");
+    a.kv_usage = Some(0.1);
+    let mut b = ep("b");
+    b.waiting = 4;
+    let mut c = ep("c");
+    c.kv_usage = Some(0.5);
+    c.waiting = 2;
+    let s = snap(vec![a, b, c]);
+    let mut p = picker(PolicyKind::Hybrid);
+    match pick_with(&mut p, &s, &[], &[10, 0, 5], &req(10_000)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (0, vec![2, 1])),
+        o => panic!("{o:?}"),
+    }
+    // Without prefix matches: a = 0.8+1+1 = 2.8, b = 0.9+0+1 = 1.9, c = 0.4+0.5+1 = 1.9;
+    // a wins; b and c tie on score and the secondary key (load: b 4, c 2) puts c first.
+    match pick_with(&mut p, &s, &[], &[], &req(10_000)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (0, vec![2, 1])),
+        o => panic!("{o:?}"),
+    }
+    // In-flight tokens move traffic: 60k reserved on a → headroom 1−0.1−0.7 = 0.2 and
+    // in-flight term 0: a = 0.2+1+0 = 1.2 < b = 1.9.
+    let infl = [InFlight { requests: 3, tokens: 60_000 }];
+    let o = pick_with(&mut p, &s, &infl, &[], &req(10_000));
+    assert_ne!(primary(&o), 0);
+}
+
+#[test]
+fn hybrid_with_unknown_kv_uses_queue_and_inflight() {
+    let mut a = ep("a");
+    a.kv_usage = None;
+    a.kv_capacity_tokens = None;
+    a.waiting = 3;
+    let mut b = ep("b");
+    b.kv_usage = None;
+    b.kv_capacity_tokens = None;
+    let s = snap(vec![a, b]);
+    let mut p = picker(PolicyKind::Hybrid);
+    assert_eq!(primary(&pick_with(&mut p, &s, &[], &[], &req(1_000_000))), 1);
+}
+
+#[test]
+fn filters_and_typed_outcomes() {
+    let mut p = picker(PolicyKind::Hybrid);
+    // No endpoint serves the model.
+    let s = snap(vec![ep("a")]);
+    let mut r = req(10);
+    r.model = Some("other");
+    assert_eq!(pick_with(&mut p, &s, &[], &[], &r), PickOutcome::NoEndpoints);
+    assert_eq!(pick_with(&mut p, &snap(vec![]), &[], &[], &req(10)), PickOutcome::NoEndpoints);
+    // LoRA adapters count as served models.
+    let mut l = ep("l");
+    l.lora_adapters = vec!["other".into()];
+    assert_eq!(primary(&pick_with(&mut p, &snap(vec![ep("a"), l]), &[], &[], &r)), 1);
+    // Unhealthy only → no endpoints.
+    let mut u = ep("u");
+    u.healthy = false;
+    assert_eq!(pick_with(&mut p, &snap(vec![u.clone()]), &[], &[], &req(10)), PickOutcome::NoEndpoints);
+    // Full KV → no capacity; demand larger than the whole cache → no capacity.
+    let mut full = ep("f");
+    full.kv_usage = Some(0.95);
+    assert_eq!(pick_with(&mut p, &snap(vec![full.clone()]), &[], &[], &req(10_000)), PickOutcome::NoCapacity);
+    assert_eq!(pick_with(&mut p, &snap(vec![ep("a")]), &[], &[], &req(200_000)), PickOutcome::NoCapacity);
+    // The one with room is chosen over the full one.
+    assert_eq!(primary(&pick_with(&mut p, &snap(vec![full, ep("ok")]), &[], &[], &req(10_000))), 1);
+    // min_kv_headroom: 0.2 required; usage 0.75 + 10% demand leaves 0.15 → no capacity.
+    let mut q = Picker::new(PickerConfig { min_kv_headroom: 0.2, ..PickerConfig::default() }, 1).unwrap();
+    let mut e = ep("e");
+    e.kv_usage = Some(0.75);
+    assert_eq!(pick_with(&mut q, &snap(vec![e]), &[], &[], &req(10_000)), PickOutcome::NoCapacity);
+}
+
+#[test]
+fn stale_endpoints_only_when_nothing_is_fresh() {
+    let mut stale = ep("s");
+    stale.scraped_at_ms = NOW - 10_000;
+    let mut p = picker(PolicyKind::Hybrid);
+    // A fresh, healthy endpoint wins even if loaded.
+    let mut fresh = ep("f");
+    fresh.waiting = 50;
+    fresh.kv_usage = Some(0.8);
+    assert_eq!(primary(&pick_with(&mut p, &snap(vec![stale.clone(), fresh.clone()]), &[], &[], &req(10))), 1);
+    // Fresh but full: no capacity, never the stale one.
+    fresh.kv_usage = Some(1.0);
+    assert_eq!(pick_with(&mut p, &snap(vec![stale.clone(), fresh]), &[], &[], &req(10)), PickOutcome::NoCapacity);
+    // All stale: least-request fallback.
+    let mut stale2 = stale.clone();
+    stale2.id = "s2".into();
+    stale2.running = 4;
+    match pick_with(&mut p, &snap(vec![stale2, stale]), &[], &[], &req(10)) {
+        PickOutcome::Picked(pk) => {
+            assert_eq!((pk.primary, pk.reason, pk.policy), (1, PickReason::StaleFallback, PolicyKind::LeastRequest));
+            assert_eq!(pk.fallbacks, vec![0]);
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn request_classes_route_to_pools() {
+    let short = RequestClass { name: "short".into(), pool: "qa".into(), max_prompt_tokens: Some(1000), ..Default::default() };
+    let long = RequestClass { name: "long".into(), pool: "docs".into(), min_prompt_tokens: Some(1000), ..Default::default() };
+    let cfg = PickerConfig { classes: vec![short, long], ..PickerConfig::default() };
+    let mut p = Picker::new(cfg, 3).unwrap();
+    let mut a = ep("a");
+    a.pool = "qa".into();
+    let mut b = ep("b");
+    b.pool = "docs".into();
+    let s = snap(vec![a, b]);
+    let mut r = req(100);
+    r.prompt_tokens = 50;
+    match pick_with(&mut p, &s, &[], &[], &r) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.class.as_deref(), pk.fallbacks.len()), (0, Some("short"), 0)),
+        o => panic!("{o:?}"),
+    }
+    r.prompt_tokens = 5000;
+    r.demand_tokens = 6000;
+    assert_eq!(primary(&pick_with(&mut p, &s, &[], &[], &r)), 1);
+    // Class pool without endpoints: falls back to every pool.
+    let only_qa = snap(vec![s.endpoints[0].clone()]);
+    assert_eq!(primary(&pick_with(&mut p, &only_qa, &[], &[], &r)), 0);
+    // Model and API bounds.
+    let c = RequestClass { name: "emb".into(), pool: "e".into(), apis: vec![ApiKind::Embeddings], models: vec!["m".into()], ..Default::default() };
+    assert!(!c.matches(&r));
+    r.api = ApiKind::Embeddings;
+    assert!(c.matches(&r));
+    r.model = None;
+    assert!(!c.matches(&r));
+}
+
+#[test]
+fn config_validation_names_the_field() {
+    let bad = |cfg: PickerConfig| Picker::new(cfg, 0).unwrap_err();
+    let e = bad(PickerConfig { min_kv_headroom: 1.5, ..Default::default() });
+    assert_eq!((e.field.as_str(), e.value.as_str()), ("min_kv_headroom", "1.5"));
+    let e = bad(PickerConfig { min_kv_headroom: f64::NAN, ..Default::default() });
+    assert_eq!(e.field, "min_kv_headroom");
+    let e = bad(PickerConfig { stale_after_ms: 0, ..Default::default() });
+    assert_eq!(e.field, "stale_after_ms");
+    let e = bad(PickerConfig { weights: HybridWeights { queue: -1.0, ..Default::default() }, ..Default::default() });
+    assert_eq!(e.to_string(), "picker config field `weights.queue` = -1: must be a finite number >= 0");
+    let e = bad(PickerConfig { classes: vec![RequestClass { name: "x".into(), ..Default::default() }], ..Default::default() });
+    assert_eq!(e.field, "classes[0].pool");
+    let e = bad(PickerConfig {
+        classes: vec![RequestClass { name: "x".into(), pool: "p".into(), min_prompt_tokens: Some(5), max_prompt_tokens: Some(5), ..Default::default() }],
+        ..Default::default()
+    });
+    assert_eq!(e.field, "classes[0].max_prompt_tokens");
+    // Config parses from JSON with documented defaults; unknown fields are rejected.
+    let cfg: PickerConfig = serde_json::from_str(r#"{"policy":"least_kv","weights":{"prefix":3}}"#).unwrap();
+    assert_eq!((cfg.policy, cfg.weights.prefix, cfg.weights.queue, cfg.stale_after_ms), (PolicyKind::LeastKv, 3.0, 1.0, 2000));
+    assert!(serde_json::from_str::<PickerConfig>(r#"{"polcy":"random"}"#).is_err());
+    assert_eq!(PolicyKind::PrefixAffinity.name(), "prefix_affinity");
+}
+
+/// Random policy: 4 equal endpoints, 8,000 picks. Each expected 2,000; the binomial standard
+/// deviation is √(8000·¼·¾) ≈ 38.7, so ±200 is > 5σ (a fixed seed makes it deterministic).
+#[test]
+fn random_policy_is_uniform_within_statistical_bounds() {
+    let s = snap(vec![ep("a"), ep("b"), ep("c"), ep("d")]);
+    for seed in [1u64, 2, 3] {
+        let mut p = Picker::new(PickerConfig { policy: PolicyKind::Random, ..Default::default() }, seed).unwrap();
+        let mut counts = [0u32; 4];
+        for _ in 0..8000 {
+            counts[primary(&pick_with(&mut p, &s, &[], &[], &req(10)))] += 1;
+        }
+        for c in counts {
+            assert!((1800..=2200).contains(&c), "seed {seed}: {counts:?}");
+        }
+    }
+}
+
+/// Ties under `least_request` break at random: 3 identical endpoints share the load.
+#[test]
+fn ties_break_at_random_within_statistical_bounds() {
+    let s = snap(vec![ep("a"), ep("b"), ep("c")]);
+    let mut p = picker(PolicyKind::LeastRequest);
+    let mut counts = [0u32; 3];
+    for _ in 0..6000 {
+        counts[primary(&pick_with(&mut p, &s, &[], &[], &req(10)))] += 1;
+    }
+    // Expected 2000 each; σ ≈ 36.5; ±200 > 5σ.
+    for c in counts {
+        assert!((1800..=2200).contains(&c), "{counts:?}");
+    }
+}

@@ -1,0 +1,240 @@
+//! Property tests: the analyser never panics on arbitrary bytes or JSON; picks always
+//! respect the filters (model served, healthy, fresh, KV headroom); hashing invariants.
+
+use kvroute_core::analysis::{analyze, AnalysisError, ApiKind};
+use kvroute_core::estimate::Estimator;
+use kvroute_core::picker::*;
+use kvroute_core::prefix::{block_hashes, PrefixConfig};
+use kvroute_core::snapshot::{EndpointStats, Snapshot};
+use proptest::prelude::*;
+use serde_json::Value;
+
+const APIS: [ApiKind; 5] = [
+    ApiKind::ChatCompletions,
+    ApiKind::Completions,
+    ApiKind::Responses,
+    ApiKind::Embeddings,
+    ApiKind::Other,
+];
+
+fn json_value() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        ".{0,20}".prop_map(Value::String),
+        prop_oneof![Just("user"), Just("text"), Just("image_url"), Just("function_call"), Just("m")]
+            .prop_map(|s| Value::String(s.into())),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::vec(
+                (
+                    prop_oneof![
+                        Just("model"), Just("messages"), Just("role"), Just("content"), Just("type"),
+                        Just("text"), Just("prompt"), Just("input"), Just("tools"), Just("tool_calls"),
+                        Just("function"), Just("arguments"), Just("name"), Just("n"), Just("max_tokens"),
+                        Just("image_url"), Just("output"), Just("instructions"), Just("inputs"),
+                        Just("parameters"), Just("cache_salt"), Just("priority"), Just("stream"),
+                    ]
+                    .prop_map(String::from),
+                    inner,
+                ),
+                0..6,
+            )
+            .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+        ]
+    })
+}
+
+/// A body shaped like a chat request whose leaves are random: exercises deep paths.
+fn chatty_body() -> impl Strategy<Value = Value> {
+    (json_value(), prop::collection::vec((json_value(), json_value()), 0..4), json_value()).prop_map(
+        |(model, msgs, extra)| {
+            let messages: Vec<Value> = msgs
+                .into_iter()
+                .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
+                .collect();
+            serde_json::json!({"model": model, "messages": messages, "prompt": extra.clone(), "input": extra})
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn analyser_never_panics_on_bytes(body in prop::collection::vec(any::<u8>(), 0..512)) {
+        let est = Estimator::default();
+        for api in APIS {
+            let _ = analyze(api, &body, &est);
+        }
+    }
+
+    #[test]
+    fn analyser_never_panics_on_json(v in json_value(), c in chatty_body()) {
+        let est = Estimator::default();
+        for body in [v.to_string(), c.to_string()] {
+            for api in APIS {
+                match analyze(api, body.as_bytes(), &est) {
+                    Ok(a) => {
+                        prop_assert!(a.n >= 1);
+                        if api != ApiKind::Other { prop_assert!(a.model.is_some()); }
+                    }
+                    Err(AnalysisError::MissingField { field }) | Err(AnalysisError::InvalidField { field, .. }) => {
+                        prop_assert!(!field.is_empty());
+                    }
+                    Err(AnalysisError::InvalidJson { .. }) => {
+                        // Only non-objects are rejected as JSON: these bodies are valid JSON.
+                        prop_assert!(!body.starts_with('{'), "valid object rejected as JSON");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn estimator_is_monotone_under_concatenation(a in ".{0,200}", b in ".{0,200}") {
+        let est = Estimator::default();
+        let whole = est.estimate_text_f64(&format!("{a}{b}"));
+        // Joining two texts can merge at most one run across the seam.
+        prop_assert!(whole + 1.0 + 1e-9 >= est.estimate_text_f64(&a) + est.estimate_text_f64(&b) - 2.0);
+        prop_assert!(est.estimate_text_f64(&a) >= 0.0);
+    }
+
+    #[test]
+    fn hashes_of_a_prefix_are_a_prefix(text in ".{0,600}", cut in 0usize..600, bc in 1usize..80) {
+        let cfg = PrefixConfig { block_chars: bc, max_blocks: 256 };
+        let cut = (0..=cut.min(text.len())).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+        let h = block_hashes("m", None, &text, &cfg);
+        let p = block_hashes("m", None, &text[..cut], &cfg);
+        prop_assert_eq!(h.len(), (text.len() / bc).min(256));
+        prop_assert_eq!(&h[..p.len()], &p[..]);
+    }
+}
+
+const NOW: u64 = 10_000_000;
+
+fn endpoint() -> impl Strategy<Value = EndpointStats> {
+    (
+        prop_oneof![Just(vec!["m".to_string()]), Just(vec!["x".to_string()]), Just(vec!["m".to_string(), "x".to_string()])],
+        prop::option::of(0.0f64..=1.0),
+        prop::option::of(1u64..200_000),
+        0u32..50,
+        0u32..50,
+        any::<bool>(),
+        0u64..6_000,
+        prop_oneof![Just("a"), Just("b")],
+    )
+        .prop_map(|(models, kv_usage, cap, running, waiting, healthy, age, pool)| EndpointStats {
+            id: String::new(),
+            address: "127.0.0.1:1".into(),
+            cluster: "c".into(),
+            pool: pool.into(),
+            models,
+            lora_adapters: vec![],
+            kv_usage,
+            kv_capacity_tokens: cap,
+            block_size: Some(16),
+            running,
+            waiting,
+            healthy,
+            scraped_at_ms: NOW - age,
+            process_start_ms: None,
+        })
+}
+
+fn policy() -> impl Strategy<Value = PolicyKind> {
+    prop_oneof![
+        Just(PolicyKind::RoundRobin),
+        Just(PolicyKind::Random),
+        Just(PolicyKind::LeastRequest),
+        Just(PolicyKind::LeastKv),
+        Just(PolicyKind::PrefixAffinity),
+        Just(PolicyKind::Hybrid),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn picks_respect_filters(
+        mut eps in prop::collection::vec(endpoint(), 0..12),
+        inflight in prop::collection::vec((0u32..10, 0u64..50_000), 0..12),
+        prefix in prop::collection::vec(0u32..20, 0..12),
+        policy in policy(),
+        demand in 0u64..100_000,
+        headroom in 0.0f64..0.5,
+        seed in any::<u64>(),
+        with_class in any::<bool>(),
+    ) {
+        for (i, e) in eps.iter_mut().enumerate() {
+            e.id = format!("e{i}");
+        }
+        let snapshot = Snapshot::new(1, NOW, eps);
+        prop_assert!(snapshot.validate().is_ok());
+        let inflight: Vec<InFlight> = inflight.into_iter().map(|(requests, tokens)| InFlight { requests, tokens }).collect();
+        let classes = if with_class {
+            vec![RequestClass { name: "k".into(), pool: "a".into(), ..Default::default() }]
+        } else {
+            vec![]
+        };
+        let cfg = PickerConfig { policy, min_kv_headroom: headroom, classes, ..PickerConfig::default() };
+        let stale_after = cfg.stale_after_ms;
+        let mut picker = Picker::new(cfg, seed).unwrap();
+        let req = PickRequest {
+            model: Some("m"),
+            api: ApiKind::ChatCompletions,
+            prompt_tokens: demand / 2,
+            output_limit: demand / 2,
+            demand_tokens: demand,
+            prefix_blocks: 20,
+        };
+        let input = PickInput { snapshot: &snapshot, inflight: &inflight, prefix_match_blocks: &prefix, now_ms: NOW };
+        let out = picker.pick(&input, &req);
+
+        let eps = &snapshot.endpoints;
+        let pool_has = eps.iter().any(|e| e.healthy && e.models.iter().any(|m| m == "m") && e.pool == "a");
+        let in_pool = |e: &EndpointStats| !with_class || !pool_has || e.pool == "a";
+        let usable = |e: &EndpointStats| e.healthy && e.models.iter().any(|m| m == "m") && in_pool(e);
+        let fresh = |e: &EndpointStats| NOW - e.scraped_at_ms <= stale_after;
+        let fits = |i: usize, e: &EndpointStats| {
+            let infl = inflight.get(i).copied().unwrap_or_default();
+            match (e.kv_usage, e.kv_capacity_tokens) {
+                (Some(u), Some(c)) => demand <= c && 1.0 - u - (infl.tokens + demand) as f64 / c as f64 >= headroom,
+                (Some(u), None) => 1.0 - u >= headroom,
+                _ => e.kv_capacity_tokens.is_none_or(|c| demand <= c),
+            }
+        };
+        let any_usable = eps.iter().any(usable);
+        let any_fresh = eps.iter().any(|e| usable(e) && fresh(e));
+        let any_fit = eps.iter().enumerate().any(|(i, e)| usable(e) && fresh(e) && fits(i, e));
+        match out {
+            PickOutcome::NoEndpoints => prop_assert!(!any_usable),
+            PickOutcome::NoCapacity => prop_assert!(any_fresh && !any_fit),
+            PickOutcome::Picked(p) => {
+                let mut all = vec![p.primary];
+                all.extend(&p.fallbacks);
+                let mut dedup = all.clone();
+                dedup.sort_unstable();
+                dedup.dedup();
+                prop_assert_eq!(dedup.len(), all.len(), "fallbacks must be distinct");
+                prop_assert!(p.fallbacks.len() <= 2);
+                for &i in &all {
+                    let e = &eps[i];
+                    prop_assert!(usable(e), "picked an unusable endpoint");
+                    if any_fresh {
+                        // A stale endpoint is never chosen while a fresh one can serve.
+                        prop_assert!(fresh(e) && fits(i, e));
+                        prop_assert_eq!(p.reason, PickReason::Policy);
+                    } else {
+                        prop_assert_eq!(p.reason, PickReason::StaleFallback);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! Plugin configuration: parsed from the plugin's JSON `configuration` with serde
+//! (`deny_unknown_fields`, every field defaulted), then validated into [`Config`] by
+//! `TryFrom<RawConfig>`. A bad config makes `on_configure` return false with one log line
+//! naming the field (see [`ConfigError`]).
+//!
+//! Every field, its default and unit is listed in the README's "Plugin configuration" table.
+
+use kvroute_core::estimate::EstimatorConfig;
+use kvroute_core::picker::{Picker, PickerConfig};
+use kvroute_core::prefix::PrefixConfig;
+use kvroute_core::profile::ModelProfile;
+use serde::Deserialize;
+
+/// Which job this plugin instance does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Route client requests (the data path).
+    #[default]
+    Route,
+    /// Serve the snapshot ingest route and answer everything else locally (404): nothing
+    /// reaches an upstream. Put this on a listener bound to loopback.
+    Ingest,
+}
+
+/// How the decision is handed to Envoy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Set `cluster_header` to the endpoint's Envoy cluster; the route uses `cluster_header`.
+    #[default]
+    Cluster,
+    /// Set `endpoint_header` to `host:port[,fallback...]` (Gateway API Inference Extension).
+    Endpoint,
+}
+
+/// What to do with `Content-Encoding`-compressed request bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EncodedBodies {
+    /// Do not inspect; route by load alone (decided at header time, no buffering).
+    #[default]
+    RouteByLoad,
+}
+
+/// Admission control (see `kvroute_core::admission`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Hold requests when every endpoint is saturated (default false: answer 429 at once).
+    pub enabled: bool,
+    /// Most requests held per Envoy worker (default 64).
+    pub max_queue: usize,
+    /// Longest hold before a 429, milliseconds (default 5000).
+    pub timeout_ms: u64,
+    /// How often held requests are retried, milliseconds (default 50).
+    pub tick_ms: u64,
+    /// `retry-after` sent with a 429, seconds (default 1).
+    pub retry_after_s: u32,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_queue: 64,
+            timeout_ms: 5_000,
+            tick_ms: 50,
+            retry_after_s: 1,
+        }
+    }
+}
+
+/// The plugin configuration as written (JSON).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawConfig {
+    /// `route` (default) or `ingest`.
+    pub role: Role,
+    /// `cluster` (default) or `endpoint`.
+    pub mode: Mode,
+    /// Header set in cluster mode (default `x-kvroute-cluster`).
+    pub cluster_header: String,
+    /// Header set in endpoint mode (default `x-gateway-destination-endpoint`).
+    pub endpoint_header: String,
+    /// Largest request body inspected, bytes (default 4 MiB). Larger bodies are routed by
+    /// load alone; set Envoy's `per_connection_buffer_limit_bytes` to at least this.
+    pub max_body_bytes: usize,
+    /// Compressed bodies: `route_by_load` (default).
+    pub encoded_bodies: EncodedBodies,
+    /// Ingest path (default `/kvroute/v1/snapshot`).
+    pub ingest_path: String,
+    /// Bearer token the control plane must send (required for role `ingest`).
+    pub ingest_token: String,
+    /// Largest snapshot accepted, bytes (default 1 MiB).
+    pub ingest_max_bytes: usize,
+    /// Shared queue name (default `kvroute.snapshots`).
+    pub queue_name: String,
+    /// `vm_config.vm_id` of this plugin (default `kvroute`), used to resolve the queue.
+    pub vm_id: String,
+    /// Reservation lifetime, milliseconds (default 600000).
+    pub reservation_ttl_ms: u64,
+    /// Endpoint picker (policy, `stale_after_ms`, headroom, weights, classes, fallbacks).
+    pub picker: PickerConfig,
+    /// Token estimator (media allowances, per-model calibration).
+    pub estimator: EstimatorConfig,
+    /// Prefix hashing (block size in characters, max blocks).
+    pub prefix: PrefixConfig,
+    /// Blocks remembered per endpoint by the per-worker prefix index (default 16384).
+    pub prefix_index_blocks: usize,
+    /// Extra model profiles (added to the built-in ones).
+    pub models: Vec<ModelProfile>,
+    /// Learn per-model calibration from response `usage` (default true).
+    pub calibrate: bool,
+    /// Admission control.
+    pub admission: AdmissionConfig,
+    /// Internal errors let Envoy route by its default route (default true). When false,
+    /// they answer a JSON 503.
+    pub fail_open: bool,
+    /// Add `x-kvroute-decision` with the decision reason to the upstream request and the
+    /// response (default false).
+    pub debug_header: bool,
+    /// Bound on the SSE tail kept while scanning a streamed response for `usage`, bytes
+    /// (default 16384).
+    pub usage_tail_bytes: usize,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        Self {
+            role: Role::Route,
+            mode: Mode::Cluster,
+            cluster_header: "x-kvroute-cluster".into(),
+            endpoint_header: crate::names::ENDPOINT_HEADER.into(),
+            max_body_bytes: 4 * 1024 * 1024,
+            encoded_bodies: EncodedBodies::RouteByLoad,
+            ingest_path: "/kvroute/v1/snapshot".into(),
+            ingest_token: String::new(),
+            ingest_max_bytes: 1024 * 1024,
+            queue_name: "kvroute.snapshots".into(),
+            vm_id: "kvroute".into(),
+            reservation_ttl_ms: kvroute_core::inflight::DEFAULT_TTL_MS,
+            picker: PickerConfig::default(),
+            estimator: EstimatorConfig::default(),
+            prefix: PrefixConfig::default(),
+            prefix_index_blocks: 16_384,
+            models: Vec::new(),
+            calibrate: true,
+            admission: AdmissionConfig::default(),
+            fail_open: true,
+            debug_header: false,
+            usage_tail_bytes: kvroute_core::usage::DEFAULT_MAX_TAIL,
+        }
+    }
+}
+
+/// A config problem, naming the field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// Not valid JSON for [`RawConfig`] (unknown field, wrong type...).
+    #[error("kvroute plugin config is not valid JSON: {0}")]
+    Parse(String),
+    /// A field has an invalid value.
+    #[error("kvroute plugin config field `{field}` = {value}: {reason}")]
+    Invalid {
+        /// Field path.
+        field: String,
+        /// Offending value.
+        value: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config(pub RawConfig);
+
+impl std::ops::Deref for Config {
+    type Target = RawConfig;
+    fn deref(&self) -> &RawConfig {
+        &self.0
+    }
+}
+
+fn invalid(field: &str, value: impl std::fmt::Display, reason: &'static str) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        value: value.to_string(),
+        reason,
+    }
+}
+
+fn header_name_ok(h: &str) -> bool {
+    !h.is_empty()
+        && h.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl TryFrom<RawConfig> for Config {
+    type Error = ConfigError;
+    fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        if !header_name_ok(&raw.cluster_header) {
+            return Err(invalid(
+                "cluster_header",
+                &raw.cluster_header,
+                "must be a non-empty lower-case header name",
+            ));
+        }
+        if !header_name_ok(&raw.endpoint_header) {
+            return Err(invalid(
+                "endpoint_header",
+                &raw.endpoint_header,
+                "must be a non-empty lower-case header name",
+            ));
+        }
+        if raw.max_body_bytes == 0 {
+            return Err(invalid("max_body_bytes", 0, "must be at least 1"));
+        }
+        if !raw.ingest_path.starts_with('/') {
+            return Err(invalid("ingest_path", &raw.ingest_path, "must start with /"));
+        }
+        if raw.role == Role::Ingest && raw.ingest_token.len() < 16 {
+            return Err(invalid(
+                "ingest_token",
+                "<redacted>",
+                "role ingest needs a token of at least 16 characters",
+            ));
+        }
+        if raw.ingest_max_bytes == 0 {
+            return Err(invalid("ingest_max_bytes", 0, "must be at least 1"));
+        }
+        if raw.queue_name.is_empty() {
+            return Err(invalid("queue_name", "\"\"", "must not be empty"));
+        }
+        if raw.reservation_ttl_ms == 0 {
+            return Err(invalid("reservation_ttl_ms", 0, "must be at least 1"));
+        }
+        if raw.admission.enabled && raw.admission.max_queue == 0 {
+            return Err(invalid("admission.max_queue", 0, "must be at least 1 when enabled"));
+        }
+        if raw.admission.tick_ms == 0 {
+            return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
+        }
+        if raw.prefix.block_chars == 0 {
+            return Err(invalid("prefix.block_chars", 0, "must be at least 1"));
+        }
+        for (i, m) in raw.models.iter().enumerate() {
+            if m.name.is_empty() {
+                return Err(invalid(&format!("models[{i}].name"), "\"\"", "must not be empty"));
+            }
+        }
+        if let Err(e) = Picker::new(raw.picker.clone(), 0) {
+            return Err(ConfigError::Invalid {
+                field: format!("picker.{}", e.field),
+                value: e.value,
+                reason: e.reason,
+            });
+        }
+        Ok(Config(raw))
+    }
+}
+
+impl Config {
+    /// Parse and validate plugin configuration bytes; empty bytes mean all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let raw: RawConfig = if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            RawConfig::default()
+        } else {
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Parse(e.to_string()))?
+        };
+        Config::try_from(raw)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_is_all_defaults() {
+        let c = Config::parse(b"").unwrap();
+        assert_eq!(c.0, RawConfig::default());
+        assert_eq!(c.mode, Mode::Cluster);
+        assert_eq!(c.cluster_header, "x-kvroute-cluster");
+        assert_eq!(c.endpoint_header, "x-gateway-destination-endpoint");
+        assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
+        assert!(c.fail_open);
+        assert_eq!(Config::parse(b"{}").unwrap().0, RawConfig::default());
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = Config::parse(
+            br#"{"role":"ingest","mode":"endpoint","cluster_header":"x-c","endpoint_header":"x-e",
+            "max_body_bytes":1000,"encoded_bodies":"route_by_load","ingest_path":"/in",
+            "ingest_token":"0123456789abcdef","ingest_max_bytes":10,"queue_name":"q","vm_id":"v",
+            "reservation_ttl_ms":5,"picker":{"policy":"least_kv","stale_after_ms":100},
+            "estimator":{},"prefix":{"block_chars":32,"max_blocks":8},"prefix_index_blocks":9,
+            "models":[],"calibrate":false,
+            "admission":{"enabled":true,"max_queue":2,"timeout_ms":3,"tick_ms":4,"retry_after_s":5},
+            "fail_open":false,"debug_header":true,"usage_tail_bytes":100}"#,
+        )
+        .unwrap();
+        assert_eq!(c.role, Role::Ingest);
+        assert_eq!(c.mode, Mode::Endpoint);
+        assert_eq!(c.picker.stale_after_ms, 100);
+        assert_eq!(c.admission.max_queue, 2);
+        assert_eq!(c.prefix.block_chars, 32);
+        assert!(c.debug_header);
+    }
+
+    #[test]
+    fn one_invalid_case_per_field() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{"bogus":1}"#, "unknown field `bogus`"),
+            (r#"{"mode":"nope"}"#, "unknown variant `nope`"),
+            (r#"{"cluster_header":"X Bad"}"#, "field `cluster_header`"),
+            (r#"{"endpoint_header":""}"#, "field `endpoint_header`"),
+            (r#"{"max_body_bytes":0}"#, "field `max_body_bytes`"),
+            (r#"{"ingest_path":"x"}"#, "field `ingest_path`"),
+            (r#"{"role":"ingest","ingest_token":"short"}"#, "field `ingest_token`"),
+            (r#"{"ingest_max_bytes":0}"#, "field `ingest_max_bytes`"),
+            (r#"{"queue_name":""}"#, "field `queue_name`"),
+            (r#"{"reservation_ttl_ms":0}"#, "field `reservation_ttl_ms`"),
+            (r#"{"admission":{"enabled":true,"max_queue":0}}"#, "field `admission.max_queue`"),
+            (r#"{"admission":{"tick_ms":0}}"#, "field `admission.tick_ms`"),
+            (r#"{"prefix":{"block_chars":0}}"#, "field `prefix.block_chars`"),
+            (r#"{"max_body_bytes":-1}"#, "invalid value"),
+            ("not json", "not valid JSON"),
+        ];
+        for (json, want) in cases {
+            let err = Config::parse(json.as_bytes()).unwrap_err().to_string();
+            assert!(err.contains(want), "{json}: got `{err}`, want `{want}`");
+        }
+    }
+
+    #[test]
+    fn token_is_never_echoed() {
+        let err = Config::parse(br#"{"role":"ingest","ingest_token":"secret"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("secret"), "{err}");
+    }
+}

@@ -1,0 +1,283 @@
+//! The host seam: everything the glue needs from proxy-wasm, as a trait. [`crate::wasm`]
+//! implements it over the proxy-wasm SDK; [`mock::MockHost`] implements it in memory so the
+//! glue is unit-tested natively. Host status codes become [`HostError`] here.
+
+/// A host call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HostError {
+    /// Compare-and-swap on shared data lost a race.
+    #[error("shared data CAS mismatch")]
+    CasMismatch,
+    /// Anything else (status rendered).
+    #[error("host call failed: {0}")]
+    Other(String),
+}
+
+/// Metric kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Monotonic counter.
+    Counter,
+    /// Gauge.
+    Gauge,
+    /// Histogram.
+    Histogram,
+}
+
+/// Log levels used by the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// Debug.
+    Debug,
+    /// Info.
+    Info,
+    /// Warn.
+    Warn,
+    /// Error.
+    Error,
+}
+
+/// Host calls used by the filter glue.
+pub trait Host {
+    /// Now, Unix milliseconds (proxy-wasm `get_current_time`).
+    fn now_ms(&self) -> u64;
+    /// A request header (`:path`, `:method` included).
+    fn request_header(&self, name: &str) -> Option<String>;
+    /// Set (`Some`) or remove (`None`) a request header.
+    fn set_request_header(&self, name: &str, value: Option<&str>);
+    /// Set a response header.
+    fn set_response_header(&self, name: &str, value: &str);
+    /// A response header.
+    fn response_header(&self, name: &str) -> Option<String>;
+    /// Bytes `0..size` of the buffered request body.
+    fn request_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Bytes `0..size` of the current response body chunk.
+    fn response_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Answer locally; the request goes nowhere upstream.
+    fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    /// Read shared data: value and CAS token.
+    fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError>;
+    /// Write shared data; with `cas`, fails with [`HostError::CasMismatch`] if it changed.
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError>;
+    /// Enqueue `data` on the shared queue `name` of VM `vm_id`.
+    fn enqueue(&self, vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError>;
+    /// Ask Envoy to recompute the route after a routing header changed.
+    fn clear_route_cache(&self);
+    /// Add to a metric (counter/gauge) by name.
+    fn metric_add(&self, kind: MetricKind, name: &'static str, delta: i64);
+    /// Record a histogram value or set a gauge.
+    fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64);
+    /// Log one line.
+    fn log(&self, level: Level, msg: &str);
+    /// Make HTTP context `context_id` the target of the next stream calls (from a root
+    /// context's tick). False when that context is gone.
+    fn set_effective_context(&self, context_id: u32) -> bool;
+    /// Resume a paused request (of the effective context).
+    fn resume_request(&self);
+}
+
+pub mod mock {
+    //! In-memory [`Host`] for native tests, with builder methods.
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+    use std::rc::Rc;
+
+    /// Process-wide state shared by several mock hosts (like Envoy's shared data across
+    /// worker VMs).
+    #[derive(Debug, Default)]
+    pub struct SharedState {
+        /// key → (value, cas)
+        pub data: BTreeMap<String, (Vec<u8>, u32)>,
+        /// queue name → items
+        pub queues: BTreeMap<String, Vec<Vec<u8>>>,
+        /// Forced CAS failures remaining (to test retries).
+        pub fail_cas: u32,
+    }
+
+    /// A local reply sent by the filter.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct LocalReply {
+        /// Status.
+        pub status: u32,
+        /// Headers.
+        pub headers: Vec<(String, String)>,
+        /// Body.
+        pub body: Vec<u8>,
+    }
+
+    /// One stream's host view plus shared state.
+    #[derive(Debug, Default, Clone)]
+    pub struct MockHost {
+        /// Shared state (clone the Rc to share between hosts).
+        pub shared: Rc<RefCell<SharedState>>,
+        /// Clock, Unix ms.
+        pub now: Rc<RefCell<u64>>,
+        /// Request headers.
+        pub req_headers: Rc<RefCell<BTreeMap<String, String>>>,
+        /// Response headers.
+        pub resp_headers: Rc<RefCell<BTreeMap<String, String>>>,
+        /// Request body.
+        pub req_body: Rc<RefCell<Vec<u8>>>,
+        /// Current response chunk.
+        pub resp_chunk: Rc<RefCell<Vec<u8>>>,
+        /// Local replies sent.
+        pub replies: Rc<RefCell<Vec<LocalReply>>>,
+        /// Metric values by name.
+        pub metrics: Rc<RefCell<BTreeMap<&'static str, i64>>>,
+        /// Log lines.
+        pub logs: Rc<RefCell<Vec<String>>>,
+        /// Route cache clears.
+        pub route_clears: Rc<RefCell<u32>>,
+        /// (effective context, event) log: "resume" / "reply:<status>".
+        pub ctx_events: Rc<RefCell<Vec<(u32, String)>>>,
+        /// Current effective context.
+        pub effective: Rc<RefCell<u32>>,
+    }
+
+    impl MockHost {
+        /// A host at time `now_ms` with fresh shared state.
+        pub fn new(now_ms: u64) -> Self {
+            let h = Self::default();
+            *h.now.borrow_mut() = now_ms;
+            h
+        }
+
+        /// A host for another stream sharing this one's shared state and clock.
+        pub fn sibling(&self) -> Self {
+            Self {
+                shared: self.shared.clone(),
+                now: self.now.clone(),
+                metrics: self.metrics.clone(),
+                logs: self.logs.clone(),
+                ..Self::default()
+            }
+        }
+
+        /// Builder: set a request header.
+        pub fn with_header(self, k: &str, v: &str) -> Self {
+            self.req_headers.borrow_mut().insert(k.into(), v.into());
+            self
+        }
+
+        /// Builder: set the request body.
+        pub fn with_body(self, b: &[u8]) -> Self {
+            *self.req_body.borrow_mut() = b.to_vec();
+            self
+        }
+
+        /// Metric value by name (0 when never touched).
+        pub fn metric(&self, name: &str) -> i64 {
+            self.metrics.borrow().get(name).copied().unwrap_or(0)
+        }
+
+        /// A request header as set now.
+        pub fn header(&self, k: &str) -> Option<String> {
+            self.req_headers.borrow().get(k).cloned()
+        }
+
+        /// Local replies so far.
+        pub fn replies(&self) -> Vec<LocalReply> {
+            self.replies.borrow().clone()
+        }
+    }
+
+    impl Host for MockHost {
+        fn now_ms(&self) -> u64 {
+            *self.now.borrow()
+        }
+        fn request_header(&self, name: &str) -> Option<String> {
+            self.req_headers.borrow().get(name).cloned()
+        }
+        fn set_request_header(&self, name: &str, value: Option<&str>) {
+            let mut h = self.req_headers.borrow_mut();
+            match value {
+                Some(v) => h.insert(name.into(), v.into()),
+                None => h.remove(name),
+            };
+        }
+        fn set_response_header(&self, name: &str, value: &str) {
+            self.resp_headers.borrow_mut().insert(name.into(), value.into());
+        }
+        fn response_header(&self, name: &str) -> Option<String> {
+            self.resp_headers.borrow().get(name).cloned()
+        }
+        fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+            let b = self.req_body.borrow();
+            b.get(..size.min(b.len())).map(|s| s.to_vec())
+        }
+        fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+            let b = self.resp_chunk.borrow();
+            b.get(..size.min(b.len())).map(|s| s.to_vec())
+        }
+        fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+            let ctx = *self.effective.borrow();
+            self.ctx_events.borrow_mut().push((ctx, format!("reply:{status}")));
+            self.replies.borrow_mut().push(LocalReply {
+                status,
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                body: body.to_vec(),
+            });
+        }
+        fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+            Ok(match self.shared.borrow().data.get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            })
+        }
+        fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+            let mut s = self.shared.borrow_mut();
+            if cas.is_some() && s.fail_cas > 0 {
+                s.fail_cas -= 1;
+                return Err(HostError::CasMismatch);
+            }
+            let cur = s.data.get(key).map(|(_, c)| *c).unwrap_or(0);
+            if let Some(c) = cas {
+                if c != cur && !(cur == 0 && c == 0) {
+                    return Err(HostError::CasMismatch);
+                }
+            }
+            s.data.insert(key.into(), (value.to_vec(), cur + 1));
+            Ok(())
+        }
+        fn enqueue(&self, _vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError> {
+            self.shared
+                .borrow_mut()
+                .queues
+                .entry(name.into())
+                .or_default()
+                .push(data.to_vec());
+            Ok(())
+        }
+        fn clear_route_cache(&self) {
+            *self.route_clears.borrow_mut() += 1;
+        }
+        fn metric_add(&self, _kind: MetricKind, name: &'static str, delta: i64) {
+            *self.metrics.borrow_mut().entry(name).or_default() += delta;
+        }
+        fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64) {
+            let v = i64::try_from(value).unwrap_or(i64::MAX);
+            let mut m = self.metrics.borrow_mut();
+            match kind {
+                MetricKind::Histogram => *m.entry(name).or_default() += 1,
+                _ => {
+                    m.insert(name, v);
+                }
+            }
+        }
+        fn log(&self, _level: Level, msg: &str) {
+            self.logs.borrow_mut().push(msg.into());
+        }
+        fn set_effective_context(&self, context_id: u32) -> bool {
+            *self.effective.borrow_mut() = context_id;
+            true
+        }
+        fn resume_request(&self) {
+            let ctx = *self.effective.borrow();
+            self.ctx_events.borrow_mut().push((ctx, "resume".into()));
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! Header, shared-data, queue and metric names: every name the filter exposes, in one place.
+
+/// Gateway API Inference Extension destination header: `host:port[,host:port...]`
+/// (<https://gateway-api-inference-extension.sigs.k8s.io/> "endpoint picker protocol").
+pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
+/// Debug header carrying the decision reason (when `debug_header` is on).
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Shared-data key of the current snapshot (JSON bytes, `Snapshot::encode`).
+pub const SNAPSHOT_KEY: &str = "kvroute.snapshot";
+/// Shared-data key of the current snapshot version (8 bytes, big-endian u64), written after
+/// [`SNAPSHOT_KEY`] so a reader that sees a new version finds the new snapshot.
+pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
+/// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
+pub const INFLIGHT_KEY: &str = "kvroute.inflight";
+
+/// Metrics (Envoy stats, prefixed by Envoy with `wasmcustom.`).
+pub mod metric {
+    /// Decisions by the configured policy (counter).
+    pub const DECISIONS_POLICY: &str = "kvroute.decisions.policy";
+    /// Decisions by least-request because no stats were fresh (counter).
+    pub const DECISIONS_STALE: &str = "kvroute.decisions.stale_fallback";
+    /// Decisions made without the body (no body, upgrade, too large, encoded) (counter).
+    pub const DECISIONS_LOAD_ONLY: &str = "kvroute.decisions.load_only";
+    /// Requests answered 503 because no endpoint serves them (counter).
+    pub const NO_ENDPOINTS: &str = "kvroute.outcome.no_endpoints";
+    /// Requests answered 429 (saturated, queue full or timed out) (counter).
+    pub const REJECTED: &str = "kvroute.outcome.rejected";
+    /// Requests held in the admission queue (counter).
+    pub const QUEUED: &str = "kvroute.outcome.queued";
+    /// Internal errors that fell open to Envoy's default route (counter).
+    pub const FAIL_OPEN: &str = "kvroute.fail_open";
+    /// Bodies that could not be analysed (routed by load alone) (counter).
+    pub const PARSE_ERRORS: &str = "kvroute.parse_errors";
+    /// Snapshots accepted by the ingest route (counter).
+    pub const INGEST_ACCEPTED: &str = "kvroute.ingest.accepted";
+    /// Ingest requests refused: bad token, too large, invalid (counter).
+    pub const INGEST_REJECTED: &str = "kvroute.ingest.rejected";
+    /// Snapshots published to shared data by the queue consumer (counter).
+    pub const SNAPSHOTS_PUBLISHED: &str = "kvroute.snapshots.published";
+    /// Snapshots dropped by the consumer because not newer than the current one (counter).
+    pub const SNAPSHOTS_STALE: &str = "kvroute.snapshots.ignored_old";
+    /// Age of the snapshot used by the last decision, milliseconds (gauge).
+    pub const SNAPSHOT_AGE_MS: &str = "kvroute.snapshot_age_ms";
+    /// Decision time, microseconds (histogram).
+    pub const DECISION_US: &str = "kvroute.decision_us";
+    /// Time from decision to first response byte, milliseconds (histogram).
+    pub const TTFB_MS: &str = "kvroute.ttfb_ms";
+    /// |actual − estimated| prompt tokens as a percentage of actual (histogram).
+    pub const ESTIMATE_ERROR_PCT: &str = "kvroute.estimate_error_pct";
+    /// Requests currently in this worker's admission queue (gauge).
+    pub const QUEUE_LENGTH: &str = "kvroute.queue_length";
+    /// Reservations released (counter); equals reservations made once traffic stops.
+    pub const RELEASED: &str = "kvroute.reservations.released";
+    /// Reservations made (counter).
+    pub const RESERVED: &str = "kvroute.reservations.reserved";
+    /// Shared in-flight reservations right now, all workers (gauge).
+    pub const INFLIGHT: &str = "kvroute.inflight";
+}

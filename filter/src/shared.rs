@@ -1,0 +1,204 @@
+//! Process-wide state in proxy-wasm shared data: the current snapshot (published by the
+//! queue consumer, read through a per-worker cache) and the in-flight reservation table
+//! (updated with compare-and-swap).
+//!
+//! Snapshot publication writes [`SNAPSHOT_KEY`] first and [`SNAPSHOT_VERSION_KEY`] second,
+//! the latter with CAS, so two consumers racing cannot move the version backwards, and a
+//! reader that sees a new version always finds a snapshot at least that new. Readers poll
+//! only the 8-byte version on each request and decode the snapshot only when it changed
+//! ([`SnapshotCache`]).
+
+use crate::host::{Host, HostError};
+use crate::names::{INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use kvroute_core::inflight::InflightTable;
+use kvroute_core::snapshot::{Snapshot, SnapshotError};
+use std::rc::Rc;
+
+/// CAS attempts before giving up on a shared-data update.
+pub const CAS_RETRIES: u32 = 32;
+
+/// Outcome of [`publish_snapshot`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Published {
+    /// Now current.
+    Published(u64),
+    /// Not newer than `current`; dropped.
+    Ignored {
+        /// Version offered.
+        offered: u64,
+        /// Version in force.
+        current: u64,
+    },
+}
+
+/// Errors of the shared-data layer.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SharedError {
+    /// The snapshot bytes are invalid.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// A host call failed.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// CAS kept failing.
+    #[error("shared data `{0}` stayed contended after {CAS_RETRIES} attempts")]
+    Contended(&'static str),
+    /// The in-flight table in shared data is corrupt.
+    #[error("in-flight table: {0}")]
+    Inflight(String),
+}
+
+fn decode_version(bytes: Option<&[u8]>) -> Option<u64> {
+    let b: [u8; 8] = bytes?.try_into().ok()?;
+    Some(u64::from_be_bytes(b))
+}
+
+/// Current published snapshot version, if any.
+pub fn current_version<H: Host>(host: &H) -> Result<Option<u64>, HostError> {
+    let (v, _) = host.shared_get(SNAPSHOT_VERSION_KEY)?;
+    Ok(decode_version(v.as_deref()))
+}
+
+/// Validate `bytes` and publish them unless not newer than the current version.
+pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, SharedError> {
+    let snap = Snapshot::decode(bytes)?;
+    for _ in 0..CAS_RETRIES {
+        let (cur, cas) = host.shared_get(SNAPSHOT_VERSION_KEY)?;
+        if let Some(current) = decode_version(cur.as_deref()) {
+            if snap.version <= current {
+                return Ok(Published::Ignored {
+                    offered: snap.version,
+                    current,
+                });
+            }
+        }
+        host.shared_set(SNAPSHOT_KEY, bytes, None)?;
+        match host.shared_set(
+            SNAPSHOT_VERSION_KEY,
+            &snap.version.to_be_bytes(),
+            Some(cas.unwrap_or(0)),
+        ) {
+            Ok(()) => return Ok(Published::Published(snap.version)),
+            Err(HostError::CasMismatch) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(SharedError::Contended(SNAPSHOT_VERSION_KEY))
+}
+
+/// Per-worker cache of the decoded snapshot, refreshed only when the version changes.
+#[derive(Debug, Default)]
+pub struct SnapshotCache {
+    version: Option<u64>,
+    snap: Option<Rc<Snapshot>>,
+    /// How many times the snapshot was decoded (for tests and debugging).
+    pub decodes: u64,
+}
+
+impl SnapshotCache {
+    /// The current snapshot (`None` before the first publication).
+    pub fn current<H: Host>(&mut self, host: &H) -> Result<Option<Rc<Snapshot>>, SharedError> {
+        let v = current_version(host)?;
+        if v.is_some() && v != self.version {
+            let (bytes, _) = host.shared_get(SNAPSHOT_KEY)?;
+            if let Some(bytes) = bytes {
+                self.decodes += 1;
+                let snap = Snapshot::decode(&bytes)?;
+                self.version = Some(snap.version);
+                self.snap = Some(Rc::new(snap));
+            }
+        }
+        Ok(self.snap.clone())
+    }
+}
+
+/// Apply `f` to the shared in-flight table with CAS, retrying on races. Returns `f`'s
+/// result from the attempt that was written.
+pub fn update_inflight<H: Host, R>(
+    host: &H,
+    max_entries: usize,
+    mut f: impl FnMut(&mut InflightTable) -> R,
+) -> Result<R, SharedError> {
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = host.shared_get(INFLIGHT_KEY)?;
+        let mut table = match bytes.as_deref() {
+            Some(b) => {
+                InflightTable::decode(b).map_err(|e| SharedError::Inflight(e.to_string()))?
+            }
+            None => InflightTable::new(max_entries),
+        };
+        let out = f(&mut table);
+        match host.shared_set(INFLIGHT_KEY, &table.encode(), Some(cas.unwrap_or(0))) {
+            Ok(()) => return Ok(out),
+            Err(HostError::CasMismatch) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(SharedError::Contended(INFLIGHT_KEY))
+}
+
+/// Read the shared in-flight table (empty when never written).
+pub fn read_inflight<H: Host>(host: &H) -> Result<InflightTable, SharedError> {
+    let (bytes, _) = host.shared_get(INFLIGHT_KEY)?;
+    match bytes {
+        Some(b) => InflightTable::decode(&b).map_err(|e| SharedError::Inflight(e.to_string())),
+        None => Ok(InflightTable::default()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::mock::MockHost;
+
+    fn snap(v: u64) -> Vec<u8> {
+        Snapshot::new(v, 0, vec![]).encode()
+    }
+
+    #[test]
+    fn publish_rejects_older_and_equal_versions() {
+        let h = MockHost::new(0);
+        assert_eq!(publish_snapshot(&h, &snap(5)).unwrap(), Published::Published(5));
+        assert_eq!(
+            publish_snapshot(&h, &snap(5)).unwrap(),
+            Published::Ignored { offered: 5, current: 5 }
+        );
+        assert_eq!(
+            publish_snapshot(&h, &snap(4)).unwrap(),
+            Published::Ignored { offered: 4, current: 5 }
+        );
+        assert_eq!(current_version(&h).unwrap(), Some(5));
+        assert!(matches!(
+            publish_snapshot(&h, b"{}"),
+            Err(SharedError::Snapshot(_))
+        ));
+    }
+
+    #[test]
+    fn cache_decodes_only_on_version_change() {
+        let h = MockHost::new(0);
+        let mut c = SnapshotCache::default();
+        assert!(c.current(&h).unwrap().is_none());
+        publish_snapshot(&h, &snap(1)).unwrap();
+        for _ in 0..10 {
+            assert_eq!(c.current(&h).unwrap().unwrap().version, 1);
+        }
+        assert_eq!(c.decodes, 1);
+        publish_snapshot(&h, &snap(2)).unwrap();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 2);
+        assert_eq!(c.decodes, 2);
+    }
+
+    #[test]
+    fn inflight_update_retries_cas() {
+        let h = MockHost::new(0);
+        h.shared.borrow_mut().fail_cas = 3;
+        update_inflight(&h, 10, |t| t.reserve(1, "a", 5, 0, 100)).unwrap();
+        assert_eq!(read_inflight(&h).unwrap().totals(0)["a"].tokens, 5);
+        h.shared.borrow_mut().fail_cas = CAS_RETRIES;
+        assert_eq!(
+            update_inflight(&h, 10, |t| t.release(1)).unwrap_err(),
+            SharedError::Contended(INFLIGHT_KEY)
+        );
+    }
+}

@@ -1,0 +1,267 @@
+//! proxy-wasm glue: the real [`Host`] over the SDK's host calls, and the root and HTTP
+//! contexts that delegate to [`crate::stream::Stream`] and [`crate::router::Worker`].
+//! Compiled for `wasm32` only; everything it calls is unit-tested natively with the mock.
+
+use crate::config::{Config, Role};
+use crate::host::{Host, HostError, Level, MetricKind};
+use crate::router::{consume_snapshots, Worker};
+use crate::stream::{Flow, Stream};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{
+    Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status,
+};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+thread_local! {
+    static METRICS: RefCell<BTreeMap<&'static str, u32>> = const { RefCell::new(BTreeMap::new()) };
+}
+
+/// The real host: stateless wrappers over `proxy_wasm::hostcalls`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProxyHost;
+
+fn status(e: Status) -> HostError {
+    match e {
+        Status::CasMismatch => HostError::CasMismatch,
+        other => HostError::Other(format!("{other:?}")),
+    }
+}
+
+fn metric_id(kind: MetricKind, name: &'static str) -> Option<u32> {
+    METRICS.with(|m| {
+        if let Some(id) = m.borrow().get(name) {
+            return Some(*id);
+        }
+        let t = match kind {
+            MetricKind::Counter => MetricType::Counter,
+            MetricKind::Gauge => MetricType::Gauge,
+            MetricKind::Histogram => MetricType::Histogram,
+        };
+        let id = hostcalls::define_metric(t, name).ok()?;
+        m.borrow_mut().insert(name, id);
+        Some(id)
+    })
+}
+
+impl Host for ProxyHost {
+    fn now_ms(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+    fn request_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+    fn set_request_header(&self, name: &str, value: Option<&str>) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+    }
+    fn set_response_header(&self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+    }
+    fn response_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .ok()
+            .flatten()
+    }
+    fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
+    }
+    fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        hostcalls::get_shared_data(key).map_err(status)
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        hostcalls::set_shared_data(key, Some(value), cas).map_err(status)
+    }
+    fn enqueue(&self, vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError> {
+        let id = hostcalls::resolve_shared_queue(vm_id, name)
+            .map_err(status)?
+            .ok_or_else(|| HostError::Other(format!("shared queue {vm_id}/{name} not registered")))?;
+        hostcalls::enqueue_shared_queue(id, Some(data)).map_err(status)
+    }
+    fn clear_route_cache(&self) {
+        // Envoy clears the route cache itself when a Wasm filter changes a request header
+        // (source/extensions/common/wasm/context.cc); the foreign function is a belt and
+        // braces for hosts that do not. Its absence is not an error.
+        let _ = hostcalls::call_foreign_function("clear_route_cache", Some(&[]));
+    }
+    fn metric_add(&self, kind: MetricKind, name: &'static str, delta: i64) {
+        if let Some(id) = metric_id(kind, name) {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+    fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64) {
+        if let Some(id) = metric_id(kind, name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+    fn log(&self, level: Level, msg: &str) {
+        let l = match level {
+            Level::Debug => LogLevel::Debug,
+            Level::Info => LogLevel::Info,
+            Level::Warn => LogLevel::Warn,
+            Level::Error => LogLevel::Error,
+        };
+        let _ = hostcalls::log(l, msg);
+    }
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        hostcalls::set_effective_context(context_id).is_ok()
+    }
+    fn resume_request(&self) {
+        let _ = hostcalls::resume_http_request();
+    }
+}
+
+fn action(f: Flow) -> Action {
+    match f {
+        Flow::Continue => Action::Continue,
+        Flow::Pause => Action::Pause,
+    }
+}
+
+/// Root context: parses config, owns the worker state, consumes the snapshot queue
+/// (role `ingest`) and runs the admission tick (role `route` with admission on).
+struct Root {
+    context_id: u32,
+    worker: Option<Rc<RefCell<Worker>>>,
+    queue: Option<u32>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let host = ProxyHost;
+        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let config = match Config::parse(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                host.log(Level::Error, &e.to_string());
+                return false;
+            }
+        };
+        let seed = host.now_ms() ^ (u64::from(self.context_id) << 32)
+            ^ hostcalls::get_current_time()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map(|d| u64::from(d.subsec_nanos()))
+                .unwrap_or(0);
+        let (role, queue, tick) = (
+            config.role,
+            config.queue_name.clone(),
+            config.admission.enabled.then_some(config.admission.tick_ms),
+        );
+        let worker = match Worker::new(config, seed) {
+            Ok(w) => w,
+            Err(e) => {
+                host.log(Level::Error, &format!("kvroute plugin config: {e}"));
+                return false;
+            }
+        };
+        if role == Role::Ingest {
+            match hostcalls::register_shared_queue(&queue) {
+                Ok(id) => self.queue = Some(id),
+                Err(e) => {
+                    host.log(Level::Error, &format!("kvroute: cannot register queue {queue}: {e:?}"));
+                    return false;
+                }
+            }
+        }
+        if let Some(ms) = tick {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
+        }
+        self.worker = Some(Rc::new(RefCell::new(worker)));
+        true
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let mut items = Vec::new();
+        while let Ok(Some(b)) = hostcalls::dequeue_shared_queue(queue_id) {
+            items.push(b);
+        }
+        consume_snapshots(&ProxyHost, items);
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(w) = &self.worker {
+            w.borrow_mut().tick(&ProxyHost);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let worker = self.worker.clone()?;
+        Some(Box::new(Http {
+            stream: Stream::new(worker, context_id),
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// HTTP context: a thin shell over [`Stream`].
+struct Http {
+    stream: Stream,
+}
+
+impl Context for Http {
+    fn on_done(&mut self) -> bool {
+        self.stream.on_done(&ProxyHost);
+        true
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_request_headers(&ProxyHost, end_of_stream))
+    }
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_request_body(&ProxyHost, size, end_of_stream))
+    }
+    fn on_http_response_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
+        action(self.stream.on_response_headers(&ProxyHost))
+    }
+    fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_response_body(&ProxyHost, size, end_of_stream))
+    }
+    fn on_log(&mut self) {
+        self.stream.on_done(&ProxyHost);
+    }
+}
+
+#[allow(unsafe_code)] // proxy_wasm::main! expands to the `_initialize` export.
+mod entry {
+    proxy_wasm::main! {{
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+        std::panic::set_hook(Box::new(|info| {
+            let _ = proxy_wasm::hostcalls::log(
+                proxy_wasm::types::LogLevel::Critical,
+                &format!("kvroute: panic: {info}"),
+            );
+        }));
+        proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
+            Box::new(super::Root { context_id, worker: None, queue: None })
+        });
+    }}
+}

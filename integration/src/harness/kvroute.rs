@@ -1,0 +1,265 @@
+//! kvroute-specific helpers on top of the generic harness: a [`Fleet`] of recording
+//! backends behind real Envoy running the filter, snapshot building and ingest, and stat
+//! polling with deadlines.
+
+use super::http::{self, Response};
+use super::{free_port, render, templates, wasm_path, Envoy, RecordingBackend, Reply};
+use kvroute_core::snapshot::{EndpointStats, Snapshot};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Ingest token used by the test fleets (≥ 16 characters, as the filter requires).
+pub const TEST_TOKEN: &str = "test-token-0123456789";
+
+/// Now, Unix milliseconds.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// How the fleet routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FleetMode {
+    /// One Envoy cluster per backend (`c0`, `c1`, ...), plus `default` over all of them.
+    Cluster,
+    /// One STATIC cluster `pool` with the override-host load balancer.
+    OverrideHost,
+    /// One ORIGINAL_DST cluster `pool` reading the endpoint header.
+    OriginalDst,
+}
+
+/// Backends + Envoy with the filter.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The backends, in endpoint order (`pool/e0`, `pool/e1`, ...).
+    pub backends: Vec<RecordingBackend>,
+    /// Envoy.
+    pub envoy: Envoy,
+    /// Main listener port.
+    pub port: u16,
+    /// Ingest listener port.
+    pub ingest_port: u16,
+}
+
+/// Options for [`Fleet::start`].
+#[derive(Debug, Clone)]
+pub struct FleetOptions {
+    /// Number of backends.
+    pub backends: usize,
+    /// Routing mode.
+    pub mode: FleetMode,
+    /// Extra plugin config fields for the route role, as JSON object members without braces
+    /// (e.g. `"picker":{"policy":"least_kv"}`).
+    pub route_config: String,
+    /// Envoy `--concurrency`.
+    pub concurrency: u32,
+    /// Reply of every backend.
+    pub reply: Reply,
+    /// `per_connection_buffer_limit_bytes`.
+    pub buffer_limit: usize,
+}
+
+impl Default for FleetOptions {
+    fn default() -> Self {
+        Self {
+            backends: 2,
+            mode: FleetMode::Cluster,
+            route_config: String::new(),
+            concurrency: 1,
+            reply: Reply::default(),
+            buffer_limit: 4 * 1024 * 1024,
+        }
+    }
+}
+
+/// The ingest role's plugin config used by the fleets.
+pub fn ingest_plugin_config() -> String {
+    format!(r#"{{"role":"ingest","ingest_token":"{TEST_TOKEN}"}}"#)
+}
+
+impl Fleet {
+    /// Start backends and Envoy.
+    pub async fn start(opts: FleetOptions) -> anyhow::Result<Self> {
+        let mut backends = Vec::new();
+        for i in 0..opts.backends {
+            backends.push(RecordingBackend::start(&format!("b{i}"), opts.reply.clone()).await?);
+        }
+        let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
+        let (port, ingest_port) = (free_port()?, free_port()?);
+        let mode = match opts.mode {
+            FleetMode::Cluster => "cluster",
+            _ => "endpoint",
+        };
+        let sep = if opts.route_config.is_empty() { "" } else { "," };
+        let route_cfg = format!(r#"{{"mode":"{mode}"{sep}{}}}"#, opts.route_config);
+        let yaml = match opts.mode {
+            FleetMode::Cluster => {
+                let mut clusters: String = addrs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a)))
+                    .collect();
+                clusters.push_str(&templates::static_cluster("default", &addrs));
+                render(
+                    templates::CLUSTER_MODE,
+                    &[
+                        ("LISTEN_PORT", port.to_string()),
+                        ("INGEST_PORT", ingest_port.to_string()),
+                        ("BUFFER_LIMIT", opts.buffer_limit.to_string()),
+                        ("PLUGIN_CONFIG", route_cfg.clone()),
+                        ("INGEST_CONFIG", ingest_plugin_config()),
+                        ("WASM", wasm_path().display().to_string()),
+                        ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
+                        ("DEFAULT_CLUSTER", "default".into()),
+                        ("CLUSTERS", clusters),
+                    ],
+                )?
+            }
+            FleetMode::OverrideHost | FleetMode::OriginalDst => {
+                let clusters = if opts.mode == FleetMode::OverrideHost {
+                    templates::override_host_cluster("x-gateway-destination-endpoint", &addrs)
+                } else {
+                    templates::original_dst_cluster("x-gateway-destination-endpoint")
+                };
+                render(
+                    templates::ENDPOINT_MODE,
+                    &[
+                        ("LISTEN_PORT", port.to_string()),
+                        ("INGEST_PORT", ingest_port.to_string()),
+                        ("BUFFER_LIMIT", opts.buffer_limit.to_string()),
+                        ("PLUGIN_CONFIG", route_cfg.clone()),
+                        ("INGEST_CONFIG", ingest_plugin_config()),
+                        ("WASM", wasm_path().display().to_string()),
+                        ("POOL_TYPE", format!("{:?}", opts.mode)),
+                        ("CLUSTERS", clusters),
+                    ],
+                )?
+            }
+        };
+        let envoy = Envoy::start(&yaml, opts.concurrency).await?;
+        Ok(Self {
+            backends,
+            envoy,
+            port,
+            ingest_port,
+        })
+    }
+
+    /// `http://127.0.0.1:<port><path>` on the main listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// POST a JSON body on the main listener.
+    pub async fn post(&self, path: &str, body: &[u8]) -> anyhow::Result<Response> {
+        http::request("POST", &self.url(path), &[("content-type", "application/json")], body).await
+    }
+
+    /// Endpoint stats for backend `i` (all healthy, fresh, serving model `m`).
+    pub fn endpoint(&self, i: usize, kv_usage: f64, scraped_at_ms: u64) -> EndpointStats {
+        let addr = self.backends.get(i).map(|b| b.address()).unwrap_or_default();
+        EndpointStats {
+            id: format!("pool/e{i}"),
+            address: addr,
+            cluster: format!("c{i}"),
+            pool: "pool".into(),
+            models: vec!["m".into()],
+            lora_adapters: vec![],
+            kv_usage: Some(kv_usage),
+            kv_capacity_tokens: Some(1_000_000),
+            block_size: Some(16),
+            running: 0,
+            waiting: 0,
+            healthy: true,
+            scraped_at_ms,
+            process_start_ms: None,
+        }
+    }
+
+    /// POST `snap` to the ingest listener with `token` (`None`: no Authorization header).
+    pub async fn ingest(&self, snap: &[u8], token: Option<&str>) -> anyhow::Result<Response> {
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(a) = &auth {
+            headers.push(("authorization", a.as_str()));
+        }
+        http::request(
+            "POST",
+            &format!("http://127.0.0.1:{}/kvroute/v1/snapshot", self.ingest_port),
+            &headers,
+            snap,
+        )
+        .await
+    }
+
+    /// Ingest `snap` with the right token and wait until the consumer has handled it
+    /// (published or ignored counter grew).
+    pub async fn push(&self, snap: &Snapshot) -> anyhow::Result<()> {
+        let before = self.handled().await?;
+        let r = match self.ingest(&snap.encode(), Some(TEST_TOKEN)).await {
+            Ok(r) => r,
+            Err(e) => anyhow::bail!("{e}\n--- envoy log ---\n{}", self.log_tail(60)),
+        };
+        anyhow::ensure!(r.status == 204, "ingest answered {}: {}", r.status, r.text());
+        self.wait_stat_at_least(
+            &["wasmcustom.kvroute.snapshots.published", "wasmcustom.kvroute.snapshots.ignored_old"],
+            before + 1,
+        )
+        .await
+    }
+
+    async fn handled(&self) -> anyhow::Result<u64> {
+        let s = self.envoy.stats().await?;
+        Ok(s.get("wasmcustom.kvroute.snapshots.published").copied().unwrap_or(0)
+            + s.get("wasmcustom.kvroute.snapshots.ignored_old").copied().unwrap_or(0))
+    }
+
+    /// Wait (deadline 10 s) until the sum of `names` reaches `want`.
+    pub async fn wait_stat_at_least(&self, names: &[&str], want: u64) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = self.envoy.stats().await?;
+            let got: u64 = names.iter().map(|n| s.get(*n).copied().unwrap_or(0)).sum();
+            if got >= want {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("stats {names:?} = {got}, wanted ≥ {want} within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A `wasmcustom.` stat (0 when absent).
+    pub async fn custom(&self, name: &str) -> anyhow::Result<u64> {
+        Ok(self
+            .envoy
+            .stat(&format!("wasmcustom.{name}"))
+            .await?
+            .unwrap_or(0))
+    }
+
+    /// The last `n` lines of Envoy's log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.envoy.log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Requests each backend received.
+    pub fn counts(&self) -> Vec<usize> {
+        self.backends.iter().map(|b| b.count()).collect()
+    }
+}
+
+/// A chat completion body for model `m` with `text` as the user message.
+pub fn chat(text: &str) -> Vec<u8> {
+    serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 16
+    })
+    .to_string()
+    .into_bytes()
+}

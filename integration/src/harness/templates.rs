@@ -1,0 +1,75 @@
+//! Envoy config templates for the end-to-end tests, and cluster snippets to fill them.
+//!
+//! Placeholders (all required, see [`super::render`]): `LISTEN_PORT`, `INGEST_PORT`,
+//! `BUFFER_LIMIT` (bytes), `WASM` (path), `PLUGIN_CONFIG` and `INGEST_CONFIG` (the route and
+//! ingest plugins' JSON, one line, no single quotes), `CLUSTERS` (from [`static_cluster`] / [`override_host_cluster`] /
+//! [`original_dst_cluster`]); cluster mode also `CLUSTER_HEADER` and `DEFAULT_CLUSTER` (the route used when the
+//! filter sets no header); endpoint mode also
+//! `POOL_TYPE` (a comment only). The admin port is 0 (OS-chosen, read back by
+//! [`super::Envoy`]).
+
+/// Cluster mode: the route's `cluster_header` picks the Envoy cluster.
+pub const CLUSTER_MODE: &str = include_str!("templates/cluster_mode.yaml");
+/// Endpoint mode: route to cluster `pool`, whose load balancer reads
+/// `x-gateway-destination-endpoint`; retries move to the next host.
+pub const ENDPOINT_MODE: &str = include_str!("templates/endpoint_mode.yaml");
+
+fn socket(addr: &str) -> String {
+    let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    format!("{{endpoint: {{address: {{socket_address: {{address: \"{host}\", port_value: {port}}}}}}}}}")
+}
+
+fn lb_endpoints(addrs: &[String]) -> String {
+    addrs
+        .iter()
+        .map(|a| format!("        - {}\n", socket(a)))
+        .collect()
+}
+
+/// A STATIC cluster `name` over `addrs` (`host:port`, IPv6 bracketed), round robin.
+pub fn static_cluster(name: &str, addrs: &[String]) -> String {
+    format!(
+        "  - name: {name}\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - lb_endpoints:\n{}",
+        lb_endpoints(addrs)
+    )
+}
+
+/// A STATIC cluster `pool` whose load-balancing policy is
+/// `envoy.load_balancing_policies.override_host` reading `header` (an ordered host list),
+/// falling back to round robin when the header is absent or names no known host.
+pub fn override_host_cluster(header: &str, addrs: &[String]) -> String {
+    format!(
+        r#"  - name: pool
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: pool
+      endpoints:
+      - lb_endpoints:
+{}    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: {header}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+"#,
+        lb_endpoints(addrs)
+    )
+}
+
+/// An ORIGINAL_DST cluster `pool` that takes its destination from `header` (one
+/// `host:port` only).
+pub fn original_dst_cluster(header: &str) -> String {
+    format!(
+        "  - name: pool\n    type: ORIGINAL_DST\n    lb_policy: CLUSTER_PROVIDED\n    connect_timeout: 1s\n    original_dst_lb_config:\n      use_http_header: true\n      http_header_name: {header}\n"
+    )
+}

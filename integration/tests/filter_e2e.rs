@@ -1,0 +1,187 @@
+//! kvroute filter in real Envoy: body-based routing, ingest, fail-open, header-only
+//! requests. Needs the built `.wasm` and the PyPI Envoy (`make test-filter` provides both).
+
+use kvroute_core::snapshot::Snapshot;
+use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetMode, FleetOptions, TEST_TOKEN};
+
+fn least_kv() -> FleetOptions {
+    FleetOptions {
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    }
+}
+
+#[tokio::test]
+async fn cluster_mode_routes_by_body_after_ingest() {
+    let fleet = Fleet::start(FleetOptions { backends: 3, ..least_kv() }).await.unwrap();
+    // No stats yet: the filter fails open and the default route (round robin over all) applies.
+    let r = fleet.post("/v1/chat/completions", &chat("hello")).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
+
+    let now = now_ms();
+    let snap = Snapshot::new(
+        1,
+        now,
+        vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.8, now), fleet.endpoint(2, 0.05, now)],
+    );
+    fleet.push(&snap).await.unwrap();
+    let before = fleet.counts();
+    for _ in 0..5 {
+        let r = fleet.post("/v1/chat/completions", &chat("route me by KV")).await.unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-backend"), Some("b2"), "least KV usage is e2");
+    }
+    let after = fleet.counts();
+    assert_eq!(after[2] - before[2], 5);
+    // The backend saw the decision header and the full body.
+    let rec = fleet.backends[2].requests().pop().unwrap();
+    assert_eq!(rec.header("x-kvroute-cluster"), Some("c2"));
+    assert_eq!(rec.body.as_ref(), chat("route me by KV").as_slice());
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 5);
+    let bad = fleet.envoy.wasm_failures().await.unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+#[tokio::test]
+async fn client_cannot_pick_its_own_cluster() {
+    let fleet = Fleet::start(least_kv()).await.unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.1, now), fleet.endpoint(1, 0.9, now)]))
+        .await
+        .unwrap();
+    let r = kvroute_integration::harness::http::request(
+        "POST",
+        &fleet.url("/v1/chat/completions"),
+        &[("content-type", "application/json"), ("x-kvroute-cluster", "c1")],
+        &chat("spoof"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.header("x-backend"), Some("b0"));
+}
+
+#[tokio::test]
+async fn ingest_auth_size_validity_and_versions() {
+    let fleet = Fleet::start(least_kv()).await.unwrap();
+    let now = now_ms();
+    let good = Snapshot::new(5, now, vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)]);
+
+    let r = fleet.ingest(&good.encode(), None).await.unwrap();
+    assert_eq!((r.status, r.text().as_str()), (401, r#"{"error":"unauthorized"}"#));
+    let r = fleet.ingest(&good.encode(), Some("wrong-token-0123456789")).await.unwrap();
+    assert_eq!(r.status, 401);
+    let r = fleet.ingest(b"{\"format\":1}", Some(TEST_TOKEN)).await.unwrap();
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("invalid_snapshot"));
+    let big = vec![b' '; 2 * 1024 * 1024];
+    let r = fleet.ingest(&big, Some(TEST_TOKEN)).await.unwrap();
+    assert_eq!((r.status, r.text().as_str()), (413, r#"{"error":"too_large","max_bytes":1048576}"#));
+    // Nothing applied so far: requests fail open.
+    assert_eq!(fleet.custom("kvroute.snapshots.published").await.unwrap(), 0);
+    // No backend saw any ingest request.
+    assert_eq!(fleet.counts(), vec![0, 0]);
+
+    fleet.push(&good).await.unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("x")).await.unwrap();
+    assert_eq!(r.header("x-backend"), Some("b1"));
+
+    // An older version is ignored: routing does not change.
+    let older = Snapshot::new(4, now, vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.99, now)]);
+    fleet.push(&older).await.unwrap();
+    assert_eq!(fleet.custom("kvroute.snapshots.ignored_old").await.unwrap(), 1);
+    let r = fleet.post("/v1/chat/completions", &chat("x")).await.unwrap();
+    assert_eq!(r.header("x-backend"), Some("b1"));
+
+    // A newer one applies.
+    let newer = Snapshot::new(6, now, vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.99, now)]);
+    fleet.push(&newer).await.unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("x")).await.unwrap();
+    assert_eq!(r.header("x-backend"), Some("b0"));
+    // Ingest paths other than the snapshot route are answered locally too.
+    let r = kvroute_integration::harness::http::request(
+        "GET",
+        &format!("http://127.0.0.1:{}/anything", fleet.ingest_port),
+        &[],
+        b"",
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 404);
+    assert_eq!(fleet.counts().iter().sum::<usize>(), 3);
+}
+
+#[tokio::test]
+async fn header_only_requests_are_decided_without_waiting() {
+    let fleet = Fleet::start(least_kv()).await.unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.7, now), fleet.endpoint(1, 0.2, now)]))
+        .await
+        .unwrap();
+    let r = kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models"), &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    assert_eq!(fleet.custom("kvroute.decisions.load_only").await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn endpoint_mode_override_host_with_fallback() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 3,
+        mode: FleetMode::OverrideHost,
+        ..least_kv()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let mut eps = vec![fleet.endpoint(0, 0.5, now), fleet.endpoint(1, 0.1, now), fleet.endpoint(2, 0.3, now)];
+    fleet.push(&Snapshot::new(1, now, eps.clone())).await.unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("endpoint")).await.unwrap();
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let rec = fleet.backends[1].requests().pop().unwrap();
+    let want = format!(
+        "{},{},{}",
+        fleet.backends[1].address(),
+        fleet.backends[2].address(),
+        fleet.backends[0].address()
+    );
+    assert_eq!(rec.header("x-gateway-destination-endpoint"), Some(want.as_str()));
+
+    // The primary refuses connections: the retry policy moves on to the first fallback.
+    let dead = kvroute_integration::harness::free_port().unwrap();
+    eps[1].address = format!("127.0.0.1:{dead}");
+    fleet.push(&Snapshot::new(2, now, eps)).await.unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("endpoint")).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b2"));
+}
+
+#[tokio::test]
+async fn endpoint_mode_original_dst_single_host() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 2,
+        mode: FleetMode::OriginalDst,
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000,"max_fallbacks":0}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.6, now), fleet.endpoint(1, 0.2, now)]))
+        .await
+        .unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("odst")).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let rec = fleet.backends[1].requests().pop().unwrap();
+    assert_eq!(
+        rec.header("x-gateway-destination-endpoint"),
+        Some(fleet.backends[1].address().as_str())
+    );
+}
+

@@ -1,0 +1,297 @@
+//! kvroute filter in real Envoy: herd protection across workers, reservations released on
+//! aborts, slow uploads, staleness fallback, oversized and compressed bodies, and every
+//! shared request body plus malformed JSON without a filter-made 5xx or a VM failure.
+
+use kvroute_core::snapshot::Snapshot;
+use kvroute_integration::harness::http::{raw_exchange, request};
+use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetOptions};
+use kvroute_integration::harness::Reply;
+use std::time::Duration;
+
+fn sse_reply(gap_ms: u64) -> Reply {
+    Reply::Sse {
+        chunks: vec![
+            "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n".into(),
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n".into(),
+        ],
+        gap: Duration::from_millis(gap_ms),
+    }
+}
+
+/// Reservations made equal reservations released and none is held.
+async fn assert_no_leak(fleet: &Fleet) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let reserved = fleet.custom("kvroute.reservations.reserved").await.unwrap();
+        let released = fleet.custom("kvroute.reservations.released").await.unwrap();
+        let held = fleet.custom("kvroute.inflight").await.unwrap();
+        if reserved == released && held == 0 {
+            assert!(reserved > 0, "nothing was reserved at all");
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "leak: reserved {reserved}, released {released}, held {held}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn herd_of_identical_requests_is_spread() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 4,
+        concurrency: 2,
+        reply: sse_reply(400),
+        route_config: r#""picker":{"stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let eps = (0..4).map(|i| fleet.endpoint(i, 0.2, now)).collect();
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    let body = chat("the very same prompt for everyone in the herd");
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let url = fleet.url("/v1/chat/completions");
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            request("POST", &url, &[("content-type", "application/json")], &body).await
+        }));
+    }
+    for t in tasks {
+        let r = t.await.unwrap().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let counts = fleet.counts();
+    assert_eq!(counts.iter().sum::<usize>(), 64, "{counts:?}");
+    for c in &counts {
+        assert!(*c <= 32, "a backend got more than twice its fair share (16): {counts:?}");
+    }
+    assert_no_leak(&fleet).await;
+}
+
+#[tokio::test]
+async fn client_aborts_leave_no_reservation() {
+    let fleet = Fleet::start(FleetOptions {
+        reply: sse_reply(1500),
+        route_config: r#""picker":{"stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.1, now), fleet.endpoint(1, 0.1, now)]))
+        .await
+        .unwrap();
+    let body = chat("abort me");
+    // 1. Abort mid-body: headers promise more bytes than are sent.
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len() + 100
+    );
+    raw_exchange(
+        fleet.port,
+        &[(head.as_bytes(), Duration::ZERO), (&body[..10], Duration::from_millis(200))],
+        Duration::from_millis(10),
+    )
+    .await
+    .unwrap();
+    // 2. Abort mid-response: the decision (and reservation) is made, the stream is cut
+    //    while the backend is still streaming.
+    let full = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    for _ in 0..3 {
+        let got = raw_exchange(
+            fleet.port,
+            &[(full.as_bytes(), Duration::ZERO), (&body, Duration::ZERO)],
+            Duration::from_millis(300),
+        )
+        .await
+        .unwrap();
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    }
+    assert_no_leak(&fleet).await;
+    assert_eq!(fleet.custom("kvroute.reservations.reserved").await.unwrap(), 3);
+}
+
+#[tokio::test]
+async fn slow_chunked_upload_is_routed_by_its_body() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)]))
+        .await
+        .unwrap();
+    let body = chat("a slowly uploaded prompt");
+    let (a, b) = body.split_at(body.len() / 2);
+    let chunk = |c: &[u8]| {
+        let mut v = format!("{:x}\r\n", c.len()).into_bytes();
+        v.extend_from_slice(c);
+        v.extend_from_slice(b"\r\n");
+        v
+    };
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let (ca, cb) = (chunk(a), chunk(b));
+    let got = raw_exchange(
+        fleet.port,
+        &[
+            (head, Duration::from_millis(300)),
+            (&ca, Duration::from_millis(300)),
+            (&cb, Duration::from_millis(300)),
+            (b"0\r\n\r\n", Duration::ZERO),
+        ],
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("x-backend: b1"), "{got}");
+    let rec = fleet.backends[1].requests().pop().unwrap();
+    assert_eq!(rec.body.as_ref(), body.as_slice());
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 1);
+    assert_eq!(fleet.custom("kvroute.decisions.load_only").await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn stale_stats_lose_priority_then_fall_back_to_least_request() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":2000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let old = now - 60_000;
+    // e1 looks best by KV but its stats are stale; e0 is fresh.
+    let mut e0 = fleet.endpoint(0, 0.8, now);
+    let mut e1 = fleet.endpoint(1, 0.0, old);
+    fleet.push(&Snapshot::new(1, now, vec![e0.clone(), e1.clone()])).await.unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("s")).await.unwrap();
+    assert_eq!(r.header("x-backend"), Some("b0"));
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 1);
+
+    // Everything stale: least-request over the known endpoints (e0 is busy).
+    e0.scraped_at_ms = old;
+    e0.running = 20;
+    e1.running = 1;
+    fleet.push(&Snapshot::new(2, now, vec![e0, e1])).await.unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("s")).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    assert_eq!(fleet.custom("kvroute.decisions.stale_fallback").await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn oversized_and_gzip_bodies_are_routed_by_load_alone() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: r#""max_body_bytes":1024,"picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)]))
+        .await
+        .unwrap();
+    let big = chat(&"long ".repeat(2000));
+    let r = fleet.post("/v1/chat/completions", &big).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    assert_eq!(fleet.backends[1].requests().pop().unwrap().body.len(), big.len());
+    let gz = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03not-really-gzip";
+    let r = request(
+        "POST",
+        &fleet.url("/v1/chat/completions"),
+        &[("content-type", "application/json"), ("content-encoding", "gzip")],
+        gz,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(fleet.backends[1].requests().pop().unwrap().body.as_ref(), gz);
+    assert_eq!(fleet.custom("kvroute.decisions.load_only").await.unwrap(), 2);
+    assert_eq!(fleet.custom("kvroute.parse_errors").await.unwrap(), 0);
+}
+
+fn path_for(file: &str) -> &'static str {
+    if file.contains("_chat_") {
+        "/v1/chat/completions"
+    } else if file.contains("_completions_") {
+        "/v1/completions"
+    } else if file.contains("_embeddings_") {
+        "/v1/embeddings"
+    } else if file.contains("_responses_") {
+        "/v1/responses"
+    } else {
+        "/generate"
+    }
+}
+
+#[tokio::test]
+async fn every_shared_body_and_malformed_json_stays_healthy() {
+    let fleet = Fleet::start(FleetOptions {
+        concurrency: 2,
+        route_config: r#""picker":{"stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.3, now), fleet.endpoint(1, 0.3, now)]))
+        .await
+        .unwrap();
+    let dir = std::env::var("KVROUTE_SHARED_DATA")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| kvroute_integration::harness::workspace_root().join("../shared/data"))
+        .join("requests");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 30, "expected the shared request bodies in {}", dir.display());
+    let mut sent = 0;
+    for f in &files {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let body = std::fs::read(f).unwrap();
+        let r = fleet.post(path_for(&name), &body).await.unwrap();
+        assert_eq!(r.status, 200, "{name}: {}", r.text());
+        sent += 1;
+    }
+    let malformed: &[&[u8]] = &[
+        b"",
+        b"{",
+        b"not json at all",
+        b"[1,2,3]",
+        b"{\"model\": 5, \"messages\": \"x\"}",
+        b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":{\"deep\":[[[[[]]]]]}}]}",
+        b"{\"model\":\"m\",\"messages\":[],\"max_tokens\":-1,\"n\":1e309}",
+        &[0xff, 0xfe, 0x00, 0x7b],
+        b"{\"model\":\"\\ud800\",\"prompt\":\"\\u0000\"}",
+    ];
+    for (i, body) in malformed.iter().enumerate() {
+        for path in ["/v1/chat/completions", "/v1/completions", "/v1/responses"] {
+            let r = fleet.post(path, body).await.unwrap();
+            assert_eq!(r.status, 200, "malformed #{i} on {path}: {}", r.text());
+            sent += 1;
+        }
+    }
+    assert_eq!(fleet.counts().iter().sum::<usize>(), sent);
+    assert!(fleet.custom("kvroute.parse_errors").await.unwrap() >= 20);
+    let bad = fleet.envoy.wasm_failures().await.unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+    let mut envoy = fleet.envoy;
+    assert!(envoy.is_running());
+}
