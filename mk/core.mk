@@ -1,10 +1,19 @@
 # kvroute-core: unit, property and golden tests, natively and compiled to wasm32-wasip1.
-.PHONY: test-core test-wasm bench-core
-test-core: ## kvroute-core tests (native)
-	$(CARGO) test -p kvroute-core
+# Fixtures are read in place from $(KVROUTE_SHARED_DATA) (exported by the top-level Makefile).
+.PHONY: test-core test-wasm bench-core lint-core
 
-test-wasm: ## kvroute-core tests compiled to wasm32-wasip1, run under Node's WASI
+test-core: ## kvroute-core tests (native): unit, proptest, golden, estimator accuracy vs tiktoken
+	$(CARGO) test -p kvroute-core -- --nocapture
+
+test-wasm: ## kvroute-core tests compiled to wasm32-wasip1, run under Node's WASI (scripts/wasi-run.mjs)
+	@command -v node >/dev/null || { echo "test-wasm: node (>= 20) is required"; exit 1; }
+	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
 	$(CARGO) test -p kvroute-core --target wasm32-wasip1
 
-bench-core: ## criterion: decision time and request analysis
-	$(CARGO) bench -p kvroute-core
+lint-core: ## clippy for kvroute-core, native (all targets) and wasm32-wasip1, warnings denied
+	$(CARGO) clippy -p kvroute-core --all-targets -- -D warnings
+	$(CARGO) clippy -p kvroute-core --target wasm32-wasip1 -- -D warnings
+
+bench-core: ## criterion: decision time (8..4096 endpoints) and request analysis (1 KiB..256 KiB)
+	$(CARGO) bench -p kvroute-core --bench decision -- --warm-up-time 1 --measurement-time 3
+	$(CARGO) bench -p kvroute-core --bench analysis -- --warm-up-time 1 --measurement-time 3

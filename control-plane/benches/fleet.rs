@@ -35,7 +35,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn fixture() -> String {
@@ -72,13 +75,20 @@ where
     F: Fn(Bytes) -> (u16, Bytes) + Send + Sync + 'static,
 {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         let f = f.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: http::Request<Incoming>| {
                 let f = f.clone();
                 async move {
-                    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                    let body = req
+                        .into_body()
+                        .collect()
+                        .await
+                        .map(|b| b.to_bytes())
+                        .unwrap_or_default();
                     let (status, out) = f(body);
                     let mut r = http::Response::new(Full::new(out));
                     *r.status_mut() = http::StatusCode::from_u16(status).unwrap();
@@ -129,7 +139,11 @@ async fn ingest() -> Ingest {
     tokio::spawn(serve(
         l,
         Arc::new(move |b: Bytes| {
-            let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as f64 / 1000.0;
+            let now_ms = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_micros() as f64
+                / 1000.0;
             let snap = kvroute_core::snapshot::Snapshot::decode(&b).unwrap();
             p.fetch_add(1, Ordering::Relaxed);
             if let Some(newest) = snap.endpoints.iter().map(|e| e.scraped_at_ms).max() {
@@ -140,7 +154,11 @@ async fn ingest() -> Ingest {
             (204, Bytes::new())
         }),
     ));
-    Ingest { url, latencies_ms, pushes }
+    Ingest {
+        url,
+        latencies_ms,
+        pushes,
+    }
 }
 
 fn config(addrs: &[SocketAddr], ingest: &str, interval_ms: u64, listen: u16) -> String {
@@ -165,7 +183,11 @@ fn spawn_cp(dir: &std::path::Path, yaml: &str) -> Guard {
     let cfg = dir.join("cp.yaml");
     std::fs::write(&cfg, yaml).unwrap();
     let bin = cp_bin();
-    assert!(bin.exists(), "{} missing: run `make bench-cp` or set KVROUTE_CP_BIN", bin.display());
+    assert!(
+        bin.exists(),
+        "{} missing: run `make bench-cp` or set KVROUTE_CP_BIN",
+        bin.display()
+    );
     Guard(
         Command::new(bin)
             .arg("--config")
@@ -206,7 +228,11 @@ fn clk_tck() -> f64 {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -221,7 +247,11 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let template = Arc::new(fixture());
         let dir = tempfile::tempdir().unwrap();

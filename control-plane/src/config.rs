@@ -295,8 +295,12 @@ fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<Duration, ConfigErr
 }
 
 impl Config {
-    /// Parse and validate YAML text.
+    /// Parse and validate YAML text. An empty (or all-whitespace) text is an error.
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        if text.trim().is_empty() {
+            // A truncated file must not reload as "no endpoints".
+            return Err(ConfigError::Syntax("the config is empty".into()));
+        }
         let raw: RawConfig =
             serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         raw.validate()

@@ -6,7 +6,8 @@
 //! which the push tasks and `GET /v1/snapshot` read; readers always see one whole snapshot.
 //!
 //! Publishing rules:
-//! - on change: when any endpoint's routing fields changed (everything but `scraped_at_ms`),
+//! - on change: when any endpoint's routing fields changed (everything but `scraped_at_ms`;
+//!   each scrape compares its endpoint's fields, so no full-fleet diff runs per scrape),
 //!   at most once per `push.min_interval_ms` (changes inside the window coalesce);
 //! - heartbeat: at least every `push.heartbeat_ms`, so `scraped_at_ms` stays fresh;
 //! - the first snapshot waits until every endpoint was tried once, or until
@@ -24,6 +25,7 @@ use crate::telemetry::{EndpointLabel, StateLabel, Telemetry};
 use bytes::Bytes;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{watch, Notify};
@@ -42,6 +44,16 @@ fn now_us() -> u64 {
         .map(|d| d.as_micros() as u64)
         .unwrap_or(0)
 }
+
+type RoutingKey = (
+    Option<u64>,
+    Option<u64>,
+    Option<u32>,
+    (u32, u32),
+    Vec<String>,
+    bool,
+    Option<u64>,
+);
 
 /// One endpoint as the control plane knows it.
 #[derive(Debug, Clone)]
@@ -73,6 +85,20 @@ impl EndpointState {
             last_error: None,
             restart: RestartTracker::default(),
         }
+    }
+
+    /// The fields a routing decision reads (everything on the wire but `scraped_at_ms`).
+    fn routing_key(&self) -> RoutingKey {
+        let s = self.stats.as_ref();
+        (
+            s.and_then(|s| s.kv_usage).map(f64::to_bits),
+            s.and_then(|s| s.kv_capacity_tokens),
+            s.and_then(|s| s.block_size),
+            s.map_or((0, 0), |s| (s.running, s.waiting)),
+            s.map(|s| s.lora_adapters.clone()).unwrap_or_default(),
+            self.healthy,
+            self.restart.process_start_ms(),
+        )
     }
 
     /// The wire form.
@@ -115,6 +141,7 @@ pub struct Hub {
     pending_since: Mutex<Option<Instant>>,
     timing: Mutex<(Duration, Duration, Duration)>,
     changed: Notify,
+    dirty: AtomicBool,
     published: watch::Sender<Option<Arc<Published>>>,
     last_version: Mutex<u64>,
     /// Own metrics.
@@ -137,6 +164,7 @@ impl Hub {
             pending_since: Mutex::new(None),
             timing: Mutex::new((heartbeat, min_interval, first_wait)),
             changed: Notify::new(),
+            dirty: AtomicBool::new(true),
             published,
             last_version: Mutex::new(0),
             telemetry: Telemetry::new(),
@@ -172,28 +200,35 @@ impl Hub {
             self.telemetry.scrape_duration.remove(&label);
             self.telemetry.restarts.remove(&label);
         }
-        self.changed.notify_one();
+        self.mark_dirty();
     }
 
-    fn mark_pending(&self) {
-        let mut p = lock(&self.pending_since);
-        if p.is_none() {
-            *p = Some(Instant::now());
+    /// A routing field changed: note when (for scrape-to-push latency) and wake the builder.
+    fn mark_dirty(&self) {
+        {
+            let mut p = lock(&self.pending_since);
+            if p.is_none() {
+                *p = Some(Instant::now());
+            }
         }
+        self.dirty.store(true, Ordering::Release);
+        self.changed.notify_one();
     }
 
     /// Record a successful scrape of `id` taken at `at_ms`.
     pub fn record_success(&self, id: &str, stats: ServerStats, at_ms: u64) {
-        let restarted = {
+        let (restarted, changed) = {
             let mut fleet = lock(&self.fleet);
             let Some(st) = fleet.get_mut(id) else { return };
+            let before = st.routing_key();
+            let first = !st.attempted;
             let restarted = st.restart.observe(&stats, at_ms);
             st.stats = Some(stats);
             st.healthy = true;
             st.attempted = true;
             st.scraped_at_ms = at_ms;
             st.last_error = None;
-            restarted
+            (restarted, first || st.routing_key() != before)
         };
         if restarted {
             tracing::info!(
@@ -207,21 +242,28 @@ impl Hub {
                 })
                 .inc();
         }
-        self.mark_pending();
-        self.changed.notify_one();
+        if changed {
+            self.mark_dirty();
+        }
     }
 
     /// Record a failed scrape of `id`.
     pub fn record_failure(&self, id: &str, error: String) {
-        {
+        let changed = {
             let mut fleet = lock(&self.fleet);
             let Some(st) = fleet.get_mut(id) else { return };
+            let changed = st.healthy || !st.attempted;
             st.healthy = false;
             st.attempted = true;
             st.last_error = Some(error);
+            changed
+        };
+        if changed {
+            self.mark_dirty();
+        } else {
+            // Still wakes the builder's first-round wait.
+            self.changed.notify_one();
         }
-        self.mark_pending();
-        self.changed.notify_one();
     }
 
     /// A copy of one endpoint's state.
@@ -328,7 +370,6 @@ impl Hub {
                 _ = shutdown.changed() => return,
             }
         }
-        let mut last_content: Option<Vec<EndpointStats>> = None;
         let mut last_publish: Option<Instant> = None;
         loop {
             let (heartbeat, min_interval, _) = *lock(&self.timing);
@@ -341,18 +382,13 @@ impl Hub {
                     }
                 }
             }
-            let mut content = self.wire_endpoints();
-            for e in &mut content {
-                e.scraped_at_ms = 0;
-            }
+            // Swap before building: a change recorded after this point sets the flag again
+            // and leaves a Notify permit, so it is never lost.
+            let dirty = self.dirty.swap(false, Ordering::AcqRel);
             let heartbeat_due = last_publish.is_none_or(|lp| lp.elapsed() >= heartbeat);
-            if heartbeat_due || last_content.as_ref() != Some(&content) {
+            if dirty || heartbeat_due {
                 self.publish();
                 last_publish = Some(Instant::now());
-                last_content = Some(content);
-            } else {
-                // Nothing routing-relevant changed: the scrape is not waiting for a push.
-                *lock(&self.pending_since) = None;
             }
             let next_heartbeat = last_publish.map_or_else(Instant::now, |lp| lp + heartbeat);
             tokio::select! {

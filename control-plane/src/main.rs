@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing_subscriber::EnvFilter;
 
+/// Quiet time after a config-file event before reloading.
+const FILE_DEBOUNCE: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// kvroute control plane: scrapes model servers' /metrics and pushes KV stats to every Envoy.
 #[derive(Debug, Parser)]
 #[command(version, about)]
@@ -89,7 +92,14 @@ async fn run(args: Args, config: Config) -> anyhow::Result<()> {
             _ = term.recv() => break,
             _ = int.recv() => break,
             _ = hup.recv() => "SIGHUP",
-            Some(()) = file_rx.recv() => "file change",
+            Some(()) = file_rx.recv() => {
+                // Debounce: editors and `write` truncate then write; wait for 200 ms of quiet
+                // so a half-written file is never loaded.
+                while let Ok(Some(())) =
+                    tokio::time::timeout(FILE_DEBOUNCE, file_rx.recv()).await
+                {}
+                "file change"
+            }
         };
         match load(&args) {
             Ok(c) => {

@@ -158,6 +158,12 @@ fn unknown_fields_and_kinds_are_rejected_by_name() {
 }
 
 #[test]
+fn empty_config_is_rejected() {
+    assert_eq!(err(""), "config: the config is empty");
+    assert_eq!(err("  \n"), "config: the config is empty");
+}
+
+#[test]
 fn missing_file_is_a_read_error() {
     let e = Config::load(std::path::Path::new("/nonexistent/kvroute.yaml")).unwrap_err();
     assert!(matches!(e, ConfigError::Read { .. }));
@@ -196,7 +202,11 @@ fn shipped_examples_are_valid() {
     let mut found = 0;
     for doc in serde_yaml_ng::Deserializer::from_str(&text) {
         let v: serde_yaml_ng::Value = serde::Deserialize::deserialize(doc).unwrap();
-        if let Some(cfg) = v.get("data").and_then(|d| d.get("kvroute-cp.yaml")).and_then(|s| s.as_str()) {
+        if let Some(cfg) = v
+            .get("data")
+            .and_then(|d| d.get("kvroute-cp.yaml"))
+            .and_then(|s| s.as_str())
+        {
             let c = Config::from_yaml(cfg).unwrap();
             assert_eq!((c.endpoints.len(), c.targets.len()), (2, 1));
             found += 1;

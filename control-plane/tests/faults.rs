@@ -233,22 +233,37 @@ async fn ingest_down_then_back_gets_newer_versions() {
 async fn one_unreachable_target_does_not_delay_the_other() {
     let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
     let good = FakeIngest::start().await;
-    // A port nobody listens on.
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    // A target that accepts connections (kernel backlog) but never answers: every push to
+    // it waits for the 200 ms push timeout.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hung_addr = hung.local_addr().unwrap();
     let cp = start(&config_yaml(
         &[("a", srv.addr())],
-        &[format!("http://{dead}/kvroute/v1/snapshot"), good.url()],
+        &[
+            format!("http://{hung_addr}/kvroute/v1/snapshot"),
+            good.url(),
+        ],
         "",
     ))
     .await;
-    // Heartbeat 100 ms: within 1 s the good target gets several pushes.
-    wait_for(Duration::from_secs(2), "good target fed", || {
-        good.count() >= 5
-    })
-    .await;
+    let timeouts = || {
+        cp.hub()
+            .telemetry
+            .push_failures
+            .get(&kvroute_cp::telemetry::TargetReason {
+                target: "envoy-0".into(),
+                reason: "timeout".into(),
+            })
+            .map_or(0, |c| c.get())
+    };
+    wait_for(WAIT, "two timeouts on the hung target", || timeouts() >= 2).await;
+    // Two timeouts took >= 400 ms; with a 100 ms heartbeat the good target was fed meanwhile.
+    assert!(
+        good.count() >= 3,
+        "good target got only {} pushes",
+        good.count()
+    );
+    drop(hung);
     cp.shutdown().await;
 }
 

@@ -3,6 +3,12 @@
 //! user/assistant turns, plus prefix hashing of the rendered text.
 //!
 //! Run: `make bench-core` (or `cargo bench -p kvroute-core --bench analysis`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::analysis::{analyze, ApiKind};
@@ -15,8 +21,9 @@ fn prompts() -> Vec<String> {
     let dir = std::env::var("KVROUTE_SHARED_DATA")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"));
-    let text = std::fs::read_to_string(dir.join("prompts/lmbenchmark_sharegpt_multiround_warmup.json"))
-        .expect("shared prompts (set KVROUTE_SHARED_DATA)");
+    let text =
+        std::fs::read_to_string(dir.join("prompts/lmbenchmark_sharegpt_multiround_warmup.json"))
+            .expect("shared prompts (set KVROUTE_SHARED_DATA)");
     let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
     v.as_array()
         .expect("array")
@@ -48,16 +55,42 @@ fn bench_analysis(c: &mut Criterion) {
     let est = Estimator::default();
     let cfg = PrefixConfig::default();
     let mut g = c.benchmark_group("analysis");
-    for (label, size) in [("1KiB", 1024usize), ("16KiB", 16 * 1024), ("256KiB", 256 * 1024)] {
+    for (label, size) in [
+        ("1KiB", 1024usize),
+        ("16KiB", 16 * 1024),
+        ("256KiB", 256 * 1024),
+    ] {
         let b = body(size, &prompts);
         g.throughput(Throughput::Bytes(b.len() as u64));
         g.bench_with_input(BenchmarkId::new("analyze", label), &b, |bench, b| {
-            bench.iter(|| black_box(analyze(ApiKind::ChatCompletions, black_box(b.as_bytes()), &est)))
+            bench.iter(|| {
+                black_box(analyze(
+                    ApiKind::ChatCompletions,
+                    black_box(b.as_bytes()),
+                    &est,
+                ))
+            })
         });
         let a = analyze(ApiKind::ChatCompletions, b.as_bytes(), &est).unwrap();
-        g.bench_with_input(BenchmarkId::new("block_hashes", label), &a.prefix_text, |bench, t| {
-            bench.iter(|| black_box(block_hashes("meta-llama/Llama-3.1-8B-Instruct", None, black_box(t), &cfg)))
-        });
+        g.bench_with_input(
+            BenchmarkId::new("estimate_text", label),
+            &a.prefix_text,
+            |bench, t| bench.iter(|| black_box(est.estimate_text(black_box(t)))),
+        );
+        g.bench_with_input(
+            BenchmarkId::new("block_hashes", label),
+            &a.prefix_text,
+            |bench, t| {
+                bench.iter(|| {
+                    black_box(block_hashes(
+                        "meta-llama/Llama-3.1-8B-Instruct",
+                        None,
+                        black_box(t),
+                        &cfg,
+                    ))
+                })
+            },
+        );
     }
     g.finish();
 }

@@ -3,6 +3,12 @@
 //! full per-request path at 64 endpoints (analysis + prefix hashing + index lookup + pick).
 //!
 //! Run: `make bench-core` (or `cargo bench -p kvroute-core --bench decision`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvroute_core::analysis::{analyze, ApiKind};
@@ -36,7 +42,10 @@ fn fleet(n: usize) -> (Snapshot, Vec<InFlight>, Vec<u32>) {
         })
         .collect();
     let inflight = (0..n)
-        .map(|_| InFlight { requests: rng.u32(0..8), tokens: u64::from(rng.u32(0..20_000)) })
+        .map(|_| InFlight {
+            requests: rng.u32(0..8),
+            tokens: u64::from(rng.u32(0..20_000)),
+        })
         .collect();
     let prefix = (0..n).map(|_| rng.u32(0..40)).collect();
     (Snapshot::new(1, NOW, eps), inflight, prefix)
@@ -55,10 +64,22 @@ fn bench_decision(c: &mut Criterion) {
             prefix_blocks: 40,
         };
         for policy in [PolicyKind::Hybrid, PolicyKind::LeastRequest] {
-            let mut picker = Picker::new(PickerConfig { policy, ..PickerConfig::default() }, 1).unwrap();
+            let mut picker = Picker::new(
+                PickerConfig {
+                    policy,
+                    ..PickerConfig::default()
+                },
+                1,
+            )
+            .unwrap();
             g.bench_with_input(BenchmarkId::new(policy.name(), n), &n, |b, _| {
                 b.iter(|| {
-                    let input = PickInput { snapshot: &snap, inflight: &inflight, prefix_match_blocks: &prefix, now_ms: NOW };
+                    let input = PickInput {
+                        snapshot: &snap,
+                        inflight: &inflight,
+                        prefix_match_blocks: &prefix,
+                        now_ms: NOW,
+                    };
                     black_box(picker.pick(black_box(&input), black_box(&req)))
                 })
             });
@@ -81,7 +102,12 @@ fn bench_full_path(c: &mut Criterion) {
     .to_string();
     let mut index = PrefixIndex::default();
     let a = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est).unwrap();
-    let h = block_hashes("meta-llama/Llama-3.1-8B-Instruct", None, &a.prefix_text, &cfg);
+    let h = block_hashes(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        None,
+        &a.prefix_text,
+        &cfg,
+    );
     for i in 0..8 {
         index.record(&format!("pool/pod-{i}"), &h);
     }
@@ -101,7 +127,12 @@ fn bench_full_path(c: &mut Criterion) {
                 demand_tokens: d.tokens,
                 prefix_blocks: hashes.len() as u32,
             };
-            let input = PickInput { snapshot: &snap, inflight: &inflight, prefix_match_blocks: &matches, now_ms: NOW };
+            let input = PickInput {
+                snapshot: &snap,
+                inflight: &inflight,
+                prefix_match_blocks: &matches,
+                now_ms: NOW,
+            };
             black_box(picker.pick(&input, &req))
         })
     });

@@ -370,7 +370,10 @@ fn missing(field: impl Into<String>) -> AnalysisError {
     }
 }
 
-fn de_str<'a>(raw: &'a RawValue, field: &dyn Fn() -> String) -> Result<Cow<'a, str>, AnalysisError> {
+fn de_str<'a>(
+    raw: &'a RawValue,
+    field: &dyn Fn() -> String,
+) -> Result<Cow<'a, str>, AnalysisError> {
     if first_byte(raw) != b'"' {
         return Err(invalid(field(), "a string"));
     }
@@ -476,7 +479,9 @@ pub fn analyze(
     };
     let stream = match b.stream {
         None => false,
-        Some(r) => serde_json::from_str::<bool>(r.get()).map_err(|_| invalid("stream", "a boolean"))?,
+        Some(r) => {
+            serde_json::from_str::<bool>(r.get()).map_err(|_| invalid("stream", "a boolean"))?
+        }
     };
     let n = match de_u64(b.n, "n")? {
         None => 1,
@@ -578,7 +583,11 @@ fn content(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), Analysis
         }
         b'n' if raw.get() == "null" => Ok(()),
         b'[' => {
-            let parts = de_array(raw, &|| path.to_string(), "a string or an array of content parts")?;
+            let parts = de_array(
+                raw,
+                &|| path.to_string(),
+                "a string or an array of content parts",
+            )?;
             for (j, p) in parts.into_iter().enumerate() {
                 let pp = format!("{path}[{j}]");
                 part(acc, p, &pp)?;
@@ -622,7 +631,10 @@ fn part(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisErr
             // Documents are opaque to the router; hash their identity, count nothing.
             let data = p.file_data.or(p.file_id).map(|r| r.get()).unwrap_or("");
             acc.marker("<|file:");
-            push_hex(&mut acc.prefix, xxhash_rust::xxh64::xxh64(data.as_bytes(), 0));
+            push_hex(
+                &mut acc.prefix,
+                xxhash_rust::xxh64::xxh64(data.as_bytes(), 0),
+            );
             acc.marker("|>");
         }
         // Unknown part types are hashed by their JSON but not counted.
@@ -669,7 +681,8 @@ fn function_call(
 /// `prompt` (completions) or `input` (embeddings): a string, an array of strings, an array
 /// of token ids, or an array of token-id arrays.
 fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), AnalysisError> {
-    const EXPECTED: &str = "a string, an array of strings, an array of token ids, or an array of token-id arrays";
+    const EXPECTED: &str =
+        "a string, an array of strings, an array of token ids, or an array of token-id arrays";
     match first_byte(raw) {
         b'"' => {
             let s = de_str(raw, &|| field.to_string())?;
@@ -696,15 +709,17 @@ fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), Ana
                         if i > 0 {
                             acc.marker("\n");
                         }
-                        let ids = serde_json::from_str::<Vec<u32>>(it.get())
-                            .map_err(|_| invalid(format!("{field}[{i}]"), "an array of token ids"))?;
+                        let ids = serde_json::from_str::<Vec<u32>>(it.get()).map_err(|_| {
+                            invalid(format!("{field}[{i}]"), "an array of token ids")
+                        })?;
                         acc.token_ids(&ids);
                     }
                     acc.exact = true;
                 }
                 _ => {
-                    let ids = serde_json::from_str::<Vec<u32>>(raw.get())
-                        .map_err(|_| invalid(field, "an array of token ids (non-negative integers)"))?;
+                    let ids = serde_json::from_str::<Vec<u32>>(raw.get()).map_err(|_| {
+                        invalid(field, "an array of token ids (non-negative integers)")
+                    })?;
                     acc.token_ids(&ids);
                     acc.exact = true;
                 }
@@ -739,7 +754,11 @@ fn responses(
             acc.marker("\n");
         }
         b'[' => {
-            let items = de_array(input, &|| "input".into(), "a string or an array of input items")?;
+            let items = de_array(
+                input,
+                &|| "input".into(),
+                "a string or an array of input items",
+            )?;
             for (i, raw) in items.into_iter().enumerate() {
                 let path = format!("input[{i}]");
                 response_item(acc, raw, &path)?;

@@ -149,16 +149,6 @@ impl Estimator {
     }
 }
 
-fn is_cjk(c: char) -> bool {
-    matches!(c as u32,
-        0x3040..=0x30FF      // hiragana, katakana
-        | 0x3400..=0x4DBF    // CJK extension A
-        | 0x4E00..=0x9FFF    // CJK unified ideographs
-        | 0xAC00..=0xD7AF    // hangul syllables
-        | 0xF900..=0xFAFF    // CJK compatibility ideographs
-        | 0x20000..=0x2FFFF) // CJK extensions B+
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Class {
     None,
@@ -169,56 +159,100 @@ enum Class {
     Space,
 }
 
+/// Tokens of a finished run of `run` characters of `class`.
+#[inline]
+fn run_cost(c: &CharClassCosts, class: Class, run: u32) -> f64 {
+    match class {
+        Class::Word => {
+            let r = f64::from(run);
+            if r <= c.word_free_chars {
+                c.word_base
+            } else {
+                c.word_base + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
+            }
+        }
+        Class::Digit => (f64::from(run) / c.digits_per_token).ceil(),
+        Class::Punct => c.punct_first + f64::from(run.saturating_sub(1)) * c.punct_more,
+        Class::Newline => c.newline_run,
+        Class::Space if run >= 2 => c.space_run,
+        _ => 0.0,
+    }
+}
+
+#[inline]
+fn ascii_class(b: u8) -> Class {
+    match b {
+        b'a'..=b'z' | b'A'..=b'Z' => Class::Word,
+        b'0'..=b'9' => Class::Digit,
+        b'\n' | b'\r' => Class::Newline,
+        b' ' | b'\t' => Class::Space,
+        b'!'..=b'/' | b':'..=b'@' | b'['..=b'`' | b'{'..=b'~' => Class::Punct,
+        _ => Class::None, // control characters
+    }
+}
+
 /// The heuristic itself, with explicit costs (used by tests to fit the defaults).
+///
+/// One pass over the UTF-8 bytes: ASCII bytes extend or end a run of their class; a
+/// multi-byte character ends the current run and costs `cjk_char` (CJK) or
+/// `other_byte` × its byte length.
 pub fn estimate_with(c: &CharClassCosts, text: &str) -> f64 {
     let mut total = 0.0;
     let mut class = Class::None;
-    let mut run: usize = 0;
-    let flush = |class: Class, run: usize| -> f64 {
-        let r = run as f64;
-        match class {
-            Class::Word => {
-                c.word_base + ((r - c.word_free_chars).max(0.0) / c.word_chars_per_token).ceil()
+    let mut run: u32 = 0;
+    // Multi-byte character being decoded: code point so far and bytes still expected.
+    let mut cp: u32 = 0;
+    let mut pending: u32 = 0;
+    let mut width: u32 = 0;
+    for &b in text.as_bytes() {
+        if b < 0x80 {
+            let next = ascii_class(b);
+            if next == class && next != Class::None {
+                run = run.saturating_add(1);
+            } else {
+                total += run_cost(c, class, run);
+                if next == Class::None {
+                    total += 1.0; // control character
+                }
+                class = next;
+                run = 1;
             }
-            Class::Digit => (r / c.digits_per_token).ceil(),
-            Class::Punct => c.punct_first + (r - 1.0).max(0.0) * c.punct_more,
-            Class::Newline => c.newline_run,
-            Class::Space if run >= 2 => c.space_run,
-            _ => 0.0,
+            continue;
         }
-    };
-    for ch in text.chars() {
-        let next = if ch.is_ascii_alphabetic() {
-            Class::Word
-        } else if ch.is_ascii_digit() {
-            Class::Digit
-        } else if ch == '\n' || ch == '\r' {
-            Class::Newline
-        } else if ch == ' ' || ch == '\t' {
-            Class::Space
-        } else if ch.is_ascii() {
-            if ch.is_ascii_punctuation() {
-                Class::Punct
-            } else {
-                // Control characters: one token each.
-                total += 1.0;
-                Class::None
+        if b & 0xC0 == 0x80 {
+            // Continuation byte.
+            cp = (cp << 6) | u32::from(b & 0x3F);
+            pending = pending.saturating_sub(1);
+            if pending == 0 {
+                total += if is_cjk_cp(cp) {
+                    c.cjk_char
+                } else {
+                    c.other_byte * f64::from(width)
+                };
             }
+            continue;
+        }
+        // Leading byte of a multi-byte character: ends the current ASCII run.
+        total += run_cost(c, class, run);
+        class = Class::None;
+        run = 0;
+        (cp, pending, width) = if b >= 0xF0 {
+            (u32::from(b & 0x07), 3, 4)
+        } else if b >= 0xE0 {
+            (u32::from(b & 0x0F), 2, 3)
         } else {
-            total += if is_cjk(ch) {
-                c.cjk_char
-            } else {
-                c.other_byte * ch.len_utf8() as f64
-            };
-            Class::None
+            (u32::from(b & 0x1F), 1, 2)
         };
-        if next == class && next != Class::None {
-            run += 1;
-        } else {
-            total += flush(class, run);
-            class = next;
-            run = 1;
-        }
     }
-    total + flush(class, run)
+    total + run_cost(c, class, run)
+}
+
+fn is_cjk_cp(cp: u32) -> bool {
+    matches!(cp,
+        0x3040..=0x30FF      // hiragana, katakana
+        | 0x3400..=0x4DBF    // CJK extension A
+        | 0x4E00..=0x9FFF    // CJK unified ideographs
+        | 0xAC00..=0xD7AF    // hangul syllables
+        | 0xF900..=0xFAFF    // CJK compatibility ideographs
+        | 0x20000..=0x2FFFF) // CJK extensions B+
 }

@@ -195,11 +195,29 @@ mod tests {
         t.reserve(2, "a", 50, 0, 1000);
         t.reserve(3, "b", 7, 0, 1000);
         let tot = t.totals(10);
-        assert_eq!(tot["a"], InFlight { requests: 2, tokens: 150 });
-        assert_eq!(tot["b"], InFlight { requests: 1, tokens: 7 });
+        assert_eq!(
+            tot["a"],
+            InFlight {
+                requests: 2,
+                tokens: 150
+            }
+        );
+        assert_eq!(
+            tot["b"],
+            InFlight {
+                requests: 1,
+                tokens: 7
+            }
+        );
         assert_eq!(t.release(1).map(|r| r.tokens), Some(100));
         assert_eq!(t.release(1), None);
-        assert_eq!(t.totals(10)["a"], InFlight { requests: 1, tokens: 50 });
+        assert_eq!(
+            t.totals(10)["a"],
+            InFlight {
+                requests: 1,
+                tokens: 50
+            }
+        );
     }
 
     #[test]
@@ -239,7 +257,10 @@ mod tests {
         t.reserve(u64::MAX, "pool/x", 3, 1, 2);
         let back = InflightTable::decode(&t.encode()).unwrap();
         assert_eq!(back, t);
-        assert_eq!(InflightTable::decode(b"").unwrap(), InflightTable::default());
+        assert_eq!(
+            InflightTable::decode(b"").unwrap(),
+            InflightTable::default()
+        );
         assert!(matches!(
             InflightTable::decode(b"{nope"),
             Err(InflightError::Decode(_))

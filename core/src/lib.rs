@@ -14,6 +14,9 @@
 //! 3. [`prefix::block_hashes`] hashes the prefix text into a chain of block hashes.
 //! 4. [`picker::Picker::pick`] chooses a primary endpoint and ordered fallbacks from a
 //!    [`snapshot::Snapshot`] plus local in-flight reservations.
+//!
+//! [`route::analyze_for_route`] runs steps 1-3 in one call; [`prefix::PrefixIndex`] keeps the
+//! per-endpoint record of routed prefixes that feeds step 4.
 
 pub mod admission;
 pub mod analysis;
@@ -22,5 +25,6 @@ pub mod inflight;
 pub mod picker;
 pub mod prefix;
 pub mod profile;
+pub mod route;
 pub mod snapshot;
 pub mod usage;

@@ -201,7 +201,7 @@ pub fn builtin_profiles() -> Vec<ModelProfile> {
             "Qwen/Qwen3-32B",
             64,
             8,
-            128, // explicit head_dim in config.json
+            128,            // explicit head_dim in config.json
             32_800_000_000, // "32.8B" on the model card
             40_960,
             "https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json",
@@ -237,10 +237,22 @@ pub const ALIASES: &[(&str, &str)] = &[
         "meta-llama/Meta-Llama-3.1-70B-Instruct",
         "meta-llama/Llama-3.1-70B-Instruct",
     ),
-    ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct"),
-    ("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct"),
-    ("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
-    ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "meta-llama/Llama-3.1-8B-Instruct",
+    ),
+    (
+        "meta-llama/Llama-3.1-70B",
+        "meta-llama/Llama-3.1-70B-Instruct",
+    ),
+    (
+        "mistralai/Mistral-7B-v0.3",
+        "mistralai/Mistral-7B-Instruct-v0.3",
+    ),
+    (
+        "HuggingFaceTB/SmolLM2-135M",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
 ];
 
 /// Look up a built-in profile by served model name: exact, a known alias ([`ALIASES`]), or

@@ -152,7 +152,10 @@ impl Default for SseUsageScanner {
 fn find_boundary(buf: &[u8]) -> Option<(usize, usize)> {
     // An event ends at a blank line: "\n\n" or "\r\n\r\n" (SSE spec, "dispatch the event").
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -244,7 +247,9 @@ mod tests {
 
     fn stream() -> Vec<u8> {
         let mut s = Vec::new();
-        s.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n");
+        s.extend_from_slice(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n",
+        );
         s.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"content\":\" there\"}}]}\n\n");
         s.extend_from_slice(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"completion_tokens\":2,\"total_tokens\":122}}\n\n");
         s.extend_from_slice(b"data: [DONE]\n\n");
@@ -284,7 +289,11 @@ mod tests {
         let tail = &body.as_bytes()[body.len() - 200..];
         assert_eq!(
             parse_json_tail(tail),
-            Some(Usage { prompt_tokens: 42, completion_tokens: 7, cached_tokens: None })
+            Some(Usage {
+                prompt_tokens: 42,
+                completion_tokens: 7,
+                cached_tokens: None
+            })
         );
         assert_eq!(parse_json_tail(br#"{"usage": {"prompt_tokens": 1"#), None);
         assert_eq!(parse_json_tail(br#""usage":null"#), None);

@@ -1,4 +1,10 @@
 //! Request analysis: exact values for each API and a typed error for each malformed shape.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 use kvroute_core::analysis::{analyze, AnalysisError, ApiKind, MediaCounts};
 use kvroute_core::estimate::{Estimator, EstimatorConfig};
@@ -16,13 +22,22 @@ fn err(api: ApiKind, body: &str) -> AnalysisError {
 }
 
 fn invalid(field: &str, expected: &'static str) -> AnalysisError {
-    AnalysisError::InvalidField { field: field.into(), expected }
+    AnalysisError::InvalidField {
+        field: field.into(),
+        expected,
+    }
 }
 
 #[test]
 fn api_kind_from_path() {
-    assert_eq!(ApiKind::from_path("/v1/chat/completions"), ApiKind::ChatCompletions);
-    assert_eq!(ApiKind::from_path("/v1/chat/completions/?x=1"), ApiKind::ChatCompletions);
+    assert_eq!(
+        ApiKind::from_path("/v1/chat/completions"),
+        ApiKind::ChatCompletions
+    );
+    assert_eq!(
+        ApiKind::from_path("/v1/chat/completions/?x=1"),
+        ApiKind::ChatCompletions
+    );
     assert_eq!(ApiKind::from_path("/v1/completions"), ApiKind::Completions);
     assert_eq!(ApiKind::from_path("/v1/responses"), ApiKind::Responses);
     assert_eq!(ApiKind::from_path("/v1/embeddings"), ApiKind::Embeddings);
@@ -31,7 +46,10 @@ fn api_kind_from_path() {
 
 #[test]
 fn chat_minimal_exact_values() {
-    let a = ok(ApiKind::ChatCompletions, r#"{"model":"m","messages":[{"role":"user","content":"Hello world"}]}"#);
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","messages":[{"role":"user","content":"Hello world"}]}"#,
+    );
     assert_eq!(a.model.as_deref(), Some("m"));
     assert!(!a.stream);
     assert_eq!(a.n, 1);
@@ -61,14 +79,23 @@ fn chat_fields_and_limits() {
     // "Be"+"terse"+"." = 3, "Hi" = 1; 2 messages × 3 + 3.
     assert_eq!(a.prompt_tokens, 13);
     assert_eq!(a.prefix_text, "<|system|>\nBe terse.\n<|user|>\nHi\n");
-    let b = ok(ApiKind::ChatCompletions, r#"{"model":"m","max_tokens":16,"messages":[]}"#);
+    let b = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","max_tokens":16,"messages":[]}"#,
+    );
     assert_eq!(b.max_output_tokens, Some(16));
     assert_eq!(b.prompt_tokens, 3);
     // Huge limits saturate instead of failing.
-    let c = ok(ApiKind::ChatCompletions, r#"{"model":"m","max_tokens":99999999999,"messages":[]}"#);
+    let c = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","max_tokens":99999999999,"messages":[]}"#,
+    );
     assert_eq!(c.max_output_tokens, Some(u32::MAX));
     // Explicit nulls mean "absent".
-    let d = ok(ApiKind::ChatCompletions, r#"{"model":"m","max_tokens":null,"stream":null,"messages":[]}"#);
+    let d = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","max_tokens":null,"stream":null,"messages":[]}"#,
+    );
     assert_eq!(d.max_output_tokens, None);
 }
 
@@ -85,12 +112,25 @@ fn chat_parts_media_tools_and_tool_calls() {
              "function":{"name":"get","arguments":"{}"}}]},
           {"role":"tool","tool_call_id":"c1","content":"sunny"}]}"#,
     );
-    assert_eq!(a.media, MediaCounts { images: 1, audio: 1, video: 1 });
+    assert_eq!(
+        a.media,
+        MediaCounts {
+            images: 1,
+            audio: 1,
+            video: 1
+        }
+    );
     assert!(a.prefix_text.starts_with("<|tools|>\n[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]\n<|user|>\nLook<|image:"));
-    assert!(a.prefix_text.contains("<|assistant|>\n<|tool_call|>get{}\n\n<|tool|>\nsunny\n"));
+    assert!(a
+        .prefix_text
+        .contains("<|assistant|>\n<|tool_call|>get{}\n\n<|tool|>\nsunny\n"));
     let allow = &est().config.media;
     let media = u64::from(allow.image_tokens + allow.audio_tokens + allow.video_tokens);
-    assert!(a.prompt_tokens > media && a.prompt_tokens < media + 40, "{}", a.prompt_tokens);
+    assert!(
+        a.prompt_tokens > media && a.prompt_tokens < media + 40,
+        "{}",
+        a.prompt_tokens
+    );
     // Different images hash differently, so they never share a prefix block.
     let b = ok(
         ApiKind::ChatCompletions,
@@ -105,16 +145,28 @@ fn chat_parts_media_tools_and_tool_calls() {
 
 #[test]
 fn completions_prompt_shapes() {
-    let s = ok(ApiKind::Completions, r#"{"model":"m","prompt":"Hello world","max_tokens":7}"#);
-    assert_eq!((s.prompt_tokens, s.prompt_tokens_exact, s.max_output_tokens), (2, false, Some(7)));
+    let s = ok(
+        ApiKind::Completions,
+        r#"{"model":"m","prompt":"Hello world","max_tokens":7}"#,
+    );
+    assert_eq!(
+        (s.prompt_tokens, s.prompt_tokens_exact, s.max_output_tokens),
+        (2, false, Some(7))
+    );
     assert_eq!(s.prefix_text, "Hello world");
-    let arr = ok(ApiKind::Completions, r#"{"model":"m","prompt":["a b","c"]}"#);
+    let arr = ok(
+        ApiKind::Completions,
+        r#"{"model":"m","prompt":["a b","c"]}"#,
+    );
     assert_eq!(arr.prompt_tokens, 3);
     assert_eq!(arr.prefix_text, "a b\nc");
     let ids = ok(ApiKind::Completions, r#"{"model":"m","prompt":[1,22,333]}"#);
     assert_eq!((ids.prompt_tokens, ids.prompt_tokens_exact), (3, true));
     assert_eq!(ids.prefix_text, "1 22 333");
-    let batch = ok(ApiKind::Completions, r#"{"model":"m","prompt":[[1,2],[3,4,5]]}"#);
+    let batch = ok(
+        ApiKind::Completions,
+        r#"{"model":"m","prompt":[[1,2],[3,4,5]]}"#,
+    );
     assert_eq!((batch.prompt_tokens, batch.prompt_tokens_exact), (5, true));
     assert_eq!(batch.prefix_text, "1 2\n3 4 5");
 }
@@ -125,10 +177,20 @@ fn calibration_and_media_allowances_are_configurable() {
     cfg.calibration.insert("m".into(), 2.0);
     cfg.media.image_tokens = 10;
     let e = Estimator::new(cfg);
-    let a = analyze(ApiKind::Completions, br#"{"model":"m","prompt":"Hello world"}"#, &e).unwrap();
+    let a = analyze(
+        ApiKind::Completions,
+        br#"{"model":"m","prompt":"Hello world"}"#,
+        &e,
+    )
+    .unwrap();
     assert_eq!(a.prompt_tokens, 4);
     // Token ids are exact: no calibration.
-    let ids = analyze(ApiKind::Completions, br#"{"model":"m","prompt":[1,2,3]}"#, &e).unwrap();
+    let ids = analyze(
+        ApiKind::Completions,
+        br#"{"model":"m","prompt":[1,2,3]}"#,
+        &e,
+    )
+    .unwrap();
     assert_eq!(ids.prompt_tokens, 3);
     let img = analyze(
         ApiKind::ChatCompletions,
@@ -155,8 +217,13 @@ fn responses_and_embeddings() {
             {"type":"function_call_output","call_id":"c","output":"ok"}]}"#,
     );
     assert_eq!(items.media.images, 1);
-    assert!(items.prefix_text.contains("<|function_call|>\n<|tool_call|>f{}\n<|function_call_output|>\nok\n"));
-    let e = ok(ApiKind::Embeddings, r#"{"model":"e","input":"Hello world"}"#);
+    assert!(items
+        .prefix_text
+        .contains("<|function_call|>\n<|tool_call|>f{}\n<|function_call_output|>\nok\n"));
+    let e = ok(
+        ApiKind::Embeddings,
+        r#"{"model":"e","input":"Hello world"}"#,
+    );
     assert_eq!((e.prompt_tokens, e.max_output_tokens), (2, Some(0)));
     let e2 = ok(ApiKind::Embeddings, r#"{"model":"e","input":[[0,1],[2]]}"#);
     assert_eq!((e2.prompt_tokens, e2.prompt_tokens_exact), (3, true));
@@ -164,8 +231,14 @@ fn responses_and_embeddings() {
 
 #[test]
 fn other_paths_read_tgi_bodies_and_need_no_model() {
-    let a = ok(ApiKind::Other, r#"{"inputs":"Hello world","parameters":{"max_new_tokens":64}}"#);
-    assert_eq!((a.model, a.prompt_tokens, a.max_output_tokens), (None, 2, Some(64)));
+    let a = ok(
+        ApiKind::Other,
+        r#"{"inputs":"Hello world","parameters":{"max_new_tokens":64}}"#,
+    );
+    assert_eq!(
+        (a.model, a.prompt_tokens, a.max_output_tokens),
+        (None, 2, Some(64))
+    );
     let b = ok(ApiKind::Other, r#"{}"#);
     assert_eq!((b.prompt_tokens, b.max_output_tokens), (0, None));
 }
@@ -233,27 +306,53 @@ fn invalid_json_reports_position() {
         AnalysisError::InvalidJson { line, column, .. } => assert_eq!((line, column), (3, 3)),
         e => panic!("{e:?}"),
     }
-    for body in ["", "[1,2]", "\"str\"", "null", "{\"model\":\"m\"", "{\"model\":\"m\",\"messages\":[]} trailing"] {
-        assert!(matches!(err(ApiKind::ChatCompletions, body), AnalysisError::InvalidJson { .. }), "{body:?}");
+    for body in [
+        "",
+        "[1,2]",
+        "\"str\"",
+        "null",
+        "{\"model\":\"m\"",
+        "{\"model\":\"m\",\"messages\":[]} trailing",
+    ] {
+        assert!(
+            matches!(
+                err(ApiKind::ChatCompletions, body),
+                AnalysisError::InvalidJson { .. }
+            ),
+            "{body:?}"
+        );
     }
     match analyze(ApiKind::ChatCompletions, b"{\"model\":\"\xff\"}", &est()) {
-        Err(AnalysisError::InvalidJson { line: 1, column: 11, message }) => assert_eq!(message, "body is not valid UTF-8"),
+        Err(AnalysisError::InvalidJson {
+            line: 1,
+            column: 11,
+            message,
+        }) => assert_eq!(message, "body is not valid UTF-8"),
         r => panic!("{r:?}"),
     }
     // Deep nesting is captured as raw slices without recursion (no stack overflow), and a
     // deeply nested value where a content part belongs is a typed field error.
     let (open, close) = ("[".repeat(100_000), "]".repeat(100_000));
     let skipped = format!("{{\"model\":\"m\",\"messages\":[],\"x\":{open}{close}}}");
-    let a = analyze(ApiKind::ChatCompletions, skipped.as_bytes(), &est()).map_err(|e| e.to_string());
+    let a =
+        analyze(ApiKind::ChatCompletions, skipped.as_bytes(), &est()).map_err(|e| e.to_string());
     assert_eq!(a.map(|a| a.prompt_tokens), Ok(3));
-    let inside = format!("{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":{open}{close}}}]}}");
+    let inside = format!(
+        "{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":{open}{close}}}]}}"
+    );
     let e = analyze(ApiKind::ChatCompletions, inside.as_bytes(), &est()).map(|_| ());
-    assert_eq!(e, Err(invalid("messages[0].content[0]", "a content part object")));
+    assert_eq!(
+        e,
+        Err(invalid("messages[0].content[0]", "a content part object"))
+    );
 }
 
 #[test]
 fn escaped_strings_are_decoded() {
-    let a = ok(ApiKind::ChatCompletions, r#"{"model":"m\u0031","messages":[{"role":"user","content":"a\nb \"q\""}]}"#);
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m\u0031","messages":[{"role":"user","content":"a\nb \"q\""}]}"#,
+    );
     assert_eq!(a.model.as_deref(), Some("m1"));
     assert_eq!(a.prefix_text, "<|user|>\na\nb \"q\"\n");
 }

@@ -2,6 +2,12 @@
 //! on every prompt in `../shared/data/prompts/` (ShareGPT first turns and the LMBenchmark
 //! multi-round inputs). Asserts median |relative error| ≤ 10% and p90 ≤ 25% per tokenizer and
 //! prints the table published in the README. Native only (tiktoken ships vocabularies).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 #![cfg(not(target_family = "wasm"))]
 
 mod common;
@@ -45,17 +51,32 @@ fn errors(est: &[f64], truth: &[usize]) -> Row {
 #[test]
 fn estimator_within_targets_on_shared_prompts() {
     let prompts = common::all_prompts();
-    assert!(prompts.len() >= 1000, "expected ≥1000 prompts, got {}", prompts.len());
+    assert!(
+        prompts.len() >= 1000,
+        "expected ≥1000 prompts, got {}",
+        prompts.len()
+    );
     let est = Estimator::default();
-    let estimates: Vec<f64> = prompts.iter().map(|(_, p)| est.estimate_text(p) as f64).collect();
+    let estimates: Vec<f64> = prompts
+        .iter()
+        .map(|(_, p)| est.estimate_text(p) as f64)
+        .collect();
     println!("| tokenizer | subset | prompts | median abs rel err | p90 | p99 | mean signed err |");
     println!("|---|---|---|---|---|---|---|");
     for (name, bpe) in [
         ("cl100k_base", tiktoken_rs::cl100k_base().unwrap()),
         ("o200k_base", tiktoken_rs::o200k_base().unwrap()),
     ] {
-        let truth: Vec<usize> = prompts.iter().map(|(_, p)| bpe.encode_ordinary(p).len()).collect();
-        for subset in ["all", "sharegpt_v3_filtered_1000", "lmbenchmark_run", "lmbenchmark_warmup"] {
+        let truth: Vec<usize> = prompts
+            .iter()
+            .map(|(_, p)| bpe.encode_ordinary(p).len())
+            .collect();
+        for subset in [
+            "all",
+            "sharegpt_v3_filtered_1000",
+            "lmbenchmark_run",
+            "lmbenchmark_warmup",
+        ] {
             let (e, t): (Vec<f64>, Vec<usize>) = prompts
                 .iter()
                 .zip(&estimates)
@@ -88,7 +109,10 @@ fn estimator_within_targets_on_shared_prompts() {
 fn fit_char_class_costs() {
     let prompts = common::all_prompts();
     let bpe = tiktoken_rs::cl100k_base().unwrap();
-    let truth: Vec<usize> = prompts.iter().map(|(_, p)| bpe.encode_ordinary(p).len()).collect();
+    let truth: Vec<usize> = prompts
+        .iter()
+        .map(|(_, p)| bpe.encode_ordinary(p).len())
+        .collect();
     let mut best = (f64::MAX, CharClassCosts::default());
     for free in [6.0, 7.0, 8.0, 9.0, 10.0, 12.0] {
         for per in [3.0, 4.0, 5.0, 6.0] {
@@ -101,12 +125,18 @@ fn fit_char_class_costs() {
                         other_byte: ob,
                         ..CharClassCosts::default()
                     };
-                    let e: Vec<f64> = prompts.iter().map(|(_, p)| estimate_with(&c, p).ceil()).collect();
+                    let e: Vec<f64> = prompts
+                        .iter()
+                        .map(|(_, p)| estimate_with(&c, p).ceil())
+                        .collect();
                     let r = errors(&e, &truth);
                     let loss = r.median + 0.5 * r.p90;
                     if loss < best.0 {
                         best = (loss, c);
-                        println!("median {:.3} p90 {:.3} bias {:+.3}: {:?}", r.median, r.p90, r.bias, c);
+                        println!(
+                            "median {:.3} p90 {:.3} bias {:+.3}: {:?}",
+                            r.median, r.p90, r.bias, c
+                        );
                     }
                 }
             }

@@ -8,6 +8,12 @@
 //! prompt-token range brackets the `cl100k_base` count of the rendered conversation
 //! (plus 3 tokens per message + 3, plus 576 per image) within about ±25%. The block count
 //! is ⌊len(prefix text) / 64⌋ of the rendering documented in `analysis.rs`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 mod common;
 
@@ -80,9 +86,16 @@ fn every_shared_request_has_a_golden_row() {
     let t = table();
     let names: Vec<&str> = t.iter().map(|g| g.file).collect();
     for f in &files {
-        assert!(names.contains(&f.as_str()), "no golden row for requests/{f}");
+        assert!(
+            names.contains(&f.as_str()),
+            "no golden row for requests/{f}"
+        );
     }
-    assert_eq!(files.len(), t.len(), "golden rows for files that do not exist");
+    assert_eq!(
+        files.len(),
+        t.len(),
+        "golden rows for files that do not exist"
+    );
 }
 
 #[test]

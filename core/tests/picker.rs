@@ -1,5 +1,11 @@
 //! Endpoint picker: exact selections per policy, filters, typed outcomes, config validation
 //! and statistical bounds on the random choices.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::picker::*;
@@ -38,11 +44,32 @@ fn req(demand: u64) -> PickRequest<'static> {
 }
 
 fn picker(policy: PolicyKind) -> Picker {
-    Picker::new(PickerConfig { policy, ..PickerConfig::default() }, 7).unwrap()
+    Picker::new(
+        PickerConfig {
+            policy,
+            ..PickerConfig::default()
+        },
+        7,
+    )
+    .unwrap()
 }
 
-fn pick_with(p: &mut Picker, snap: &Snapshot, inflight: &[InFlight], prefix: &[u32], r: &PickRequest<'_>) -> PickOutcome {
-    p.pick(&PickInput { snapshot: snap, inflight, prefix_match_blocks: prefix, now_ms: NOW }, r)
+fn pick_with(
+    p: &mut Picker,
+    snap: &Snapshot,
+    inflight: &[InFlight],
+    prefix: &[u32],
+    r: &PickRequest<'_>,
+) -> PickOutcome {
+    p.pick(
+        &PickInput {
+            snapshot: snap,
+            inflight,
+            prefix_match_blocks: prefix,
+            now_ms: NOW,
+        },
+        r,
+    )
 }
 
 fn primary(o: &PickOutcome) -> usize {
@@ -60,7 +87,9 @@ fn snap(eps: Vec<EndpointStats>) -> Snapshot {
 fn round_robin_exact_sequence_and_fallbacks() {
     let s = snap(vec![ep("a"), ep("b"), ep("c")]);
     let mut p = picker(PolicyKind::RoundRobin);
-    let picks: Vec<PickOutcome> = (0..4).map(|_| pick_with(&mut p, &s, &[], &[], &req(10))).collect();
+    let picks: Vec<PickOutcome> = (0..4)
+        .map(|_| pick_with(&mut p, &s, &[], &[], &req(10)))
+        .collect();
     let prim: Vec<usize> = picks.iter().map(primary).collect();
     assert_eq!(prim, vec![0, 1, 2, 0]);
     match &picks[1] {
@@ -85,7 +114,14 @@ fn least_request_counts_snapshot_and_inflight() {
     // c is idle.
     assert_eq!(primary(&pick_with(&mut p, &s, &[], &[], &req(10))), 2);
     // With 2 in-flight on c, b (1 waiting) wins; fallbacks c then a.
-    let infl = [InFlight::default(), InFlight::default(), InFlight { requests: 2, tokens: 0 }];
+    let infl = [
+        InFlight::default(),
+        InFlight::default(),
+        InFlight {
+            requests: 2,
+            tokens: 0,
+        },
+    ];
     match pick_with(&mut p, &s, &infl, &[], &req(10)) {
         PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (1, vec![2, 0])),
         o => panic!("{o:?}"),
@@ -107,7 +143,13 @@ fn least_kv_uses_projected_usage_and_ranks_unknown_last() {
         o => panic!("{o:?}"),
     }
     // 40k in-flight tokens on b (capacity 100k): projected 0.6 > 0.5.
-    let infl = [InFlight::default(), InFlight { requests: 1, tokens: 40_000 }];
+    let infl = [
+        InFlight::default(),
+        InFlight {
+            requests: 1,
+            tokens: 40_000,
+        },
+    ];
     assert_eq!(primary(&pick_with(&mut p, &s, &infl, &[], &req(10))), 0);
 }
 
@@ -119,11 +161,17 @@ fn prefix_affinity_prefers_longest_match_then_load() {
     let c = ep("c");
     let s = snap(vec![a, b, c]);
     let mut p = picker(PolicyKind::PrefixAffinity);
-    assert_eq!(primary(&pick_with(&mut p, &s, &[], &[8, 2, 0], &req(10))), 0);
+    assert_eq!(
+        primary(&pick_with(&mut p, &s, &[], &[8, 2, 0], &req(10))),
+        0
+    );
     // Equal match: lower load wins.
     let mut c2 = s.clone();
     c2.endpoints[1].running = 2;
-    assert_eq!(primary(&pick_with(&mut p, &c2, &[], &[0, 4, 4], &req(10))), 2);
+    assert_eq!(
+        primary(&pick_with(&mut p, &c2, &[], &[0, 4, 4], &req(10))),
+        2
+    );
 }
 
 #[test]
@@ -153,7 +201,10 @@ fn hybrid_exact_scores() {
     }
     // In-flight tokens move traffic: 60k reserved on a → headroom 1−0.1−0.7 = 0.2 and
     // in-flight term 0: a = 0.2+1+0 = 1.2 < b = 1.9.
-    let infl = [InFlight { requests: 3, tokens: 60_000 }];
+    let infl = [InFlight {
+        requests: 3,
+        tokens: 60_000,
+    }];
     let o = pick_with(&mut p, &s, &infl, &[], &req(10_000));
     assert_ne!(primary(&o), 0);
 }
@@ -169,7 +220,10 @@ fn hybrid_with_unknown_kv_uses_queue_and_inflight() {
     b.kv_capacity_tokens = None;
     let s = snap(vec![a, b]);
     let mut p = picker(PolicyKind::Hybrid);
-    assert_eq!(primary(&pick_with(&mut p, &s, &[], &[], &req(1_000_000))), 1);
+    assert_eq!(
+        primary(&pick_with(&mut p, &s, &[], &[], &req(1_000_000))),
+        1
+    );
 }
 
 #[test]
@@ -179,28 +233,65 @@ fn filters_and_typed_outcomes() {
     let s = snap(vec![ep("a")]);
     let mut r = req(10);
     r.model = Some("other");
-    assert_eq!(pick_with(&mut p, &s, &[], &[], &r), PickOutcome::NoEndpoints);
-    assert_eq!(pick_with(&mut p, &snap(vec![]), &[], &[], &req(10)), PickOutcome::NoEndpoints);
+    assert_eq!(
+        pick_with(&mut p, &s, &[], &[], &r),
+        PickOutcome::NoEndpoints
+    );
+    assert_eq!(
+        pick_with(&mut p, &snap(vec![]), &[], &[], &req(10)),
+        PickOutcome::NoEndpoints
+    );
     // LoRA adapters count as served models.
     let mut l = ep("l");
     l.lora_adapters = vec!["other".into()];
-    assert_eq!(primary(&pick_with(&mut p, &snap(vec![ep("a"), l]), &[], &[], &r)), 1);
+    assert_eq!(
+        primary(&pick_with(&mut p, &snap(vec![ep("a"), l]), &[], &[], &r)),
+        1
+    );
     // Unhealthy only → no endpoints.
     let mut u = ep("u");
     u.healthy = false;
-    assert_eq!(pick_with(&mut p, &snap(vec![u.clone()]), &[], &[], &req(10)), PickOutcome::NoEndpoints);
+    assert_eq!(
+        pick_with(&mut p, &snap(vec![u.clone()]), &[], &[], &req(10)),
+        PickOutcome::NoEndpoints
+    );
     // Full KV → no capacity; demand larger than the whole cache → no capacity.
     let mut full = ep("f");
     full.kv_usage = Some(0.95);
-    assert_eq!(pick_with(&mut p, &snap(vec![full.clone()]), &[], &[], &req(10_000)), PickOutcome::NoCapacity);
-    assert_eq!(pick_with(&mut p, &snap(vec![ep("a")]), &[], &[], &req(200_000)), PickOutcome::NoCapacity);
+    assert_eq!(
+        pick_with(&mut p, &snap(vec![full.clone()]), &[], &[], &req(10_000)),
+        PickOutcome::NoCapacity
+    );
+    assert_eq!(
+        pick_with(&mut p, &snap(vec![ep("a")]), &[], &[], &req(200_000)),
+        PickOutcome::NoCapacity
+    );
     // The one with room is chosen over the full one.
-    assert_eq!(primary(&pick_with(&mut p, &snap(vec![full, ep("ok")]), &[], &[], &req(10_000))), 1);
+    assert_eq!(
+        primary(&pick_with(
+            &mut p,
+            &snap(vec![full, ep("ok")]),
+            &[],
+            &[],
+            &req(10_000)
+        )),
+        1
+    );
     // min_kv_headroom: 0.2 required; usage 0.75 + 10% demand leaves 0.15 → no capacity.
-    let mut q = Picker::new(PickerConfig { min_kv_headroom: 0.2, ..PickerConfig::default() }, 1).unwrap();
+    let mut q = Picker::new(
+        PickerConfig {
+            min_kv_headroom: 0.2,
+            ..PickerConfig::default()
+        },
+        1,
+    )
+    .unwrap();
     let mut e = ep("e");
     e.kv_usage = Some(0.75);
-    assert_eq!(pick_with(&mut q, &snap(vec![e]), &[], &[], &req(10_000)), PickOutcome::NoCapacity);
+    assert_eq!(
+        pick_with(&mut q, &snap(vec![e]), &[], &[], &req(10_000)),
+        PickOutcome::NoCapacity
+    );
 }
 
 #[test]
@@ -212,17 +303,38 @@ fn stale_endpoints_only_when_nothing_is_fresh() {
     let mut fresh = ep("f");
     fresh.waiting = 50;
     fresh.kv_usage = Some(0.8);
-    assert_eq!(primary(&pick_with(&mut p, &snap(vec![stale.clone(), fresh.clone()]), &[], &[], &req(10))), 1);
+    assert_eq!(
+        primary(&pick_with(
+            &mut p,
+            &snap(vec![stale.clone(), fresh.clone()]),
+            &[],
+            &[],
+            &req(10)
+        )),
+        1
+    );
     // Fresh but full: no capacity, never the stale one.
     fresh.kv_usage = Some(1.0);
-    assert_eq!(pick_with(&mut p, &snap(vec![stale.clone(), fresh]), &[], &[], &req(10)), PickOutcome::NoCapacity);
+    assert_eq!(
+        pick_with(
+            &mut p,
+            &snap(vec![stale.clone(), fresh]),
+            &[],
+            &[],
+            &req(10)
+        ),
+        PickOutcome::NoCapacity
+    );
     // All stale: least-request fallback.
     let mut stale2 = stale.clone();
     stale2.id = "s2".into();
     stale2.running = 4;
     match pick_with(&mut p, &snap(vec![stale2, stale]), &[], &[], &req(10)) {
         PickOutcome::Picked(pk) => {
-            assert_eq!((pk.primary, pk.reason, pk.policy), (1, PickReason::StaleFallback, PolicyKind::LeastRequest));
+            assert_eq!(
+                (pk.primary, pk.reason, pk.policy),
+                (1, PickReason::StaleFallback, PolicyKind::LeastRequest)
+            );
             assert_eq!(pk.fallbacks, vec![0]);
         }
         o => panic!("{o:?}"),
@@ -231,9 +343,22 @@ fn stale_endpoints_only_when_nothing_is_fresh() {
 
 #[test]
 fn request_classes_route_to_pools() {
-    let short = RequestClass { name: "short".into(), pool: "qa".into(), max_prompt_tokens: Some(1000), ..Default::default() };
-    let long = RequestClass { name: "long".into(), pool: "docs".into(), min_prompt_tokens: Some(1000), ..Default::default() };
-    let cfg = PickerConfig { classes: vec![short, long], ..PickerConfig::default() };
+    let short = RequestClass {
+        name: "short".into(),
+        pool: "qa".into(),
+        max_prompt_tokens: Some(1000),
+        ..Default::default()
+    };
+    let long = RequestClass {
+        name: "long".into(),
+        pool: "docs".into(),
+        min_prompt_tokens: Some(1000),
+        ..Default::default()
+    };
+    let cfg = PickerConfig {
+        classes: vec![short, long],
+        ..PickerConfig::default()
+    };
     let mut p = Picker::new(cfg, 3).unwrap();
     let mut a = ep("a");
     a.pool = "qa".into();
@@ -243,7 +368,10 @@ fn request_classes_route_to_pools() {
     let mut r = req(100);
     r.prompt_tokens = 50;
     match pick_with(&mut p, &s, &[], &[], &r) {
-        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.class.as_deref(), pk.fallbacks.len()), (0, Some("short"), 0)),
+        PickOutcome::Picked(pk) => assert_eq!(
+            (pk.primary, pk.class.as_deref(), pk.fallbacks.len()),
+            (0, Some("short"), 0)
+        ),
         o => panic!("{o:?}"),
     }
     r.prompt_tokens = 5000;
@@ -253,7 +381,13 @@ fn request_classes_route_to_pools() {
     let only_qa = snap(vec![s.endpoints[0].clone()]);
     assert_eq!(primary(&pick_with(&mut p, &only_qa, &[], &[], &r)), 0);
     // Model and API bounds.
-    let c = RequestClass { name: "emb".into(), pool: "e".into(), apis: vec![ApiKind::Embeddings], models: vec!["m".into()], ..Default::default() };
+    let c = RequestClass {
+        name: "emb".into(),
+        pool: "e".into(),
+        apis: vec![ApiKind::Embeddings],
+        models: vec!["m".into()],
+        ..Default::default()
+    };
     assert!(!c.matches(&r));
     r.api = ApiKind::Embeddings;
     assert!(c.matches(&r));
@@ -264,24 +398,66 @@ fn request_classes_route_to_pools() {
 #[test]
 fn config_validation_names_the_field() {
     let bad = |cfg: PickerConfig| Picker::new(cfg, 0).unwrap_err();
-    let e = bad(PickerConfig { min_kv_headroom: 1.5, ..Default::default() });
-    assert_eq!((e.field.as_str(), e.value.as_str()), ("min_kv_headroom", "1.5"));
-    let e = bad(PickerConfig { min_kv_headroom: f64::NAN, ..Default::default() });
+    let e = bad(PickerConfig {
+        min_kv_headroom: 1.5,
+        ..Default::default()
+    });
+    assert_eq!(
+        (e.field.as_str(), e.value.as_str()),
+        ("min_kv_headroom", "1.5")
+    );
+    let e = bad(PickerConfig {
+        min_kv_headroom: f64::NAN,
+        ..Default::default()
+    });
     assert_eq!(e.field, "min_kv_headroom");
-    let e = bad(PickerConfig { stale_after_ms: 0, ..Default::default() });
+    let e = bad(PickerConfig {
+        stale_after_ms: 0,
+        ..Default::default()
+    });
     assert_eq!(e.field, "stale_after_ms");
-    let e = bad(PickerConfig { weights: HybridWeights { queue: -1.0, ..Default::default() }, ..Default::default() });
-    assert_eq!(e.to_string(), "picker config field `weights.queue` = -1: must be a finite number >= 0");
-    let e = bad(PickerConfig { classes: vec![RequestClass { name: "x".into(), ..Default::default() }], ..Default::default() });
+    let e = bad(PickerConfig {
+        weights: HybridWeights {
+            queue: -1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    assert_eq!(
+        e.to_string(),
+        "picker config field `weights.queue` = -1: must be a finite number >= 0"
+    );
+    let e = bad(PickerConfig {
+        classes: vec![RequestClass {
+            name: "x".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
     assert_eq!(e.field, "classes[0].pool");
     let e = bad(PickerConfig {
-        classes: vec![RequestClass { name: "x".into(), pool: "p".into(), min_prompt_tokens: Some(5), max_prompt_tokens: Some(5), ..Default::default() }],
+        classes: vec![RequestClass {
+            name: "x".into(),
+            pool: "p".into(),
+            min_prompt_tokens: Some(5),
+            max_prompt_tokens: Some(5),
+            ..Default::default()
+        }],
         ..Default::default()
     });
     assert_eq!(e.field, "classes[0].max_prompt_tokens");
     // Config parses from JSON with documented defaults; unknown fields are rejected.
-    let cfg: PickerConfig = serde_json::from_str(r#"{"policy":"least_kv","weights":{"prefix":3}}"#).unwrap();
-    assert_eq!((cfg.policy, cfg.weights.prefix, cfg.weights.queue, cfg.stale_after_ms), (PolicyKind::LeastKv, 3.0, 1.0, 2000));
+    let cfg: PickerConfig =
+        serde_json::from_str(r#"{"policy":"least_kv","weights":{"prefix":3}}"#).unwrap();
+    assert_eq!(
+        (
+            cfg.policy,
+            cfg.weights.prefix,
+            cfg.weights.queue,
+            cfg.stale_after_ms
+        ),
+        (PolicyKind::LeastKv, 3.0, 1.0, 2000)
+    );
     assert!(serde_json::from_str::<PickerConfig>(r#"{"polcy":"random"}"#).is_err());
     assert_eq!(PolicyKind::PrefixAffinity.name(), "prefix_affinity");
 }
@@ -292,7 +468,14 @@ fn config_validation_names_the_field() {
 fn random_policy_is_uniform_within_statistical_bounds() {
     let s = snap(vec![ep("a"), ep("b"), ep("c"), ep("d")]);
     for seed in [1u64, 2, 3] {
-        let mut p = Picker::new(PickerConfig { policy: PolicyKind::Random, ..Default::default() }, seed).unwrap();
+        let mut p = Picker::new(
+            PickerConfig {
+                policy: PolicyKind::Random,
+                ..Default::default()
+            },
+            seed,
+        )
+        .unwrap();
         let mut counts = [0u32; 4];
         for _ in 0..8000 {
             counts[primary(&pick_with(&mut p, &s, &[], &[], &req(10)))] += 1;

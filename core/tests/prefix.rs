@@ -1,5 +1,11 @@
 //! Prefix hashing: GIE compatibility, chaining, limits, multi-turn reuse on real data, and
 //! the approximate per-endpoint index.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 mod common;
 
@@ -46,13 +52,24 @@ fn matches_gie_hash_prompt_without_salt() {
 
 #[test]
 fn gie_truncation_at_max_blocks() {
-    let text: String = (0..(64 * 300)).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+    let text: String = (0..(64 * 300))
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
     let ours = block_hashes("llama", None, &text, &PrefixConfig::default());
     assert_eq!(ours.len(), 256);
-    assert_eq!(&gie_hash_prompt("llama", text.as_bytes(), 64, 256)[1..], &ours[..]);
-    let small = PrefixConfig { block_chars: 16, max_blocks: 4 };
+    assert_eq!(
+        &gie_hash_prompt("llama", text.as_bytes(), 64, 256)[1..],
+        &ours[..]
+    );
+    let small = PrefixConfig {
+        block_chars: 16,
+        max_blocks: 4,
+    };
     assert_eq!(block_hashes("llama", None, &text, &small).len(), 4);
-    assert_eq!(&gie_hash_prompt("llama", text.as_bytes(), 16, 4)[1..], &block_hashes("llama", None, &text, &small)[..]);
+    assert_eq!(
+        &gie_hash_prompt("llama", text.as_bytes(), 16, 4)[1..],
+        &block_hashes("llama", None, &text, &small)[..]
+    );
 }
 
 #[test]
@@ -60,7 +77,10 @@ fn short_text_and_zero_block_size_give_no_hashes() {
     let cfg = PrefixConfig::default();
     assert!(block_hashes("m", None, &"a".repeat(63), &cfg).is_empty());
     assert_eq!(block_hashes("m", None, &"a".repeat(64), &cfg).len(), 1);
-    let zero = PrefixConfig { block_chars: 0, max_blocks: 256 };
+    let zero = PrefixConfig {
+        block_chars: 0,
+        max_blocks: 256,
+    };
     assert!(block_hashes("m", None, "anything", &zero).is_empty());
 }
 
@@ -90,7 +110,10 @@ fn seed_depends_on_model_and_salt() {
 fn multibyte_text_hashes_bytes_not_chars() {
     // 22 three-byte characters = 66 bytes: one full 64-byte block.
     let text = "東".repeat(22);
-    assert_eq!(block_hashes("m", None, &text, &PrefixConfig::default()).len(), 1);
+    assert_eq!(
+        block_hashes("m", None, &text, &PrefixConfig::default()).len(),
+        1
+    );
 }
 
 /// LMBenchmark multi-round inputs: every `run` input starts with an earlier input as an
@@ -100,10 +123,18 @@ fn multibyte_text_hashes_bytes_not_chars() {
 fn multiround_inputs_share_leading_blocks_with_earlier_turns() {
     let cfg = PrefixConfig::default();
     let mut inputs: Vec<String> = Vec::new();
-    for f in ["prompts/lmbenchmark_sharegpt_multiround_warmup.json", "prompts/lmbenchmark_sharegpt_multiround_run.json"] {
+    for f in [
+        "prompts/lmbenchmark_sharegpt_multiround_warmup.json",
+        "prompts/lmbenchmark_sharegpt_multiround_run.json",
+    ] {
         let s = String::from_utf8(common::read(f)).unwrap();
         let v: serde_json::Value = serde_json::from_str(&common::fix_invalid_escapes(&s)).unwrap();
-        inputs.extend(v.as_array().unwrap().iter().map(|e| e["input"].as_str().unwrap().to_string()));
+        inputs.extend(
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["input"].as_str().unwrap().to_string()),
+        );
     }
     let mut checked = 0;
     let mut shared_blocks = 0usize;
@@ -119,7 +150,11 @@ fn multiround_inputs_share_leading_blocks_with_earlier_turns() {
         let hp = block_hashes("meta-llama/Llama-3.1-8B-Instruct", None, prev, &cfg);
         let hc = block_hashes("meta-llama/Llama-3.1-8B-Instruct", None, cur, &cfg);
         assert!(hc.len() >= hp.len());
-        assert_eq!(&hc[..hp.len()], &hp[..], "input {i}: earlier turn's blocks not a prefix");
+        assert_eq!(
+            &hc[..hp.len()],
+            &hp[..],
+            "input {i}: earlier turn's blocks not a prefix"
+        );
         checked += 1;
         shared_blocks += hp.len();
     }
@@ -131,7 +166,10 @@ fn multiround_inputs_share_leading_blocks_with_earlier_turns() {
 /// assistant reply + new user message) shares every full block of the previous turn.
 #[test]
 fn chat_follow_up_turn_shares_previous_turn_blocks() {
-    let s = String::from_utf8(common::read("prompts/lmbenchmark_sharegpt_multiround_run.json")).unwrap();
+    let s = String::from_utf8(common::read(
+        "prompts/lmbenchmark_sharegpt_multiround_run.json",
+    ))
+    .unwrap();
     let v: serde_json::Value = serde_json::from_str(&common::fix_invalid_escapes(&s)).unwrap();
     let est = Estimator::default();
     let cfg = PrefixConfig::default();
@@ -147,7 +185,12 @@ fn chat_follow_up_turn_shares_previous_turn_blocks() {
             {"role": "assistant", "content": "Sure, here is my answer."},
             {"role": "user", "content": "Tell me more."}]});
         let a = analyze(ApiKind::ChatCompletions, first.to_string().as_bytes(), &est).unwrap();
-        let b = analyze(ApiKind::ChatCompletions, follow.to_string().as_bytes(), &est).unwrap();
+        let b = analyze(
+            ApiKind::ChatCompletions,
+            follow.to_string().as_bytes(),
+            &est,
+        )
+        .unwrap();
         assert!(b.prefix_text.starts_with(&a.prefix_text));
         let ha = block_hashes(model, None, &a.prefix_text, &cfg);
         let hb = block_hashes(model, None, &b.prefix_text, &cfg);
@@ -161,7 +204,10 @@ fn index_records_matches_and_forgets() {
     let mut idx = PrefixIndex::new(100);
     idx.record("a", &[1, 2, 3, 4]);
     idx.record("b", &[1, 2]);
-    assert_eq!(idx.match_blocks(&[1, 2, 3, 9], ["a", "b", "c"]), vec![3, 2, 0]);
+    assert_eq!(
+        idx.match_blocks(&[1, 2, 3, 9], ["a", "b", "c"]),
+        vec![3, 2, 0]
+    );
     // Leading blocks only: a gap stops the match.
     assert_eq!(idx.match_one(&[9, 2, 3], "a"), 0);
     idx.forget("a");

@@ -1,5 +1,11 @@
 //! Property tests: the analyser never panics on arbitrary bytes or JSON; picks always
 //! respect the filters (model served, healthy, fresh, KV headroom); hashing invariants.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 use kvroute_core::analysis::{analyze, AnalysisError, ApiKind};
 use kvroute_core::estimate::Estimator;
@@ -22,10 +28,18 @@ fn json_value() -> impl Strategy<Value = Value> {
         Just(Value::Null),
         any::<bool>().prop_map(Value::Bool),
         any::<i64>().prop_map(Value::from),
-        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(Value::from),
         ".{0,20}".prop_map(Value::String),
-        prop_oneof![Just("user"), Just("text"), Just("image_url"), Just("function_call"), Just("m")]
-            .prop_map(|s| Value::String(s.into())),
+        prop_oneof![
+            Just("user"),
+            Just("text"),
+            Just("image_url"),
+            Just("function_call"),
+            Just("m")
+        ]
+        .prop_map(|s| Value::String(s.into())),
     ];
     leaf.prop_recursive(4, 48, 6, |inner| {
         prop_oneof![
@@ -33,11 +47,29 @@ fn json_value() -> impl Strategy<Value = Value> {
             prop::collection::vec(
                 (
                     prop_oneof![
-                        Just("model"), Just("messages"), Just("role"), Just("content"), Just("type"),
-                        Just("text"), Just("prompt"), Just("input"), Just("tools"), Just("tool_calls"),
-                        Just("function"), Just("arguments"), Just("name"), Just("n"), Just("max_tokens"),
-                        Just("image_url"), Just("output"), Just("instructions"), Just("inputs"),
-                        Just("parameters"), Just("cache_salt"), Just("priority"), Just("stream"),
+                        Just("model"),
+                        Just("messages"),
+                        Just("role"),
+                        Just("content"),
+                        Just("type"),
+                        Just("text"),
+                        Just("prompt"),
+                        Just("input"),
+                        Just("tools"),
+                        Just("tool_calls"),
+                        Just("function"),
+                        Just("arguments"),
+                        Just("name"),
+                        Just("n"),
+                        Just("max_tokens"),
+                        Just("image_url"),
+                        Just("output"),
+                        Just("instructions"),
+                        Just("inputs"),
+                        Just("parameters"),
+                        Just("cache_salt"),
+                        Just("priority"),
+                        Just("stream"),
                     ]
                     .prop_map(String::from),
                     inner,
@@ -62,8 +94,71 @@ fn chatty_body() -> impl Strategy<Value = Value> {
     )
 }
 
+/// Character-level reference of the estimator (the byte-level implementation must agree).
+fn reference_estimate(text: &str) -> f64 {
+    let c = kvroute_core::estimate::CharClassCosts::default();
+    let mut total = 0.0;
+    let mut prev: Option<u8> = None; // class id of the current run
+    let mut run = 0u32;
+    let cost = |class: Option<u8>, run: u32| -> f64 {
+        let r = f64::from(run);
+        match class {
+            Some(0) => {
+                if r <= c.word_free_chars {
+                    1.0
+                } else {
+                    1.0 + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
+                }
+            }
+            Some(1) => (r / c.digits_per_token).ceil(),
+            Some(2) => c.punct_first + (r - 1.0) * c.punct_more,
+            Some(3) => c.newline_run,
+            Some(4) if run >= 2 => c.space_run,
+            _ => 0.0,
+        }
+    };
+    for ch in text.chars() {
+        let class = match ch {
+            'a'..='z' | 'A'..='Z' => Some(0),
+            '0'..='9' => Some(1),
+            '\n' | '\r' => Some(3),
+            ' ' | '\t' => Some(4),
+            c if c.is_ascii_punctuation() => Some(2),
+            _ => None,
+        };
+        if class.is_some() && class == prev {
+            run += 1;
+            continue;
+        }
+        total += cost(prev, run);
+        if class.is_none() {
+            let cp = ch as u32;
+            let cjk = matches!(cp, 0x3040..=0x30FF | 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xAC00..=0xD7AF | 0xF900..=0xFAFF | 0x20000..=0x2FFFF);
+            total += if ch.is_ascii() {
+                1.0
+            } else if cjk {
+                c.cjk_char
+            } else {
+                c.other_byte * ch.len_utf8() as f64
+            };
+        }
+        prev = class;
+        run = 1;
+    }
+    total + cost(prev, run)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn byte_level_estimator_matches_char_level_reference(text in "(?s).{0,300}", words in "[a-zA-Z0-9 ,.\n东京é😀]{0,300}") {
+        let est = Estimator::default();
+        for t in [&text, &words] {
+            let (a, b) = (est.estimate_text_f64(t), reference_estimate(t));
+            prop_assert!((a - b).abs() < 1e-9, "{} vs {}", a, b);
+        }
+    }
 
     #[test]
     fn analyser_never_panics_on_bytes(body in prop::collection::vec(any::<u8>(), 0..512)) {
@@ -119,7 +214,11 @@ const NOW: u64 = 10_000_000;
 
 fn endpoint() -> impl Strategy<Value = EndpointStats> {
     (
-        prop_oneof![Just(vec!["m".to_string()]), Just(vec!["x".to_string()]), Just(vec!["m".to_string(), "x".to_string()])],
+        prop_oneof![
+            Just(vec!["m".to_string()]),
+            Just(vec!["x".to_string()]),
+            Just(vec!["m".to_string(), "x".to_string()])
+        ],
         prop::option::of(0.0f64..=1.0),
         prop::option::of(1u64..200_000),
         0u32..50,
@@ -128,22 +227,24 @@ fn endpoint() -> impl Strategy<Value = EndpointStats> {
         0u64..6_000,
         prop_oneof![Just("a"), Just("b")],
     )
-        .prop_map(|(models, kv_usage, cap, running, waiting, healthy, age, pool)| EndpointStats {
-            id: String::new(),
-            address: "127.0.0.1:1".into(),
-            cluster: "c".into(),
-            pool: pool.into(),
-            models,
-            lora_adapters: vec![],
-            kv_usage,
-            kv_capacity_tokens: cap,
-            block_size: Some(16),
-            running,
-            waiting,
-            healthy,
-            scraped_at_ms: NOW - age,
-            process_start_ms: None,
-        })
+        .prop_map(
+            |(models, kv_usage, cap, running, waiting, healthy, age, pool)| EndpointStats {
+                id: String::new(),
+                address: "127.0.0.1:1".into(),
+                cluster: "c".into(),
+                pool: pool.into(),
+                models,
+                lora_adapters: vec![],
+                kv_usage,
+                kv_capacity_tokens: cap,
+                block_size: Some(16),
+                running,
+                waiting,
+                healthy,
+                scraped_at_ms: NOW - age,
+                process_start_ms: None,
+            },
+        )
 }
 
 fn policy() -> impl Strategy<Value = PolicyKind> {

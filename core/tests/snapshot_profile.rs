@@ -1,9 +1,17 @@
 //! Snapshot wire format and validation; model profiles and KV demand.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 
 use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::profile::{builtin, builtin_profiles};
-use kvroute_core::snapshot::{check_address, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION};
+use kvroute_core::snapshot::{
+    check_address, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION,
+};
 
 fn ep(id: &str) -> EndpointStats {
     EndpointStats {
@@ -42,38 +50,105 @@ fn snapshot_validation_rejects_bad_values() {
         Snapshot::new(1, 1, vec![ep("z"), e]).validate()
     };
     let invalid = |field: &'static str, reason: &'static str| {
-        Err(SnapshotError::InvalidEndpoint { index: 1, id: "a".into(), field, reason })
+        Err(SnapshotError::InvalidEndpoint {
+            index: 1,
+            id: "a".into(),
+            field,
+            reason,
+        })
     };
-    assert_eq!(with(&|e| e.kv_usage = Some(f64::NAN)), invalid("kv_usage", "is not a finite number"));
-    assert_eq!(with(&|e| e.kv_usage = Some(-0.1)), invalid("kv_usage", "is negative"));
-    assert_eq!(with(&|e| e.kv_usage = Some(1.01)), invalid("kv_usage", "is greater than 1"));
+    assert_eq!(
+        with(&|e| e.kv_usage = Some(f64::NAN)),
+        invalid("kv_usage", "is not a finite number")
+    );
+    assert_eq!(
+        with(&|e| e.kv_usage = Some(-0.1)),
+        invalid("kv_usage", "is negative")
+    );
+    assert_eq!(
+        with(&|e| e.kv_usage = Some(1.01)),
+        invalid("kv_usage", "is greater than 1")
+    );
     assert_eq!(with(&|e| e.kv_usage = Some(1.0)), Ok(()));
-    assert_eq!(with(&|e| e.id = String::new()), Err(SnapshotError::InvalidEndpoint { index: 1, id: String::new(), field: "id", reason: "is empty" }));
-    assert_eq!(with(&|e| e.address = "::1:80".into()), invalid("address", "has an IPv6 host without brackets"));
-    assert_eq!(with(&|e| e.address = "host".into()), invalid("address", "has no `:port`"));
-    assert_eq!(with(&|e| e.address = "host:0".into()), invalid("address", "has an invalid port (expected 1..=65535)"));
-    assert_eq!(with(&|e| e.block_size = Some(0)), invalid("block_size", "is zero"));
-    assert_eq!(with(&|e| e.id = "z".into()), Err(SnapshotError::DuplicateId("z".into())));
+    assert_eq!(
+        with(&|e| e.id = String::new()),
+        Err(SnapshotError::InvalidEndpoint {
+            index: 1,
+            id: String::new(),
+            field: "id",
+            reason: "is empty"
+        })
+    );
+    assert_eq!(
+        with(&|e| e.address = "::1:80".into()),
+        invalid("address", "has an IPv6 host without brackets")
+    );
+    assert_eq!(
+        with(&|e| e.address = "host".into()),
+        invalid("address", "has no `:port`")
+    );
+    assert_eq!(
+        with(&|e| e.address = "host:0".into()),
+        invalid("address", "has an invalid port (expected 1..=65535)")
+    );
+    assert_eq!(
+        with(&|e| e.block_size = Some(0)),
+        invalid("block_size", "is zero")
+    );
+    assert_eq!(
+        with(&|e| e.id = "z".into()),
+        Err(SnapshotError::DuplicateId("z".into()))
+    );
     let mut s = Snapshot::new(1, 1, vec![]);
     s.format = 2;
-    assert_eq!(s.validate(), Err(SnapshotError::UnsupportedFormat { found: 2 }));
+    assert_eq!(
+        s.validate(),
+        Err(SnapshotError::UnsupportedFormat { found: 2 })
+    );
     assert_eq!(
         Snapshot::decode(br#"{"format":2,"version":1,"generated_at_ms":0,"endpoints":[]}"#),
         Err(SnapshotError::UnsupportedFormat { found: 2 })
     );
     // Negative counts cannot be represented; NaN is not JSON: both fail to decode.
-    let neg = String::from_utf8(Snapshot::new(1, 1, vec![ep("a")]).encode()).unwrap().replace("\"running\":2", "\"running\":-2");
-    assert!(matches!(Snapshot::decode(neg.as_bytes()), Err(SnapshotError::Decode(_))));
-    assert!(matches!(Snapshot::decode(b"not json"), Err(SnapshotError::Decode(_))));
-    assert!(matches!(Snapshot::decode(br#"{"format":1,"version":1,"generated_at_ms":0,"endpoints":[],"x":1}"#), Err(SnapshotError::Decode(_))));
+    let neg = String::from_utf8(Snapshot::new(1, 1, vec![ep("a")]).encode())
+        .unwrap()
+        .replace("\"running\":2", "\"running\":-2");
+    assert!(matches!(
+        Snapshot::decode(neg.as_bytes()),
+        Err(SnapshotError::Decode(_))
+    ));
+    assert!(matches!(
+        Snapshot::decode(b"not json"),
+        Err(SnapshotError::Decode(_))
+    ));
+    assert!(matches!(
+        Snapshot::decode(br#"{"format":1,"version":1,"generated_at_ms":0,"endpoints":[],"x":1}"#),
+        Err(SnapshotError::Decode(_))
+    ));
 }
 
 #[test]
 fn addresses() {
-    for ok in ["10.0.0.1:8000", "[::1]:8000", "[fe80::1%eth0]:1", "model-0.svc:65535", "localhost:80"] {
+    for ok in [
+        "10.0.0.1:8000",
+        "[::1]:8000",
+        "[fe80::1%eth0]:1",
+        "model-0.svc:65535",
+        "localhost:80",
+    ] {
         assert_eq!(check_address(ok), Ok(()), "{ok}");
     }
-    for bad in ["", ":80", "[]:80", "[::1]", "[::1]80", "h:+80", "h:65536", "a b:80", "[1.2.3.4]:80"] {
+    for bad in [
+        "",
+        ":80",
+        "[]:80",
+        "[::1]",
+        "[::1]80",
+        "h:+80",
+        "h:65536",
+        "a b:80",
+        "[1.2.3.4]:80",
+    ] {
         assert!(check_address(bad).is_err(), "{bad}");
     }
 }
@@ -91,13 +166,29 @@ fn builtin_profiles_match_config_json() {
     ];
     for (name, bytes, len) in want {
         let m = builtin(name).unwrap_or_else(|| panic!("{name}"));
-        assert_eq!((m.kv_bytes_per_token(), m.max_model_len, m.block_size), (bytes, len, 16), "{name}");
-        assert!(m.source.starts_with("https://huggingface.co/") && m.source.ends_with("config.json"));
+        assert_eq!(
+            (m.kv_bytes_per_token(), m.max_model_len, m.block_size),
+            (bytes, len, 16),
+            "{name}"
+        );
+        assert!(
+            m.source.starts_with("https://huggingface.co/") && m.source.ends_with("config.json")
+        );
         assert!(m.weight_bytes > 0);
     }
-    assert_eq!(builtin("meta-llama/Llama-3.1-8B-Instruct").unwrap().weight_bytes, 16_060_522_496);
+    assert_eq!(
+        builtin("meta-llama/Llama-3.1-8B-Instruct")
+            .unwrap()
+            .weight_bytes,
+        16_060_522_496
+    );
     // Aliases and case.
-    assert_eq!(builtin("meta-llama/Meta-Llama-3.1-8B-Instruct").unwrap().name, "meta-llama/Llama-3.1-8B-Instruct");
+    assert_eq!(
+        builtin("meta-llama/Meta-Llama-3.1-8B-Instruct")
+            .unwrap()
+            .name,
+        "meta-llama/Llama-3.1-8B-Instruct"
+    );
     assert_eq!(builtin("qwen3-32b").unwrap().name, "Qwen/Qwen3-32B");
     assert!(builtin("gpt-4o").is_none());
 }
@@ -107,12 +198,18 @@ fn demand_exact_values() {
     let m = builtin("meta-llama/Llama-3.1-8B-Instruct").unwrap();
     // 100 prompt, limit 200 × 0.5 = 100 expected output.
     let d = m.demand_for(100, 200, 1);
-    assert_eq!((d.prompt_tokens, d.expected_output_tokens, d.tokens), (100, 100, 200));
+    assert_eq!(
+        (d.prompt_tokens, d.expected_output_tokens, d.tokens),
+        (100, 100, 200)
+    );
     assert_eq!(d.bytes, 200 * 131_072);
     assert_eq!(d.blocks, 7 + 7); // ⌈100/16⌉ + ⌈100/16⌉
-    // n = 3: prompt once, output three times.
+                                 // n = 3: prompt once, output three times.
     let d3 = m.demand_for(100, 200, 3);
-    assert_eq!((d3.expected_output_tokens, d3.tokens, d3.blocks), (300, 400, 7 + 21));
+    assert_eq!(
+        (d3.expected_output_tokens, d3.tokens, d3.blocks),
+        (300, 400, 7 + 21)
+    );
     // Output capped by the context window: 8,192 − 8,000 = 192 per choice.
     let s = builtin("HuggingFaceTB/SmolLM2-135M-Instruct").unwrap();
     let d = s.demand_for(8_000, 4_096, 1);
@@ -124,5 +221,49 @@ fn demand_exact_values() {
     let a = analyze(ApiKind::ChatCompletions, br#"{"model":"meta-llama/Llama-3.1-8B-Instruct","n":2,"messages":[{"role":"user","content":"Hello world"}]}"#, &Estimator::default()).unwrap();
     assert_eq!(m.output_limit(&a), 1024);
     let d = m.demand(&a);
-    assert_eq!((d.prompt_tokens, d.expected_output_tokens, d.tokens), (8, 1024, 1032));
+    assert_eq!(
+        (d.prompt_tokens, d.expected_output_tokens, d.tokens),
+        (8, 1024, 1032)
+    );
+}
+
+#[test]
+fn analyze_for_route_chains_the_pipeline() {
+    use kvroute_core::prefix::PrefixConfig;
+    use kvroute_core::route::analyze_for_route;
+    let profiles = builtin_profiles();
+    let est = Estimator::default();
+    let cfg = PrefixConfig::default();
+    let text = "x".repeat(130);
+    let body = format!(
+        r#"{{"model":"Qwen/Qwen3-32B","max_tokens":100,"n":2,"messages":[{{"role":"user","content":"{text}"}}]}}"#
+    );
+    let r = analyze_for_route(
+        "/v1/chat/completions",
+        body.as_bytes(),
+        &est,
+        &cfg,
+        &profiles,
+    )
+    .unwrap();
+    assert!(r.profiled);
+    assert_eq!(r.output_limit, 100);
+    // "<|user|>\n" (9) + 130 + "\n" = 140 bytes → 2 blocks.
+    assert_eq!(r.hashes.len(), 2);
+    assert_eq!(r.demand.expected_output_tokens, 100);
+    assert_eq!(r.demand.bytes, r.demand.tokens * 262_144);
+    let p = r.pick_request();
+    assert_eq!(
+        (p.model, p.prefix_blocks, p.output_limit, p.demand_tokens),
+        (Some("Qwen/Qwen3-32B"), 2, 100, r.demand.tokens)
+    );
+    // Unknown model: generic demand, no bytes.
+    let body = br#"{"model":"unknown","prompt":[1,2,3],"max_tokens":10}"#;
+    let r = analyze_for_route("/v1/completions", body, &est, &cfg, &profiles).unwrap();
+    assert!(!r.profiled);
+    assert_eq!(
+        (r.demand.tokens, r.demand.bytes, r.demand.blocks),
+        (3 + 5, 0, 1 + 1)
+    );
+    assert!(analyze_for_route("/v1/completions", b"{}", &est, &cfg, &profiles).is_err());
 }

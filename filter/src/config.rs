@@ -218,7 +218,11 @@ impl TryFrom<RawConfig> for Config {
             return Err(invalid("max_body_bytes", 0, "must be at least 1"));
         }
         if !raw.ingest_path.starts_with('/') {
-            return Err(invalid("ingest_path", &raw.ingest_path, "must start with /"));
+            return Err(invalid(
+                "ingest_path",
+                &raw.ingest_path,
+                "must start with /",
+            ));
         }
         if raw.role == Role::Ingest && raw.ingest_token.len() < 16 {
             return Err(invalid(
@@ -237,7 +241,11 @@ impl TryFrom<RawConfig> for Config {
             return Err(invalid("reservation_ttl_ms", 0, "must be at least 1"));
         }
         if raw.admission.enabled && raw.admission.max_queue == 0 {
-            return Err(invalid("admission.max_queue", 0, "must be at least 1 when enabled"));
+            return Err(invalid(
+                "admission.max_queue",
+                0,
+                "must be at least 1 when enabled",
+            ));
         }
         if raw.admission.tick_ms == 0 {
             return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
@@ -247,7 +255,11 @@ impl TryFrom<RawConfig> for Config {
         }
         for (i, m) in raw.models.iter().enumerate() {
             if m.name.is_empty() {
-                return Err(invalid(&format!("models[{i}].name"), "\"\"", "must not be empty"));
+                return Err(invalid(
+                    &format!("models[{i}].name"),
+                    "\"\"",
+                    "must not be empty",
+                ));
             }
         }
         if let Err(e) = Picker::new(raw.picker.clone(), 0) {
@@ -319,13 +331,25 @@ mod tests {
             (r#"{"endpoint_header":""}"#, "field `endpoint_header`"),
             (r#"{"max_body_bytes":0}"#, "field `max_body_bytes`"),
             (r#"{"ingest_path":"x"}"#, "field `ingest_path`"),
-            (r#"{"role":"ingest","ingest_token":"short"}"#, "field `ingest_token`"),
+            (
+                r#"{"role":"ingest","ingest_token":"short"}"#,
+                "field `ingest_token`",
+            ),
             (r#"{"ingest_max_bytes":0}"#, "field `ingest_max_bytes`"),
             (r#"{"queue_name":""}"#, "field `queue_name`"),
             (r#"{"reservation_ttl_ms":0}"#, "field `reservation_ttl_ms`"),
-            (r#"{"admission":{"enabled":true,"max_queue":0}}"#, "field `admission.max_queue`"),
-            (r#"{"admission":{"tick_ms":0}}"#, "field `admission.tick_ms`"),
-            (r#"{"prefix":{"block_chars":0}}"#, "field `prefix.block_chars`"),
+            (
+                r#"{"admission":{"enabled":true,"max_queue":0}}"#,
+                "field `admission.max_queue`",
+            ),
+            (
+                r#"{"admission":{"tick_ms":0}}"#,
+                "field `admission.tick_ms`",
+            ),
+            (
+                r#"{"prefix":{"block_chars":0}}"#,
+                "field `prefix.block_chars`",
+            ),
             (r#"{"max_body_bytes":-1}"#, "invalid value"),
             ("not json", "not valid JSON"),
         ];

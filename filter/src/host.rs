@@ -41,6 +41,10 @@ pub enum Level {
 pub trait Host {
     /// Now, Unix milliseconds (proxy-wasm `get_current_time`).
     fn now_ms(&self) -> u64;
+    /// Now, Unix microseconds (for durations such as decision time).
+    fn now_us(&self) -> u64 {
+        self.now_ms().saturating_mul(1000)
+    }
     /// A request header (`:path`, `:method` included).
     fn request_header(&self, name: &str) -> Option<String>;
     /// Set (`Some`) or remove (`None`) a request header.
@@ -197,7 +201,9 @@ pub mod mock {
             };
         }
         fn set_response_header(&self, name: &str, value: &str) {
-            self.resp_headers.borrow_mut().insert(name.into(), value.into());
+            self.resp_headers
+                .borrow_mut()
+                .insert(name.into(), value.into());
         }
         fn response_header(&self, name: &str) -> Option<String> {
             self.resp_headers.borrow().get(name).cloned()
@@ -212,7 +218,9 @@ pub mod mock {
         }
         fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
             let ctx = *self.effective.borrow();
-            self.ctx_events.borrow_mut().push((ctx, format!("reply:{status}")));
+            self.ctx_events
+                .borrow_mut()
+                .push((ctx, format!("reply:{status}")));
             self.replies.borrow_mut().push(LocalReply {
                 status,
                 headers: headers

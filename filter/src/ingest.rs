@@ -75,7 +75,10 @@ pub fn too_large(config: &Config) -> Reply {
     json(
         413,
         "too_large",
-        Some(("max_bytes", serde_json::Value::from(config.ingest_max_bytes))),
+        Some((
+            "max_bytes",
+            serde_json::Value::from(config.ingest_max_bytes),
+        )),
     )
 }
 
@@ -84,13 +87,15 @@ pub fn check_body(config: &Config, body: &[u8]) -> Result<(), Reply> {
     if body.len() > config.ingest_max_bytes {
         return Err(too_large(config));
     }
-    kvroute_core::snapshot::Snapshot::decode(body).map(|_| ()).map_err(|e| {
-        json(
-            400,
-            "invalid_snapshot",
-            Some(("detail", serde_json::Value::String(e.to_string()))),
-        )
-    })
+    kvroute_core::snapshot::Snapshot::decode(body)
+        .map(|_| ())
+        .map_err(|e| {
+            json(
+                400,
+                "invalid_snapshot",
+                Some(("detail", serde_json::Value::String(e.to_string()))),
+            )
+        })
 }
 
 /// 204 after enqueueing.
@@ -112,8 +117,10 @@ mod tests {
     use kvroute_core::snapshot::Snapshot;
 
     fn cfg() -> Config {
-        Config::parse(br#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":200}"#)
-            .unwrap()
+        Config::parse(
+            br#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":200}"#,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -122,21 +129,60 @@ mod tests {
         let auth = Some("Bearer 0123456789abcdef");
         let p = Some("/kvroute/v1/snapshot");
         assert_eq!(check_headers(&c, Some("POST"), p, auth, Some("10")), None);
-        assert_eq!(check_headers(&c, Some("POST"), Some("/x"), auth, None).unwrap().status, 404);
-        assert_eq!(check_headers(&c, Some("GET"), p, auth, None).unwrap().status, 405);
+        assert_eq!(
+            check_headers(&c, Some("POST"), Some("/x"), auth, None)
+                .unwrap()
+                .status,
+            404
+        );
+        assert_eq!(
+            check_headers(&c, Some("GET"), p, auth, None)
+                .unwrap()
+                .status,
+            405
+        );
         let r = check_headers(&c, Some("POST"), p, None, None).unwrap();
-        assert_eq!(r, Reply { status: 401, body: r#"{"error":"unauthorized"}"#.into() });
-        assert_eq!(check_headers(&c, Some("POST"), p, Some("Bearer wrong"), None).unwrap().status, 401);
-        assert_eq!(check_headers(&c, Some("POST"), p, Some("0123456789abcdef"), None).unwrap().status, 401);
+        assert_eq!(
+            r,
+            Reply {
+                status: 401,
+                body: r#"{"error":"unauthorized"}"#.into()
+            }
+        );
+        assert_eq!(
+            check_headers(&c, Some("POST"), p, Some("Bearer wrong"), None)
+                .unwrap()
+                .status,
+            401
+        );
+        assert_eq!(
+            check_headers(&c, Some("POST"), p, Some("0123456789abcdef"), None)
+                .unwrap()
+                .status,
+            401
+        );
         let r = check_headers(&c, Some("POST"), p, auth, Some("201")).unwrap();
-        assert_eq!(r, Reply { status: 413, body: r#"{"error":"too_large","max_bytes":200}"#.into() });
+        assert_eq!(
+            r,
+            Reply {
+                status: 413,
+                body: r#"{"error":"too_large","max_bytes":200}"#.into()
+            }
+        );
     }
 
     #[test]
     fn body_checks() {
         let c = cfg();
-        assert_eq!(check_body(&c, &Snapshot::new(1, 0, vec![]).encode()), Ok(()));
-        let r = check_body(&c, b"{\"format\":9,\"version\":1,\"generated_at_ms\":0,\"endpoints\":[]}").unwrap_err();
+        assert_eq!(
+            check_body(&c, &Snapshot::new(1, 0, vec![]).encode()),
+            Ok(())
+        );
+        let r = check_body(
+            &c,
+            b"{\"format\":9,\"version\":1,\"generated_at_ms\":0,\"endpoints\":[]}",
+        )
+        .unwrap_err();
         assert_eq!(r.status, 400);
         assert_eq!(
             r.body,

@@ -17,6 +17,18 @@ pub const INFLIGHT_KEY: &str = "kvroute.inflight";
 pub mod metric {
     /// Decisions by the configured policy (counter).
     pub const DECISIONS_POLICY: &str = "kvroute.decisions.policy";
+    /// Decisions per policy name (counter), e.g. `kvroute.decisions.by_policy.hybrid`.
+    pub fn decisions_by_policy(p: kvroute_core::picker::PolicyKind) -> &'static str {
+        use kvroute_core::picker::PolicyKind as P;
+        match p {
+            P::RoundRobin => "kvroute.decisions.by_policy.round_robin",
+            P::Random => "kvroute.decisions.by_policy.random",
+            P::LeastRequest => "kvroute.decisions.by_policy.least_request",
+            P::LeastKv => "kvroute.decisions.by_policy.least_kv",
+            P::PrefixAffinity => "kvroute.decisions.by_policy.prefix_affinity",
+            P::Hybrid => "kvroute.decisions.by_policy.hybrid",
+        }
+    }
     /// Decisions by least-request because no stats were fresh (counter).
     pub const DECISIONS_STALE: &str = "kvroute.decisions.stale_fallback";
     /// Decisions made without the body (no body, upgrade, too large, encoded) (counter).

@@ -119,6 +119,10 @@ pub struct Worker {
     pub admission: AdmissionQueue<Parked>,
     /// Reservations made by the tick for parked requests, by context id.
     pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
+    /// Snapshot version the prefix index was last reconciled with, and each endpoint's
+    /// process start time then.
+    seen_version: Option<u64>,
+    process_starts: BTreeMap<String, Option<u64>>,
 }
 
 impl Worker {
@@ -145,12 +149,36 @@ impl Worker {
             seq: 0,
             admission,
             resumed: BTreeMap::new(),
+            seen_version: None,
+            process_starts: BTreeMap::new(),
         })
     }
 
     fn profile(&self, model: Option<&str>) -> Option<ModelProfile> {
         let m = model?;
         self.profiles.get(m).cloned().or_else(|| builtin(m))
+    }
+
+    /// On a new snapshot: forget prefix-affinity state of endpoints that left the fleet or
+    /// restarted (their prefix cache is cold: `process_start_ms` changed).
+    fn reconcile_prefix_index(&mut self, snap: &kvroute_core::snapshot::Snapshot) {
+        let mut starts = BTreeMap::new();
+        for e in &snap.endpoints {
+            if let Some(old) = self.process_starts.get(&e.id) {
+                if old.is_some() && *old != e.process_start_ms {
+                    self.prefix.forget(&e.id);
+                }
+            }
+            starts.insert(e.id.clone(), e.process_start_ms);
+        }
+        self.prefix.retain(|id| starts.contains_key(id));
+        self.process_starts = starts;
+        self.seen_version = Some(snap.version);
+    }
+
+    /// Blocks remembered for `endpoint_id` in the prefix index.
+    pub fn prefix_blocks(&self, endpoint_id: &str) -> usize {
+        self.prefix.len(endpoint_id)
     }
 
     /// A fresh reservation id, unique across workers with high probability (random upper
@@ -168,6 +196,9 @@ impl Worker {
             Ok(None) => return Decision::FailOpen("no snapshot received yet".into()),
             Err(e) => return Decision::FailOpen(format!("snapshot unreadable: {e}")),
         };
+        if self.seen_version != Some(snap.version) {
+            self.reconcile_prefix_index(&snap);
+        }
         host.metric_record(
             MetricKind::Gauge,
             metric::SNAPSHOT_AGE_MS,
@@ -260,6 +291,11 @@ impl Worker {
                 let reason = match p.reason {
                     PickReason::Policy => {
                         host.metric_add(MetricKind::Counter, metric::DECISIONS_POLICY, 1);
+                        host.metric_add(
+                            MetricKind::Counter,
+                            metric::decisions_by_policy(p.policy),
+                            1,
+                        );
                         format!("policy:{}", p.policy.name())
                     }
                     PickReason::StaleFallback => {
@@ -326,7 +362,10 @@ impl Worker {
             }
             Err(e) => {
                 host.metric_add(MetricKind::Counter, metric::FAIL_OPEN, 1);
-                host.log(Level::Warn, &format!("kvroute: reservation not recorded: {e}"));
+                host.log(
+                    Level::Warn,
+                    &format!("kvroute: reservation not recorded: {e}"),
+                );
                 None
             }
         }
@@ -362,7 +401,11 @@ impl Worker {
         let act = actual_prompt as f64;
         let err_pct = ((act - est).abs() * 100.0 / act).round();
         if err_pct.is_finite() && err_pct >= 0.0 {
-            host.metric_record(MetricKind::Histogram, metric::ESTIMATE_ERROR_PCT, err_pct as u64);
+            host.metric_record(
+                MetricKind::Histogram,
+                metric::ESTIMATE_ERROR_PCT,
+                err_pct as u64,
+            );
         }
         if !self.config.calibrate {
             return;
@@ -399,7 +442,10 @@ impl Worker {
                 host.metric_add(MetricKind::Counter, metric::REJECTED, 1);
                 host.send_local_reply(
                     429,
-                    &[("content-type", "application/json"), ("retry-after", &retry_after)],
+                    &[
+                        ("content-type", "application/json"),
+                        ("retry-after", &retry_after),
+                    ],
                     reject_body.as_bytes(),
                 );
             }
@@ -413,9 +459,18 @@ impl Worker {
             let body = (!p.body.is_empty()).then_some(p.body.as_slice());
             match self.decide(host, &p.path, body) {
                 Decision::NoCapacity { .. } => break,
-                Decision::Route { header, value, endpoint, tokens, reason, facts } => {
+                Decision::Route {
+                    header,
+                    value,
+                    endpoint,
+                    tokens,
+                    reason,
+                    facts,
+                } => {
                     self.admission.pop();
-                    if let Some(held) = self.apply_route(host, &header, &value, &endpoint, tokens, &reason) {
+                    if let Some(held) =
+                        self.apply_route(host, &header, &value, &endpoint, tokens, &reason)
+                    {
                         self.resumed.insert(p.context_id, (held, facts, now));
                     }
                     host.resume_request();
@@ -438,7 +493,11 @@ impl Worker {
                 }
             }
         }
-        host.metric_record(MetricKind::Gauge, metric::QUEUE_LENGTH, self.admission.len() as u64);
+        host.metric_record(
+            MetricKind::Gauge,
+            metric::QUEUE_LENGTH,
+            self.admission.len() as u64,
+        );
         resumed
     }
 }
@@ -458,7 +517,10 @@ pub fn consume_snapshots<H: Host>(host: &H, items: Vec<Vec<u8>>) {
                     &format!("kvroute: snapshot {offered} ignored (current {current})"),
                 );
             }
-            Err(e) => host.log(Level::Warn, &format!("kvroute: snapshot not published: {e}")),
+            Err(e) => host.log(
+                Level::Warn,
+                &format!("kvroute: snapshot not published: {e}"),
+            ),
         }
     }
 }
@@ -496,17 +558,25 @@ mod tests {
     fn no_snapshot_fails_open() {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
-        assert!(matches!(w.decide(&h, "/v1/chat/completions", None), Decision::FailOpen(_)));
+        assert!(matches!(
+            w.decide(&h, "/v1/chat/completions", None),
+            Decision::FailOpen(_)
+        ));
     }
 
     #[test]
     fn reserve_and_release_exactly_once() {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
-        let held = w.apply_route(&h, "x-kvroute-cluster", "c1", "pool/e1", 500, "r").unwrap();
+        let held = w
+            .apply_route(&h, "x-kvroute-cluster", "c1", "pool/e1", 500, "r")
+            .unwrap();
         assert_eq!(h.header("x-kvroute-cluster").as_deref(), Some("c1"));
         assert_eq!(*h.route_clears.borrow(), 1);
-        assert_eq!(shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"].tokens, 500);
+        assert_eq!(
+            shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"].tokens,
+            500
+        );
         w.release(&h, &held);
         w.release(&h, &held);
         assert!(shared::read_inflight(&h).unwrap().totals(1000).is_empty());
@@ -518,13 +588,51 @@ mod tests {
     fn calibration_moves_toward_actual() {
         let h = MockHost::new(0);
         let mut w = worker("{}");
-        let facts = RequestFacts { model: Some("m".into()), prompt_tokens: 100, exact: false };
+        let facts = RequestFacts {
+            model: Some("m".into()),
+            prompt_tokens: 100,
+            exact: false,
+        };
         w.observe_usage(&h, &facts, 200);
         let f = w.estimator.calibration(Some("m"));
         assert!((f - 1.1).abs() < 1e-9, "{f}");
-        let exact = RequestFacts { exact: true, ..facts };
+        let exact = RequestFacts {
+            exact: true,
+            ..facts
+        };
         w.observe_usage(&h, &exact, 10_000);
         assert!((w.estimator.calibration(Some("m")) - 1.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn restarted_or_removed_endpoints_lose_prefix_state() {
+        let h = MockHost::new(1000);
+        let mut e = (0..2).map(|i| endpoint(i, 1000)).collect::<Vec<_>>();
+        e[0].process_start_ms = Some(1);
+        e[1].process_start_ms = Some(1);
+        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, e.clone()).encode()).unwrap();
+        let mut w = worker(r#"{"picker":{"policy":"round_robin"}}"#);
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
+        for _ in 0..2 {
+            assert!(matches!(
+                w.decide(&h, "/v1/completions", Some(body.as_bytes())),
+                Decision::Route { .. }
+            ));
+        }
+        assert_eq!(w.prefix_blocks("pool/e0"), 10);
+        assert_eq!(w.prefix_blocks("pool/e1"), 10);
+        e[0].process_start_ms = Some(2);
+        let e1 = e.remove(1);
+        shared::publish_snapshot(&h, &Snapshot::new(2, 1000, e).encode()).unwrap();
+        let _ = w.decide(&h, "/v1/models", None);
+        assert_eq!(w.prefix_blocks("pool/e0"), 0, "restarted");
+        assert_eq!(w.prefix_blocks(&e1.id), 0, "removed");
+        assert_eq!(
+            h.metric(metric::decisions_by_policy(
+                kvroute_core::picker::PolicyKind::RoundRobin
+            )),
+            3
+        );
     }
 
     #[test]
@@ -532,7 +640,8 @@ mod tests {
         let h = MockHost::new(1000);
         let snap = Snapshot::new(1, 1000, (0..3).map(|i| endpoint(i, 1000)).collect());
         shared::publish_snapshot(&h, &snap.encode()).unwrap();
-        let mut w = worker(r#"{"mode":"endpoint","picker":{"policy":"round_robin","max_fallbacks":2}}"#);
+        let mut w =
+            worker(r#"{"mode":"endpoint","picker":{"policy":"round_robin","max_fallbacks":2}}"#);
         match w.decide(&h, "/v1/models", None) {
             Decision::Route { header, value, .. } => {
                 assert_eq!(header, "x-gateway-destination-endpoint");

@@ -158,14 +158,23 @@ mod tests {
     #[test]
     fn publish_rejects_older_and_equal_versions() {
         let h = MockHost::new(0);
-        assert_eq!(publish_snapshot(&h, &snap(5)).unwrap(), Published::Published(5));
         assert_eq!(
             publish_snapshot(&h, &snap(5)).unwrap(),
-            Published::Ignored { offered: 5, current: 5 }
+            Published::Published(5)
+        );
+        assert_eq!(
+            publish_snapshot(&h, &snap(5)).unwrap(),
+            Published::Ignored {
+                offered: 5,
+                current: 5
+            }
         );
         assert_eq!(
             publish_snapshot(&h, &snap(4)).unwrap(),
-            Published::Ignored { offered: 4, current: 5 }
+            Published::Ignored {
+                offered: 4,
+                current: 5
+            }
         );
         assert_eq!(current_version(&h).unwrap(), Some(5));
         assert!(matches!(

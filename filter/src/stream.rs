@@ -16,7 +16,7 @@
 //!
 //! Role `ingest`: see [`crate::ingest`]; every request is answered locally.
 
-use crate::config::{Role};
+use crate::config::Role;
 use crate::host::{Host, Level, MetricKind};
 use crate::ingest;
 use crate::names::{metric, DECISION_HEADER};
@@ -152,7 +152,12 @@ impl Stream {
     }
 
     /// A request body chunk arrived; `buffered` is the total buffered size.
-    pub fn on_request_body<H: Host>(&mut self, host: &H, buffered: usize, end_of_stream: bool) -> Flow {
+    pub fn on_request_body<H: Host>(
+        &mut self,
+        host: &H,
+        buffered: usize,
+        end_of_stream: bool,
+    ) -> Flow {
         if self.replied {
             return Flow::Pause;
         }
@@ -204,7 +209,10 @@ impl Stream {
                     ingest::accepted()
                 }
                 Err(e) => {
-                    host.log(Level::Error, &format!("kvroute: ingest enqueue failed: {e}"));
+                    host.log(
+                        Level::Error,
+                        &format!("kvroute: ingest enqueue failed: {e}"),
+                    );
                     ingest::queue_unavailable()
                 }
             },
@@ -215,13 +223,13 @@ impl Stream {
 
     fn decide<H: Host>(&mut self, host: &H, body: Option<&[u8]>) -> Flow {
         self.decided = true;
-        let started = host.now_ms();
+        let started = host.now_us();
         let decision = self.worker.borrow_mut().decide(host, &self.path, body);
         let flow = self.apply(host, decision, body);
         host.metric_record(
             MetricKind::Histogram,
             metric::DECISION_US,
-            host.now_ms().saturating_sub(started).saturating_mul(1000),
+            host.now_us().saturating_sub(started),
         );
         flow
     }
@@ -265,7 +273,11 @@ impl Stream {
                     let pushed = {
                         let mut w = self.worker.borrow_mut();
                         let r = w.admission.push(parked, priority, size, now);
-                        host.metric_record(MetricKind::Gauge, metric::QUEUE_LENGTH, w.admission.len() as u64);
+                        host.metric_record(
+                            MetricKind::Gauge,
+                            metric::QUEUE_LENGTH,
+                            w.admission.len() as u64,
+                        );
                         r
                     };
                     if pushed.is_ok() {
@@ -328,7 +340,12 @@ impl Stream {
     }
 
     /// A response body chunk of `size` bytes arrived (never buffered).
-    pub fn on_response_body<H: Host>(&mut self, host: &H, size: usize, end_of_stream: bool) -> Flow {
+    pub fn on_response_body<H: Host>(
+        &mut self,
+        host: &H,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Flow {
         if matches!(self.resp, Resp::None) {
             return Flow::Continue;
         }
@@ -366,7 +383,9 @@ impl Stream {
             };
             if let Some(u) = u {
                 let facts = self.facts.clone();
-                self.worker.borrow_mut().observe_usage(host, &facts, u.prompt_tokens);
+                self.worker
+                    .borrow_mut()
+                    .observe_usage(host, &facts, u.prompt_tokens);
             }
             self.release(host);
         }
@@ -400,8 +419,320 @@ impl Stream {
             let id = self.context_id;
             let mut w = self.worker.borrow_mut();
             w.admission.remove_where(|p| p.context_id == id);
-            host.metric_record(MetricKind::Gauge, metric::QUEUE_LENGTH, w.admission.len() as u64);
+            host.metric_record(
+                MetricKind::Gauge,
+                metric::QUEUE_LENGTH,
+                w.admission.len() as u64,
+            );
         }
         self.release(host);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::host::mock::MockHost;
+    use crate::names::metric;
+    use crate::shared;
+    use kvroute_core::snapshot::{EndpointStats, Snapshot};
+
+    const NOW: u64 = 1_000_000;
+
+    fn ep(i: usize, kv: f64) -> EndpointStats {
+        EndpointStats {
+            id: format!("pool/e{i}"),
+            address: format!("10.0.0.{i}:8000"),
+            cluster: format!("c{i}"),
+            pool: "pool".into(),
+            models: vec!["m".into()],
+            lora_adapters: vec![],
+            kv_usage: Some(kv),
+            kv_capacity_tokens: Some(100_000),
+            block_size: Some(16),
+            running: 0,
+            waiting: 0,
+            healthy: true,
+            scraped_at_ms: NOW,
+            process_start_ms: None,
+        }
+    }
+
+    fn setup(cfg: &str, eps: Vec<EndpointStats>) -> (MockHost, Rc<RefCell<Worker>>) {
+        let h = MockHost::new(NOW);
+        if !eps.is_empty() {
+            shared::publish_snapshot(&h, &Snapshot::new(1, NOW, eps).encode()).unwrap();
+        }
+        let w = Worker::new(Config::parse(cfg.as_bytes()).unwrap(), 1).unwrap();
+        (h, Rc::new(RefCell::new(w)))
+    }
+
+    const BODY: &[u8] =
+        br#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":10}"#;
+
+    fn request(h: &MockHost, path: &str, body: &[u8]) -> MockHost {
+        h.sibling()
+            .with_header(":path", path)
+            .with_header(":method", "POST")
+            .with_header("x-kvroute-cluster", "spoofed")
+            .with_body(body)
+    }
+
+    fn held(h: &MockHost) -> u64 {
+        shared::read_inflight(h)
+            .unwrap()
+            .totals(NOW)
+            .values()
+            .map(|v| v.tokens)
+            .sum()
+    }
+
+    #[test]
+    fn body_request_pauses_then_routes_and_releases_once() {
+        let (h, w) = setup(
+            r#"{"picker":{"policy":"least_kv"}}"#,
+            vec![ep(0, 0.9), ep(1, 0.1)],
+        );
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+        assert_eq!(
+            r.header("x-kvroute-cluster"),
+            None,
+            "client header stripped"
+        );
+        assert_eq!(s.on_request_body(&r, 10, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c1"));
+        assert!(held(&h) > 0);
+        assert_eq!(h.metric(metric::DECISIONS_POLICY), 1);
+        s.on_done(&r);
+        s.on_done(&r);
+        assert_eq!(held(&h), 0);
+        assert_eq!(h.metric(metric::RESERVED), 1);
+        assert_eq!(h.metric(metric::RELEASED), 1);
+    }
+
+    #[test]
+    fn headers_only_too_large_and_encoded_decide_at_headers() {
+        let (h, w) = setup("{\"max_body_bytes\":100}", vec![ep(0, 0.1)]);
+        for extra in [
+            None,
+            Some(("content-length", "101")),
+            Some(("content-encoding", "gzip")),
+            Some(("upgrade", "websocket")),
+        ] {
+            let mut r = request(&h, "/v1/chat/completions", BODY);
+            if let Some((k, v)) = extra {
+                r = r.with_header(k, v);
+            }
+            let mut s = Stream::new(w.clone(), 3);
+            let eos = extra.is_none();
+            assert_eq!(s.on_request_headers(&r, eos), Flow::Continue, "{extra:?}");
+            assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
+            s.on_done(&r);
+        }
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 4);
+        assert_eq!(held(&h), 0);
+    }
+
+    #[test]
+    fn no_endpoint_for_model_is_a_json_503() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let body = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;
+        let r = request(&h, "/v1/chat/completions", body);
+        let mut s = Stream::new(w, 2);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+        let replies = r.replies();
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].status, 503);
+        assert_eq!(replies[0].body, br#"{"error":"no_endpoints"}"#);
+    }
+
+    #[test]
+    fn fail_open_or_closed_without_a_snapshot() {
+        let (h, w) = setup("{}", vec![]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
+        assert_eq!(h.metric(metric::FAIL_OPEN), 1);
+        let (h, w) = setup(r#"{"fail_open":false}"#, vec![]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
+        assert_eq!(r.replies()[0].status, 503);
+    }
+
+    #[test]
+    fn sse_usage_across_chunks_calibrates_and_releases() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        let est = s.facts.prompt_tokens;
+        assert!(est > 0);
+        r.resp_headers
+            .borrow_mut()
+            .insert("content-type".into(), "text/event-stream".into());
+        s.on_response_headers(&r);
+        let stream = format!(
+            "data: {{\"choices\":[]}}\n\ndata: {{\"usage\":{{\"prompt_tokens\":{},\"completion_tokens\":3}}}}\n\ndata: [DONE]\n\n",
+            est * 2
+        );
+        let (a, b) = stream.as_bytes().split_at(40);
+        *r.resp_chunk.borrow_mut() = a.to_vec();
+        s.on_response_body(&r, a.len(), false);
+        assert!(held(&h) > 0, "held until the response ends");
+        *r.resp_chunk.borrow_mut() = b.to_vec();
+        s.on_response_body(&r, b.len(), true);
+        assert_eq!(held(&h), 0);
+        let f = w.borrow().estimator.calibration(Some("m"));
+        assert!((f - 1.1).abs() < 1e-9, "calibration {f}");
+        assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 1);
+        s.on_done(&r);
+        assert_eq!(h.metric(metric::RELEASED), 1);
+    }
+
+    #[test]
+    fn json_usage_is_read_from_a_non_streamed_body() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        let est = s.facts.prompt_tokens;
+        s.on_response_headers(&r);
+        let body =
+            format!(r#"{{"choices":[],"usage":{{"prompt_tokens":{est},"completion_tokens":1}}}}"#);
+        *r.resp_chunk.borrow_mut() = body.clone().into_bytes();
+        s.on_response_body(&r, body.len(), true);
+        assert_eq!(held(&h), 0);
+        assert!((w.borrow().estimator.calibration(Some("m")) - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn ingest_role_answers_locally() {
+        let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":4096}"#;
+        let (h, w) = setup(cfg, vec![]);
+        let snap = Snapshot::new(3, NOW, vec![ep(0, 0.1)]).encode();
+        let ok = h
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer 0123456789abcdef")
+            .with_body(&snap);
+        let mut s = Stream::new(w.clone(), 2);
+        assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&ok, snap.len(), true), Flow::Pause);
+        assert_eq!(ok.replies()[0].status, 204);
+        let queued = h
+            .shared
+            .borrow()
+            .queues
+            .get("kvroute.snapshots")
+            .cloned()
+            .unwrap();
+        assert_eq!(queued, vec![snap.clone()]);
+        // The consumer publishes it.
+        crate::router::consume_snapshots(&h, queued);
+        assert_eq!(shared::current_version(&h).unwrap(), Some(3));
+
+        let bad = h
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer nope");
+        let mut s = Stream::new(w.clone(), 3);
+        assert_eq!(s.on_request_headers(&bad, false), Flow::Pause);
+        assert_eq!(bad.replies()[0].status, 401);
+        assert_eq!(s.on_request_body(&bad, 10, true), Flow::Pause);
+        assert_eq!(bad.replies().len(), 1, "one reply only");
+
+        let big = ok
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer 0123456789abcdef");
+        let mut s = Stream::new(w, 4);
+        s.on_request_headers(&big, false);
+        assert_eq!(s.on_request_body(&big, 5000, false), Flow::Pause);
+        assert_eq!(big.replies()[0].status, 413);
+        assert_eq!(h.metric(metric::INGEST_ACCEPTED), 1);
+        assert_eq!(h.metric(metric::INGEST_REJECTED), 2);
+    }
+
+    #[test]
+    fn saturated_requests_queue_then_resume_or_time_out() {
+        let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5},
+            "admission":{"enabled":true,"max_queue":4,"timeout_ms":1000,"tick_ms":10}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        assert!(r.replies().is_empty());
+        assert_eq!(h.metric(metric::QUEUED), 1);
+        assert_eq!(w.borrow_mut().tick(&h), 0, "still saturated");
+        // Capacity frees up: the next tick resumes the request on e1.
+        shared::publish_snapshot(
+            &h,
+            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
+        )
+        .unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 1);
+        assert_eq!(
+            h.ctx_events.borrow().clone(),
+            vec![(7, "resume".to_string())]
+        );
+        assert!(held(&h) > 0);
+        s.on_response_headers(&r);
+        s.on_done(&r);
+        assert_eq!(held(&h), 0);
+
+        // A second one times out with a 429 and retry-after.
+        shared::publish_snapshot(&h, &Snapshot::new(3, NOW, vec![ep(0, 0.95)]).encode()).unwrap();
+        let r2 = request(&h, "/v1/chat/completions", BODY);
+        let mut s2 = Stream::new(w.clone(), 8);
+        s2.on_request_headers(&r2, false);
+        assert_eq!(s2.on_request_body(&r2, BODY.len(), true), Flow::Pause);
+        *h.now.borrow_mut() = NOW + 1000;
+        w.borrow_mut().tick(&h);
+        let replies = h.replies();
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].status, 429);
+        assert!(replies[0]
+            .headers
+            .contains(&("retry-after".into(), "1".into())));
+        assert_eq!(w.borrow().admission.len(), 0);
+    }
+
+    #[test]
+    fn saturated_without_admission_is_an_immediate_429() {
+        let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        let rep = r.replies();
+        assert_eq!(rep[0].status, 429);
+        assert_eq!(rep[0].body, br#"{"error":"saturated"}"#);
+    }
+
+    #[test]
+    fn client_abort_while_queued_leaves_the_queue() {
+        let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 9);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        assert_eq!(w.borrow().admission.len(), 1);
+        s.on_done(&r);
+        assert_eq!(w.borrow().admission.len(), 0);
+        assert_eq!(held(&h), 0);
     }
 }

@@ -8,9 +8,7 @@ use crate::router::{consume_snapshots, Worker};
 use crate::stream::{Flow, Stream};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{
-    Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status,
-};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -55,6 +53,13 @@ impl Host for ProxyHost {
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
             .unwrap_or(0)
     }
+    fn now_us(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
     fn request_header(&self, name: &str) -> Option<String> {
         hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
             .ok()
@@ -93,7 +98,9 @@ impl Host for ProxyHost {
     fn enqueue(&self, vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError> {
         let id = hostcalls::resolve_shared_queue(vm_id, name)
             .map_err(status)?
-            .ok_or_else(|| HostError::Other(format!("shared queue {vm_id}/{name} not registered")))?;
+            .ok_or_else(|| {
+                HostError::Other(format!("shared queue {vm_id}/{name} not registered"))
+            })?;
         hostcalls::enqueue_shared_queue(id, Some(data)).map_err(status)
     }
     fn clear_route_cache(&self) {
@@ -160,7 +167,8 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let seed = host.now_ms() ^ (u64::from(self.context_id) << 32)
+        let seed = host.now_ms()
+            ^ (u64::from(self.context_id) << 32)
             ^ hostcalls::get_current_time()
                 .ok()
                 .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -182,7 +190,10 @@ impl RootContext for Root {
             match hostcalls::register_shared_queue(&queue) {
                 Ok(id) => self.queue = Some(id),
                 Err(e) => {
-                    host.log(Level::Error, &format!("kvroute: cannot register queue {queue}: {e:?}"));
+                    host.log(
+                        Level::Error,
+                        &format!("kvroute: cannot register queue {queue}: {e:?}"),
+                    );
                     return false;
                 }
             }
@@ -243,7 +254,10 @@ impl HttpContext for Http {
         action(self.stream.on_response_headers(&ProxyHost))
     }
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
-        action(self.stream.on_response_body(&ProxyHost, size, end_of_stream))
+        action(
+            self.stream
+                .on_response_body(&ProxyHost, size, end_of_stream),
+        )
     }
     fn on_log(&mut self) {
         self.stream.on_done(&ProxyHost);

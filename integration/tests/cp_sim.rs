@@ -1,6 +1,11 @@
 //! kvroute-cp against kvroute-sim: every simulator dialect is detected and read, and a
 //! change in one replica's load shows in the snapshot the control plane pushes.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -19,7 +24,12 @@ const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 async fn fleet(dialect: Dialect, n: usize, time_scale: f64) -> (FleetHandle, ReplicaConfig) {
     let profile = builtin(MODEL).expect("core ships the Llama-3.1-8B profile");
     let cfg = ReplicaConfig::for_model(profile, dialect, time_scale, 7).unwrap();
-    (spawn_fleet(FleetConfig::local(cfg.clone(), n)).await.unwrap(), cfg)
+    (
+        spawn_fleet(FleetConfig::local(cfg.clone(), n))
+            .await
+            .unwrap(),
+        cfg,
+    )
 }
 
 fn yaml(endpoints: &[(&str, SocketAddr)], ingest: &str) -> String {
@@ -40,19 +50,22 @@ async fn ingest() -> (String, Arc<Mutex<Option<Snapshot>>>) {
     let keep = last.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((s, _)) = l.accept().await else { continue };
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
             let keep = keep.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                    let keep = keep.clone();
-                    async move {
-                        let b = req.into_body().collect().await.unwrap().to_bytes();
-                        *keep.lock().unwrap() = Some(Snapshot::decode(&b).unwrap());
-                        let mut r = http::Response::new(Full::new(Bytes::new()));
-                        *r.status_mut() = http::StatusCode::NO_CONTENT;
-                        Ok::<_, std::convert::Infallible>(r)
-                    }
-                });
+                let svc =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let keep = keep.clone();
+                        async move {
+                            let b = req.into_body().collect().await.unwrap().to_bytes();
+                            *keep.lock().unwrap() = Some(Snapshot::decode(&b).unwrap());
+                            let mut r = http::Response::new(Full::new(Bytes::new()));
+                            *r.status_mut() = http::StatusCode::NO_CONTENT;
+                            Ok::<_, std::convert::Infallible>(r)
+                        }
+                    });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
                     .await;
@@ -77,10 +90,20 @@ async fn every_sim_dialect_is_detected_and_read() {
     let (sg, _) = fleet(Dialect::Sglang, 1, f64::INFINITY).await;
     let (lc, _) = fleet(Dialect::Llamacpp, 1, f64::INFINITY).await;
     let (url, last) = ingest().await;
-    let eps = [("v1", v1.addrs()[0]), ("v0", v0.addrs()[0]), ("sg", sg.addrs()[0]), ("lc", lc.addrs()[0])];
-    let cp = ControlPlane::start(Config::from_yaml(&yaml(&eps, &url)).unwrap()).await.unwrap();
+    let eps = [
+        ("v1", v1.addrs()[0]),
+        ("v0", v0.addrs()[0]),
+        ("sg", sg.addrs()[0]),
+        ("lc", lc.addrs()[0]),
+    ];
+    let cp = ControlPlane::start(Config::from_yaml(&yaml(&eps, &url)).unwrap())
+        .await
+        .unwrap();
     wait_for("all healthy and pushed", || {
-        last.lock().unwrap().as_ref().is_some_and(|s| s.endpoints.len() == 4 && s.endpoints.iter().all(|e| e.healthy))
+        last.lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|s| s.endpoints.len() == 4 && s.endpoints.iter().all(|e| e.healthy))
     })
     .await;
     let kind = |id: &str| cp.hub().endpoint(id).unwrap().stats.unwrap().kind;
@@ -92,7 +115,12 @@ async fn every_sim_dialect_is_detected_and_read() {
     let blocks = u64::from(cfg.engine.num_gpu_blocks) * u64::from(cfg.engine.block_size);
     for e in &snap.endpoints {
         // Idle replicas: KV known and empty (never "unknown" for these dialects).
-        assert_eq!((e.kv_usage, e.running, e.waiting), (Some(0.0), 0, 0), "{}", e.id);
+        assert_eq!(
+            (e.kv_usage, e.running, e.waiting),
+            (Some(0.0), 0, 0),
+            "{}",
+            e.id
+        );
         assert_eq!(e.models, vec![MODEL.to_string()]);
     }
     let by_id = |id: &str| snap.endpoints.iter().find(|e| e.id == id).unwrap().clone();
@@ -108,7 +136,10 @@ async fn every_sim_dialect_is_detected_and_read() {
 
 async fn post_completion(addr: SocketAddr, prompt_tokens: u32, output_tokens: u32) {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
     tokio::spawn(conn);
     let body = serde_json::json!({
         "model": MODEL, "prompt": "hello",
@@ -127,14 +158,21 @@ async fn load_on_one_replica_shows_in_the_pushed_snapshot() {
     let (f, _) = fleet(Dialect::VllmV1, 2, 1.0).await;
     let (url, last) = ingest().await;
     let eps = [("r0", f.addrs()[0]), ("r1", f.addrs()[1])];
-    let cp = ControlPlane::start(Config::from_yaml(&yaml(&eps, &url)).unwrap()).await.unwrap();
+    let cp = ControlPlane::start(Config::from_yaml(&yaml(&eps, &url)).unwrap())
+        .await
+        .unwrap();
     wait_for("idle snapshot", || {
-        last.lock().unwrap().as_ref().is_some_and(|s| s.endpoints.iter().all(|e| e.healthy && e.running == 0))
+        last.lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|s| s.endpoints.iter().all(|e| e.healthy && e.running == 0))
     })
     .await;
     // Long requests on r0 only (real time: they stay running for the rest of the test).
     let addr = f.addrs()[0];
-    let load: Vec<_> = (0..3).map(|_| tokio::spawn(post_completion(addr, 6000, 60_000))).collect();
+    let load: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(post_completion(addr, 6000, 60_000)))
+        .collect();
     wait_for("r0 loaded in the pushed snapshot", || {
         last.lock().unwrap().as_ref().is_some_and(|s| {
             let r0 = s.endpoints.iter().find(|e| e.id == "sim/r0").unwrap();

@@ -2,7 +2,9 @@
 //! requests. Needs the built `.wasm` and the PyPI Envoy (`make test-filter` provides both).
 
 use kvroute_core::snapshot::Snapshot;
-use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetMode, FleetOptions, TEST_TOKEN};
+use kvroute_integration::harness::kvroute::{
+    chat, now_ms, Fleet, FleetMode, FleetOptions, TEST_TOKEN,
+};
 
 fn least_kv() -> FleetOptions {
     FleetOptions {
@@ -13,9 +15,17 @@ fn least_kv() -> FleetOptions {
 
 #[tokio::test]
 async fn cluster_mode_routes_by_body_after_ingest() {
-    let fleet = Fleet::start(FleetOptions { backends: 3, ..least_kv() }).await.unwrap();
+    let fleet = Fleet::start(FleetOptions {
+        backends: 3,
+        ..least_kv()
+    })
+    .await
+    .unwrap();
     // No stats yet: the filter fails open and the default route (round robin over all) applies.
-    let r = fleet.post("/v1/chat/completions", &chat("hello")).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("hello"))
+        .await
+        .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
 
@@ -23,12 +33,19 @@ async fn cluster_mode_routes_by_body_after_ingest() {
     let snap = Snapshot::new(
         1,
         now,
-        vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.8, now), fleet.endpoint(2, 0.05, now)],
+        vec![
+            fleet.endpoint(0, 0.9, now),
+            fleet.endpoint(1, 0.8, now),
+            fleet.endpoint(2, 0.05, now),
+        ],
     );
     fleet.push(&snap).await.unwrap();
     let before = fleet.counts();
     for _ in 0..5 {
-        let r = fleet.post("/v1/chat/completions", &chat("route me by KV")).await.unwrap();
+        let r = fleet
+            .post("/v1/chat/completions", &chat("route me by KV"))
+            .await
+            .unwrap();
         assert_eq!(r.status, 200);
         assert_eq!(r.header("x-backend"), Some("b2"), "least KV usage is e2");
     }
@@ -48,13 +65,20 @@ async fn client_cannot_pick_its_own_cluster() {
     let fleet = Fleet::start(least_kv()).await.unwrap();
     let now = now_ms();
     fleet
-        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.1, now), fleet.endpoint(1, 0.9, now)]))
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.1, now), fleet.endpoint(1, 0.9, now)],
+        ))
         .await
         .unwrap();
     let r = kvroute_integration::harness::http::request(
         "POST",
         &fleet.url("/v1/chat/completions"),
-        &[("content-type", "application/json"), ("x-kvroute-cluster", "c1")],
+        &[
+            ("content-type", "application/json"),
+            ("x-kvroute-cluster", "c1"),
+        ],
         &chat("spoof"),
     )
     .await
@@ -66,38 +90,77 @@ async fn client_cannot_pick_its_own_cluster() {
 async fn ingest_auth_size_validity_and_versions() {
     let fleet = Fleet::start(least_kv()).await.unwrap();
     let now = now_ms();
-    let good = Snapshot::new(5, now, vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)]);
+    let good = Snapshot::new(
+        5,
+        now,
+        vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)],
+    );
 
     let r = fleet.ingest(&good.encode(), None).await.unwrap();
-    assert_eq!((r.status, r.text().as_str()), (401, r#"{"error":"unauthorized"}"#));
-    let r = fleet.ingest(&good.encode(), Some("wrong-token-0123456789")).await.unwrap();
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (401, r#"{"error":"unauthorized"}"#)
+    );
+    let r = fleet
+        .ingest(&good.encode(), Some("wrong-token-0123456789"))
+        .await
+        .unwrap();
     assert_eq!(r.status, 401);
-    let r = fleet.ingest(b"{\"format\":1}", Some(TEST_TOKEN)).await.unwrap();
+    let r = fleet
+        .ingest(b"{\"format\":1}", Some(TEST_TOKEN))
+        .await
+        .unwrap();
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("invalid_snapshot"));
     let big = vec![b' '; 2 * 1024 * 1024];
     let r = fleet.ingest(&big, Some(TEST_TOKEN)).await.unwrap();
-    assert_eq!((r.status, r.text().as_str()), (413, r#"{"error":"too_large","max_bytes":1048576}"#));
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (413, r#"{"error":"too_large","max_bytes":1048576}"#)
+    );
     // Nothing applied so far: requests fail open.
-    assert_eq!(fleet.custom("kvroute.snapshots.published").await.unwrap(), 0);
+    assert_eq!(
+        fleet.custom("kvroute.snapshots.published").await.unwrap(),
+        0
+    );
     // No backend saw any ingest request.
     assert_eq!(fleet.counts(), vec![0, 0]);
 
     fleet.push(&good).await.unwrap();
-    let r = fleet.post("/v1/chat/completions", &chat("x")).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("x"))
+        .await
+        .unwrap();
     assert_eq!(r.header("x-backend"), Some("b1"));
 
     // An older version is ignored: routing does not change.
-    let older = Snapshot::new(4, now, vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.99, now)]);
+    let older = Snapshot::new(
+        4,
+        now,
+        vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.99, now)],
+    );
     fleet.push(&older).await.unwrap();
-    assert_eq!(fleet.custom("kvroute.snapshots.ignored_old").await.unwrap(), 1);
-    let r = fleet.post("/v1/chat/completions", &chat("x")).await.unwrap();
+    assert_eq!(
+        fleet.custom("kvroute.snapshots.ignored_old").await.unwrap(),
+        1
+    );
+    let r = fleet
+        .post("/v1/chat/completions", &chat("x"))
+        .await
+        .unwrap();
     assert_eq!(r.header("x-backend"), Some("b1"));
 
     // A newer one applies.
-    let newer = Snapshot::new(6, now, vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.99, now)]);
+    let newer = Snapshot::new(
+        6,
+        now,
+        vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.99, now)],
+    );
     fleet.push(&newer).await.unwrap();
-    let r = fleet.post("/v1/chat/completions", &chat("x")).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("x"))
+        .await
+        .unwrap();
     assert_eq!(r.header("x-backend"), Some("b0"));
     // Ingest paths other than the snapshot route are answered locally too.
     let r = kvroute_integration::harness::http::request(
@@ -117,7 +180,11 @@ async fn header_only_requests_are_decided_without_waiting() {
     let fleet = Fleet::start(least_kv()).await.unwrap();
     let now = now_ms();
     fleet
-        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.7, now), fleet.endpoint(1, 0.2, now)]))
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.7, now), fleet.endpoint(1, 0.2, now)],
+        ))
         .await
         .unwrap();
     let r = kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models"), &[], b"")
@@ -125,7 +192,10 @@ async fn header_only_requests_are_decided_without_waiting() {
         .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-backend"), Some("b1"));
-    assert_eq!(fleet.custom("kvroute.decisions.load_only").await.unwrap(), 1);
+    assert_eq!(
+        fleet.custom("kvroute.decisions.load_only").await.unwrap(),
+        1
+    );
 }
 
 #[tokio::test]
@@ -138,9 +208,19 @@ async fn endpoint_mode_override_host_with_fallback() {
     .await
     .unwrap();
     let now = now_ms();
-    let mut eps = vec![fleet.endpoint(0, 0.5, now), fleet.endpoint(1, 0.1, now), fleet.endpoint(2, 0.3, now)];
-    fleet.push(&Snapshot::new(1, now, eps.clone())).await.unwrap();
-    let r = fleet.post("/v1/chat/completions", &chat("endpoint")).await.unwrap();
+    let mut eps = vec![
+        fleet.endpoint(0, 0.5, now),
+        fleet.endpoint(1, 0.1, now),
+        fleet.endpoint(2, 0.3, now),
+    ];
+    fleet
+        .push(&Snapshot::new(1, now, eps.clone()))
+        .await
+        .unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("endpoint"))
+        .await
+        .unwrap();
     assert_eq!(r.header("x-backend"), Some("b1"));
     let rec = fleet.backends[1].requests().pop().unwrap();
     let want = format!(
@@ -149,13 +229,19 @@ async fn endpoint_mode_override_host_with_fallback() {
         fleet.backends[2].address(),
         fleet.backends[0].address()
     );
-    assert_eq!(rec.header("x-gateway-destination-endpoint"), Some(want.as_str()));
+    assert_eq!(
+        rec.header("x-gateway-destination-endpoint"),
+        Some(want.as_str())
+    );
 
     // The primary refuses connections: the retry policy moves on to the first fallback.
     let dead = kvroute_integration::harness::free_port().unwrap();
     eps[1].address = format!("127.0.0.1:{dead}");
     fleet.push(&Snapshot::new(2, now, eps)).await.unwrap();
-    let r = fleet.post("/v1/chat/completions", &chat("endpoint")).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("endpoint"))
+        .await
+        .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-backend"), Some("b2"));
 }
@@ -165,17 +251,25 @@ async fn endpoint_mode_original_dst_single_host() {
     let fleet = Fleet::start(FleetOptions {
         backends: 2,
         mode: FleetMode::OriginalDst,
-        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000,"max_fallbacks":0}"#.into(),
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000,"max_fallbacks":0}"#
+            .into(),
         ..FleetOptions::default()
     })
     .await
     .unwrap();
     let now = now_ms();
     fleet
-        .push(&Snapshot::new(1, now, vec![fleet.endpoint(0, 0.6, now), fleet.endpoint(1, 0.2, now)]))
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.6, now), fleet.endpoint(1, 0.2, now)],
+        ))
         .await
         .unwrap();
-    let r = fleet.post("/v1/chat/completions", &chat("odst")).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("odst"))
+        .await
+        .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-backend"), Some("b1"));
     let rec = fleet.backends[1].requests().pop().unwrap();
@@ -185,3 +279,132 @@ async fn endpoint_mode_original_dst_single_host() {
     );
 }
 
+#[tokio::test]
+async fn endpoint_mode_ipv6_addresses_in_brackets() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 2,
+        mode: FleetMode::OverrideHost,
+        backend_bind: "[::1]:0",
+        ..least_kv()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.7, now), fleet.endpoint(1, 0.2, now)],
+        ))
+        .await
+        .unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("v6"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let rec = fleet.backends[1].requests().pop().unwrap();
+    let primary = format!("[::1]:{}", fleet.backends[1].addr().port());
+    let fallback = format!("[::1]:{}", fleet.backends[0].addr().port());
+    assert_eq!(
+        rec.header("x-gateway-destination-endpoint"),
+        Some(format!("{primary},{fallback}").as_str())
+    );
+}
+
+#[tokio::test]
+async fn original_dst_rejects_a_host_list() {
+    // Documented limitation: ORIGINAL_DST takes one host; a list (max_fallbacks > 0) is a 503
+    // from Envoy, not from the filter. Ship max_fallbacks 0 with ORIGINAL_DST.
+    let fleet = Fleet::start(FleetOptions {
+        backends: 2,
+        mode: FleetMode::OriginalDst,
+        ..least_kv()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.6, now), fleet.endpoint(1, 0.2, now)],
+        ))
+        .await
+        .unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("odst list"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(fleet.counts(), vec![0, 0]);
+}
+
+#[tokio::test]
+async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: concat!(
+            r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
+            r#""admission":{"enabled":true,"timeout_ms":1500,"tick_ms":20,"retry_after_s":2}"#
+        )
+        .into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    fleet
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.95, now), fleet.endpoint(1, 0.97, now)],
+        ))
+        .await
+        .unwrap();
+    let url = fleet.url("/v1/chat/completions");
+    let held = tokio::spawn(async move {
+        kvroute_integration::harness::http::request(
+            "POST",
+            &url,
+            &[("content-type", "application/json")],
+            &chat("wait"),
+        )
+        .await
+    });
+    fleet
+        .wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], 1)
+        .await
+        .unwrap();
+    assert_eq!(fleet.counts(), vec![0, 0], "held, not forwarded");
+    fleet
+        .push(&Snapshot::new(
+            2,
+            now,
+            vec![fleet.endpoint(0, 0.95, now), fleet.endpoint(1, 0.1, now)],
+        ))
+        .await
+        .unwrap();
+    let r = held.await.unwrap().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b1"));
+
+    fleet
+        .push(&Snapshot::new(
+            3,
+            now,
+            vec![fleet.endpoint(0, 0.95, now), fleet.endpoint(1, 0.97, now)],
+        ))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("give up"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("2"));
+    assert_eq!(r.text(), r#"{"error":"saturated"}"#);
+    assert!(started.elapsed() >= std::time::Duration::from_millis(1400));
+    assert_eq!(fleet.counts(), vec![0, 1]);
+}

@@ -294,3 +294,104 @@ fn kv_block_counts_per_shipped_profile() {
         assert_eq!(cfg.engine.num_gpu_blocks, blocks, "{name}");
     }
 }
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Submit {
+            prompt: u32,
+            output: u32,
+            content: u64,
+            priority: i32,
+        },
+        Step,
+        Abort(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1u32..600, 1u32..40, 0u64..4, -2i32..3).prop_map(
+                |(prompt, output, content, priority)| {
+                    Op::Submit {
+                        prompt,
+                        output,
+                        content,
+                        priority,
+                    }
+                }
+            ),
+            Just(Op::Step),
+            Just(Op::Step),
+            (0u64..40).prop_map(Op::Abort),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Whatever the interleaving of submits, steps and aborts (with shared prefixes,
+        /// preemption pressure and priorities): usage stays in 0..1, every accepted request
+        /// either finishes with exactly its output tokens or was aborted, and the cache drains.
+        #[test]
+        fn engine_invariants(ops in proptest::collection::vec(op(), 1..120), prio in any::<bool>()) {
+            let mut c = cfg(64, 128, simple_step());
+            c.priority_scheduling = prio;
+            c.max_num_seqs = 8;
+            let mut e = Engine::new(c);
+            let mut next = 0u64;
+            let mut accepted = std::collections::HashMap::new();
+            let mut aborted = std::collections::HashSet::new();
+            let mut produced: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+            let mut last_time = 0.0;
+            let record = |events: Vec<EngineEvent>, produced: &mut std::collections::HashMap<u64, u32>, last_time: &mut f64| {
+                for ev in events {
+                    if let EngineEvent::Token { id, index, time, .. } = ev {
+                        let n = produced.entry(id).or_insert(0);
+                        *n += 1;
+                        assert_eq!(*n, index);
+                        assert!(time >= *last_time);
+                        *last_time = time;
+                    }
+                }
+            };
+            for o in ops {
+                match o {
+                    Op::Submit { prompt, output, content, priority } => {
+                        let mut r = req(next, prompt, output, content);
+                        r.priority = priority;
+                        if e.submit(r).is_ok() {
+                            accepted.insert(next, output);
+                        }
+                        next += 1;
+                    }
+                    Op::Step => {
+                        if let Some(r) = e.step() {
+                            record(r.events, &mut produced, &mut last_time);
+                        }
+                    }
+                    Op::Abort(id) => {
+                        if e.abort(id) {
+                            aborted.insert(id);
+                        }
+                    }
+                }
+                let u = e.kv_usage();
+                prop_assert!((0.0..=1.0).contains(&u));
+            }
+            let mut guard = 0;
+            while let Some(r) = e.step() {
+                record(r.events, &mut produced, &mut last_time);
+                guard += 1;
+                prop_assert!(guard < 100_000, "engine does not drain");
+            }
+            prop_assert_eq!(e.kv_usage(), 0.0);
+            for (id, out) in accepted {
+                if !aborted.contains(&id) {
+                    prop_assert_eq!(produced.get(&id).copied(), Some(out), "request {}", id);
+                }
+            }
+        }
+    }
+}

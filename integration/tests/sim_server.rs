@@ -237,7 +237,7 @@ async fn repeated_prompt_hits_prefix_cache_over_http() {
     let ids: Vec<u64> = (0..16).collect(); // 16 × 512 = 8192 shared tokens
     let (_, a) = post(addr, "/v1/chat/completions", chat(8000, 1, &ids)).await;
     let (_, b) = post(addr, "/v1/chat/completions", chat(8000, 1, &ids)).await;
-    let ttft = |v: &Value| v["kvroute_sim"]["first_token_time_s"].as_f64().unwrap();
+    let t = |v: &Value, k: &str| v["kvroute_sim"][k].as_f64().unwrap();
     assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 7984);
     let m = parse_metrics(&metrics_text(addr).await);
@@ -245,8 +245,16 @@ async fn repeated_prompt_hits_prefix_cache_over_http() {
     assert_eq!(m[names::VLLM_PREFIX_HITS], vec![7984.0]);
     assert_eq!(m[names::VLLM_TTFT], vec![2.0]);
     // The second request's TTFT (its first-token time minus the first's finish) is far lower.
-    let cold = ttft(&a);
-    let warm = ttft(&b) - a["kvroute_sim"]["finish_time_s"].as_f64().unwrap();
+    // Sequential requests on an otherwise idle replica: b arrives when a finishes.
+    assert_eq!(t(&a, "arrival_time_s"), 0.0);
+    assert_eq!(t(&b, "arrival_time_s"), t(&a, "finish_time_s"));
+    for v in [&a, &b] {
+        assert_eq!(
+            t(v, "ttft_s"),
+            t(v, "first_token_time_s") - t(v, "arrival_time_s")
+        );
+    }
+    let (cold, warm) = (t(&a, "ttft_s"), t(&b, "ttft_s"));
     assert!(warm < cold / 5.0, "warm {warm} cold {cold}");
 }
 
@@ -417,4 +425,107 @@ async fn fixed_seed_and_requests_give_exact_timings() {
     for w in a.windows(2) {
         assert!(w[1].1 > w[0].2);
     }
+}
+
+/// A streaming client that disconnects mid-generation aborts its request: the replica stops
+/// running it and frees its KV blocks (vLLM does the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_aborts_and_frees_blocks() {
+    let profile = builtin(MODEL).unwrap();
+    // Real time: 5000 output tokens take ~35 s, so the request is surely still running.
+    let cfg = ReplicaConfig::for_model(profile, Dialect::VllmV1, 1.0, 0).unwrap();
+    let f = spawn_fleet(FleetConfig::local(cfg, 1)).await.unwrap();
+    let addr = f.addr(0).unwrap();
+    {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        let conn = tokio::spawn(conn);
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                          "stream": true, "max_tokens": 5000,
+                          "kvroute_sim": {"prompt_tokens": 4000}});
+        let req = http::Request::post("/v1/chat/completions")
+            .header("host", addr.to_string())
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        let resp = send.send_request(req).await.unwrap();
+        let mut body = resp.into_body();
+        // Wait for the first token chunk (after the role chunk).
+        let mut seen = 0;
+        while seen < 2 {
+            let frame = body.frame().await.unwrap().unwrap();
+            if let Ok(d) = frame.into_data() {
+                seen += d.windows(6).filter(|w| w == b"data: ").count();
+            }
+        }
+        let text = metrics_text(addr).await;
+        let m = parse_metrics(&text);
+        assert_eq!(m[names::VLLM_RUNNING], vec![1.0]);
+        assert!(m[names::VLLM_KV_USAGE][0] > 0.0);
+        drop(body);
+        drop(send);
+        conn.abort();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let m = parse_metrics(&metrics_text(addr).await);
+        if m[names::VLLM_RUNNING] == vec![0.0] {
+            assert_eq!(m[names::VLLM_KV_USAGE], vec![0.0]);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "request not aborted within 10 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let text = metrics_text(addr).await;
+    assert!(text.contains("finished_reason=\"abort\"} 1"), "{text}");
+}
+
+/// Concurrent long prompts on a small cache, observed the way a scraper sees them: KV usage
+/// rises, a waiting queue forms, preemptions are counted, and everything still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_shows_in_metrics() {
+    let profile = builtin(MODEL).unwrap();
+    let mut cfg = ReplicaConfig::for_model(profile, Dialect::VllmV1, 20.0, 0).unwrap();
+    cfg.engine.num_gpu_blocks = 400; // 6,400 tokens
+    let f = spawn_fleet(FleetConfig::local(cfg, 1)).await.unwrap();
+    let addr = f.addr(0).unwrap();
+    let mut reqs = Vec::new();
+    for i in 0..12u64 {
+        reqs.push(tokio::spawn(post(
+            addr,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x",
+                   "kvroute_sim": {"prompt_tokens": 1500, "output_tokens": 300,
+                                   "prefix_block_ids": [1000 + i]}}),
+        )));
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (mut max_usage, mut max_waiting) = (0.0f64, 0.0f64);
+    let mut preemptions = 0.0;
+    while std::time::Instant::now() < deadline {
+        let m = parse_metrics(&metrics_text(addr).await);
+        max_usage = max_usage.max(m[names::VLLM_KV_USAGE][0]);
+        max_waiting = max_waiting.max(m[names::VLLM_WAITING][0]);
+        preemptions = m[names::VLLM_PREEMPTIONS][0];
+        if max_usage > 0.9 && max_waiting >= 1.0 && preemptions >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(max_usage > 0.9, "usage {max_usage}");
+    assert!(max_waiting >= 1.0, "waiting {max_waiting}");
+    assert!(preemptions >= 1.0, "preemptions {preemptions}");
+    for r in reqs {
+        let (s, v) = r.await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 300);
+    }
+    let m = parse_metrics(&metrics_text(addr).await);
+    assert_eq!(m[names::VLLM_RUNNING], vec![0.0]);
+    assert_eq!(m[names::VLLM_WAITING], vec![0.0]);
 }

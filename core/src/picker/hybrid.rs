@@ -70,10 +70,8 @@ pub(super) fn rank(cands: &mut [Candidate], w: &HybridWeights, req: &PickRequest
         } else {
             0.0
         };
-        let score = w.kv_headroom * headroom
-            + w.queue * (1.0 - q)
-            + w.inflight * (1.0 - i)
-            + w.prefix * p;
+        let score =
+            w.kv_headroom * headroom + w.queue * (1.0 - q) + w.inflight * (1.0 - i) + w.prefix * p;
         c.cost = -score;
         c.cost2 = c.load as f64;
     }

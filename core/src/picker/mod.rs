@@ -292,10 +292,18 @@ impl RequestClass {
         let within = |v: u64, lo: Option<u64>, hi: Option<u64>| {
             lo.is_none_or(|lo| v >= lo) && hi.is_none_or(|hi| v < hi)
         };
-        within(req.prompt_tokens, self.min_prompt_tokens, self.max_prompt_tokens)
-            && within(req.output_limit, self.min_output_tokens, self.max_output_tokens)
-            && (self.models.is_empty()
-                || req.model.is_some_and(|m| self.models.iter().any(|x| x == m)))
+        within(
+            req.prompt_tokens,
+            self.min_prompt_tokens,
+            self.max_prompt_tokens,
+        ) && within(
+            req.output_limit,
+            self.min_output_tokens,
+            self.max_output_tokens,
+        ) && (self.models.is_empty()
+            || req
+                .model
+                .is_some_and(|m| self.models.iter().any(|x| x == m)))
             && (self.apis.is_empty() || self.apis.contains(&req.api))
     }
 }
@@ -333,10 +341,18 @@ impl PickerConfig {
         }
         for (i, c) in self.classes.iter().enumerate() {
             if c.name.is_empty() {
-                return err(format!("classes[{i}].name"), "\"\"".into(), "must not be empty");
+                return err(
+                    format!("classes[{i}].name"),
+                    "\"\"".into(),
+                    "must not be empty",
+                );
             }
             if c.pool.is_empty() {
-                return err(format!("classes[{i}].pool"), "\"\"".into(), "must not be empty");
+                return err(
+                    format!("classes[{i}].pool"),
+                    "\"\"".into(),
+                    "must not be empty",
+                );
             }
             if let (Some(lo), Some(hi)) = (c.min_prompt_tokens, c.max_prompt_tokens) {
                 if lo >= hi {
@@ -431,7 +447,12 @@ impl Picker {
                 c.cost = c.load as f64;
                 c.tie = self.rng.u64(..);
             }
-            self.finish(&mut cands, PolicyKind::LeastRequest, PickReason::StaleFallback, class_name)
+            self.finish(
+                &mut cands,
+                PolicyKind::LeastRequest,
+                PickReason::StaleFallback,
+                class_name,
+            )
         } else if cands.is_empty() {
             PickOutcome::NoCapacity
         } else {
@@ -486,7 +507,12 @@ impl Picker {
     }
 }
 
-fn candidate(index: usize, e: &EndpointStats, input: &PickInput<'_>, req: &PickRequest<'_>) -> Candidate {
+fn candidate(
+    index: usize,
+    e: &EndpointStats,
+    input: &PickInput<'_>,
+    req: &PickRequest<'_>,
+) -> Candidate {
     let inflight = input.inflight.get(index).copied().unwrap_or_default();
     let prefix_blocks = input
         .prefix_match_blocks
@@ -495,7 +521,10 @@ fn candidate(index: usize, e: &EndpointStats, input: &PickInput<'_>, req: &PickR
         .unwrap_or(0)
         .min(req.prefix_blocks);
     let cap = e.kv_capacity_tokens.filter(|&c| c > 0).map(|c| c as f64);
-    let usage = e.kv_usage.filter(|u| u.is_finite()).map(|u| u.clamp(0.0, 1.0));
+    let usage = e
+        .kv_usage
+        .filter(|u| u.is_finite())
+        .map(|u| u.clamp(0.0, 1.0));
     let projected_usage = match (usage, cap) {
         (Some(u), Some(c)) => Some(u + inflight.tokens as f64 / c),
         (Some(u), None) => Some(u),

@@ -1,4 +1,10 @@
 //! Helpers shared by the integration tests: locating `../shared/data`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)] // test code: fail loudly
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -16,7 +22,12 @@ pub fn shared_data() -> PathBuf {
 /// Read a fixture file, failing the test with a clear message when it is missing.
 pub fn read(rel: &str) -> Vec<u8> {
     let p = shared_data().join(rel);
-    std::fs::read(&p).unwrap_or_else(|e| panic!("cannot read fixture {}: {e} (set KVROUTE_SHARED_DATA)", p.display()))
+    std::fs::read(&p).unwrap_or_else(|e| {
+        panic!(
+            "cannot read fixture {}: {e} (set KVROUTE_SHARED_DATA)",
+            p.display()
+        )
+    })
 }
 
 /// Sorted file names in a fixture sub-directory.
@@ -68,13 +79,22 @@ pub fn all_prompts() -> Vec<(&'static str, String)> {
     for conv in v.as_array().unwrap() {
         for turn in conv["conversations"].as_array().unwrap() {
             if turn["from"] == "human" {
-                out.push(("sharegpt_v3_filtered_1000", turn["value"].as_str().unwrap().to_string()));
+                out.push((
+                    "sharegpt_v3_filtered_1000",
+                    turn["value"].as_str().unwrap().to_string(),
+                ));
             }
         }
     }
     for (name, f) in [
-        ("lmbenchmark_run", "prompts/lmbenchmark_sharegpt_multiround_run.json"),
-        ("lmbenchmark_warmup", "prompts/lmbenchmark_sharegpt_multiround_warmup.json"),
+        (
+            "lmbenchmark_run",
+            "prompts/lmbenchmark_sharegpt_multiround_run.json",
+        ),
+        (
+            "lmbenchmark_warmup",
+            "prompts/lmbenchmark_sharegpt_multiround_warmup.json",
+        ),
     ] {
         let s = String::from_utf8(read(f)).unwrap();
         let v: serde_json::Value = serde_json::from_str(&fix_invalid_escapes(&s)).unwrap();

@@ -217,8 +217,7 @@ impl Envoy {
         if r.status != 200 {
             return Err(EnvoyError::Admin(format!("/stats answered {}", r.status)));
         }
-        Ok(r
-            .text()
+        Ok(r.text()
             .lines()
             .filter_map(|l| {
                 let (k, v) = l.rsplit_once(": ")?;

@@ -58,6 +58,8 @@ pub struct FleetOptions {
     pub reply: Reply,
     /// `per_connection_buffer_limit_bytes`.
     pub buffer_limit: usize,
+    /// Bind address of the backends (`127.0.0.1:0`, or `[::1]:0` for IPv6).
+    pub backend_bind: &'static str,
 }
 
 impl Default for FleetOptions {
@@ -69,6 +71,7 @@ impl Default for FleetOptions {
             concurrency: 1,
             reply: Reply::default(),
             buffer_limit: 4 * 1024 * 1024,
+            backend_bind: "127.0.0.1:0",
         }
     }
 }
@@ -83,7 +86,10 @@ impl Fleet {
     pub async fn start(opts: FleetOptions) -> anyhow::Result<Self> {
         let mut backends = Vec::new();
         for i in 0..opts.backends {
-            backends.push(RecordingBackend::start(&format!("b{i}"), opts.reply.clone()).await?);
+            backends.push(
+                RecordingBackend::start_on(opts.backend_bind, &format!("b{i}"), opts.reply.clone())
+                    .await?,
+            );
         }
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
         let (port, ingest_port) = (free_port()?, free_port()?);
@@ -91,14 +97,20 @@ impl Fleet {
             FleetMode::Cluster => "cluster",
             _ => "endpoint",
         };
-        let sep = if opts.route_config.is_empty() { "" } else { "," };
+        let sep = if opts.route_config.is_empty() {
+            ""
+        } else {
+            ","
+        };
         let route_cfg = format!(r#"{{"mode":"{mode}"{sep}{}}}"#, opts.route_config);
         let yaml = match opts.mode {
             FleetMode::Cluster => {
                 let mut clusters: String = addrs
                     .iter()
                     .enumerate()
-                    .map(|(i, a)| templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a)))
+                    .map(|(i, a)| {
+                        templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a))
+                    })
                     .collect();
                 clusters.push_str(&templates::static_cluster("default", &addrs));
                 render(
@@ -153,12 +165,22 @@ impl Fleet {
 
     /// POST a JSON body on the main listener.
     pub async fn post(&self, path: &str, body: &[u8]) -> anyhow::Result<Response> {
-        http::request("POST", &self.url(path), &[("content-type", "application/json")], body).await
+        http::request(
+            "POST",
+            &self.url(path),
+            &[("content-type", "application/json")],
+            body,
+        )
+        .await
     }
 
     /// Endpoint stats for backend `i` (all healthy, fresh, serving model `m`).
     pub fn endpoint(&self, i: usize, kv_usage: f64, scraped_at_ms: u64) -> EndpointStats {
-        let addr = self.backends.get(i).map(|b| b.address()).unwrap_or_default();
+        let addr = self
+            .backends
+            .get(i)
+            .map(|b| b.address())
+            .unwrap_or_default();
         EndpointStats {
             id: format!("pool/e{i}"),
             address: addr,
@@ -201,9 +223,17 @@ impl Fleet {
             Ok(r) => r,
             Err(e) => anyhow::bail!("{e}\n--- envoy log ---\n{}", self.log_tail(60)),
         };
-        anyhow::ensure!(r.status == 204, "ingest answered {}: {}", r.status, r.text());
+        anyhow::ensure!(
+            r.status == 204,
+            "ingest answered {}: {}",
+            r.status,
+            r.text()
+        );
         self.wait_stat_at_least(
-            &["wasmcustom.kvroute.snapshots.published", "wasmcustom.kvroute.snapshots.ignored_old"],
+            &[
+                "wasmcustom.kvroute.snapshots.published",
+                "wasmcustom.kvroute.snapshots.ignored_old",
+            ],
             before + 1,
         )
         .await
@@ -211,8 +241,12 @@ impl Fleet {
 
     async fn handled(&self) -> anyhow::Result<u64> {
         let s = self.envoy.stats().await?;
-        Ok(s.get("wasmcustom.kvroute.snapshots.published").copied().unwrap_or(0)
-            + s.get("wasmcustom.kvroute.snapshots.ignored_old").copied().unwrap_or(0))
+        Ok(s.get("wasmcustom.kvroute.snapshots.published")
+            .copied()
+            .unwrap_or(0)
+            + s.get("wasmcustom.kvroute.snapshots.ignored_old")
+                .copied()
+                .unwrap_or(0))
     }
 
     /// Wait (deadline 10 s) until the sum of `names` reaches `want`.
@@ -244,7 +278,10 @@ impl Fleet {
     pub fn log_tail(&self, n: usize) -> String {
         let log = self.envoy.log();
         let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
+        lines
+            .get(lines.len().saturating_sub(n)..)
+            .unwrap_or(&[])
+            .join("\n")
     }
 
     /// Requests each backend received.

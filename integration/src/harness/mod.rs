@@ -19,19 +19,19 @@
 //! [`templates`]); the user-facing configs in `examples/envoy/` are validated by
 //! `envoy --mode validate` (see `integration/tests/filter_validate.rs`).
 //!
-//! Usage, inside a `#[tokio::test]`:
+//! Usage, inside a `#[tokio::test]` (see `integration/tests/filter_e2e.rs` for more):
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
-//! use kvroute_integration::harness::{self, Envoy, RecordingBackend, Reply};
-//! let backend = RecordingBackend::start("a", Reply::default()).await?;
-//! let port = harness::free_port()?;
-//! let admin = harness::free_port()?;
-//! let yaml = harness::render(harness::templates::CLUSTER_MODE, &[
-//!     ("LISTEN_PORT", port.to_string()),
-//!     ("ADMIN_PORT", admin.to_string()),
-//! ])?;
-//! let envoy = Envoy::start(&yaml, 1).await?;
-//! let resp = harness::http::request("GET", &format!("http://127.0.0.1:{}/v1/models", envoy.port()), &[], b"").await?;
+//! use kvroute_core::snapshot::Snapshot;
+//! use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetOptions};
+//! // 2 recording backends as clusters c0, c1 behind Envoy running the built .wasm.
+//! let fleet = Fleet::start(FleetOptions::default()).await?;
+//! let now = now_ms();
+//! let snap = Snapshot::new(1, now, vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)]);
+//! fleet.push(&snap).await?; // POST to the ingest listener, wait until published
+//! let r = fleet.post("/v1/chat/completions", &chat("hello")).await?;
+//! assert_eq!(r.header("x-backend"), Some("b1"));
+//! assert!(fleet.envoy.wasm_failures().await?.is_empty());
 //! # Ok(()) }
 //! ```
 
@@ -72,10 +72,17 @@ mod tests {
 
     #[test]
     fn render_replaces_and_rejects_leftovers() {
-        let out = render("a {{X}} b {{X}} {{Y}}", &[("X", "1".into()), ("Y", "z".into())]).unwrap();
+        let out = render(
+            "a {{X}} b {{X}} {{Y}}",
+            &[("X", "1".into()), ("Y", "z".into())],
+        )
+        .unwrap();
         assert_eq!(out, "a 1 b 1 z");
         let err = render("a {{X}} {{MISSING}}", &[("X", "1".into())]).unwrap_err();
-        assert_eq!(err.to_string(), "template placeholder {{MISSING}} has no value");
+        assert_eq!(
+            err.to_string(),
+            "template placeholder {{MISSING}} has no value"
+        );
     }
 
     #[test]

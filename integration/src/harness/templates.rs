@@ -14,6 +14,10 @@ pub const CLUSTER_MODE: &str = include_str!("templates/cluster_mode.yaml");
 /// `x-gateway-destination-endpoint`; retries move to the next host.
 pub const ENDPOINT_MODE: &str = include_str!("templates/endpoint_mode.yaml");
 
+/// Baseline without the filter (placeholders `LISTEN_PORT`, `DEFAULT_CLUSTER`, `CLUSTERS`),
+/// for latency comparisons.
+pub const PLAIN: &str = include_str!("templates/plain.yaml");
+
 fn socket(addr: &str) -> String {
     let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
     let host = host.trim_start_matches('[').trim_end_matches(']');

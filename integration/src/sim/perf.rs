@@ -26,10 +26,13 @@
 //!
 //! Efficiencies: MBU 0.8 and MFU 0.5, and a 1 ms per-step overhead (scheduler, sampling,
 //! kernel launches; 2 ms with tensor parallelism for the all-reduces). With these, Llama-3.1-8B
-//! on one H100 has a 7.0 ms batch-1 TPOT and a 1,000-token prompt prefills in 34 ms, in line
-//! with published vLLM H100 measurements (vLLM v0.6.0 performance blog, Sep 2024,
-//! <https://blog.vllm.ai/2024/09/05/perf-update.html>; Lambda "vLLM benchmark" report for
-//! Llama 3.1 8B on H100 SXM). They are estimates from a model, not a fit to a trace.
+//! on one H100 has a 7.0 ms batch-1 TPOT and a 1,000-token prompt prefills in 34 ms.
+//! **These efficiencies are assumptions, not a fit to measurements**: the datasheet numbers and
+//! `config.json` shapes are published facts, the utilisation factors are typical values, and
+//! published vLLM H100 reports (vLLM v0.6.0 performance blog, Sep 2024,
+//! <https://blog.vllm.ai/2024/09/05/perf-update.html>; LambdaLabsML/vllm-benchmark) were only
+//! used as a plausibility check. Calibrate against a real replica before quoting absolute
+//! latencies.
 //!
 //! ## KV pool size
 //! `num_gpu_blocks = ⌊(gpus · hbm_bytes · gpu_memory_utilization − weight_bytes) /

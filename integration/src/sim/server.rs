@@ -246,7 +246,7 @@ impl Replica {
     fn submit(
         &self,
         req: &ParsedRequest,
-    ) -> Result<(u64, mpsc::UnboundedReceiver<EngineEvent>), ApiError> {
+    ) -> Result<(u64, f64, mpsc::UnboundedReceiver<EngineEvent>), ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut st = self.lock();
         if let Some(v) = self.virtual_now() {
@@ -265,7 +265,12 @@ impl Replica {
                 priority: req.priority,
             })
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        let arrival = st.engine.now();
+        // A request that arrives while a step is in flight (the engine's clock is already at
+        // that step's end) arrived at the current wall-mapped virtual time.
+        let arrival = match self.virtual_now() {
+            Some(v) => v.min(st.engine.now()),
+            None => st.engine.now(),
+        };
         st.pending.insert(
             id,
             Pending {
@@ -277,7 +282,7 @@ impl Replica {
         );
         drop(st);
         self.wake.notify_one();
-        Ok((id, rx))
+        Ok((id, arrival, rx))
     }
 
     fn abort(&self, id: u64) {
@@ -469,7 +474,7 @@ async fn generate(replica: Arc<Replica>, api: ApiKind, req: Request<Incoming>) -
         Ok(p) => p,
         Err(e) => return error_response(&e),
     };
-    let (id, mut rx) = match replica.submit(&parsed) {
+    let (id, arrival_time, mut rx) = match replica.submit(&parsed) {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
@@ -495,18 +500,14 @@ async fn generate(replica: Arc<Replica>, api: ApiKind, req: Request<Incoming>) -
     };
     if !parsed.stream {
         let mut cached = 0;
-        let mut arrival = None;
+        let mut admitted = false;
         let mut first = None;
         while let Some(ev) = rx.recv().await {
             match ev {
-                EngineEvent::Admitted {
-                    cached_tokens,
-                    time,
-                    ..
-                } => {
-                    if arrival.is_none() {
+                EngineEvent::Admitted { cached_tokens, .. } => {
+                    if !admitted {
                         cached = cached_tokens;
-                        arrival = Some(time);
+                        admitted = true;
                     }
                 }
                 EngineEvent::Token {
@@ -517,7 +518,13 @@ async fn generate(replica: Arc<Replica>, api: ApiKind, req: Request<Incoming>) -
                     }
                     if last {
                         guard.done = true;
-                        let timing = json!({"first_token_time_s": first, "finish_time_s": time});
+                        let timing = json!({
+                            "arrival_time_s": arrival_time,
+                            "first_token_time_s": first,
+                            "finish_time_s": time,
+                            "ttft_s": first.map(|f| f - arrival_time),
+                            "e2e_s": time - arrival_time,
+                        });
                         return json_response(
                             StatusCode::OK,
                             &api::full_response(&meta, &parsed, cached, timing),

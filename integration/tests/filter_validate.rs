@@ -1,0 +1,88 @@
+//! Every shipped Envoy config in `examples/envoy/` passes `envoy --mode validate`, and a
+//! bad plugin configuration is refused by `on_configure` with one clear log line.
+
+use kvroute_integration::harness::kvroute::ingest_plugin_config;
+use kvroute_integration::harness::{
+    free_port, render, templates, wasm_path, workspace_root, Envoy,
+};
+
+/// Where the examples expect the module; replaced by the built one for validation.
+const EXAMPLE_WASM: &str = "/etc/envoy/kvroute_filter.wasm";
+
+#[test]
+fn every_example_config_validates() {
+    let dir = workspace_root().join("examples").join("envoy");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    let names: Vec<String> = files
+        .iter()
+        .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "cluster-mode.yaml",
+            "endpoint-mode.yaml",
+            "endpoint-original-dst.yaml"
+        ]
+    );
+    let wasm = wasm_path();
+    assert!(wasm.is_file(), "build the filter first: {}", wasm.display());
+    for f in files {
+        let yaml = std::fs::read_to_string(&f).unwrap();
+        assert!(yaml.contains(EXAMPLE_WASM), "{}", f.display());
+        assert!(
+            yaml.contains("allow_on_headers_stop_iteration: true"),
+            "{}",
+            f.display()
+        );
+        let out = std::env::temp_dir().join(format!(
+            "kvroute-validate-{}-{}",
+            std::process::id(),
+            f.file_name().unwrap().to_string_lossy()
+        ));
+        std::fs::write(
+            &out,
+            yaml.replace(EXAMPLE_WASM, &wasm.display().to_string()),
+        )
+        .unwrap();
+        Envoy::validate(&out).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+#[test]
+fn validate_rejects_a_broken_config() {
+    let out =
+        std::env::temp_dir().join(format!("kvroute-validate-bad-{}.yaml", std::process::id()));
+    std::fs::write(&out, "static_resources: {listeners: [{name: x}]}\n").unwrap();
+    assert!(Envoy::validate(&out).is_err());
+}
+
+#[tokio::test]
+async fn bad_plugin_config_is_refused_with_one_clear_line() {
+    let yaml = render(
+        templates::CLUSTER_MODE,
+        &[
+            ("LISTEN_PORT", free_port().unwrap().to_string()),
+            ("INGEST_PORT", free_port().unwrap().to_string()),
+            ("BUFFER_LIMIT", "1048576".into()),
+            ("WASM", wasm_path().display().to_string()),
+            ("PLUGIN_CONFIG", r#"{"max_body_bytes":0}"#.into()),
+            ("INGEST_CONFIG", ingest_plugin_config()),
+            ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
+            ("DEFAULT_CLUSTER", "default".into()),
+            (
+                "CLUSTERS",
+                templates::static_cluster("default", &["127.0.0.1:9".into()]),
+            ),
+        ],
+    )
+    .unwrap();
+    let err = Envoy::start(&yaml, 1).await.unwrap_err().to_string();
+    let line = "kvroute plugin config field `max_body_bytes` = 0: must be at least 1";
+    assert_eq!(err.matches(line).count(), 1, "{err}");
+}
