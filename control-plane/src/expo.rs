@@ -72,17 +72,27 @@ impl Exposition {
 
     /// Parse a text body. Errors on the first malformed sample line.
     pub fn parse(text: &str) -> Result<Self, ExpoError> {
+        Self::parse_with(text, |_| true)
+    }
+
+    /// Parse a text body, keeping only samples whose name passes `keep`. Every line is
+    /// still checked against the grammar, but skipped lines allocate nothing: the scrape
+    /// path keeps the few dozen families the adapters read out of hundreds of histogram
+    /// lines ([`crate::adapters::is_relevant`]).
+    pub fn parse_with(text: &str, keep: impl Fn(&str) -> bool) -> Result<Self, ExpoError> {
         let mut samples = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             let line = raw.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let sample = parse_line(line).map_err(|reason| ExpoError::Malformed {
+            let sample = parse_line(line, &keep).map_err(|reason| ExpoError::Malformed {
                 line: i + 1,
                 reason,
             })?;
-            samples.push(sample);
+            if let Some(sample) = sample {
+                samples.push(sample);
+            }
         }
         Ok(Self { samples })
     }
@@ -131,7 +141,7 @@ fn is_name_char(c: u8) -> bool {
     c.is_ascii_alphanumeric() || c == b'_' || c == b':'
 }
 
-fn parse_line(line: &str) -> Result<Sample, &'static str> {
+fn parse_line(line: &str, keep: &impl Fn(&str) -> bool) -> Result<Option<Sample>, &'static str> {
     let bytes = line.as_bytes();
     let mut pos = 0;
     match bytes.first() {
@@ -141,7 +151,8 @@ fn parse_line(line: &str) -> Result<Sample, &'static str> {
     while bytes.get(pos).is_some_and(|&c| is_name_char(c)) {
         pos += 1;
     }
-    let name = line.get(..pos).ok_or("bad metric name")?.to_owned();
+    let name = line.get(..pos).ok_or("bad metric name")?;
+    let kept = keep(name);
     let mut labels = Vec::new();
     if bytes.get(pos) == Some(&b'{') {
         pos += 1;
@@ -162,7 +173,7 @@ fn parse_line(line: &str) -> Result<Sample, &'static str> {
             {
                 pos += 1;
             }
-            let key = line.get(start..pos).ok_or("bad label name")?.to_owned();
+            let key = line.get(start..pos).ok_or("bad label name")?;
             skip_ws(bytes, &mut pos);
             if bytes.get(pos) != Some(&b'=') {
                 return Err("expected `=` after label name");
@@ -173,39 +184,33 @@ fn parse_line(line: &str) -> Result<Sample, &'static str> {
                 return Err("label value must be quoted");
             }
             pos += 1;
-            let mut value = String::new();
+            // Scan bytes: `"` and `\` never occur inside a multi-byte UTF-8 sequence.
+            let vstart = pos;
+            let mut escaped = false;
             loop {
-                let rest = line.get(pos..).ok_or("bad label value")?;
-                let mut chars = rest.chars();
-                match chars.next() {
+                match bytes.get(pos) {
                     None => return Err("unterminated label value"),
-                    Some('"') => {
-                        pos += 1;
-                        break;
-                    }
-                    Some('\\') => {
-                        match chars.next() {
-                            Some('n') => value.push('\n'),
-                            Some('\\') => value.push('\\'),
-                            Some('"') => value.push('"'),
-                            Some(other) => {
-                                value.push('\\');
-                                value.push(other);
-                            }
-                            None => return Err("unterminated label value"),
+                    Some(b'"') => break,
+                    Some(b'\\') => {
+                        if bytes.get(pos + 1).is_none() {
+                            return Err("unterminated label value");
                         }
-                        pos += 1 + rest
-                            .get(1..)
-                            .and_then(|r| r.chars().next())
-                            .map_or(0, char::len_utf8);
+                        escaped = true;
+                        pos += 2;
                     }
-                    Some(c) => {
-                        value.push(c);
-                        pos += c.len_utf8();
-                    }
+                    Some(_) => pos += 1,
                 }
             }
-            labels.push((key, value));
+            let raw = line.get(vstart..pos).ok_or("bad label value")?;
+            pos += 1;
+            if kept {
+                let value = if escaped {
+                    unescape(raw)
+                } else {
+                    raw.to_owned()
+                };
+                labels.push((key.to_owned(), value));
+            }
             skip_ws(bytes, &mut pos);
             match bytes.get(pos) {
                 Some(b',') => pos += 1,
@@ -227,11 +232,34 @@ fn parse_line(line: &str) -> Result<Sample, &'static str> {
     if fields.next().is_some() {
         return Err("unexpected text after the timestamp");
     }
-    Ok(Sample {
-        name,
+    Ok(kept.then(|| Sample {
+        name: name.to_owned(),
         labels,
         value,
-    })
+    }))
+}
+
+/// Undo the text format's label-value escapes (`\\`, `\"`, `\n`); other backslashes stay.
+fn unescape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('\\') => out.push('\\'),
+            Some('"') => out.push('"'),
+            Some(other) => {
+                out.push('\\');
+                out.push(other);
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
 }
 
 fn skip_ws(bytes: &[u8], pos: &mut usize) {

@@ -28,13 +28,16 @@ use tokio::sync::watch;
 /// HTTP client used for scrapes.
 pub type ScrapeClient = Client<HttpConnector, Empty<Bytes>>;
 
-/// A client with keep-alive and `TCP_NODELAY`; idle connections live 90 s.
+/// A client with keep-alive and `TCP_NODELAY`; idle connections live 90 s. The read
+/// buffer is fixed at 16 KiB: hyper's adaptive buffer grows to the body size and an idle
+/// pooled connection keeps it, which at 1,000 endpoints × ~64 KiB is most of the RSS.
 pub fn client(connect_timeout: Duration) -> ScrapeClient {
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
     conn.set_connect_timeout(Some(connect_timeout));
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
+        .http1_read_buf_exact_size(16 * 1024)
         .build(conn)
 }
 
@@ -102,7 +105,8 @@ pub async fn scrape_once(
     max_body_bytes: usize,
 ) -> Result<adapters::ServerStats, ScrapeError> {
     let body = get(client, &spec.metrics_url, max_body_bytes).await?;
-    let expo = Exposition::parse_bytes(&body)?;
+    let text = std::str::from_utf8(&body).map_err(|_| ExpoError::NotUtf8)?;
+    let expo = Exposition::parse_with(text, adapters::is_relevant)?;
     let kind = match spec.kind {
         ServerKind::Auto => adapters::detect(&expo).ok_or(AdapterError::UnknownKind)?,
         k => k,

@@ -190,5 +190,14 @@ fn explicit_kind_matches_auto_on_every_fixture() {
         let auto = adapters::extract(ServerKind::Auto, &expo, None).unwrap();
         let explicit = adapters::extract(auto.kind, &expo, None).unwrap();
         assert_eq!(auto, explicit, "{name}");
+        // The scrape path's filtered parse gives the same stats.
+        let text = String::from_utf8(read(name)).unwrap();
+        let filtered = Exposition::parse_with(&text, adapters::is_relevant).unwrap();
+        assert!(filtered.samples.len() <= expo.samples.len(), "{name}");
+        assert_eq!(
+            adapters::extract(ServerKind::Auto, &filtered, None).unwrap(),
+            auto,
+            "{name}"
+        );
     }
 }

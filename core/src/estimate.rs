@@ -179,16 +179,35 @@ fn run_cost(c: &CharClassCosts, class: Class, run: u32) -> f64 {
     }
 }
 
+/// Class of each ASCII byte, as a table so the hot loop has no per-byte compare chain.
+// Evaluated at compile time: an out-of-range index would be a build error, not a panic.
+#[allow(clippy::indexing_slicing)]
+const ASCII_CLASS: [Class; 128] = {
+    let mut t = [Class::None; 128]; // control characters
+    let mut b = 0;
+    while b < 128 {
+        let c = b as u8;
+        t[b] = if c.is_ascii_alphabetic() {
+            Class::Word
+        } else if c.is_ascii_digit() {
+            Class::Digit
+        } else if c == b'\n' || c == b'\r' {
+            Class::Newline
+        } else if c == b' ' || c == b'\t' {
+            Class::Space
+        } else if c.is_ascii_punctuation() {
+            Class::Punct
+        } else {
+            Class::None
+        };
+        b += 1;
+    }
+    t
+};
+
 #[inline]
 fn ascii_class(b: u8) -> Class {
-    match b {
-        b'a'..=b'z' | b'A'..=b'Z' => Class::Word,
-        b'0'..=b'9' => Class::Digit,
-        b'\n' | b'\r' => Class::Newline,
-        b' ' | b'\t' => Class::Space,
-        b'!'..=b'/' | b':'..=b'@' | b'['..=b'`' | b'{'..=b'~' => Class::Punct,
-        _ => Class::None, // control characters
-    }
+    ASCII_CLASS.get(usize::from(b)).copied().unwrap_or(Class::None)
 }
 
 /// The heuristic itself, with explicit costs (used by tests to fit the defaults).

@@ -60,6 +60,11 @@ pub fn current_version<H: Host>(host: &H) -> Result<Option<u64>, HostError> {
 }
 
 /// Validate `bytes` and publish them unless not newer than the current version.
+///
+/// Race note: Envoy delivers `on_queue_ready` to the one root context that registered the
+/// queue, so there is a single consumer in practice. Were there two, one could overwrite the
+/// snapshot bytes after the other's newer version won the CAS; readers then use those bytes
+/// until the next publication ([`SnapshotCache`] still decodes once per version).
 pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, SharedError> {
     let snap = Snapshot::decode(bytes)?;
     for _ in 0..CAS_RETRIES {
@@ -103,8 +108,11 @@ impl SnapshotCache {
             let (bytes, _) = host.shared_get(SNAPSHOT_KEY)?;
             if let Some(bytes) = bytes {
                 self.decodes += 1;
+                // Keyed by the version *key*, not the decoded version: if two consumers ever
+                // raced and left older bytes under a newer version, this still decodes once
+                // per published version, never per request.
+                self.version = v;
                 let snap = Snapshot::decode(&bytes)?;
-                self.version = Some(snap.version);
                 self.snap = Some(Rc::new(snap));
             }
         }

@@ -538,6 +538,20 @@ mod tests {
     }
 
     #[test]
+    fn chunked_body_growing_past_the_limit_is_routed_by_load() {
+        let (h, w) = setup("{\"max_body_bytes\":100}", vec![ep(0, 0.1)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 3);
+        assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&r, 60, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&r, 160, false), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
+        assert_eq!(s.on_request_body(&r, 200, true), Flow::Continue);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 1);
+        assert_eq!(h.metric(metric::RESERVED), 1);
+    }
+
+    #[test]
     fn no_endpoint_for_model_is_a_json_503() {
         let (h, w) = setup("{}", vec![ep(0, 0.1)]);
         let body = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;

@@ -119,7 +119,9 @@ async fn client_aborts_leave_no_reservation() {
         let got = raw_exchange(
             fleet.port,
             &[(full.as_bytes(), Duration::ZERO), (&body, Duration::ZERO)],
-            Duration::from_millis(300),
+            // Long enough to see the response headers, shorter than the backend's 1.5 s gap
+            // before the final event: the connection is dropped mid-response.
+            Duration::from_millis(1000),
         )
         .await
         .unwrap();

@@ -9,6 +9,9 @@
 use super::{AdapterError, ServerKind, ServerStats};
 use crate::expo::Exposition;
 
+/// The simulator-only histogram count used to tell it from vLLM.
+pub const DETECT_COUNT: &str = "vllm:max_num_generation_tokens_count";
+
 /// Extract llm-d-inference-sim stats.
 pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
     super::vllm::extract_as(expo, ServerKind::LlmdSim)

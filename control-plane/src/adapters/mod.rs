@@ -107,6 +107,47 @@ pub enum AdapterError {
     },
 }
 
+/// Every metric name an adapter or [`detect`] reads. The scrape path keeps only these
+/// (see [`crate::expo::Exposition::parse_with`]).
+pub const RELEVANT: &[&str] = &[
+    PROCESS_START,
+    vllm::KV_USAGE_V1,
+    vllm::KV_USAGE_V0,
+    vllm::CACHE_CONFIG,
+    vllm::RUNNING,
+    vllm::WAITING,
+    vllm::LORA_INFO,
+    vllm::PROMPT_TOKENS,
+    vllm::GENERATION_TOKENS,
+    vllm::PROMPT_TOKENS_CREATED,
+    llmd_sim::DETECT_COUNT,
+    sglang::TOKEN_USAGE,
+    sglang::MAX_TOTAL_TOKENS,
+    sglang::RUNNING,
+    sglang::WAITING,
+    sglang::PROMPT_TOKENS,
+    sglang::GENERATION_TOKENS,
+    tgi::BATCH_CURRENT_MAX_TOKENS,
+    tgi::BATCH_MAX_TOTAL_TOKENS,
+    tgi::BATCH_CURRENT_SIZE,
+    tgi::QUEUE_SIZE,
+    tgi::REQUEST_COUNT,
+    llamacpp::KV_USAGE_LEGACY,
+    llamacpp::PROCESSING,
+    llamacpp::DEFERRED,
+    llamacpp::PROMPT_TOKENS,
+    llamacpp::PREDICTED_TOKENS,
+    trtllm::KV_BLOCKS,
+    trtllm::REQUESTS,
+    trtllm::INFERENCE_COUNT,
+    trtllm::V1_METRICS,
+];
+
+/// Whether the adapters read metric `name` (histogram buckets never).
+pub fn is_relevant(name: &str) -> bool {
+    !name.ends_with("_bucket") && RELEVANT.contains(&name)
+}
+
 /// Detect the kind from exposed names. Order matters: llm-d-inference-sim exports vLLM names
 /// plus `vllm:max_num_generation_tokens` (its own spelling; vLLM's is
 /// `vllm:request_max_num_generation_tokens`, llm-d-inference-sim `pkg/llm-d-inference-sim/metrics.go`).

@@ -24,6 +24,8 @@ pub const KV_BLOCK_TYPE: &str = "kv_cache_block_type";
 pub const REQUESTS: &str = "nv_trt_llm_request_metrics";
 /// Label of [`REQUESTS`] naming the quantity.
 pub const REQUEST_TYPE: &str = "request_type";
+/// V1 (non-inflight-batcher) model metrics; read only to detect the kind.
+pub const V1_METRICS: &str = "nv_trt_llm_v1_metrics";
 /// Triton inference counter.
 pub const INFERENCE_COUNT: &str = "nv_inference_count";
 
