@@ -207,7 +207,10 @@ const ASCII_CLASS: [Class; 128] = {
 
 #[inline]
 fn ascii_class(b: u8) -> Class {
-    ASCII_CLASS.get(usize::from(b)).copied().unwrap_or(Class::None)
+    ASCII_CLASS
+        .get(usize::from(b))
+        .copied()
+        .unwrap_or(Class::None)
 }
 
 /// The heuristic itself, with explicit costs (used by tests to fit the defaults).

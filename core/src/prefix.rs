@@ -14,8 +14,9 @@
 //!
 //! kvroute adds vLLM's `cache_salt`: when present, the seed becomes
 //! `h₀ = xxh64(salt ‖ le_u64(xxh64(model)))`, so tenants with different salts never match
-//! each other (vLLM mixes the salt into the first block's hash the same way,
-//! `vllm/v1/core/kv_cache_utils.py`). Without a salt the chain is bit-identical to GIE's.
+//! each other. vLLM likewise mixes the salt into the hash of the first block only (as an
+//! extra key, `vllm/v1/core/kv_cache_utils.py`), so the chain isolates exactly the requests
+//! vLLM's cache isolates. Without a salt the chain is bit-identical to GIE's.
 //!
 //! [`block_hashes`] returns `h₁..hₖ` (GIE's list minus its leading model hash), so its length
 //! is the number of full blocks.
@@ -155,7 +156,8 @@ impl PrefixIndex {
         }
     }
 
-    /// Leading blocks of `hashes` recorded for `endpoint_id`.
+    /// Leading blocks of `hashes` recorded for `endpoint_id`. Read-only: recency is refreshed
+    /// by [`Self::record`] (called for the endpoint actually chosen), not by lookups.
     pub fn match_one(&self, hashes: &[u64], endpoint_id: &str) -> u32 {
         match self.endpoints.get(endpoint_id) {
             None => 0,

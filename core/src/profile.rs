@@ -22,8 +22,10 @@
 //! Architecture numbers are copied from each model's `config.json` on Hugging Face (URL in
 //! [`ModelProfile::source`]); `weight_bytes` is the published parameter count × 2 bytes (bf16).
 //! `default_max_tokens` (1024) and `expected_output_fraction` (0.5) are router assumptions, not
-//! model facts: the Azure conversation trace in `../shared/data/traces/` (Splitwise, ISCA'24)
-//! has a median of a few hundred generated tokens, about half a typical 1k limit.
+//! model facts. The resulting 512 expected output tokens sit near the 90th percentile of
+//! generated tokens in the shared traces (`../shared/data/traces/`: Azure conversation trace,
+//! Splitwise ISCA'24, p50 129 / p90 424; Mooncake conversation trace, FAST'25, p50 350 /
+//! p90 597): a deliberately conservative KV reservation for requests that set no limit.
 
 use crate::analysis::RequestAnalysis;
 
@@ -138,8 +140,8 @@ impl ModelProfile {
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
 /// Router assumption: fraction of the output limit actually generated (see the module doc).
 pub const DEFAULT_EXPECTED_OUTPUT_FRACTION: f64 = 0.5;
-/// vLLM's default KV cache block size in tokens (`vllm/config/cache.py`, `block_size = 16`
-/// on CUDA).
+/// vLLM's default KV cache block size in tokens on CUDA (16; `--block-size`, vLLM engine
+/// arguments docs).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 #[allow(clippy::too_many_arguments)]

@@ -37,6 +37,9 @@ pub mod metric {
     pub const NO_ENDPOINTS: &str = "kvroute.outcome.no_endpoints";
     /// Requests answered 429 (saturated, queue full or timed out) (counter).
     pub const REJECTED: &str = "kvroute.outcome.rejected";
+    /// Requests whose KV demand exceeds every serving endpoint's whole KV capacity: they can
+    /// never fit, so they are routed by load (not 429) with the reservation capped (counter).
+    pub const DEMAND_OVER_CAPACITY: &str = "kvroute.decisions.demand_over_capacity";
     /// Requests held in the admission queue (counter).
     pub const QUEUED: &str = "kvroute.outcome.queued";
     /// Internal errors that fell open to Envoy's default route (counter).

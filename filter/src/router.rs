@@ -27,6 +27,12 @@ use kvroute_core::prefix::{block_hashes, PrefixIndex};
 use kvroute_core::profile::{builtin, ModelProfile};
 use std::collections::BTreeMap;
 
+/// True when `e` serves `model` (base model or LoRA adapter; any model when `None`), as
+/// kvroute-core's picker filters candidates.
+fn serves(e: &kvroute_core::snapshot::EndpointStats, model: Option<&str>) -> bool {
+    model.is_none_or(|m| e.models.iter().any(|x| x == m) || e.lora_adapters.iter().any(|x| x == m))
+}
+
 /// Output limit assumed for a model without a profile and a request without a limit,
 /// tokens (vLLM's and OpenAI's legacy completions default `max_tokens` is 16; chat has none,
 /// so a conservative 256 keeps reservations meaningful).
@@ -271,7 +277,30 @@ impl Worker {
             prefix_match_blocks: &matches,
             now_ms: now,
         };
-        match self.picker.pick(&input, &req) {
+        let mut outcome = self.picker.pick(&input, &req);
+        let mut reserve = demand;
+        if outcome == PickOutcome::NoCapacity {
+            // Larger than the whole KV cache of every endpoint serving the model: it can never
+            // fit, so a 429 "retry later" would never clear. Route it by load (demand 0 in
+            // the pick) and let the model server answer (vLLM preempts, or 400s an output
+            // limit beyond max_model_len); reserve at most the chosen capacity.
+            let largest = snap
+                .endpoints
+                .iter()
+                .filter(|e| e.healthy && serves(e, model.as_deref()))
+                .filter_map(|e| e.kv_capacity_tokens)
+                .max();
+            if let Some(cap) = largest.filter(|&cap| demand > cap) {
+                host.metric_add(MetricKind::Counter, metric::DEMAND_OVER_CAPACITY, 1);
+                let by_load = PickRequest {
+                    demand_tokens: 0,
+                    ..req
+                };
+                outcome = self.picker.pick(&input, &by_load);
+                reserve = cap;
+            }
+        }
+        match outcome {
             PickOutcome::Picked(p) => {
                 let Some(primary) = snap.endpoints.get(p.primary) else {
                     return Decision::FailOpen("picker returned an index out of range".into());
@@ -307,7 +336,7 @@ impl Worker {
                     header,
                     value,
                     endpoint: primary.id.clone(),
-                    tokens: demand,
+                    tokens: reserve.min(primary.kv_capacity_tokens.unwrap_or(u64::MAX)),
                     reason,
                     facts: RequestFacts {
                         model,

@@ -736,6 +736,34 @@ mod tests {
         assert_eq!(rep[0].body, br#"{"error":"saturated"}"#);
     }
 
+    /// A request whose KV demand exceeds every endpoint's whole KV capacity can never fit,
+    /// so "saturated, retry later" would be a lie: it is routed by load (the model server
+    /// gives its own answer, e.g. vLLM's 400) with its reservation capped at the capacity.
+    #[test]
+    fn demand_larger_than_any_capacity_is_routed_not_429() {
+        // Idle fleet (usage 0), capacity 100,000 tokens; n × max_tokens = 4 × 60,000.
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":60000,"n":4}"#;
+        for cfg in ["{}", r#"{"admission":{"enabled":true}}"#] {
+            let (h, w) = setup(cfg, vec![ep(0, 0.0), ep(1, 0.0)]);
+            let r = request(&h, "/v1/chat/completions", body);
+            let mut s = Stream::new(w.clone(), 7);
+            s.on_request_headers(&r, false);
+            assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Continue, "{cfg}");
+            assert!(r.replies().is_empty(), "{cfg}: {:?}", r.replies());
+            assert_eq!(w.borrow().admission.len(), 0, "{cfg}");
+            let routed = r.header("x-kvroute-cluster");
+            assert!(
+                routed.as_deref() == Some("c0") || routed.as_deref() == Some("c1"),
+                "{cfg}: {routed:?}"
+            );
+            assert_eq!(held(&h), 100_000, "{cfg}: reservation capped at the capacity");
+            assert_eq!(h.metric(metric::DEMAND_OVER_CAPACITY), 1, "{cfg}");
+            s.on_response_headers(&r);
+            s.on_done(&r);
+            assert_eq!(held(&h), 0, "{cfg}");
+        }
+    }
+
     #[test]
     fn client_abort_while_queued_leaves_the_queue() {
         let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;

@@ -19,11 +19,12 @@
 //! * the prefix term is GIE's prefix-cache scorer (matched / total blocks).
 //!
 //! Default weights ([`super::HybridWeights`]): KV 1, queue 1, in-flight 1, prefix 2. The
-//! prefix weight is doubled, as in llm-d's default scheduling profile (prefix-cache scorer
-//! weight 2 beside load-aware and KV scorers at 1), because a prefix hit saves prefill
-//! compute, which dominates TTFT for long shared prompts; the load terms still move traffic
-//! away once a prefix holder queues up. The endpoint with the highest score wins; ties break
-//! at random.
+//! prefix term outweighs each load term, as in llm-d-inference-scheduler's default
+//! `EndpointPickerConfig` (queue-scorer 2, kv-cache-utilization-scorer 2,
+//! prefix-cache-scorer 3), because a prefix hit saves prefill compute, which dominates TTFT
+//! for long shared prompts; the three load terms together (weight 3) still move traffic away
+//! once a prefix holder queues up or fills its KV cache. The endpoint with the highest score
+//! wins; equal scores fall to fewer outstanding requests, then break at random.
 
 use super::{Candidate, HybridWeights, PickRequest};
 
