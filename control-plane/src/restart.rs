@@ -6,9 +6,14 @@
 //! - the server exports a process start time (`process_start_time_seconds`, vLLM's
 //!   `_created` gauges) and it is newer than last seen → restart; or
 //! - a counter that only grows (prompt tokens, request count) went down → restart. When the
-//!   server exports no start time, the detection time becomes the endpoint's
-//!   `process_start_ms`; with one, `max(reported, detection time)` is carried so the value
-//!   still moves forward.
+//!   server exports no start time, the first successful scrape's time stands in for it and
+//!   each detected restart replaces it with the detection time; with one,
+//!   `max(reported, detection time)` is carried so the value still moves forward.
+//!
+//! The stand-in is set from the first scrape (not left `None`) because the filter
+//! (`filter/src/router.rs`) clears prefix state only when a *known* start time changes. The
+//! cost: after a control-plane restart those endpoints get a new stand-in, so the filter
+//! forgets their prefix state once (conservative: it never routes on a stale belief).
 
 use crate::adapters::ServerStats;
 
@@ -33,7 +38,9 @@ impl RestartTracker {
             (self.last_total, stats.monotonic_total),
             (Some(old), Some(new)) if new < old
         );
-        if by_counter && !by_start {
+        let first =
+            self.last_start_ms.is_none() && self.last_total.is_none() && self.epoch_ms.is_none();
+        if (by_counter && !by_start) || (first && stats.process_start_ms.is_none()) {
             self.epoch_ms = Some(now_ms);
         }
         if let Some(s) = stats.process_start_ms {
@@ -49,7 +56,7 @@ impl RestartTracker {
         restarted
     }
 
-    /// The process start to publish, Unix ms; `None` while unknown and no restart was seen.
+    /// The process start to publish, Unix ms; `None` before the first observation.
     pub fn process_start_ms(&self) -> Option<u64> {
         match (self.last_start_ms, self.epoch_ms) {
             (None, None) => None,
@@ -84,8 +91,9 @@ mod tests {
     #[test]
     fn counter_decrease_without_start_time_sets_epoch() {
         let mut t = RestartTracker::default();
-        assert!(!t.observe(&stats(None, Some(100.0)), 1000));
         assert_eq!(t.process_start_ms(), None);
+        assert!(!t.observe(&stats(None, Some(100.0)), 1000));
+        assert_eq!(t.process_start_ms(), Some(1000));
         assert!(t.observe(&stats(None, Some(3.0)), 7000));
         assert_eq!(t.process_start_ms(), Some(7000));
         assert!(!t.observe(&stats(None, Some(4.0)), 7200));
@@ -100,6 +108,7 @@ mod tests {
         let mut t = RestartTracker::default();
         assert!(!t.observe(&stats(None, None), 1));
         assert!(!t.observe(&stats(None, None), 2));
-        assert_eq!(t.process_start_ms(), None);
+        assert_eq!(t.process_start_ms(), Some(1));
+        assert_eq!(t.restarts, 0);
     }
 }

@@ -151,15 +151,22 @@ impl Default for SseUsageScanner {
 
 fn find_boundary(buf: &[u8]) -> Option<(usize, usize)> {
     // An event ends at a blank line: "\n\n" or "\r\n\r\n" (SSE spec, "dispatch the event").
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| (i, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
+    // One pass over the '\n' bytes: the first one that ends either pattern gives the
+    // earliest boundary (a "\r\n\r\n" starting at i − 1 cannot hide an earlier "\n\n").
+    let mut from = 0;
+    while let Some(off) = buf.get(from..)?.iter().position(|&b| b == b'\n') {
+        let i = from + off;
+        if buf.get(i + 1) == Some(&b'\n') {
+            return Some((i, 2));
+        }
+        if let Some(p) = i.checked_sub(1) {
+            if buf.get(p) == Some(&b'\r') && buf.get(i + 1..i + 3) == Some(&b"\r\n"[..]) {
+                return Some((p, 4));
+            }
+        }
+        from = i + 1;
     }
+    None
 }
 
 impl SseUsageScanner {
@@ -175,17 +182,24 @@ impl SseUsageScanner {
     }
 
     /// Feed the next body chunk.
+    /// Linear in the chunk: events are scanned in place and the consumed prefix is removed
+    /// once (a large chunk of many small events, e.g. a burst from a fast model server,
+    /// must not cost one copy of the remainder per event).
     pub fn feed(&mut self, chunk: &[u8]) {
         self.tail.extend_from_slice(chunk);
-        while let Some((at, len)) = find_boundary(&self.tail) {
-            let event: Vec<u8> = self.tail.drain(..at + len).collect();
+        let mut buf = std::mem::take(&mut self.tail);
+        let mut start = 0;
+        while let Some((at, len)) = buf.get(start..).and_then(find_boundary) {
             if self.skipping {
                 // The start of this event was dropped: its remainder is not parseable.
                 self.skipping = false;
-                continue;
+            } else {
+                self.scan_event(buf.get(start..start + at).unwrap_or(&[]));
             }
-            self.scan_event(event.get(..at).unwrap_or(&[]));
+            start += at + len;
         }
+        buf.drain(..start.min(buf.len()));
+        self.tail = buf;
         if self.tail.len() > self.max_tail {
             self.tail.clear();
             self.skipping = true;
@@ -332,6 +346,23 @@ mod tests {
         assert_eq!(s.usage().map(|u| u.prompt_tokens), Some(2));
     }
 
+    /// A burst of thousands of events in one chunk (what Envoy hands over when a fast model
+    /// server writes a whole stream at once) is read in one feed, usage from the last one.
+    #[test]
+    fn thousands_of_events_in_one_chunk() {
+        let ev = "data: {\"choices\":[{\"delta\":{\"content\":\"word \"}}]}\n\n";
+        let mut body = ev.repeat(4096);
+        body.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":4096}}\r\n\r\ndata: [DONE]\n\n");
+        let mut s = SseUsageScanner::new(256);
+        s.feed(body.as_bytes());
+        assert_eq!(s.tail_len(), 0);
+        assert_eq!(s.overflows(), 0);
+        assert_eq!(
+            s.usage().map(|u| (u.prompt_tokens, u.completion_tokens)),
+            Some((7, 4096))
+        );
+    }
+
     #[test]
     fn final_event_without_blank_line_is_read_at_finish() {
         let mut s = SseUsageScanner::default();
@@ -356,6 +387,20 @@ mod tests {
             }
             s.finish();
             prop_assert_eq!(s.usage().map(|u| (u.prompt_tokens, u.completion_tokens)), Some((120, 2)));
+        }
+
+        /// The one-pass boundary search agrees with the obvious two-search definition
+        /// (earliest of "\n\n" and "\r\n\r\n").
+        #[test]
+        fn boundary_is_the_earliest_blank_line(bytes in proptest::collection::vec(
+            proptest::sample::select(vec![b'\r', b'\n', b'a']), 0..40)) {
+            let lf = bytes.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
+            let crlf = bytes.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
+            let want = match (lf, crlf) {
+                (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+                (a, b) => a.or(b),
+            };
+            prop_assert_eq!(find_boundary(&bytes), want);
         }
 
         /// Arbitrary bytes never panic and never grow the tail past the bound.

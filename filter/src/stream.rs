@@ -54,6 +54,8 @@ pub struct Stream {
     decided: bool,
     replied: bool,
     queued: bool,
+    /// Request body bytes buffered so far (read again when trailers end the request).
+    body_len: usize,
     held: Option<Held>,
     facts: RequestFacts,
     decided_at_ms: u64,
@@ -75,6 +77,7 @@ impl Stream {
             decided: false,
             replied: false,
             queued: false,
+            body_len: 0,
             held: None,
             facts: RequestFacts::default(),
             decided_at_ms: 0,
@@ -158,9 +161,12 @@ impl Stream {
         buffered: usize,
         end_of_stream: bool,
     ) -> Flow {
-        if self.replied {
+        self.adopt_resumed(host);
+        if self.replied || self.queued {
+            // Answered, or parked in the admission queue: it continues only on resume.
             return Flow::Pause;
         }
+        self.body_len = buffered;
         if self.role() == Role::Ingest {
             let max = self.worker.borrow().config.ingest_max_bytes;
             if buffered > max {
@@ -186,6 +192,26 @@ impl Stream {
             return Flow::Pause;
         }
         let body = host.request_body(buffered).unwrap_or_default();
+        self.decide(host, Some(&body))
+    }
+
+    /// Request trailers arrived (HTTP/2, or HTTP/1 chunked with trailers enabled): the body
+    /// ended without an end-of-stream data frame, so trailers end the request. Decide (or
+    /// finish the ingest) now on the buffered body, as [`Self::on_request_body`] does at end
+    /// of stream; without this, proxy-wasm's default `Continue` let such a request through
+    /// with no decision.
+    pub fn on_request_trailers<H: Host>(&mut self, host: &H) -> Flow {
+        self.adopt_resumed(host);
+        if self.replied || self.queued {
+            return Flow::Pause;
+        }
+        let body = host.request_body(self.body_len).unwrap_or_default();
+        if self.role() == Role::Ingest {
+            return self.finish_ingest(host, &body);
+        }
+        if self.decided {
+            return Flow::Continue;
+        }
         self.decide(host, Some(&body))
     }
 
@@ -748,7 +774,11 @@ mod tests {
             let r = request(&h, "/v1/chat/completions", body);
             let mut s = Stream::new(w.clone(), 7);
             s.on_request_headers(&r, false);
-            assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Continue, "{cfg}");
+            assert_eq!(
+                s.on_request_body(&r, body.len(), true),
+                Flow::Continue,
+                "{cfg}"
+            );
             assert!(r.replies().is_empty(), "{cfg}: {:?}", r.replies());
             assert_eq!(w.borrow().admission.len(), 0, "{cfg}");
             let routed = r.header("x-kvroute-cluster");
@@ -756,12 +786,80 @@ mod tests {
                 routed.as_deref() == Some("c0") || routed.as_deref() == Some("c1"),
                 "{cfg}: {routed:?}"
             );
-            assert_eq!(held(&h), 100_000, "{cfg}: reservation capped at the capacity");
+            assert_eq!(
+                held(&h),
+                100_000,
+                "{cfg}: reservation capped at the capacity"
+            );
             assert_eq!(h.metric(metric::DEMAND_OVER_CAPACITY), 1, "{cfg}");
             s.on_response_headers(&r);
             s.on_done(&r);
             assert_eq!(held(&h), 0, "{cfg}");
         }
+    }
+
+    /// HTTP/2 (or HTTP/1 with trailers enabled): the last data frame is not end of stream;
+    /// trailers end the request. The decision must happen there, on the buffered body.
+    #[test]
+    fn request_ending_with_trailers_is_decided_on_its_body() {
+        let (h, w) = setup(
+            r#"{"picker":{"policy":"least_kv"}}"#,
+            vec![ep(0, 0.9), ep(1, 0.1)],
+        );
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&r, BODY.len(), false), Flow::Pause);
+        assert_eq!(s.on_request_trailers(&r), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c1"));
+        assert_eq!(h.metric(metric::RESERVED), 1);
+        assert_eq!(
+            h.metric(metric::DECISIONS_LOAD_ONLY),
+            0,
+            "the body was read"
+        );
+        s.on_done(&r);
+        assert_eq!(held(&h), 0);
+
+        // Ingest role: trailers end the snapshot upload too.
+        let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef"}"#;
+        let (h, w) = setup(cfg, vec![]);
+        let snap = Snapshot::new(3, NOW, vec![ep(0, 0.1)]).encode();
+        let ok = h
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer 0123456789abcdef")
+            .with_body(&snap);
+        let mut s = Stream::new(w, 3);
+        assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&ok, snap.len(), false), Flow::Pause);
+        assert_eq!(s.on_request_trailers(&ok), Flow::Pause);
+        assert_eq!(ok.replies()[0].status, 204);
+    }
+
+    /// A request parked in the admission queue after its body passed `max_body_bytes` must
+    /// stay paused when more body (or trailers) arrives: it continues only on resume.
+    #[test]
+    fn parked_oversized_request_stays_paused_on_more_body() {
+        let cfg = r#"{"max_body_bytes":16,"picker":{"policy":"least_kv","min_kv_headroom":0.5},
+            "admission":{"enabled":true}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 9);
+        assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&r, 20, false), Flow::Pause);
+        assert_eq!(w.borrow().admission.len(), 1, "parked");
+        assert_eq!(s.on_request_body(&r, 40, false), Flow::Pause);
+        assert_eq!(s.on_request_trailers(&r), Flow::Pause);
+        // Capacity frees: the tick resumes it; the rest of the body then flows.
+        shared::publish_snapshot(&h, &Snapshot::new(2, NOW, vec![ep(0, 0.1)]).encode()).unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 1);
+        assert_eq!(w.borrow().admission.len(), 0);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(h.metric(metric::RESERVED), 1);
+        s.on_done(&r);
+        assert_eq!(h.metric(metric::RELEASED), 1);
     }
 
     #[test]

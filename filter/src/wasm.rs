@@ -250,6 +250,9 @@ impl HttpContext for Http {
     fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         action(self.stream.on_request_body(&ProxyHost, size, end_of_stream))
     }
+    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        action(self.stream.on_request_trailers(&ProxyHost))
+    }
     fn on_http_response_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
         action(self.stream.on_response_headers(&ProxyHost))
     }

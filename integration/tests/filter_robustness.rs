@@ -3,7 +3,7 @@
 //! shared request body plus malformed JSON without a filter-made 5xx or a VM failure.
 
 use kvroute_core::snapshot::Snapshot;
-use kvroute_integration::harness::http::{raw_exchange, request};
+use kvroute_integration::harness::http::{h2_post_with_trailers, raw_exchange, request};
 use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetOptions};
 use kvroute_integration::harness::Reply;
 use std::time::Duration;
@@ -368,4 +368,72 @@ async fn every_shared_body_and_malformed_json_stays_healthy() {
     assert!(bad.is_empty(), "{bad:#?}");
     let mut envoy = fleet.envoy;
     assert!(envoy.is_running());
+}
+
+/// An HTTP/2 request whose body ends with a trailers frame (no end-of-stream data frame)
+/// is still decided on its body: the filter's trailers callback decides, instead of
+/// proxy-wasm's default `Continue` letting it through undecided to the default route.
+#[tokio::test]
+async fn http2_request_ending_with_trailers_is_routed_by_its_body() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let eps = vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)];
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    let body = chat("sent over HTTP/2, ended by trailers");
+    for _ in 0..4 {
+        let r = h2_post_with_trailers(
+            fleet.port,
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            &body,
+            &[("x-checksum", "abc")],
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(fleet.counts(), vec![0, 4]);
+    let got = fleet.backends[1].requests();
+    assert_eq!(got[0].header("x-kvroute-cluster"), Some("c1"));
+    assert_eq!(got[0].body.as_ref(), body.as_slice());
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 4);
+    assert_no_leak(&fleet).await.unwrap();
+    let bad = fleet.envoy.wasm_failures().await.unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+/// A request whose KV demand (prompt + n × max_tokens for a model without a profile)
+/// exceeds every endpoint's whole KV capacity can never fit: it is routed by load, not
+/// answered 429 "retry later" forever, even on an idle fleet.
+#[tokio::test]
+async fn demand_larger_than_every_kv_cache_is_routed_not_429() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: r#""picker":{"stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let eps = vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.0, now)];
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    // Capacity is 1,000,000 tokens per endpoint; 2 × 600,000 output tokens do not fit.
+    let body =
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":600000,"n":2}"#;
+    let r = fleet.post("/v1/chat/completions", body).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fleet.counts().iter().sum::<usize>(), 1);
+    assert_eq!(
+        fleet
+            .custom("kvroute.decisions.demand_over_capacity")
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(fleet.custom("kvroute.outcome.rejected").await.unwrap(), 0);
+    assert_no_leak(&fleet).await.unwrap();
 }

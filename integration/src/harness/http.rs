@@ -128,3 +128,66 @@ pub async fn raw_exchange(
     }
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
+
+/// POST `body` then `trailers` over HTTP/2 (prior knowledge, cleartext) to
+/// 127.0.0.1:`port``path`: the request ends with a trailers frame, not an end-of-stream
+/// data frame. Returns the status and the response body.
+///
+/// Errors: connect failure, protocol error, or no response within [`REQUEST_TIMEOUT`].
+pub async fn h2_post_with_trailers(
+    port: u16,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    trailers: &[(&'static str, &str)],
+) -> anyhow::Result<Response> {
+    let inner = async {
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let (mut sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            TokioIo::new(stream),
+        )
+        .await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let (mut tx, rx) = http_body_util::channel::Channel::<Bytes, hyper::Error>::new(4);
+        let mut builder = hyper::Request::builder()
+            .method("POST")
+            .uri(format!("http://127.0.0.1:{port}{path}"));
+        for (k, v) in headers {
+            builder = builder.header(*k, *v);
+        }
+        let mut tmap = http::HeaderMap::new();
+        for (k, v) in trailers {
+            tmap.insert(*k, http::HeaderValue::from_str(v)?);
+        }
+        let data = Bytes::copy_from_slice(body);
+        let send = tokio::spawn(async move {
+            let _ = tx.send_data(data).await;
+            let _ = tx.send_trailers(tmap).await;
+        });
+        let resp = sender.send_request(builder.body(rx)?).await?;
+        let _ = send.await;
+        let status = resp.status().as_u16();
+        let headers = resp
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.as_str().to_owned(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        let body = resp.into_body().collect().await?.to_bytes();
+        anyhow::Ok(Response {
+            status,
+            headers,
+            body,
+        })
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, inner)
+        .await
+        .map_err(|_| anyhow::anyhow!("h2 POST {path}: no response within {REQUEST_TIMEOUT:?}"))?
+}

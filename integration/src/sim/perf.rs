@@ -20,7 +20,7 @@
 //! The terms add rather than overlap (`max`): measured vLLM inter-token latency on an H100
 //! grows linearly with the batch from batch 8 on (66–86 µs per added sequence for
 //! Llama-3.1-8B, ML.ENERGY data below), with no flat memory-bound stretch, and the additive
-//! form reproduces it within 4 % where a `max(weights, tokens)` roofline misses by 16 %.
+//! form reproduces it within 4 % where a `max(weights, tokens)` roofline misses by up to 16 %.
 //!
 //! Coefficients come from the GPU datasheet and the model's `config.json` via
 //! [`StepTimeModel::roofline`], with utilisations from [`Efficiencies`]:
@@ -54,8 +54,8 @@
 //!
 //! What the fit absorbs: CUDA-graph padding, sampling, kernel-launch gaps and, for the
 //! prefill anchor, the API server's request handling; what it cannot: per-kernel efficiency
-//! curves (small prefills are cheaper per token than large ones on a real GPU). Residuals
-//! are within ±10 % for decode steps and ±15 % for prefill on the cited data.
+//! curves (a real GPU runs small prefills at a lower MFU than large ones). Residuals are
+//! within ±9 % for decode steps and ±15 % for prefill on the cited data.
 //!
 //! ## KV pool size
 //! `num_gpu_blocks = ⌊(gpus · hbm_bytes · gpu_memory_utilization − weight_bytes) /
@@ -127,7 +127,7 @@ pub const LLAMA_8B_H100_FIT: Efficiencies = Efficiencies {
 
 /// Qwen3-32B on 2×H100 (tensor parallel), fitted jointly with [`QWEN3_32B_H100_TP1_FIT`]
 /// (shared `mbu_*` and `mfu`, one overhead per parallelism) to 13 measurements (residuals
-/// −4.1 %…+8.4 % on decode steps, −13.9 % on the prefill midpoint, inside its interval):
+/// −4.0 %…+8.3 % on decode steps, −13.9 % on the prefill midpoint, inside its interval):
 /// - ML.ENERGY Leaderboard v3, vLLM 0.11.1, 2×H100, `lm-arena-chat`, median ITL (ms) at
 ///   average batch 8.0/16.0/31.9/63.9/95.8/127.8/191.7/255.6/340.2:
 ///   15.06/16.04/17.91/22.45/26.10/29.66/37.02/44.45/54.90, and on 1×H100 at 8.0/16.0/29.3:
@@ -457,7 +457,10 @@ mod tests {
     fn dense_model_shapes() {
         assert_eq!(LLAMA_3_1_8B.kv_bytes_per_token(), 131_072);
         assert_eq!(QWEN3_32B.kv_bytes_per_token(), 262_144);
-        assert_eq!(llama8b().kv_bytes_per_token(), LLAMA_3_1_8B.kv_bytes_per_token());
+        assert_eq!(
+            llama8b().kv_bytes_per_token(),
+            LLAMA_3_1_8B.kv_bytes_per_token()
+        );
         assert_eq!(LLAMA_3_1_8B.attn_flops_per_pair(), 524_288.0);
     }
 }
