@@ -14,6 +14,22 @@
 //!   `scrape.timeout + scrape.interval` passed, so a cold start does not publish a fleet
 //!   that is all `healthy: false` merely because nothing was scraped yet.
 //!
+//! Coalescing window for large fleets: the effective minimum gap between two published
+//! snapshots is `max(push.min_interval_ms, last snapshot bytes / DECODE_BUDGET_BYTES_PER_SEC)`
+//! ([`DECODE_BUDGET_BYTES_PER_SEC`] = 2 MiB/s). Every Envoy worker decodes every published
+//! snapshot once (the filter's `SnapshotCache::current` in `filter/src/shared.rs`), and the
+//! ingest route decodes it once more to validate it (`filter/src/ingest.rs` `check_body`),
+//! so the snapshot byte rate is paid by every worker of every Envoy. A fleet whose every
+//! endpoint changes on every scrape would otherwise republish its whole snapshot every
+//! `min_interval_ms`. With ~330 bytes per endpoint: 64 endpoints (≈21 KiB) keep the 10 ms
+//! default window; 1,000 endpoints (≈330 KiB) get ≈160 ms, i.e. ≈6 pushes/s instead of ≈50.
+//!
+//! Encoding: each endpoint keeps its wire-form JSON fragment, re-encoded only when that
+//! endpoint is recorded (scrape, failure, spec change). A snapshot body is the header plus
+//! the fragments joined by `,` — byte for byte what [`Snapshot::encode`] writes for the same
+//! snapshot (the test `concatenated_body_equals_core_encode` pins this) — so publishing
+//! costs one copy of the fragments, not a clone and a JSON encode of the whole fleet.
+//!
 //! Versions: `max(now in Unix µs, previous + 1)`. The wall clock makes versions grow
 //! across control-plane restarts (receivers drop snapshots not newer than theirs); the
 //! `+ 1` keeps them growing if the clock steps back while running.
@@ -23,9 +39,9 @@ use crate::config::EndpointSpec;
 use crate::restart::RestartTracker;
 use crate::telemetry::{EndpointLabel, StateLabel, Telemetry};
 use bytes::Bytes;
-use kvroute_core::snapshot::{EndpointStats, Snapshot};
+use kvroute_core::snapshot::{EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{watch, Notify};
@@ -72,6 +88,22 @@ pub struct EndpointState {
     pub last_error: Option<String>,
     /// Restart detection.
     pub restart: RestartTracker,
+    /// `serde_json` encoding of [`Self::to_wire`], kept current by every change.
+    wire_json: Vec<u8>,
+}
+
+/// Snapshot bytes each Envoy worker is asked to decode per second, at most (see the module
+/// docs): the coalescing window grows to `snapshot bytes / this`. 2 MiB/s is a few per cent
+/// of one core for `serde_json` decoding (hundreds of MB/s natively; Wasm is a few times
+/// slower).
+pub const DECODE_BUDGET_BYTES_PER_SEC: f64 = 2.0 * 1024.0 * 1024.0;
+
+/// The coalescing window for a snapshot of `body_len` bytes: `max(min_interval,
+/// body_len / DECODE_BUDGET_BYTES_PER_SEC)`.
+pub fn coalesce_window(min_interval: Duration, body_len: usize) -> Duration {
+    min_interval.max(Duration::from_secs_f64(
+        body_len as f64 / DECODE_BUDGET_BYTES_PER_SEC,
+    ))
 }
 
 impl EndpointState {
@@ -84,7 +116,21 @@ impl EndpointState {
             attempted: false,
             last_error: None,
             restart: RestartTracker::default(),
+            wire_json: Vec::new(),
         }
+        .encoded()
+    }
+
+    fn encoded(mut self) -> Self {
+        self.reencode();
+        self
+    }
+
+    /// Refresh the cached wire fragment. `serde_json` cannot fail on this type (strings,
+    /// numbers, options; a non-finite float is written as `null`, as `Snapshot::encode`
+    /// does).
+    fn reencode(&mut self) {
+        self.wire_json = serde_json::to_vec(&self.to_wire()).unwrap_or_default();
     }
 
     /// The fields a routing decision reads (everything on the wire but `scraped_at_ms`).
@@ -126,13 +172,46 @@ impl EndpointState {
 /// A published snapshot.
 #[derive(Debug, Clone)]
 pub struct Published {
-    /// The snapshot.
-    pub snapshot: Snapshot,
-    /// Its wire encoding.
+    /// Snapshot version.
+    pub version: u64,
+    /// When it was built, Unix ms.
+    pub generated_at_ms: u64,
+    /// Its wire encoding ([`Snapshot::encode`]'s bytes).
     pub body: Bytes,
     /// When the earliest scrape folded into it finished (`None` for heartbeats without a
     /// change); the push tasks measure scrape-to-push latency from it.
     pub changed_at: Option<Instant>,
+}
+
+impl Published {
+    /// The snapshot, decoded from [`Self::body`] (debugging and tests; the push path sends
+    /// the bytes). Errors: [`SnapshotError`] only if the body were not a valid snapshot.
+    pub fn snapshot(&self) -> Result<Snapshot, SnapshotError> {
+        Snapshot::decode(&self.body)
+    }
+}
+
+/// Write a snapshot body: `serde_json`'s compact form of [`Snapshot`] (fields in
+/// declaration order) with the already-encoded endpoint fragments spliced in.
+fn write_body<'a>(
+    out: &mut Vec<u8>,
+    version: u64,
+    generated_at_ms: u64,
+    fragments: impl Iterator<Item = &'a [u8]>,
+) {
+    use std::io::Write as _;
+    // Writing into a Vec cannot fail.
+    let _ = write!(
+        out,
+        "{{\"format\":{FORMAT_VERSION},\"version\":{version},\"generated_at_ms\":{generated_at_ms},\"endpoints\":["
+    );
+    for (i, f) in fragments.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(f);
+    }
+    out.extend_from_slice(b"]}");
 }
 
 /// Shared state.
@@ -144,6 +223,7 @@ pub struct Hub {
     dirty: AtomicBool,
     published: watch::Sender<Option<Arc<Published>>>,
     last_version: Mutex<u64>,
+    last_body_len: AtomicUsize,
     /// Own metrics.
     pub telemetry: Telemetry,
 }
@@ -167,6 +247,7 @@ impl Hub {
             dirty: AtomicBool::new(true),
             published,
             last_version: Mutex::new(0),
+            last_body_len: AtomicUsize::new(0),
             telemetry: Telemetry::new(),
         })
     }
@@ -228,6 +309,7 @@ impl Hub {
             st.attempted = true;
             st.scraped_at_ms = at_ms;
             st.last_error = None;
+            st.reencode();
             (restarted, first || st.routing_key() != before)
         };
         if restarted {
@@ -256,6 +338,9 @@ impl Hub {
             st.healthy = false;
             st.attempted = true;
             st.last_error = Some(error);
+            if changed {
+                st.reencode();
+            }
             changed
         };
         if changed {
@@ -319,10 +404,10 @@ impl Hub {
     pub fn refresh_gauges(&self) {
         let t = &self.telemetry;
         if let Some(p) = self.latest() {
-            let age = now_ms().saturating_sub(p.snapshot.generated_at_ms) as f64 / 1000.0;
+            let age = now_ms().saturating_sub(p.generated_at_ms) as f64 / 1000.0;
             t.snapshot_age.set(age);
             t.snapshot_version
-                .set(i64::try_from(p.snapshot.version).unwrap_or(i64::MAX));
+                .set(i64::try_from(p.version).unwrap_or(i64::MAX));
         }
         let (h, u, p) = self.counts();
         for (state, n) in [("healthy", h), ("unhealthy", u), ("pending", p)] {
@@ -336,7 +421,6 @@ impl Hub {
 
     /// Build and publish a snapshot of the current fleet now.
     pub fn publish(&self) -> Arc<Published> {
-        let endpoints = self.wire_endpoints();
         let changed_at = lock(&self.pending_since).take();
         let version = {
             let mut last = lock(&self.last_version);
@@ -344,11 +428,22 @@ impl Hub {
             *last = v;
             v
         };
-        let snapshot = Snapshot::new(version, now_ms(), endpoints);
-        let body = Bytes::from(snapshot.encode());
+        let generated_at_ms = now_ms();
+        let mut body = Vec::with_capacity(self.last_body_len.load(Ordering::Relaxed) + 64);
+        {
+            let fleet = lock(&self.fleet);
+            write_body(
+                &mut body,
+                version,
+                generated_at_ms,
+                fleet.values().map(|st| st.wire_json.as_slice()),
+            );
+        }
+        self.last_body_len.store(body.len(), Ordering::Relaxed);
         let p = Arc::new(Published {
-            snapshot,
-            body,
+            version,
+            generated_at_ms,
+            body: Bytes::from(body),
             changed_at,
         });
         self.published.send_replace(Some(p.clone()));
@@ -373,6 +468,8 @@ impl Hub {
         let mut last_publish: Option<Instant> = None;
         loop {
             let (heartbeat, min_interval, _) = *lock(&self.timing);
+            let min_interval =
+                coalesce_window(min_interval, self.last_body_len.load(Ordering::Relaxed));
             if let Some(lp) = last_publish {
                 let since = lp.elapsed();
                 if since < min_interval {
@@ -397,5 +494,109 @@ impl Hub {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapters::ServerKind;
+
+    fn spec(name: &str) -> EndpointSpec {
+        EndpointSpec {
+            id: format!("p/{name}"),
+            pool: "p".into(),
+            address: "10.0.0.1:8000".into(),
+            metrics_url: http::Uri::from_static("http://10.0.0.1:8000/metrics"),
+            slots_url: None,
+            cluster: "c\"q".into(),
+            kind: ServerKind::Vllm,
+            models: vec!["m/é".into()],
+        }
+    }
+
+    fn stats(kv: f64, running: u32, lora: &[&str]) -> ServerStats {
+        ServerStats {
+            kind: ServerKind::Vllm,
+            kv_usage: Some(kv),
+            kv_capacity_tokens: Some(1_000_000),
+            block_size: Some(16),
+            running,
+            waiting: 2,
+            lora_adapters: lora.iter().map(|s| (*s).to_owned()).collect(),
+            process_start_ms: Some(1_700_000_000_000),
+            monotonic_total: Some(5.0),
+        }
+    }
+
+    /// What `Snapshot::encode` writes for the hub's current fleet at `p`'s version/time.
+    fn core_encode(hub: &Hub, p: &Published) -> Vec<u8> {
+        Snapshot::new(p.version, p.generated_at_ms, hub.wire_endpoints()).encode()
+    }
+
+    #[test]
+    fn concatenated_body_equals_core_encode() {
+        let hub = Hub::new(
+            Duration::from_secs(1),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        // Empty fleet.
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        assert_eq!(
+            p.body.as_ref(),
+            format!(
+                "{{\"format\":1,\"version\":{},\"generated_at_ms\":{},\"endpoints\":[]}}",
+                p.version, p.generated_at_ms
+            )
+            .as_bytes()
+        );
+        hub.set_endpoints(&[spec("a"), spec("b"), spec("c")]);
+        // All pending.
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        // Partial updates: one success, one failure after success, one untouched.
+        hub.record_success("p/a", stats(0.25, 3, &["x", "y"]), 1_000);
+        hub.record_success("p/b", stats(0.5, 1, &[]), 1_001);
+        hub.record_failure("p/b", "boom".into());
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        let snap = p.snapshot().unwrap();
+        assert_eq!(snap.endpoints.len(), 3);
+        assert_eq!(snap.endpoints[0].kv_usage, Some(0.25));
+        assert_eq!(snap.endpoints[0].lora_adapters, vec!["x", "y"]);
+        assert!(!snap.endpoints[1].healthy);
+        assert_eq!(snap.endpoints[1].scraped_at_ms, 1_001);
+        assert_eq!(snap.endpoints[2].scraped_at_ms, 0);
+        // Only `a` changes again, including a value serde writes specially.
+        hub.record_success("p/a", stats(1.0 / 3.0, 4, &[]), 2_000);
+        hub.record_success("p/c", stats(0.0, 0, &["z"]), 2_001);
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        // Spec change and removal.
+        let mut b2 = spec("b");
+        b2.address = "10.0.0.2:8000".into();
+        hub.set_endpoints(&[spec("a"), b2]);
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        let snap = p.snapshot().unwrap();
+        assert_eq!(snap.endpoints.len(), 2);
+        assert_eq!(snap.endpoints[1].address, "10.0.0.2:8000");
+        assert!(!snap.endpoints[1].healthy);
+    }
+
+    #[test]
+    fn coalesce_window_grows_with_snapshot_bytes() {
+        let ten = Duration::from_millis(10);
+        assert_eq!(coalesce_window(ten, 0), ten);
+        // 64 endpoints × ~330 B stay at the configured window.
+        assert_eq!(coalesce_window(ten, 64 * 330), ten);
+        // 2 MiB of snapshot: one push per second at most.
+        assert_eq!(coalesce_window(ten, 2 * 1024 * 1024), Duration::from_secs(1));
+        assert_eq!(
+            coalesce_window(ten, 1024 * 1024),
+            Duration::from_millis(500)
+        );
     }
 }

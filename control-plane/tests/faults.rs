@@ -48,7 +48,7 @@ async fn hung_endpoint_does_not_delay_others() {
     let a = state(&cp, "p/a");
     assert!(a.healthy);
     assert_eq!(a.stats.as_ref().unwrap().kv_usage, Some(0.5));
-    let snap = cp.hub().latest().unwrap().snapshot.clone();
+    let snap = cp.hub().latest().unwrap().snapshot().unwrap();
     let ids: Vec<(&str, bool)> = snap
         .endpoints
         .iter()
@@ -134,7 +134,7 @@ async fn vanished_endpoint_turns_unhealthy_and_keeps_last_stats() {
     wait_for(WAIT, "snapshot shows it", || {
         cp.hub()
             .latest()
-            .is_some_and(|p| !p.snapshot.endpoints[0].healthy)
+            .is_some_and(|p| !p.snapshot().unwrap().endpoints[0].healthy)
     })
     .await;
     // Comes back on the same port.
@@ -347,23 +347,22 @@ async fn version_grows_across_restarts_and_reload_changes_endpoints() {
     let b = FakeModelServer::start(Behavior::Body(vllm_body(0.2, 1, 0, None, 1.0))).await;
     let cp = start(&config_yaml(&[("a", a.addr())], &[], "")).await;
     wait_for(WAIT, "snapshot", || cp.hub().ready()).await;
-    let v1 = cp.hub().latest().unwrap().snapshot.version;
+    let v1 = cp.hub().latest().unwrap().version;
     cp.reload(Config::from_yaml(&config_yaml(&[("b", b.addr())], &[], "")).unwrap())
         .await
         .unwrap();
     wait_for(WAIT, "reloaded snapshot", || {
         cp.hub().latest().is_some_and(|p| {
-            p.snapshot.endpoints.len() == 1
-                && p.snapshot.endpoints[0].id == "p/b"
-                && p.snapshot.endpoints[0].healthy
+            let s = p.snapshot().unwrap();
+            s.endpoints.len() == 1 && s.endpoints[0].id == "p/b" && s.endpoints[0].healthy
         })
     })
     .await;
-    let v2 = cp.hub().latest().unwrap().snapshot.version;
+    let v2 = cp.hub().latest().unwrap().version;
     cp.shutdown().await;
     let cp = start(&config_yaml(&[("a", a.addr())], &[], "")).await;
     wait_for(WAIT, "snapshot after restart", || cp.hub().ready()).await;
-    let v3 = cp.hub().latest().unwrap().snapshot.version;
+    let v3 = cp.hub().latest().unwrap().version;
     assert!(v1 < v2 && v2 < v3, "{v1} {v2} {v3}");
     cp.shutdown().await;
 }
