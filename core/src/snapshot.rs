@@ -142,6 +142,23 @@ impl Snapshot {
             if let Err(reason) = check_address(&e.address) {
                 return Err(bad("address", reason));
             }
+            // These strings end up in request headers (`x-kvroute-cluster`, debug header)
+            // and metric labels: a control character (CR, LF, NUL...) could split a header.
+            if has_control(&e.id) {
+                return Err(bad("id", "contains a control character"));
+            }
+            if has_control(&e.cluster) {
+                return Err(bad("cluster", "contains a control character"));
+            }
+            if has_control(&e.pool) {
+                return Err(bad("pool", "contains a control character"));
+            }
+            if e.models.iter().any(|m| has_control(m)) {
+                return Err(bad("models", "contains a control character"));
+            }
+            if e.lora_adapters.iter().any(|m| has_control(m)) {
+                return Err(bad("lora_adapters", "contains a control character"));
+            }
             if e.block_size == Some(0) {
                 return Err(bad("block_size", "is zero"));
             }
@@ -162,6 +179,11 @@ impl Snapshot {
         }
         Ok(())
     }
+}
+
+/// True when `s` holds an ASCII or Unicode control character (CR, LF, NUL, DEL...).
+fn has_control(s: &str) -> bool {
+    s.chars().any(char::is_control)
 }
 
 /// Check a `host:port` address: a non-empty host, IPv6 literals in brackets
@@ -187,7 +209,10 @@ pub fn check_address(address: &str) -> Result<(), &'static str> {
     if host.is_empty() {
         return Err("has an empty host");
     }
-    if host.chars().any(|c| c.is_whitespace() || c == '/') {
+    if host
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || c == '/')
+    {
         return Err("has an invalid host");
     }
     match port.parse::<u16>() {

@@ -95,6 +95,37 @@ fn snapshot_validation_rejects_bad_values() {
         with(&|e| e.block_size = Some(0)),
         invalid("block_size", "is zero")
     );
+    // Strings that become header values must not carry control characters (header
+    // injection: found by QA with `"cluster":"bad\r\nx-inject: 1"`).
+    assert_eq!(
+        with(&|e| e.cluster = "bad\r\nx-inject: 1".into()),
+        invalid("cluster", "contains a control character")
+    );
+    assert_eq!(
+        with(&|e| e.pool = "p\0".into()),
+        invalid("pool", "contains a control character")
+    );
+    assert_eq!(
+        with(&|e| e.models = vec!["m\n".into()]),
+        invalid("models", "contains a control character")
+    );
+    assert_eq!(
+        with(&|e| e.lora_adapters = vec!["l\u{7f}".into()]),
+        invalid("lora_adapters", "contains a control character")
+    );
+    assert_eq!(
+        with(&|e| e.address = "ho\u{1}st:80".into()),
+        invalid("address", "has an invalid host")
+    );
+    assert_eq!(
+        Snapshot::new(1, 1, vec![ep("a\r")]).validate(),
+        Err(SnapshotError::InvalidEndpoint {
+            index: 0,
+            id: "a\r".into(),
+            field: "id",
+            reason: "contains a control character"
+        })
+    );
     assert_eq!(
         with(&|e| e.id = "z".into()),
         Err(SnapshotError::DuplicateId("z".into()))

@@ -22,9 +22,9 @@ struct Args {
     /// Name to serve the model as (default: --model).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Number of replicas, each on its own port.
-    #[arg(long, default_value_t = 1)]
-    replicas: usize,
+    /// Number of replicas, each on its own port (1..=1024).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    replicas: u16,
     /// Address to bind.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -99,7 +99,7 @@ async fn main() -> anyhow::Result<()> {
     let blocks = replica.engine.num_gpu_blocks;
     let fleet = spawn_fleet(FleetConfig {
         replica,
-        replicas: a.replicas.max(1),
+        replicas: usize::from(a.replicas),
         bind: a.host,
         base_port: a.port,
     })
