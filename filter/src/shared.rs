@@ -5,8 +5,17 @@
 //! Snapshot publication writes [`SNAPSHOT_KEY`] first and [`SNAPSHOT_VERSION_KEY`] second,
 //! the latter with CAS, so two consumers racing cannot move the version backwards, and a
 //! reader that sees a new version always finds a snapshot at least that new. Readers poll
-//! only the 8-byte version on each request and decode the snapshot only when it changed
+//! only the version key on each request and decode the snapshot only when it changed
 //! ([`SnapshotCache`]).
+//!
+//! The version key holds 16 bytes: the version (u64, big-endian) then the consumer's clock
+//! when it was published (Unix ms, u64 big-endian). That time drives the *takeover* rule:
+//! a snapshot that is not newer is normally dropped, but once the version in force has not
+//! been replaced for [`TAKEOVER_AFTER_MS`], the next valid snapshot is published whatever
+//! its version. Without it, one far-future version (a control plane whose clock later
+//! stepped back, a second control plane, a bogus `u64::MAX` push) would pin the filter to
+//! stale stats until Envoy restarts. With the control plane's 1 s heartbeat a live
+//! publisher is never taken over; a dead one is replaced within the window.
 
 use crate::host::{Host, HostError};
 use crate::names::{INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
@@ -16,6 +25,10 @@ use std::rc::Rc;
 
 /// CAS attempts before giving up on a shared-data update.
 pub const CAS_RETRIES: u32 = 32;
+
+/// Milliseconds without a new publication after which a snapshot that is not newer than
+/// the one in force replaces it (ten control-plane heartbeats of 1 s; see the module doc).
+pub const TAKEOVER_AFTER_MS: u64 = 10_000;
 
 /// Outcome of [`publish_snapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,8 +62,16 @@ pub enum SharedError {
 }
 
 fn decode_version(bytes: Option<&[u8]>) -> Option<u64> {
-    let b: [u8; 8] = bytes?.try_into().ok()?;
+    let b: [u8; 8] = bytes?.get(..8)?.try_into().ok()?;
     Some(u64::from_be_bytes(b))
+}
+
+/// When the version in force was published (consumer clock, Unix ms); 0 when unknown.
+fn decode_published_at(bytes: Option<&[u8]>) -> u64 {
+    bytes
+        .and_then(|b| b.get(8..16))
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_be_bytes)
 }
 
 /// Current published snapshot version, if any.
@@ -59,7 +80,8 @@ pub fn current_version<H: Host>(host: &H) -> Result<Option<u64>, HostError> {
     Ok(decode_version(v.as_deref()))
 }
 
-/// Validate `bytes` and publish them unless not newer than the current version.
+/// Validate `bytes` and publish them unless not newer than the current version (or, past
+/// [`TAKEOVER_AFTER_MS`] without a publication, whatever their version: see the module doc).
 ///
 /// Race note: Envoy delivers `on_queue_ready` to the one root context that registered the
 /// queue, so there is a single consumer in practice. Were there two, one could overwrite the
@@ -69,8 +91,10 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
     let snap = Snapshot::decode(bytes)?;
     for _ in 0..CAS_RETRIES {
         let (cur, cas) = host.shared_get(SNAPSHOT_VERSION_KEY)?;
+        let now = host.now_ms();
         if let Some(current) = decode_version(cur.as_deref()) {
-            if snap.version <= current {
+            let idle = now.saturating_sub(decode_published_at(cur.as_deref()));
+            if snap.version <= current && idle < TAKEOVER_AFTER_MS {
                 return Ok(Published::Ignored {
                     offered: snap.version,
                     current,
@@ -78,11 +102,10 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
             }
         }
         host.shared_set(SNAPSHOT_KEY, bytes, None)?;
-        match host.shared_set(
-            SNAPSHOT_VERSION_KEY,
-            &snap.version.to_be_bytes(),
-            Some(cas.unwrap_or(0)),
-        ) {
+        let mut key = [0u8; 16];
+        key[..8].copy_from_slice(&snap.version.to_be_bytes());
+        key[8..].copy_from_slice(&now.to_be_bytes());
+        match host.shared_set(SNAPSHOT_VERSION_KEY, &key, Some(cas.unwrap_or(0))) {
             Ok(()) => return Ok(Published::Published(snap.version)),
             Err(HostError::CasMismatch) => continue,
             Err(e) => return Err(e.into()),
@@ -189,6 +212,40 @@ mod tests {
             publish_snapshot(&h, b"{}"),
             Err(SharedError::Snapshot(_))
         ));
+    }
+
+    #[test]
+    fn silent_publisher_is_taken_over_after_the_window() {
+        let h = MockHost::new(1_000);
+        assert_eq!(
+            publish_snapshot(&h, &snap(u64::MAX)).unwrap(),
+            Published::Published(u64::MAX)
+        );
+        // Within the window an older version is dropped...
+        *h.now.borrow_mut() = 1_000 + TAKEOVER_AFTER_MS - 1;
+        assert_eq!(
+            publish_snapshot(&h, &snap(7)).unwrap(),
+            Published::Ignored {
+                offered: 7,
+                current: u64::MAX
+            }
+        );
+        // ...past it, the live publisher takes over, and normal ordering resumes from there.
+        *h.now.borrow_mut() = 1_000 + TAKEOVER_AFTER_MS;
+        assert_eq!(
+            publish_snapshot(&h, &snap(7)).unwrap(),
+            Published::Published(7)
+        );
+        assert_eq!(current_version(&h).unwrap(), Some(7));
+        assert_eq!(
+            publish_snapshot(&h, &snap(6)).unwrap(),
+            Published::Ignored {
+                offered: 6,
+                current: 7
+            }
+        );
+        let mut c = SnapshotCache::default();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 7);
     }
 
     #[test]
