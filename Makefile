@@ -26,7 +26,7 @@ fmt: ## Format all Rust code
 lint: ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter), warnings denied
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p kvroute-core --target wasm32-wasip1 -- -D warnings
+	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
 test: lint test-core test-wasm test-filter test-sim test-cp ## Everything CI runs: lint, unit, wasm, property, golden and real-Envoy tests

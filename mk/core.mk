@@ -12,7 +12,7 @@ test-wasm: ## kvroute-core tests compiled to wasm32-wasip1, run under Node's WAS
 
 lint-core: ## clippy for kvroute-core, native (all targets) and wasm32-wasip1, warnings denied
 	$(CARGO) clippy -p kvroute-core --all-targets -- -D warnings
-	$(CARGO) clippy -p kvroute-core --target wasm32-wasip1 -- -D warnings
+	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
 
 bench-core: ## criterion: decision time (8..4096 endpoints) and request analysis (1 KiB..256 KiB)
 	$(CARGO) bench -p kvroute-core --bench decision -- --warm-up-time 1 --measurement-time 3

@@ -10,3 +10,9 @@ bench-sim-replay: ## Mooncake 1 h trace through the engine model alone (release 
 
 bench-sim-load: ## 16 replicas in one process under a short-request load generator (release build)
 	$(CARGO) run --release -p kvroute-integration --bin kvroute-sim-load -- --replicas 16 --seconds 10
+
+.PHONY: bench-route
+bench-route: ## Routing benchmark: kvroute policies vs llm-d EPP vs SGLang cache_aware on the Mooncake trace (release, virtual time)
+	$(CARGO) run --release -p kvroute-integration --bin kvroute-routebench -- \
+		--trace $(KVROUTE_SHARED_DATA)/traces/mooncake_conversation_trace.jsonl \
+		--replicas 8 --minutes 10 --compress 2 --seed 1

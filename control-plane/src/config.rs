@@ -10,7 +10,8 @@
 //!   apart instead of being scraped in lock-step.
 //! - `push.heartbeat_ms` 1000: the filter sees a fresh snapshot at least every second even
 //!   when nothing changed.
-//! - `push.min_interval_ms` 10: changes arriving within 10 ms are coalesced into one push.
+//! - `push.min_interval_ms` 10: changes arriving within 10 ms are coalesced into one push
+//!   (large snapshots widen the window: [`crate::hub::coalesce_window`]).
 //! - `push.backoff_initial_ms` 100, `push.backoff_max_ms` 5000: exponential retry per target.
 
 use crate::adapters::ServerKind;

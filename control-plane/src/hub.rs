@@ -21,8 +21,8 @@
 //! ingest route decodes it once more to validate it (`filter/src/ingest.rs` `check_body`),
 //! so the snapshot byte rate is paid by every worker of every Envoy. A fleet whose every
 //! endpoint changes on every scrape would otherwise republish its whole snapshot every
-//! `min_interval_ms`. With ~330 bytes per endpoint: 64 endpoints (≈21 KiB) keep the 10 ms
-//! default window; 1,000 endpoints (≈330 KiB) get ≈160 ms, i.e. ≈6 pushes/s instead of ≈50.
+//! `min_interval_ms`. With ~300 bytes per endpoint: 64 endpoints (≈19 KiB) keep the 10 ms
+//! default window; 1,000 endpoints (≈300 KiB) get ≈150 ms, i.e. ≈7 pushes/s instead of ≈70.
 //!
 //! Encoding: each endpoint keeps its wire-form JSON fragment, re-encoded only when that
 //! endpoint is recorded (scrape, failure, spec change). A snapshot body is the header plus
@@ -595,8 +595,8 @@ mod tests {
     fn coalesce_window_grows_with_snapshot_bytes() {
         let ten = Duration::from_millis(10);
         assert_eq!(coalesce_window(ten, 0), ten);
-        // 64 endpoints × ~330 B stay at the configured window.
-        assert_eq!(coalesce_window(ten, 64 * 330), ten);
+        // 64 endpoints × ~300 B stay at the configured window.
+        assert_eq!(coalesce_window(ten, 64 * 300), ten);
         // 2 MiB of snapshot: one push per second at most.
         assert_eq!(
             coalesce_window(ten, 2 * 1024 * 1024),

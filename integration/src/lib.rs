@@ -2,4 +2,5 @@
 //! starts real Envoy and backends for end-to-end tests ([`harness`]).
 
 pub mod harness;
+pub mod routebench;
 pub mod sim;
