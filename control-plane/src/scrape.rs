@@ -45,7 +45,7 @@ pub fn client(connect_timeout: Duration) -> ScrapeClient {
     conn.set_connect_timeout(Some(connect_timeout));
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
-        .http1_read_buf_exact_size(64 * 1024)
+        .http1_read_buf_exact_size(16 * 1024)
         .build(conn)
 }
 

@@ -20,20 +20,20 @@ fn data_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"))
 }
 
-fn setup() -> (Vec<TraceRow>, EngineConfig, BenchConfig) {
+fn setup() -> Result<(Vec<TraceRow>, EngineConfig, BenchConfig), Box<dyn std::error::Error>> {
     let path = data_dir().join("traces/mooncake_conversation_trace.jsonl");
-    let mut rows = load_mooncake(&path).expect("shared Mooncake trace");
+    let mut rows = load_mooncake(&path)?;
     rows.truncate(300);
-    let model = builtin(MODEL).expect("built-in model");
-    let replica = ReplicaConfig::for_model(model, Dialect::VllmV1, 1.0, 0).expect("KV sizing");
+    let model = builtin(MODEL).ok_or("built-in model missing")?;
+    let replica = ReplicaConfig::for_model(model, Dialect::VllmV1, 1.0, 0)?;
     let cfg = BenchConfig {
         replicas: 4,
-        time_compression: 4.0,
+        time_compression: 1.0,
         snapshot_interval_ms: 200,
         seed: 7,
         model: MODEL.to_string(),
     };
-    (rows, replica.engine, cfg)
+    Ok((rows, replica.engine, cfg))
 }
 
 #[test]
@@ -52,7 +52,7 @@ fn chain_ids_are_prefix_chained() {
 
 #[test]
 fn slice_is_deterministic_complete_and_prefix_aware_routers_hit_more() {
-    let (rows, engine, cfg) = setup();
+    let (rows, engine, cfg) = setup().expect("shared Mooncake trace and built-in model");
     let kinds = RouterKind::all();
     let first = run_all(&rows, &engine, &cfg, &kinds);
     let second = run_all(&rows, &engine, &cfg, &kinds);

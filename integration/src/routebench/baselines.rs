@@ -189,3 +189,56 @@ impl SglangCacheAware {
         Some(chosen)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("replica-{i}")).collect()
+    }
+
+    fn view(kv_usage: f64, waiting: u32, inflight: u64) -> EndpointView {
+        EndpointView {
+            kv_usage,
+            waiting,
+            inflight,
+        }
+    }
+
+    #[test]
+    fn llmd_weighted_sum_then_prefix_affinity() {
+        let ids = ids(3);
+        let mut p = LlmdEpp::new(1);
+        // Scores: 2·1 + 2·0.5 = 3.0; 2·0 + 2·1 = 2.0; 2·0.5 + 2·0.8 = 2.6.
+        let v = [view(0.5, 0, 0), view(0.0, 4, 0), view(0.2, 2, 0)];
+        assert_eq!(p.pick(&ids, &v, &[11, 12]), Some(0));
+        // Equal load: the prefix scorer (+3 for a full match) decides.
+        let eq = [view(0.0, 0, 0); 3];
+        assert_eq!(p.pick(&ids, &eq, &[11, 12, 13]), Some(0));
+        // A better load score elsewhere (2 + 2 = 4 vs 2·0 + 2·0 + 3·1 = 3) beats the match.
+        let busy = [view(1.0, 5, 0), view(0.0, 0, 0), view(0.0, 0, 0)];
+        assert_ne!(p.pick(&ids, &busy, &[11, 12]), Some(0));
+        assert_eq!(p.pick(&ids, &[], &[1]), None);
+    }
+
+    #[test]
+    fn sglang_threshold_smallest_tree_and_imbalance() {
+        let ids = ids(2);
+        let mut p = SglangCacheAware::new();
+        let idle = [view(0.0, 0, 0), view(0.0, 0, 0)];
+        // Empty trees: smallest tree, lowest index on ties.
+        assert_eq!(p.pick(&ids, &idle, &[1, 2], 1024), Some(0));
+        // Full match (2 × 512 / 1024 = 1.0 > 0.3) sticks to replica 0.
+        assert_eq!(p.pick(&ids, &idle, &[1, 2], 1024), Some(0));
+        // One of four blocks matched: 512 / 2048 = 0.25 ≤ 0.3 → smallest tree (replica 1).
+        assert_eq!(p.pick(&ids, &idle, &[1, 9, 8, 7], 2048), Some(1));
+        // Load gap 60 ≤ 64: not imbalanced, cache wins even on the busier replica.
+        let gap60 = [view(0.0, 0, 70), view(0.0, 0, 10)];
+        assert_eq!(p.pick(&ids, &gap60, &[1, 2], 1024), Some(0));
+        // Gap 90 > 64 and 100 > 1.5 × 10: shortest queue regardless of the match.
+        let gap90 = [view(0.0, 0, 100), view(0.0, 0, 10)];
+        assert_eq!(p.pick(&ids, &gap90, &[1, 2], 1024), Some(1));
+        assert_eq!(p.pick(&ids, &[], &[1], 512), None);
+    }
+}

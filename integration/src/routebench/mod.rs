@@ -207,10 +207,7 @@ impl State {
     /// Step every engine until its clock reaches `t` (or it idles), then advance idle ones.
     fn run_to(&mut self, t: f64) {
         for k in 0..self.engines.len() {
-            loop {
-                let Some(e) = self.engines.get_mut(k) else {
-                    break;
-                };
+            while let Some(e) = self.engines.get_mut(k) {
                 if e.is_idle() || e.now() >= t {
                     e.advance_to(t);
                     break;
