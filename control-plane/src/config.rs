@@ -258,6 +258,15 @@ pub enum ConfigError {
     },
 }
 
+/// Why a name with a control character is refused: kvroute-core's `Snapshot::validate`
+/// rejects the whole snapshot for one such string (they end up in request headers).
+const CONTROL_REASON: &str = "must not contain control characters (CR, LF, NUL...)";
+
+/// True when `s` holds an ASCII or Unicode control character.
+fn has_control(s: &str) -> bool {
+    s.chars().any(char::is_control)
+}
+
 fn invalid(
     field: impl Into<String>,
     value: impl ToString,
@@ -383,6 +392,13 @@ impl RawConfig {
         let mut pools = BTreeSet::new();
         let mut endpoints = Vec::new();
         for (pi, pool) in self.pools.iter().enumerate() {
+            if has_control(&pool.name) {
+                return Err(invalid(
+                    format!("pools[{pi}].name"),
+                    pool.name.escape_debug(),
+                    CONTROL_REASON,
+                ));
+            }
             if pool.name.is_empty() || pool.name.contains('/') {
                 return Err(invalid(
                     format!("pools[{pi}].name"),
@@ -403,6 +419,9 @@ impl RawConfig {
                 if e.name.is_empty() {
                     return Err(invalid(at("name"), "", "must not be empty"));
                 }
+                if has_control(&e.name) {
+                    return Err(invalid(at("name"), e.name.escape_debug(), CONTROL_REASON));
+                }
                 if !eps.insert(e.name.as_str()) {
                     return Err(invalid(
                         at("name"),
@@ -416,6 +435,11 @@ impl RawConfig {
                     .map_err(|_| invalid(at("address"), &e.address, "not a host:port address"))?;
                 if addr.port_u16().is_none() {
                     return Err(invalid(at("address"), &e.address, "has no port"));
+                }
+                // The filter rejects a whole snapshot with one bad address (port 0,
+                // userinfo...), so apply kvroute-core's own check here.
+                if let Err(reason) = kvroute_core::snapshot::check_address(&e.address) {
+                    return Err(invalid(at("address"), e.address.escape_debug(), reason));
                 }
                 let metrics_raw = e
                     .metrics_url
@@ -441,9 +465,19 @@ impl RawConfig {
                 if let Some(m) = models.iter().find(|m| m.is_empty()) {
                     return Err(invalid(at("models"), m, "model names must not be empty"));
                 }
+                if let Some(m) = models.iter().find(|m| has_control(m)) {
+                    return Err(invalid(at("models"), m.escape_debug(), CONTROL_REASON));
+                }
                 let cluster = e.cluster.clone().unwrap_or_else(|| pool.name.clone());
                 if cluster.is_empty() {
                     return Err(invalid(at("cluster"), "", "must not be empty"));
+                }
+                if has_control(&cluster) {
+                    return Err(invalid(
+                        at("cluster"),
+                        cluster.escape_debug(),
+                        CONTROL_REASON,
+                    ));
                 }
                 endpoints.push(EndpointSpec {
                     id: format!("{}/{}", pool.name, e.name),
@@ -488,18 +522,37 @@ impl PushSettings {
     /// neither holds one. Errors name the file.
     pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
         if let Some(path) = &self.token_file {
-            let t = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
-                path: path.display().to_string(),
-                reason: e.to_string(),
+            let t = std::fs::read_to_string(path).map_err(|e| {
+                invalid(
+                    "push.token_file",
+                    path.display(),
+                    format!("cannot read: {e}"),
+                )
             })?;
             let t = t.trim().to_owned();
             if t.is_empty() {
                 return Err(invalid("push.token_file", path.display(), "file is empty"));
             }
+            if !is_header_safe(&t) {
+                return Err(invalid("push.token_file", path.display(), TOKEN_REASON));
+            }
             return Ok(Some(t));
         }
-        Ok(std::env::var(&self.token_env)
+        let t = std::env::var(&self.token_env)
             .ok()
-            .filter(|t| !t.trim().is_empty()))
+            .filter(|t| !t.trim().is_empty());
+        if t.as_deref().is_some_and(|t| !is_header_safe(t)) {
+            return Err(invalid("push.token_env", &self.token_env, TOKEN_REASON));
+        }
+        Ok(t)
     }
+}
+
+/// Why a token is refused: every push would otherwise fail to build its request.
+const TOKEN_REASON: &str =
+    "token is not a valid HTTP header value (control character or line break inside)";
+
+/// Whether `Bearer <token>` is a valid `Authorization` header value.
+fn is_header_safe(token: &str) -> bool {
+    http::HeaderValue::from_str(&format!("Bearer {token}")).is_ok()
 }

@@ -60,6 +60,11 @@ fn main() -> anyhow::Result<()> {
         }
     };
     if args.check {
+        // The token is read at start and on reload; check it too (never printed).
+        if let Err(e) = config.push.read_token() {
+            eprintln!("kvroute-cp: {e}");
+            std::process::exit(2);
+        }
         println!(
             "config ok: {} endpoints, {} targets, listen {}",
             config.endpoints.len(),

@@ -143,6 +143,31 @@ fn invalid_fields_are_named() {
     );
 }
 
+/// Values kvroute-core's `Snapshot::validate` rejects must fail at config time: one of them
+/// in a snapshot makes every Envoy drop the whole push, for all endpoints.
+#[test]
+fn values_the_filter_rejects_fail_validation() {
+    let ep_cases: &[(&str, &str)] = &[
+        ("cluster: \"c\\r\\nx-evil: 1\"", "config field `pools[0].endpoints[1].cluster` = `c\\r\\nx-evil: 1`: must not contain control characters (CR, LF, NUL...)"),
+        ("models: [\"m\\n\"]", "config field `pools[0].endpoints[1].models` = `m\\n`: must not contain control characters (CR, LF, NUL...)"),
+    ];
+    for (field, want) in ep_cases {
+        assert_eq!(&err(&with_endpoint(field)), want, "for {field}");
+    }
+    assert_eq!(
+        err("pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:0\n"),
+        "config field `pools[0].endpoints[0].address` = `127.0.0.1:0`: has an invalid port (expected 1..=65535)"
+    );
+    assert_eq!(
+        err("pools:\n  - name: p\n    endpoints:\n      - name: \"a\\tb\"\n        address: 127.0.0.1:1\n"),
+        "config field `pools[0].endpoints[0].name` = `a\\tb`: must not contain control characters (CR, LF, NUL...)"
+    );
+    assert_eq!(
+        err("pools:\n  - name: \"p\\u0000\"\n    endpoints: []\n"),
+        "config field `pools[0].name` = `p\\0`: must not contain control characters (CR, LF, NUL...)"
+    );
+}
+
 #[test]
 fn unknown_fields_and_kinds_are_rejected_by_name() {
     let e = err("scrape:\n  intervall_ms: 100\n");
@@ -185,6 +210,25 @@ fn token_sources() {
         format!(
             "config field `push.token_file` = `{}`: file is empty",
             f.display()
+        )
+    );
+    // A line break inside would make every push fail to build its request.
+    std::fs::write(&f, "abc\ndef\n").unwrap();
+    assert_eq!(
+        c.push.read_token().unwrap_err().to_string(),
+        format!(
+            "config field `push.token_file` = `{}`: token is not a valid HTTP header value (control character or line break inside)",
+            f.display()
+        )
+    );
+    // A missing token file is named as the token file, not as "config file".
+    let missing = dir.path().join("missing");
+    let c = Config::from_yaml(&format!("push:\n  token_file: {}\n", missing.display())).unwrap();
+    assert_eq!(
+        c.push.read_token().unwrap_err().to_string(),
+        format!(
+            "config field `push.token_file` = `{}`: cannot read: No such file or directory (os error 2)",
+            missing.display()
         )
     );
     let c = Config::from_yaml("push:\n  token_env: KVROUTE_TEST_TOKEN_UNSET_XYZ\n").unwrap();

@@ -256,7 +256,13 @@ impl Worker {
             Ok(t) => t,
             Err(e) => return Decision::FailOpen(format!("in-flight table unreadable: {e}")),
         };
-        let totals = table.totals(now);
+        // Only reservations the snapshot cannot show yet (made since each endpoint's scrape).
+        let scraped: std::collections::BTreeMap<&str, u64> = snap
+            .endpoints
+            .iter()
+            .map(|e| (e.id.as_str(), e.scraped_at_ms))
+            .collect();
+        let totals = table.unseen_totals(now, |id| scraped.get(id).copied());
         let inflight: Vec<InFlight> = snap
             .endpoints
             .iter()

@@ -194,6 +194,15 @@ pub fn extract(
         ServerKind::Llamacpp => llamacpp::extract(expo, slots)?,
         ServerKind::Trtllm => trtllm::extract(expo)?,
     };
+    // kvroute-core's `Snapshot::validate` rejects the whole snapshot for a zero block size
+    // or a control character in a LoRA name, so one odd server (`block_size="0"`,
+    // `tokens_per` 0.4, an escaped `\n` in `running_lora_adapters`) must not reach it.
+    // A zero KV capacity means nothing either, so it is unknown too.
+    stats.block_size = stats.block_size.filter(|b| *b > 0);
+    stats.kv_capacity_tokens = stats.kv_capacity_tokens.filter(|c| *c > 0);
+    stats
+        .lora_adapters
+        .retain(|n| !n.chars().any(char::is_control));
     if stats.process_start_ms.is_none() {
         stats.process_start_ms = expo
             .family(PROCESS_START)
@@ -225,6 +234,31 @@ pub fn ratio(v: f64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_the_snapshot_rejects_are_dropped() {
+        let text = concat!(
+            "vllm:num_requests_running 1\n",
+            "vllm:kv_cache_usage_perc 0.5\n",
+            "vllm:cache_config_info{block_size=\"0\",num_gpu_blocks=\"10\"} 1\n",
+            "vllm:lora_requests_info{running_lora_adapters=\"ok,bad\\nname\",waiting_lora_adapters=\"\"} 5\n",
+        );
+        let expo = Exposition::parse(text).unwrap();
+        let s = extract(ServerKind::Auto, &expo, None).unwrap();
+        assert_eq!(s.block_size, None);
+        assert_eq!(s.kv_capacity_tokens, None);
+        assert_eq!(s.lora_adapters, vec!["ok"]);
+        assert_eq!(s.kv_usage, Some(0.5));
+        let trt = concat!(
+            "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"tokens_per\"} 0.4\n",
+            "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"used\"} 1\n",
+            "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"max\"} 4\n",
+        );
+        let expo = Exposition::parse(trt).unwrap();
+        let s = extract(ServerKind::Trtllm, &expo, None).unwrap();
+        assert_eq!(s.block_size, None);
+        assert_eq!(s.kv_usage, Some(0.25));
+    }
 
     #[test]
     fn detect_by_names() {

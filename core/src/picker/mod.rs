@@ -182,7 +182,8 @@ pub struct PickRequest<'a> {
 pub struct PickInput<'a> {
     /// Current snapshot.
     pub snapshot: &'a Snapshot,
-    /// Router-local reservations per endpoint.
+    /// Router-local load per endpoint that the snapshot cannot show yet (reservations made
+    /// since that endpoint's scrape: [`crate::inflight::InflightTable::unseen_totals`]).
     pub inflight: &'a [InFlight],
     /// Prefix blocks of this request already sent to each endpoint.
     pub prefix_match_blocks: &'a [u32],

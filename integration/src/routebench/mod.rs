@@ -160,6 +160,9 @@ struct State {
     replica_of: Vec<usize>,
     reserved: Vec<u64>,
     inflight: Vec<InFlight>,
+    /// Load dispatched since the last snapshot (what the kvroute picker's `inflight` means:
+    /// router-local load the snapshot cannot show yet, as the filter computes it).
+    unseen: Vec<InFlight>,
     done: Vec<bool>,
     ttft: Vec<f64>,
     e2e: Vec<f64>,
@@ -296,6 +299,7 @@ pub fn run_router(
         replica_of: vec![0; rows.len()],
         reserved: vec![0; rows.len()],
         inflight: vec![InFlight::default(); n],
+        unseen: vec![InFlight::default(); n],
         done: vec![false; rows.len()],
         ttft: Vec::with_capacity(rows.len()),
         e2e: Vec::with_capacity(rows.len()),
@@ -313,6 +317,7 @@ pub fn run_router(
         while next_snap_ms <= t_ms {
             st.run_to(next_snap_ms as f64 / 1000.0);
             snap = st.snapshot(&cfg.model, next_snap_ms, next_snap_ms / interval_ms);
+            st.unseen.iter_mut().for_each(|f| *f = InFlight::default());
             next_snap_ms += interval_ms;
         }
         st.run_to(t);
@@ -341,7 +346,7 @@ pub fn run_router(
                 let matches = index.match_snapshot(&hashes, &snap);
                 let input = PickInput {
                     snapshot: &snap,
-                    inflight: &st.inflight,
+                    inflight: &st.unseen,
                     prefix_match_blocks: &matches,
                     now_ms: t_ms,
                 };
@@ -403,7 +408,10 @@ pub fn run_router(
         if let Some(r) = st.reserved.get_mut(i) {
             *r = demand;
         }
-        if let Some(f) = st.inflight.get_mut(k) {
+        for f in [st.inflight.get_mut(k), st.unseen.get_mut(k)]
+            .into_iter()
+            .flatten()
+        {
             f.requests = f.requests.saturating_add(1);
             f.tokens = f.tokens.saturating_add(demand);
         }
