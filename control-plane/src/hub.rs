@@ -129,8 +129,24 @@ impl EndpointState {
     /// Refresh the cached wire fragment. `serde_json` cannot fail on this type (strings,
     /// numbers, options; a non-finite float is written as `null`, as `Snapshot::encode`
     /// does).
+    ///
+    /// Last line of defence: the endpoint is checked with core's snapshot validation
+    /// first. Every Envoy rejects a whole snapshot when one endpoint is invalid, so an
+    /// endpoint whose scraped stats fail (an adapter bug, a server sending values no
+    /// adapter anticipated) is sent as unhealthy without stats instead of blocking the fleet.
     fn reencode(&mut self) {
-        let wire = self.to_wire();
+        let mut wire = self.to_wire();
+        if let Err(e) = Snapshot::new(0, 0, vec![wire.clone()]).validate() {
+            tracing::warn!(
+                endpoint = %self.spec.id,
+                error = %e,
+                "scraped stats fail snapshot validation; sending the endpoint as unhealthy without stats"
+            );
+            self.stats = None;
+            self.healthy = false;
+            self.last_error = Some(format!("invalid stats: {e}"));
+            wire = self.to_wire();
+        }
         self.wire_json.clear();
         // Reuses the fragment's allocation; on the (unreachable) error leave it empty.
         if serde_json::to_writer(&mut self.wire_json, &wire).is_err() {
@@ -589,6 +605,36 @@ mod tests {
         assert_eq!(snap.endpoints.len(), 2);
         assert_eq!(snap.endpoints[1].address, "10.0.0.2:8000");
         assert!(!snap.endpoints[1].healthy);
+    }
+
+    #[test]
+    fn endpoint_with_invalid_stats_is_sent_unhealthy_without_blocking_the_fleet() {
+        let hub = Hub::new(
+            Duration::from_secs(1),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        hub.set_endpoints(&[spec("a"), spec("b")]);
+        hub.record_success("p/a", stats(0.25, 3, &[]), 1_000);
+        // Values `Snapshot::validate` rejects: usage above 1, a LoRA name with a newline
+        // (validation reports the first in field order: the string checks come first).
+        hub.record_success("p/b", stats(1.5, 1, &["bad\nname"]), 1_001);
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        let snap = p.snapshot().unwrap();
+        assert_eq!(snap.endpoints[0].kv_usage, Some(0.25));
+        assert!(snap.endpoints[0].healthy);
+        assert_eq!(snap.endpoints[1].id, "p/b");
+        assert!(!snap.endpoints[1].healthy);
+        assert_eq!(snap.endpoints[1].kv_usage, None);
+        assert!(snap.endpoints[1].lora_adapters.is_empty());
+        let err = hub.endpoint("p/b").unwrap().last_error.unwrap();
+        assert!(
+            err.starts_with(
+                "invalid stats: endpoint 0 (`p/b`): field `lora_adapters` contains a control character"
+            ),
+            "{err}"
+        );
     }
 
     #[test]
