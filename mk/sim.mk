@@ -1,8 +1,8 @@
 # kvroute-sim: engine model, server, metrics dialects.
 .PHONY: test-sim bench-sim-replay bench-sim-load
-test-sim: ## Simulator tests: engine model, HTTP/SSE, metrics dialects, golden timings, Mooncake replay, step-time calibration
-	$(CARGO) test -p kvroute-integration --lib sim::
-	$(CARGO) test -p kvroute-integration --test sim_engine --test sim_server --test sim_perf_calibration
+test-sim: ## Simulator + routing-benchmark tests: engine model, HTTP/SSE, metrics dialects, golden timings, step-time calibration, router replay
+	$(CARGO) test -p kvroute-integration --lib
+	$(CARGO) test -p kvroute-integration --test sim_engine --test sim_server --test sim_perf_calibration --test routebench
 
 bench-sim-replay: ## Mooncake 1 h trace through the engine model alone (release build); prints wall time
 	$(CARGO) run --release -p kvroute-integration --bin kvroute-sim-replay -- \
