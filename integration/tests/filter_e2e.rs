@@ -63,15 +63,7 @@ async fn cluster_mode_routes_by_body_after_ingest() {
 #[tokio::test]
 async fn client_cannot_pick_its_own_cluster() {
     let fleet = Fleet::start(least_kv()).await.unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.1, now), fleet.endpoint(1, 0.9, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.1, 0.9]).await.unwrap();
     let r = kvroute_integration::harness::http::request(
         "POST",
         &fleet.url("/v1/chat/completions"),
@@ -178,15 +170,7 @@ async fn ingest_auth_size_validity_and_versions() {
 #[tokio::test]
 async fn header_only_requests_are_decided_without_waiting() {
     let fleet = Fleet::start(least_kv()).await.unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.7, now), fleet.endpoint(1, 0.2, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.7, 0.2]).await.unwrap();
     let r = kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models"), &[], b"")
         .await
         .unwrap();
@@ -257,15 +241,7 @@ async fn endpoint_mode_original_dst_single_host() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.6, now), fleet.endpoint(1, 0.2, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.6, 0.2]).await.unwrap();
     let r = fleet
         .post("/v1/chat/completions", &chat("odst"))
         .await
@@ -289,15 +265,7 @@ async fn endpoint_mode_ipv6_addresses_in_brackets() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.7, now), fleet.endpoint(1, 0.2, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.7, 0.2]).await.unwrap();
     let r = fleet
         .post("/v1/chat/completions", &chat("v6"))
         .await
@@ -324,15 +292,7 @@ async fn original_dst_rejects_a_host_list() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.6, now), fleet.endpoint(1, 0.2, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.6, 0.2]).await.unwrap();
     let r = fleet
         .post("/v1/chat/completions", &chat("odst list"))
         .await

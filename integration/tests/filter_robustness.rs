@@ -84,15 +84,7 @@ async fn client_aborts_leave_no_reservation() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.1, now), fleet.endpoint(1, 0.1, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.1, 0.1]).await.unwrap();
     let body = chat("abort me");
     // 1. Abort mid-body: headers promise more bytes than are sent.
     let head = format!(
@@ -142,15 +134,7 @@ async fn slow_chunked_upload_is_routed_by_its_body() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
     let body = chat("a slowly uploaded prompt");
     let (a, b) = body.split_at(body.len() / 2);
     let chunk = |c: &[u8]| {
@@ -240,15 +224,7 @@ async fn oversized_and_gzip_bodies_are_routed_by_load_alone() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
     let big = chat(&"long ".repeat(2000));
     let r = fleet.post("/v1/chat/completions", &big).await.unwrap();
     assert_eq!(r.status, 200);

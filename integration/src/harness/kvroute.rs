@@ -215,6 +215,18 @@ impl Fleet {
         .await
     }
 
+    /// Push snapshot `version`, scraped now, in which backend `i` reports KV usage
+    /// `usages[i]` (the common case of the end-to-end tests).
+    pub async fn push_usages(&self, version: u64, usages: &[f64]) -> anyhow::Result<()> {
+        let now = now_ms();
+        let eps = usages
+            .iter()
+            .enumerate()
+            .map(|(i, &u)| self.endpoint(i, u, now))
+            .collect();
+        self.push(&Snapshot::new(version, now, eps)).await
+    }
+
     /// Ingest `snap` with the right token and wait until the consumer has handled it
     /// (published or ignored counter grew).
     pub async fn push(&self, snap: &Snapshot) -> anyhow::Result<()> {
