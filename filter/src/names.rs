@@ -12,6 +12,8 @@ pub const SNAPSHOT_KEY: &str = "kvroute.snapshot";
 pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
 /// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
 pub const INFLIGHT_KEY: &str = "kvroute.inflight";
+/// Shared-data key of the worker counter that makes reservation ids unique across workers.
+pub const WORKER_SEQ_KEY: &str = "kvroute.worker.seq";
 
 /// Metrics (Envoy stats, prefixed by Envoy with `wasmcustom.`).
 pub mod metric {

@@ -187,8 +187,17 @@ impl Worker {
         self.prefix.len(endpoint_id)
     }
 
-    /// A fresh reservation id, unique across workers with high probability (random upper
-    /// 32 bits per worker, counter below).
+    /// Make reservation ids unique across workers: `worker` (from
+    /// [`crate::shared::next_worker_number`]) becomes the upper 16 bits.
+    pub fn set_worker_number(&mut self, worker: u32) {
+        // Keep 16 random bits beside a 16-bit worker number: even if two workers raced to
+        // the same number (see `shared::ensure_keys`), their ids still differ.
+        self.id_prefix =
+            (u64::from(worker & 0xFFFF) << 48) | (self.id_prefix & 0x0000_FFFF_0000_0000);
+    }
+
+    /// A fresh reservation id: the worker's upper 32 bits (unique per worker once
+    /// [`Self::set_worker_number`] ran; random otherwise), a counter below.
     pub fn next_id(&mut self) -> u64 {
         self.seq = self.seq.wrapping_add(1);
         self.id_prefix | u64::from(self.seq)

@@ -18,7 +18,7 @@
 //! publisher is never taken over; a dead one is replaced within the window.
 
 use crate::host::{Host, HostError};
-use crate::names::{INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use crate::names::{INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY};
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::snapshot::{Snapshot, SnapshotError};
 use std::rc::Rc;
@@ -112,6 +112,43 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
         }
     }
     Err(SharedError::Contended(SNAPSHOT_VERSION_KEY))
+}
+
+/// Create the shared keys that are later updated with compare-and-swap, if absent.
+///
+/// proxy-wasm's CAS value 0 means "no check": an update of a key that does not exist yet
+/// is unconditional, so two workers making their first reservation at the same moment
+/// would each overwrite the other's table and lose a reservation (seen as one release
+/// too few in the herd test). Creating the keys at configure time, before any request,
+/// makes every later update a real CAS. A race here only writes the same empty value twice.
+pub fn ensure_keys<H: Host>(host: &H) -> Result<(), SharedError> {
+    let (inflight, _) = host.shared_get(INFLIGHT_KEY)?;
+    if inflight.is_none() {
+        host.shared_set(INFLIGHT_KEY, &InflightTable::default().encode(), None)?;
+    }
+    let (seq, _) = host.shared_get(WORKER_SEQ_KEY)?;
+    if seq.is_none() {
+        host.shared_set(WORKER_SEQ_KEY, &0u64.to_be_bytes(), None)?;
+    }
+    Ok(())
+}
+
+/// A number no other worker (or plugin instance) of this Envoy got: a counter in shared data,
+/// incremented with CAS. Reservation ids use it as their upper bits, so two workers that
+/// configured in the same clock tick (same time-derived seed) can never collide; a collision
+/// made one worker's reservation replace the other's and lose a release (found by the
+/// 64-request herd test on `--concurrency 2`).
+pub fn next_worker_number<H: Host>(host: &H) -> Result<u32, SharedError> {
+    for _ in 0..CAS_RETRIES {
+        let (cur, cas) = host.shared_get(WORKER_SEQ_KEY)?;
+        let n = decode_version(cur.as_deref()).unwrap_or(0).wrapping_add(1);
+        match host.shared_set(WORKER_SEQ_KEY, &n.to_be_bytes(), Some(cas.unwrap_or(0))) {
+            Ok(()) => return Ok(u32::try_from(n & 0xFFFF_FFFF).unwrap_or(u32::MAX)),
+            Err(HostError::CasMismatch) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(SharedError::Contended(WORKER_SEQ_KEY))
 }
 
 /// Per-worker cache of the decoded snapshot, refreshed only when the version changes.
@@ -246,6 +283,28 @@ mod tests {
         );
         let mut c = SnapshotCache::default();
         assert_eq!(c.current(&h).unwrap().unwrap().version, 7);
+    }
+
+    #[test]
+    fn ensure_keys_creates_once_and_keeps_live_reservations() {
+        let h = MockHost::new(0);
+        ensure_keys(&h).unwrap();
+        assert!(read_inflight(&h).unwrap().is_empty());
+        update_inflight(&h, 10, |t| t.reserve(7, "a", 5, 0, 100)).unwrap();
+        // A reconfigure (second call) must not wipe the table.
+        ensure_keys(&h).unwrap();
+        assert_eq!(read_inflight(&h).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn worker_numbers_are_distinct() {
+        let h = MockHost::new(0);
+        ensure_keys(&h).unwrap();
+        let other = h.sibling();
+        assert_eq!(next_worker_number(&h).unwrap(), 1);
+        assert_eq!(next_worker_number(&other).unwrap(), 2);
+        h.shared.borrow_mut().fail_cas = 3;
+        assert_eq!(next_worker_number(&h).unwrap(), 3);
     }
 
     #[test]

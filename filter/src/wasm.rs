@@ -179,13 +179,26 @@ impl RootContext for Root {
             config.queue_name.clone(),
             config.admission.enabled.then_some(config.admission.tick_ms),
         );
-        let worker = match Worker::new(config, seed) {
+        let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
             Err(e) => {
                 host.log(Level::Error, &format!("kvroute plugin config: {e}"));
                 return false;
             }
         };
+        if let Err(e) = crate::shared::ensure_keys(&host) {
+            host.log(
+                Level::Warn,
+                &format!("kvroute: shared keys not created: {e}"),
+            );
+        }
+        match crate::shared::next_worker_number(&host) {
+            Ok(n) => worker.set_worker_number(n),
+            Err(e) => host.log(
+                Level::Warn,
+                &format!("kvroute: no worker number (random reservation ids): {e}"),
+            ),
+        }
         if role == Role::Ingest {
             match hostcalls::register_shared_queue(&queue) {
                 Ok(id) => self.queue = Some(id),
