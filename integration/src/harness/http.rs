@@ -6,6 +6,15 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use std::time::Duration;
 
+/// First value of header `name` (case-insensitive) in `headers`, whose names are lower-case.
+pub fn find_header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    let name = name.to_ascii_lowercase();
+    headers
+        .iter()
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.as_str())
+}
+
 /// A complete response.
 #[derive(Debug, Clone)]
 pub struct Response {
@@ -20,11 +29,7 @@ pub struct Response {
 impl Response {
     /// First value of header `name` (case-insensitive).
     pub fn header(&self, name: &str) -> Option<&str> {
-        let name = name.to_ascii_lowercase();
-        self.headers
-            .iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.as_str())
+        find_header(&self.headers, name)
     }
 
     /// Body as (lossy) text.
