@@ -241,6 +241,19 @@ fn shipped_examples_are_valid() {
     let c = Config::load(&root.join("examples/control-plane/kvroute-cp.yaml")).unwrap();
     assert_eq!((c.endpoints.len(), c.targets.len()), (3, 2));
     assert_eq!(c.endpoints[2].kind, ServerKind::Llamacpp);
+    // The example pairs with examples/envoy/cluster-mode.yaml: same backends, same cluster
+    // names, and its first target is that Envoy's ingest listener.
+    let envoy = std::fs::read_to_string(root.join("examples/envoy/cluster-mode.yaml")).unwrap();
+    for (i, (addr, cluster)) in [("127.0.0.1:8001", "vllm-a"), ("127.0.0.1:8002", "vllm-b")]
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(c.endpoints[i].address, addr);
+        assert_eq!(c.endpoints[i].cluster, cluster);
+        assert!(envoy.contains(&format!("- name: {cluster}\n")), "{cluster}");
+    }
+    assert_eq!(c.targets[0].url.to_string(), "http://127.0.0.1:10001/kvroute/v1/snapshot");
+    assert!(envoy.contains("address: 127.0.0.1, port_value: 10001"));
     // The ConfigMap embedded in the Kubernetes example.
     let text = std::fs::read_to_string(root.join("examples/kubernetes/kvroute-cp.yaml")).unwrap();
     let mut found = 0;
