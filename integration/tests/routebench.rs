@@ -1,16 +1,17 @@
-//! Routing benchmark on a slice of the real Mooncake conversation trace (shared data,
-//! kvcache-ai/Mooncake `FAST25-release/traces/conversation_trace.jsonl`): determinism,
-//! exactly-once completion under every router, and prefix-aware routers beating round-robin
-//! on prefix-cache hit ratio.
+//! Routing benchmark replay on slices of the real Mooncake conversation trace (shared data,
+//! kvcache-ai/Mooncake `FAST25-release/traces/conversation_trace.jsonl`): block-hash
+//! chaining, router names, and the staleness model (snapshots every scrape interval plus a
+//! push delay; reservations immediate).
 
 use std::path::PathBuf;
 
 use kvroute_core::profile::builtin;
-use kvroute_integration::routebench::{chain_ids, run_all, BenchConfig, RouterKind};
+use kvroute_integration::routebench::workload::TraceKind;
+use kvroute_integration::routebench::{chain_ids, run_router, BenchConfig, RouterKind};
 use kvroute_integration::sim::engine::EngineConfig;
 use kvroute_integration::sim::metrics::Dialect;
 use kvroute_integration::sim::server::ReplicaConfig;
-use kvroute_integration::sim::trace::{load_mooncake, TraceRow};
+use kvroute_integration::sim::trace::TraceRow;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
@@ -20,20 +21,12 @@ fn data_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"))
 }
 
-fn setup() -> Result<(Vec<TraceRow>, EngineConfig, BenchConfig), Box<dyn std::error::Error>> {
-    let path = data_dir().join("traces/mooncake_conversation_trace.jsonl");
-    let mut rows = load_mooncake(&path)?;
-    rows.truncate(300);
+fn setup(n: usize) -> Result<(Vec<TraceRow>, EngineConfig), Box<dyn std::error::Error>> {
+    let mut rows = TraceKind::Mooncake.load(&data_dir(), 1)?;
+    rows.truncate(n);
     let model = builtin(MODEL).ok_or("built-in model missing")?;
     let replica = ReplicaConfig::for_model(model, Dialect::VllmV1, 1.0, 0)?;
-    let cfg = BenchConfig {
-        replicas: 4,
-        time_compression: 1.0,
-        snapshot_interval_ms: 200,
-        seed: 7,
-        model: MODEL.to_string(),
-    };
-    Ok((rows, replica.engine, cfg))
+    Ok((rows, replica.engine))
 }
 
 #[test]
@@ -51,58 +44,68 @@ fn chain_ids_are_prefix_chained() {
 }
 
 #[test]
-fn slice_is_deterministic_complete_and_prefix_aware_routers_hit_more() {
-    let (rows, engine, cfg) = setup().expect("shared Mooncake trace and built-in model");
-    let kinds = RouterKind::all();
-    let first = run_all(&rows, &engine, &cfg, &kinds);
-    let second = run_all(&rows, &engine, &cfg, &kinds);
-    assert_eq!(first, second, "same seed must give an identical report");
+fn router_names_round_trip() {
+    let names: Vec<&str> = RouterKind::all().iter().map(|k| k.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "round_robin",
+            "least_request",
+            "llmd-epp",
+            "sglang-cache-aware",
+            "dynamo-kv",
+            "oracle",
+            "kvroute-hybrid"
+        ]
+    );
+    for k in RouterKind::all() {
+        assert_eq!(RouterKind::from_name(k.name()), Some(k));
+    }
+    assert_eq!(RouterKind::from_name("nope"), None);
+    assert_eq!(
+        RouterKind::all().iter().filter(|k| k.is_baseline()).count(),
+        5
+    );
+}
 
-    assert_eq!(first.len(), 7);
-    assert_eq!(first[0].router, "round_robin");
-    for r in &first {
-        assert_eq!(r.requests, 300, "{}", r.router);
-        assert_eq!(r.rejected, 0, "{}", r.router);
-        assert_eq!(r.finished, 300, "{} must finish every request", r.router);
-        assert_eq!(
-            r.duplicate_finishes, 0,
-            "{} finished a request twice",
-            r.router
-        );
-        assert_eq!(r.per_replica.iter().sum::<usize>(), 300, "{}", r.router);
-        assert!(r.ttft_p50 > 0.0 && r.ttft_p50 <= r.ttft_p90 && r.ttft_p90 <= r.ttft_p99);
-        assert!(r.e2e_p50 > 0.0 && r.e2e_p50 <= r.e2e_p99);
-        assert!((0.0..=1.0).contains(&r.prefix_hit_ratio));
+#[test]
+fn a_burst_is_spread_by_immediate_reservations_not_by_the_snapshot() {
+    let (_, engine) = setup(0).expect("built-in model");
+    // 40 identical, unrelated requests in the same millisecond: no scrape can happen between
+    // them, so only router-local state (kvroute's reservations, in-flight counts) moves.
+    let burst: Vec<TraceRow> = (0..40u64)
+        .map(|i| TraceRow {
+            timestamp: 0,
+            input_length: 1000,
+            output_length: 10,
+            hash_ids: vec![1_000 + i],
+        })
+        .collect();
+    let cfg = BenchConfig::new(4, 1.0, 3, MODEL);
+    for kind in [
+        RouterKind::kvroute_default(),
+        RouterKind::LeastRequest,
+        RouterKind::SglangCacheAware,
+        RouterKind::RoundRobin,
+    ] {
+        let r = run_router(&burst, &engine, &cfg, kind);
+        assert_eq!(r.finished, 40, "{}", r.router);
+        assert_eq!(r.per_replica, vec![10; 4], "{}", r.router);
     }
-    // Every router uses every replica on this slice.
-    for r in &first {
-        assert!(
-            r.per_replica.iter().all(|&c| c > 0),
-            "{}: {:?}",
-            r.router,
-            r.per_replica
-        );
-        eprintln!(
-            "{}: hit {:.4} overflow {} spread {:?}",
-            r.router, r.prefix_hit_ratio, r.overflow, r.per_replica
-        );
-    }
+}
 
-    let rr = first[0].prefix_hit_ratio;
-    // llmd-epp is left out on purpose: on this 300-row, 4-replica slice its prefix scorer
-    // (weight 3 against queue 2 + KV 2) lands at 0.0402 vs round_robin's 0.0468, inside the
-    // slice's noise; on the full README run it reaches 0.150 vs 0.058. (Before in-flight
-    // reservations were limited to load the snapshot cannot show, round_robin went through
-    // false NoCapacity overflows and scored 0.0350, which hid this.)
-    for name in ["prefix_affinity", "hybrid", "sglang-cache-aware"] {
-        let r = first
-            .iter()
-            .find(|r| r.router == name)
-            .expect("router present");
-        assert!(
-            r.prefix_hit_ratio > rr,
-            "{name}: prefix hit ratio {} not above round_robin {rr}",
-            r.prefix_hit_ratio
-        );
-    }
+#[test]
+fn push_delay_is_applied() {
+    let (rows, engine) = setup(160).expect("shared Mooncake trace and built-in model");
+    // A push delay longer than the scrape interval (snapshots queue up in transit) still
+    // serves everything, and the later snapshots change llm-d's decisions.
+    let slow = BenchConfig {
+        push_delay_ms: 700,
+        ..BenchConfig::new(4, 1.0, 3, MODEL)
+    };
+    let fast = BenchConfig::new(4, 1.0, 3, MODEL);
+    let a = run_router(&rows, &engine, &slow, RouterKind::LlmdEpp);
+    let b = run_router(&rows, &engine, &fast, RouterKind::LlmdEpp);
+    assert_eq!((a.finished, b.finished), (160, 160));
+    assert_ne!(a.per_replica, b.per_replica);
 }

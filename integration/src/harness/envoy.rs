@@ -203,6 +203,11 @@ impl Envoy {
         self.child.log()
     }
 
+    /// OS process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         self.child.try_exit().is_none()
