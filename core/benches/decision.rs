@@ -59,6 +59,7 @@ mod native {
             .collect();
         let inflight = (0..n)
             .map(|_| InFlight {
+                prefill_tokens: 0,
                 requests: rng.u32(0..8),
                 tokens: u64::from(rng.u32(0..20_000)),
             })

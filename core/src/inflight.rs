@@ -18,6 +18,19 @@
 //!   `waiting` counts and KV usage; counting its reservation too would charge it twice and
 //!   make a loaded fleet look full (found by the routing benchmark: 87–91% of picks refused
 //!   at ×4 load before this rule). All reservations still count for release and expiry.
+//! - **Pending prefill.** A reservation may also carry the request's expected prefill work
+//!   (tokens: estimated prompt − prefix tokens the router expects cached on that endpoint,
+//!   [`crate::picker::uncached_prompt_tokens`]), recorded by
+//!   [`InflightTable::reserve_with_prefill`] and zeroed by [`InflightTable::first_token`]
+//!   when the response's first bytes arrive (prefill is over once a first token exists).
+//!   Unlike requests and KV tokens, pending prefill is a router-side fact no scrape reports
+//!   (model servers export queued request *counts*, not queued prompt tokens), so
+//!   [`InflightTable::unseen_totals`] sums it over **all** unexpired reservations. This is
+//!   NVIDIA Dynamo's KV-router accounting of prefill per worker: `ActiveSequences` in
+//!   `lib/llm/src/kv_router/sequence.rs` records `isl − overlap × block_size` tokens per
+//!   routed request at `add_request` and removes them at `mark_prefill_completed` / `free`
+//!   (design: <https://docs.nvidia.com/dynamo/design-docs/router-design>, "Potential New
+//!   Prefill Blocks").
 //! - A leaked reservation (a stream whose end was never observed, e.g. a VM restart)
 //!   expires at `expires_at_ms` and is dropped by [`InflightTable::purge_expired`];
 //!   expired entries are also ignored by [`InflightTable::totals`].
@@ -54,6 +67,10 @@ pub struct Reservation {
     /// field existed: such entries count as already visible in the snapshot).
     #[serde(default)]
     pub reserved_at_ms: u64,
+    /// Pending prefill, tokens (0 once the first token was seen, and in tables written
+    /// before this field existed).
+    #[serde(default)]
+    pub prefill_tokens: u64,
 }
 
 /// Errors decoding a table.
@@ -98,7 +115,8 @@ impl InflightTable {
         self.entries.is_empty()
     }
 
-    /// Reserve `tokens` on `endpoint` under `id`, lapsing `ttl_ms` after `now_ms`.
+    /// Reserve `tokens` on `endpoint` under `id`, lapsing `ttl_ms` after `now_ms`, without
+    /// pending prefill (same as [`InflightTable::reserve_with_prefill`] with 0).
     ///
     /// Re-reserving an existing id replaces it (the caller's id is unique per request, so
     /// this only happens on a retried CAS write of the same request). When the table is
@@ -108,6 +126,22 @@ impl InflightTable {
         id: u64,
         endpoint: &str,
         tokens: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Option<(u64, Reservation)> {
+        self.reserve_with_prefill(id, endpoint, tokens, 0, now_ms, ttl_ms)
+    }
+
+    /// Reserve `tokens` of KV demand and `prefill_tokens` of pending prefill (tokens the
+    /// endpoint must compute before the first token; see the module doc) on `endpoint` under
+    /// `id`, lapsing `ttl_ms` after `now_ms`. Replacement and eviction as in
+    /// [`InflightTable::reserve`].
+    pub fn reserve_with_prefill(
+        &mut self,
+        id: u64,
+        endpoint: &str,
+        tokens: u64,
+        prefill_tokens: u64,
         now_ms: u64,
         ttl_ms: u64,
     ) -> Option<(u64, Reservation)> {
@@ -129,6 +163,7 @@ impl InflightTable {
                 tokens,
                 expires_at_ms: now_ms.saturating_add(ttl_ms),
                 reserved_at_ms: now_ms,
+                prefill_tokens,
             },
         );
         evicted
@@ -152,6 +187,15 @@ impl InflightTable {
         }
     }
 
+    /// The first token of `id` was seen: its prefill is done, so its pending prefill drops to
+    /// 0 (its KV reservation stays until release). Returns the prefill tokens cleared
+    /// (`Some(0)` on a repeated call), `None` when `id` is not held.
+    pub fn first_token(&mut self, id: u64) -> Option<u64> {
+        self.entries
+            .get_mut(&id)
+            .map(|r| std::mem::take(&mut r.prefill_tokens))
+    }
+
     /// The reservation held under `id`, if any.
     pub fn get(&self, id: u64) -> Option<&Reservation> {
         self.entries.get(&id)
@@ -164,33 +208,40 @@ impl InflightTable {
         before - self.entries.len()
     }
 
-    /// Per-endpoint load of the unexpired reservations: requests and tokens (saturating
-    /// sums; never negative by construction).
+    /// Per-endpoint load of the unexpired reservations: requests, tokens and pending
+    /// prefill tokens (saturating sums; never negative by construction).
     pub fn totals(&self, now_ms: u64) -> BTreeMap<String, InFlight> {
         let mut out: BTreeMap<String, InFlight> = BTreeMap::new();
         for r in self.entries.values().filter(|r| r.expires_at_ms > now_ms) {
             let e = out.entry(r.endpoint.clone()).or_default();
             e.requests = e.requests.saturating_add(1);
             e.tokens = e.tokens.saturating_add(r.tokens);
+            e.prefill_tokens = e.prefill_tokens.saturating_add(r.prefill_tokens);
         }
         out
     }
 
     /// Per-endpoint load the snapshot does not show yet: unexpired reservations made at or
     /// after `scraped_at_ms(endpoint)` (all unexpired ones when that returns `None`, i.e. an
-    /// endpoint without stats). This is what [`crate::picker::PickInput::inflight`] expects.
+    /// endpoint without stats), plus the pending prefill tokens of **every** unexpired
+    /// reservation (no scrape shows them). This is what [`crate::picker::PickInput::inflight`]
+    /// expects.
     pub fn unseen_totals<F>(&self, now_ms: u64, scraped_at_ms: F) -> BTreeMap<String, InFlight>
     where
         F: Fn(&str) -> Option<u64>,
     {
         let mut out: BTreeMap<String, InFlight> = BTreeMap::new();
         for r in self.entries.values().filter(|r| r.expires_at_ms > now_ms) {
-            if scraped_at_ms(&r.endpoint).is_some_and(|t| r.reserved_at_ms < t) {
+            let seen = scraped_at_ms(&r.endpoint).is_some_and(|t| r.reserved_at_ms < t);
+            if seen && r.prefill_tokens == 0 {
                 continue;
             }
             let e = out.entry(r.endpoint.clone()).or_default();
-            e.requests = e.requests.saturating_add(1);
-            e.tokens = e.tokens.saturating_add(r.tokens);
+            e.prefill_tokens = e.prefill_tokens.saturating_add(r.prefill_tokens);
+            if !seen {
+                e.requests = e.requests.saturating_add(1);
+                e.tokens = e.tokens.saturating_add(r.tokens);
+            }
         }
         out
     }
@@ -228,6 +279,7 @@ mod tests {
         assert_eq!(
             tot["a"],
             InFlight {
+                prefill_tokens: 0,
                 requests: 2,
                 tokens: 150
             }
@@ -235,6 +287,7 @@ mod tests {
         assert_eq!(
             tot["b"],
             InFlight {
+                prefill_tokens: 0,
                 requests: 1,
                 tokens: 7
             }
@@ -244,6 +297,7 @@ mod tests {
         assert_eq!(
             t.totals(10)["a"],
             InFlight {
+                prefill_tokens: 0,
                 requests: 1,
                 tokens: 50
             }
@@ -274,6 +328,7 @@ mod tests {
         assert_eq!(
             u["a"],
             InFlight {
+                prefill_tokens: 0,
                 requests: 2,
                 tokens: 37
             }
@@ -281,6 +336,7 @@ mod tests {
         assert_eq!(
             u["b"],
             InFlight {
+                prefill_tokens: 0,
                 requests: 1,
                 tokens: 50
             }
@@ -289,6 +345,7 @@ mod tests {
         assert_eq!(
             t.totals(2_000)["a"],
             InFlight {
+                prefill_tokens: 0,
                 requests: 3,
                 tokens: 137
             }
@@ -297,6 +354,94 @@ mod tests {
         let old = br#"{"entries":{"9":{"endpoint":"a","tokens":5,"expires_at_ms":99999}},"max_entries":4}"#;
         let t = InflightTable::decode(old).unwrap();
         assert!(t.unseen_totals(2_000, scraped).is_empty());
+    }
+
+    #[test]
+    fn pending_prefill_reserve_first_token_release() {
+        let mut t = InflightTable::new(16);
+        t.reserve_with_prefill(1, "a", 9_000, 8_000, 1_000, 60_000);
+        t.reserve_with_prefill(2, "a", 600, 500, 1_100, 60_000);
+        t.reserve(3, "b", 70, 1_100, 60_000);
+        assert_eq!(
+            t.totals(2_000)["a"],
+            InFlight {
+                requests: 2,
+                tokens: 9_600,
+                prefill_tokens: 8_500,
+            }
+        );
+        assert_eq!(t.totals(2_000)["b"].prefill_tokens, 0);
+        // First token of 1: its prefill is done, its KV reservation stays.
+        assert_eq!(t.first_token(1), Some(8_000));
+        assert_eq!(t.first_token(1), Some(0));
+        assert_eq!(t.first_token(99), None);
+        assert_eq!(
+            t.totals(2_000)["a"],
+            InFlight {
+                requests: 2,
+                tokens: 9_600,
+                prefill_tokens: 500,
+            }
+        );
+        // Release clears the rest, including a prefill never marked done.
+        assert_eq!(t.release(2).map(|r| r.prefill_tokens), Some(500));
+        assert_eq!(
+            t.totals(2_000)["a"],
+            InFlight {
+                requests: 1,
+                tokens: 9_000,
+                prefill_tokens: 0,
+            }
+        );
+        assert!(t.release(1).is_some());
+        assert!(!t.totals(2_000).contains_key("a"));
+    }
+
+    #[test]
+    fn unseen_totals_count_pending_prefill_whatever_the_scrape_age() {
+        let mut t = InflightTable::new(16);
+        // Both before a's scrape at 1_500: requests and KV tokens are in the snapshot, the
+        // pending prefill of 1 is not.
+        t.reserve_with_prefill(1, "a", 100, 80, 1_000, 60_000);
+        t.reserve_with_prefill(2, "a", 50, 0, 1_200, 60_000);
+        // After the scrape: everything counts.
+        t.reserve_with_prefill(3, "a", 30, 20, 1_600, 60_000);
+        let scraped = |id: &str| (id == "a").then_some(1_500);
+        assert_eq!(
+            t.unseen_totals(2_000, scraped)["a"],
+            InFlight {
+                requests: 1,
+                tokens: 30,
+                prefill_tokens: 100,
+            }
+        );
+        t.first_token(3);
+        assert_eq!(
+            t.unseen_totals(2_000, scraped)["a"],
+            InFlight {
+                requests: 1,
+                tokens: 30,
+                prefill_tokens: 80,
+            }
+        );
+        t.first_token(1);
+        t.release(3);
+        // Nothing unseen left on a: no entry at all.
+        assert!(t.unseen_totals(2_000, scraped).is_empty());
+        // Expired reservations carry no prefill.
+        t.reserve_with_prefill(4, "a", 1, 1, 1_600, 100);
+        assert!(t.unseen_totals(1_700, scraped).is_empty());
+        // Tables written before `prefill_tokens` existed decode with 0.
+        let old = br#"{"entries":{"9":{"endpoint":"a","tokens":5,"expires_at_ms":99999,"reserved_at_ms":1600}},"max_entries":4}"#;
+        let t = InflightTable::decode(old).unwrap();
+        assert_eq!(
+            t.unseen_totals(2_000, scraped)["a"],
+            InFlight {
+                requests: 1,
+                tokens: 5,
+                prefill_tokens: 0,
+            }
+        );
     }
 
     #[test]
@@ -337,6 +482,53 @@ mod tests {
     proptest! {
         /// Any interleaving of reserves and (double) releases leaves totals equal to the
         /// sum of the still-held reservations, and releasing everything leaves nothing.
+        #[test]
+        fn prefill_totals_match_live_entries(
+            ops in proptest::collection::vec((0u64..20, 0u8..3, 0u64..1000, 0u8..4), 0..200),
+            scrape in 0u64..200,
+        ) {
+            let mut t = InflightTable::default();
+            // id → (endpoint, kv tokens, pending prefill, reserved at)
+            let mut model: BTreeMap<u64, (String, u64, u64, u64)> = BTreeMap::new();
+            for (step, (id, ep, tokens, op)) in ops.into_iter().enumerate() {
+                let now = step as u64;
+                match op {
+                    0 => {
+                        let got = t.release(id).map(|r| r.prefill_tokens);
+                        prop_assert_eq!(got, model.remove(&id).map(|m| m.2));
+                    }
+                    1 => {
+                        let got = t.first_token(id);
+                        let want = model.get_mut(&id).map(|m| std::mem::take(&mut m.2));
+                        prop_assert_eq!(got, want);
+                    }
+                    _ => {
+                        let ep = format!("e{ep}");
+                        let prefill = tokens / 2;
+                        t.reserve_with_prefill(id, &ep, tokens, prefill, now, 1_000_000);
+                        model.insert(id, (ep, tokens, prefill, now));
+                    }
+                }
+                let tot = t.totals(now);
+                let unseen = t.unseen_totals(now, |_| Some(scrape));
+                for e in ["e0", "e1", "e2"] {
+                    let live = model.values().filter(|m| m.0 == e);
+                    let want: u64 = live.clone().map(|m| m.2).sum();
+                    let got = tot.get(e).map_or(0, |v| v.prefill_tokens);
+                    prop_assert_eq!(got, want);
+                    // Pending prefill is counted whatever the scrape age.
+                    let got = unseen.get(e).map_or(0, |v| v.prefill_tokens);
+                    prop_assert_eq!(got, want);
+                    let want_unseen: u64 = live.filter(|m| m.3 >= scrape).map(|m| m.1).sum();
+                    prop_assert_eq!(unseen.get(e).map_or(0, |v| v.tokens), want_unseen);
+                }
+            }
+            for id in model.keys() {
+                prop_assert!(t.release(*id).is_some());
+            }
+            prop_assert!(t.totals(0).is_empty());
+        }
+
         #[test]
         fn totals_match_held(ops in proptest::collection::vec((0u64..20, 0u8..3, 0u64..1000), 0..200)) {
             let mut t = InflightTable::default();

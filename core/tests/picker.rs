@@ -118,6 +118,7 @@ fn least_request_counts_snapshot_and_inflight() {
         InFlight::default(),
         InFlight::default(),
         InFlight {
+            prefill_tokens: 0,
             requests: 2,
             tokens: 0,
         },
@@ -146,6 +147,7 @@ fn least_kv_uses_projected_usage_and_ranks_unknown_last() {
     let infl = [
         InFlight::default(),
         InFlight {
+            prefill_tokens: 0,
             requests: 1,
             tokens: 40_000,
         },
@@ -176,10 +178,12 @@ fn prefix_affinity_prefers_longest_match_then_load() {
 
 #[test]
 fn hybrid_exact_scores() {
-    // Default weights kv 1, queue 1, inflight 1, prefix 2; capacity 100k; demand 10k.
-    // a: usage 0.1, waiting 0, prefix 10/10 → 1·(1−0.1−0.1) + 1 + 1 + 2·1 = 4.8
-    // b: usage 0.0, waiting 4             → 1·0.9 + 0 + 1 + 0 = 1.9
-    // c: usage 0.5, waiting 2, prefix 5   → 1·0.4 + 0.5 + 1 + 1 = 2.9
+    // Default weights kv 1, queue 1, inflight 1, prefill 2, prefix 2; capacity 100k;
+    // demand 10k, prompt 5k, 10 blocks. Prefill work = uncached prompt tokens here
+    // (a 0, b 5000, c 2500; max 5000).
+    // a: usage 0.1, waiting 0, prefix 10/10 → 1·(1−0.1−0.1) + 1 + 1 + 2·1 + 2·1 = 6.8
+    // b: usage 0.0, waiting 4             → 1·0.9 + 0 + 1 + 2·0 + 0 = 1.9
+    // c: usage 0.5, waiting 2, prefix 5   → 1·0.4 + 0.5 + 1 + 2·0.5 + 1 = 3.9
     let mut a = ep("a");
     a.kv_usage = Some(0.1);
     let mut b = ep("b");
@@ -193,20 +197,121 @@ fn hybrid_exact_scores() {
         PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (0, vec![2, 1])),
         o => panic!("{o:?}"),
     }
-    // Without prefix matches: a = 0.8+1+1 = 2.8, b = 0.9+0+1 = 1.9, c = 0.4+0.5+1 = 1.9;
+    // Without prefix matches every work is 5000 (prefill term 0):
+    // a = 0.8+1+1 = 2.8, b = 0.9+0+1 = 1.9, c = 0.4+0.5+1 = 1.9;
     // a wins; b and c tie on score and the secondary key (load: b 4, c 2) puts c first.
     match pick_with(&mut p, &s, &[], &[], &req(10_000)) {
         PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (0, vec![2, 1])),
         o => panic!("{o:?}"),
     }
     // In-flight tokens move traffic: 60k reserved on a → headroom 1−0.1−0.7 = 0.2 and
-    // in-flight term 0: a = 0.2+1+0 = 1.2 < b = 1.9.
+    // in-flight term 0: a = 0.2+1+0 = 1.2 < b = c = 1.9; c has the lower load (2 < 4).
     let infl = [InFlight {
+        prefill_tokens: 0,
         requests: 3,
         tokens: 60_000,
     }];
-    let o = pick_with(&mut p, &s, &infl, &[], &req(10_000));
-    assert_ne!(primary(&o), 0);
+    match pick_with(&mut p, &s, &infl, &[], &req(10_000)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (2, vec![1, 0])),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn uncached_prompt_tokens_exact() {
+    assert_eq!(uncached_prompt_tokens(5_000, 8, 10), 1_000);
+    assert_eq!(uncached_prompt_tokens(5_000, 3, 10), 3_500);
+    // Rounded up: 10 × 2 / 3 = 6.67.
+    assert_eq!(uncached_prompt_tokens(10, 1, 3), 7);
+    // No prefix information: nothing cached; a match longer than the request: all cached.
+    assert_eq!(uncached_prompt_tokens(100, 0, 0), 100);
+    assert_eq!(uncached_prompt_tokens(100, 12, 10), 0);
+    assert_eq!(uncached_prompt_tokens(u64::MAX, 0, 1), u64::MAX);
+    assert_eq!(uncached_prompt_tokens(u64::MAX, 1, 2), u64::MAX / 2 + 1);
+}
+
+/// a holds 8 of the request's 10 prefix blocks and has fewer requests, but 80k tokens of
+/// prefill queued (one long prompt without a first token yet, reserved before the last scrape
+/// so only its pending prefill is visible); b is busier by count (3 running) but has nothing
+/// to prefill. Request: prompt 5k, demand 10k, capacity 100k.
+#[test]
+fn hybrid_pending_prefill_steers_away_from_prefix_holder() {
+    let a = ep("a");
+    let mut b = ep("b");
+    b.running = 3;
+    let s = snap(vec![a, b]);
+    let mut p = picker(PolicyKind::Hybrid);
+    let long_queue = [
+        InFlight {
+            requests: 0,
+            tokens: 0,
+            prefill_tokens: 80_000,
+        },
+        InFlight::default(),
+    ];
+    // work a = 80000 + 5000·2/10 = 81000, b = 5000 (max 81000):
+    // a = 0.9 + 1 + 1 + 2·0 + 2·0.8 = 4.5
+    // b = 0.9 + 1 + 1 + 2·(1 − 5000/81000) + 0 = 4.7765
+    match pick_with(&mut p, &s, &long_queue, &[8, 0], &req(10_000)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (1, vec![0])),
+        o => panic!("{o:?}"),
+    }
+    // Without the pending prefill a keeps the request (prefix and fewer requests):
+    // work a = 1000, b = 5000: a = 0.9+1+1+2·0.8+1.6 = 6.1, b = 0.9+1+1+0+0 = 2.9.
+    assert_eq!(
+        primary(&pick_with(&mut p, &s, &[], &[8, 0], &req(10_000))),
+        0
+    );
+    // The old signals alone (queue, requests, KV) cannot see the 80k: with the prefill
+    // weight at 0, a wins on its prefix (a = 2.9 + 1.6 = 4.5 > b = 2.9).
+    let mut no_prefill = Picker::new(
+        PickerConfig {
+            weights: HybridWeights {
+                prefill: 0.0,
+                ..HybridWeights::default()
+            },
+            ..PickerConfig::default()
+        },
+        7,
+    )
+    .unwrap();
+    assert_eq!(
+        primary(&pick_with(
+            &mut no_prefill,
+            &s,
+            &long_queue,
+            &[8, 0],
+            &req(10_000)
+        )),
+        0
+    );
+}
+
+/// The prefix saving outweighs a moderate prefill queue: a holds all 10 blocks with 4k
+/// tokens pending, b holds none with nothing pending. work a = 4000 < b = 5000 (the
+/// request's whole 5k prompt), as in Dynamo's cost: a = 0.9+1+1+2·0.2+2 = 5.3 beats
+/// b = 0.9+1+1+0+0 = 2.9. With only 3 of 10 blocks on a, its work 4000 + 3500 = 7500
+/// exceeds b's 5000: a = 0.9+1+1+0+0.6 = 3.5 < b = 2.9 + 2·(1 − 5000/7500) = 3.567.
+#[test]
+fn hybrid_prefix_saving_outweighs_moderate_pending_prefill() {
+    let s = snap(vec![ep("a"), ep("b")]);
+    let mut p = picker(PolicyKind::Hybrid);
+    let infl = [
+        InFlight {
+            requests: 0,
+            tokens: 0,
+            prefill_tokens: 4_000,
+        },
+        InFlight::default(),
+    ];
+    match pick_with(&mut p, &s, &infl, &[10, 0], &req(10_000)) {
+        PickOutcome::Picked(pk) => assert_eq!((pk.primary, pk.fallbacks), (0, vec![1])),
+        o => panic!("{o:?}"),
+    }
+    assert_eq!(
+        primary(&pick_with(&mut p, &s, &infl, &[3, 0], &req(10_000))),
+        1
+    );
 }
 
 #[test]
@@ -458,6 +563,16 @@ fn config_validation_names_the_field() {
         ),
         (PolicyKind::LeastKv, 3.0, 1.0, 2000)
     );
+    // Configs written before the prefill-work weight existed get its default (2).
+    assert_eq!(cfg.weights.prefill, 2.0);
+    let e = bad(PickerConfig {
+        weights: HybridWeights {
+            prefill: f64::INFINITY,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    assert_eq!(e.field, "weights.prefill");
     assert!(serde_json::from_str::<PickerConfig>(r#"{"polcy":"random"}"#).is_err());
     assert_eq!(PolicyKind::PrefixAffinity.name(), "prefix_affinity");
 }

@@ -277,7 +277,7 @@ proptest! {
         }
         let snapshot = Snapshot::new(1, NOW, eps);
         prop_assert!(snapshot.validate().is_ok());
-        let inflight: Vec<InFlight> = inflight.into_iter().map(|(requests, tokens)| InFlight { requests, tokens }).collect();
+        let inflight: Vec<InFlight> = inflight.into_iter().map(|(requests, tokens)| InFlight { requests, tokens, prefill_tokens: 0 }).collect();
         let classes = if with_class {
             vec![RequestClass { name: "k".into(), pool: "a".into(), ..Default::default() }]
         } else {

@@ -52,6 +52,9 @@ pub struct Held {
     pub endpoint: String,
     /// Tokens reserved.
     pub tokens: u64,
+    /// Pending prefill tokens recorded with the reservation; 0 once
+    /// [`Worker::prefill_done`] ran (the first response bytes arrived).
+    pub prefill_tokens: u64,
 }
 
 /// What the request told us, kept for calibration at response time.
@@ -78,6 +81,10 @@ pub enum Decision {
         endpoint: String,
         /// KV demand, tokens.
         tokens: u64,
+        /// Pending prefill on `endpoint`, tokens: estimated prompt minus the prefix tokens
+        /// the prefix index expects cached there
+        /// ([`kvroute_core::picker::uncached_prompt_tokens`]).
+        prefill_tokens: u64,
         /// Reason (debug header): `policy:<name>` or `stale_fallback`.
         reason: String,
         /// Facts for calibration.
@@ -320,6 +327,11 @@ impl Worker {
                 let Some(primary) = snap.endpoints.get(p.primary) else {
                     return Decision::FailOpen("picker returned an index out of range".into());
                 };
+                let prefill_tokens = kvroute_core::picker::uncached_prompt_tokens(
+                    prompt,
+                    matches.get(p.primary).copied().unwrap_or(0),
+                    req.prefix_blocks,
+                );
                 self.prefix.record(&primary.id, &hashes);
                 let (header, value) = match self.config.mode {
                     Mode::Cluster => (self.config.cluster_header.clone(), primary.cluster.clone()),
@@ -352,6 +364,7 @@ impl Worker {
                     value,
                     endpoint: primary.id.clone(),
                     tokens: reserve.min(primary.kv_capacity_tokens.unwrap_or(u64::MAX)),
+                    prefill_tokens,
                     reason,
                     facts: RequestFacts {
                         model,
@@ -368,8 +381,10 @@ impl Worker {
         }
     }
 
-    /// Set the routing header and reserve. Returns the reservation (none when the shared
-    /// table could not be updated: routing still proceeds, counted as fail-open).
+    /// Set the routing header and reserve `tokens` of KV demand and `prefill_tokens` of
+    /// pending prefill. Returns the reservation (none when the shared table could not be
+    /// updated: routing still proceeds, counted as fail-open).
+    #[allow(clippy::too_many_arguments)]
     pub fn apply_route<H: Host>(
         &mut self,
         host: &H,
@@ -377,6 +392,7 @@ impl Worker {
         value: &str,
         endpoint: &str,
         tokens: u64,
+        prefill_tokens: u64,
         reason: &str,
     ) -> Option<Held> {
         host.set_request_header(header, Some(value));
@@ -392,7 +408,7 @@ impl Worker {
         );
         match shared::update_inflight(host, max, |t| {
             t.purge_expired(now);
-            t.reserve(id, endpoint, tokens, now, ttl);
+            t.reserve_with_prefill(id, endpoint, tokens, prefill_tokens, now, ttl);
             t.len()
         }) {
             Ok(n) => {
@@ -402,6 +418,7 @@ impl Worker {
                     id,
                     endpoint: endpoint.to_owned(),
                     tokens,
+                    prefill_tokens,
                 })
             }
             Err(e) => {
@@ -412,6 +429,22 @@ impl Worker {
                 );
                 None
             }
+        }
+    }
+
+    /// The first response bytes of `held`'s stream arrived: its prefill is done, so its
+    /// pending prefill in the shared table drops to 0 (same CAS update path as
+    /// [`Worker::release`]; a failure only leaves the prefill counted until release).
+    pub fn prefill_done<H: Host>(&mut self, host: &H, held: &Held) {
+        if let Err(e) =
+            shared::update_inflight(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES, |t| {
+                t.first_token(held.id)
+            })
+        {
+            host.log(
+                Level::Warn,
+                &format!("kvroute: prefill-done update failed (kept until release): {e}"),
+            );
         }
     }
 
@@ -508,13 +541,20 @@ impl Worker {
                     value,
                     endpoint,
                     tokens,
+                    prefill_tokens,
                     reason,
                     facts,
                 } => {
                     self.admission.pop();
-                    if let Some(held) =
-                        self.apply_route(host, &header, &value, &endpoint, tokens, &reason)
-                    {
+                    if let Some(held) = self.apply_route(
+                        host,
+                        &header,
+                        &value,
+                        &endpoint,
+                        tokens,
+                        prefill_tokens,
+                        &reason,
+                    ) {
                         self.resumed.insert(p.context_id, (held, facts, now));
                     }
                     host.resume_request();
@@ -613,13 +653,26 @@ mod tests {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
         let held = w
-            .apply_route(&h, "x-kvroute-cluster", "c1", "pool/e1", 500, "r")
+            .apply_route(&h, "x-kvroute-cluster", "c1", "pool/e1", 500, 300, "r")
             .unwrap();
         assert_eq!(h.header("x-kvroute-cluster").as_deref(), Some("c1"));
         assert_eq!(*h.route_clears.borrow(), 1);
         assert_eq!(
-            shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"].tokens,
-            500
+            shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"],
+            InFlight {
+                requests: 1,
+                tokens: 500,
+                prefill_tokens: 300,
+            }
+        );
+        w.prefill_done(&h, &held);
+        assert_eq!(
+            shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"],
+            InFlight {
+                requests: 1,
+                tokens: 500,
+                prefill_tokens: 0,
+            }
         );
         w.release(&h, &held);
         w.release(&h, &held);

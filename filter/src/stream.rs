@@ -10,7 +10,9 @@
 //!
 //! Response side: never buffered. The time from decision to response headers is recorded
 //! as TTFB; each body chunk is copied into a bounded `usage` scanner (SSE) or a bounded
-//! tail (JSON). At response end the reservation is released and the usage calibrates the
+//! tail (JSON). The first body bytes (before the end) mark the request's prefill done in
+//! the shared in-flight table (its pending prefill tokens drop to 0: a first token exists).
+//! At response end the reservation is released and the usage calibrates the
 //! estimator. `on_done` releases too, so client resets and upstream errors release; a
 //! reservation is released exactly once ([`Option::take`]).
 //!
@@ -271,13 +273,19 @@ impl Stream {
                 value,
                 endpoint,
                 tokens,
+                prefill_tokens,
                 reason,
                 facts,
             } => {
-                self.held = self
-                    .worker
-                    .borrow_mut()
-                    .apply_route(host, &header, &value, &endpoint, tokens, &reason);
+                self.held = self.worker.borrow_mut().apply_route(
+                    host,
+                    &header,
+                    &value,
+                    &endpoint,
+                    tokens,
+                    prefill_tokens,
+                    &reason,
+                );
                 self.facts = facts;
                 self.reason = reason;
                 self.decided_at_ms = host.now_ms();
@@ -376,6 +384,14 @@ impl Stream {
             return Flow::Continue;
         }
         let cap = self.worker.borrow().config.usage_tail_bytes;
+        if size > 0 && !end_of_stream {
+            // First response bytes: the model server has produced its first token, so the
+            // request's prefill is over (release at the end clears it otherwise).
+            if let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) {
+                self.worker.borrow_mut().prefill_done(host, h);
+                h.prefill_tokens = 0;
+            }
+        }
         if size > 0 {
             if let Some(chunk) = host.response_body(size) {
                 match &mut self.resp {
@@ -603,6 +619,45 @@ mod tests {
         let mut s = Stream::new(w, 2);
         assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
         assert_eq!(r.replies()[0].status, 503);
+    }
+
+    fn pending_prefill(h: &MockHost) -> u64 {
+        shared::read_inflight(h)
+            .unwrap()
+            .totals(NOW)
+            .values()
+            .map(|v| v.prefill_tokens)
+            .sum()
+    }
+
+    #[test]
+    fn first_response_body_marks_prefill_done() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        // No prefix sent to this endpoint before: the whole estimated prompt is pending.
+        let est = s.facts.prompt_tokens;
+        assert!(est > 0);
+        assert_eq!(pending_prefill(&h), est);
+        let kv = held(&h);
+        r.resp_headers
+            .borrow_mut()
+            .insert("content-type".into(), "text/event-stream".into());
+        s.on_response_headers(&r);
+        // Headers alone do not end prefill (servers may send them before the first token).
+        assert_eq!(pending_prefill(&h), est);
+        let chunk = b"data: {\"choices\":[]}\n\n".to_vec();
+        *r.resp_chunk.borrow_mut() = chunk.clone();
+        s.on_response_body(&r, chunk.len(), false);
+        assert_eq!(pending_prefill(&h), 0);
+        assert_eq!(held(&h), kv, "the KV reservation stays until the end");
+        s.on_response_body(&r, chunk.len(), false);
+        assert_eq!(pending_prefill(&h), 0);
+        s.on_response_body(&r, 0, true);
+        assert_eq!(held(&h), 0);
+        assert!(shared::read_inflight(&h).unwrap().is_empty());
     }
 
     #[test]

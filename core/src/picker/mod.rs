@@ -52,7 +52,8 @@ pub enum PolicyKind {
     LeastKv,
     /// Longest prefix match, ties by load.
     PrefixAffinity,
-    /// Weighted score of KV headroom, queue depth, in-flight tokens and prefix overlap.
+    /// Weighted score of KV headroom, queue depth, in-flight tokens, predicted prefill work
+    /// and prefix overlap.
     #[default]
     Hybrid,
 }
@@ -79,8 +80,13 @@ pub struct HybridWeights {
     pub kv_headroom: f64,
     /// Weight of queue depth (waiting requests).
     pub queue: f64,
-    /// Weight of router-local in-flight tokens.
+    /// Weight of router-local in-flight tokens (reserved KV demand the snapshot does not
+    /// show yet).
     pub inflight: f64,
+    /// Weight of predicted prefill work, 0..1 term (router-tracked pending prefill tokens
+    /// plus this request's uncached prompt tokens, over the largest among the candidates;
+    /// see `hybrid.rs`). Absent in older configs: takes the default, 2.
+    pub prefill: f64,
     /// Weight of prefix overlap (matched blocks / request blocks).
     pub prefix: f64,
 }
@@ -91,6 +97,7 @@ impl Default for HybridWeights {
             kv_headroom: 1.0,
             queue: 1.0,
             inflight: 1.0,
+            prefill: 2.0,
             prefix: 2.0,
         }
     }
@@ -150,13 +157,44 @@ impl Default for PickerConfig {
     }
 }
 
-/// Router-local load on one endpoint that the snapshot does not show yet.
+/// Router-local load on one endpoint.
+///
+/// `requests` and `tokens` cover only what the snapshot does not show yet (reservations made
+/// since that endpoint's scrape); `prefill_tokens` covers every in-flight request the router
+/// sent there that has not produced its first token, whatever the scrape age, because no
+/// model-server metric reports queued prompt *tokens*.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct InFlight {
     /// Requests sent and not yet finished.
     pub requests: u32,
     /// Their reserved KV demand, tokens.
     pub tokens: u64,
+    /// Pending prefill, tokens: Σ over the router's requests on this endpoint without a first
+    /// token yet of (estimated prompt tokens − prefix tokens expected cached there), as
+    /// recorded by [`crate::inflight::InflightTable::reserve_with_prefill`]. This is the
+    /// prefill half of NVIDIA Dynamo's router-side active-sequence accounting: its
+    /// `ActiveSequences` (`lib/llm/src/kv_router/sequence.rs`) records per request
+    /// `isl − overlap × block_size` prefill tokens at `add_request` and drops them at
+    /// `mark_prefill_completed` or `free` ("Potential New Prefill Blocks" in
+    /// <https://docs.nvidia.com/dynamo/design-docs/router-design>).
+    #[serde(default)]
+    pub prefill_tokens: u64,
+}
+
+/// Prompt tokens of a request that an endpoint is expected to compute, in tokens:
+/// `prompt_tokens × (request_blocks − matched_blocks) / request_blocks` (rounded up), i.e.
+/// the prompt minus the share of its prefix blocks the router's prefix index expects cached
+/// there. `request_blocks = 0` (no prefix information) means nothing is cached; a match
+/// longer than the request counts as the whole request. Used for
+/// [`InFlight::prefill_tokens`] at reservation time and by the `hybrid` prefill-work term.
+pub fn uncached_prompt_tokens(prompt_tokens: u64, matched_blocks: u32, request_blocks: u32) -> u64 {
+    if request_blocks == 0 {
+        return prompt_tokens;
+    }
+    let missing = u128::from(request_blocks.saturating_sub(matched_blocks));
+    let total = u128::from(request_blocks);
+    let v = (u128::from(prompt_tokens) * missing).div_ceil(total);
+    u64::try_from(v).unwrap_or(u64::MAX)
 }
 
 /// The request side of a decision.
@@ -182,8 +220,9 @@ pub struct PickRequest<'a> {
 pub struct PickInput<'a> {
     /// Current snapshot.
     pub snapshot: &'a Snapshot,
-    /// Router-local load per endpoint that the snapshot cannot show yet (reservations made
-    /// since that endpoint's scrape: [`crate::inflight::InflightTable::unseen_totals`]).
+    /// Router-local load per endpoint: reservations made since that endpoint's scrape, plus
+    /// the pending prefill tokens of all its in-flight requests
+    /// ([`crate::inflight::InflightTable::unseen_totals`]).
     pub inflight: &'a [InFlight],
     /// Prefix blocks of this request already sent to each endpoint.
     pub prefix_match_blocks: &'a [u32],
@@ -334,6 +373,7 @@ impl PickerConfig {
             ("weights.kv_headroom", w.kv_headroom),
             ("weights.queue", w.queue),
             ("weights.inflight", w.inflight),
+            ("weights.prefill", w.prefill),
             ("weights.prefix", w.prefix),
         ] {
             if !(v.is_finite() && v >= 0.0) {

@@ -173,6 +173,7 @@ fn setup(c: &Common) -> anyhow::Result<(EngineConfig, BenchConfig)> {
         queue: c.w_queue.unwrap_or(d.queue),
         inflight: c.w_inflight.unwrap_or(d.inflight),
         prefix: c.w_prefix.unwrap_or(d.prefix),
+        ..d
     };
     let picker = PickerConfig {
         weights,
