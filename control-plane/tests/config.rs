@@ -252,7 +252,10 @@ fn shipped_examples_are_valid() {
         assert_eq!(c.endpoints[i].cluster, cluster);
         assert!(envoy.contains(&format!("- name: {cluster}\n")), "{cluster}");
     }
-    assert_eq!(c.targets[0].url.to_string(), "http://127.0.0.1:10001/kvroute/v1/snapshot");
+    assert_eq!(
+        c.targets[0].url.to_string(),
+        "http://127.0.0.1:10001/kvroute/v1/snapshot"
+    );
     assert!(envoy.contains("address: 127.0.0.1, port_value: 10001"));
     // The ConfigMap embedded in the Kubernetes example.
     let text = std::fs::read_to_string(root.join("examples/kubernetes/kvroute-cp.yaml")).unwrap();
