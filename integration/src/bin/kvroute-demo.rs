@@ -190,6 +190,10 @@ async fn demo(a: Args) -> anyhow::Result<DemoOutcome> {
             w.model = DEFAULT_SIM_MODEL.to_owned();
             w.sim_extension = true;
             let reqs = load_workload(&w).context("loading the trace")?;
+            eprintln!(
+                "kvroute-demo: simulated replicas run {}x faster than real time; the table's latencies and tokens/s are wall-clock (multiply latencies by {} for simulated H100 seconds)",
+                c.time_scale, c.time_scale
+            );
             let fleet = Fleet::Sim(SimOptions {
                 replicas: c.backends,
                 model: DEFAULT_SIM_MODEL.to_owned(),
@@ -264,6 +268,7 @@ async fn main() -> ExitCode {
         r = &mut run => match r {
             Ok(out) => {
                 println!("{}", out.table);
+                println!("(×k: this column ÷ the first column; on latency rows k > 1 means the first column was faster, on the hit-rate row k < 1 means the first column hit more)");
                 for run in &out.runs {
                     if run.gateway.filter_decisions > 0 {
                         println!(
