@@ -133,39 +133,11 @@ pub fn normalise(mut rows: Vec<TraceRow>) -> Vec<TraceRow> {
     rows
 }
 
-/// Days from 1970-01-01 to a proleptic Gregorian date (H. Hinnant's `days_from_civil`).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
 /// Milliseconds since 1970-01-01 of an Azure `TIMESTAMP` (`2023-11-16 18:15:46.6805900`,
-/// UTC, fraction optional). `None` when malformed.
+/// UTC, fraction optional; sub-millisecond digits truncated). `None` when malformed. One
+/// parser serves both tools: [`crate::replay::workload::parse_azure_timestamp`].
 pub fn parse_azure_timestamp(s: &str) -> Option<i64> {
-    let (date, time) = s.trim().split_once(' ')?;
-    let mut d = date.split('-').map(|x| x.parse::<i64>().ok());
-    let (y, mo, da) = (d.next()??, d.next()??, d.next()??);
-    if d.next().is_some() || !(1..=12).contains(&mo) || !(1..=31).contains(&da) {
-        return None;
-    }
-    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
-    let mut t = hms.split(':').map(|x| x.parse::<i64>().ok());
-    let (h, mi, se) = (t.next()??, t.next()??, t.next()??);
-    if t.next().is_some() || h > 23 || mi > 59 || se > 60 || h < 0 || mi < 0 || se < 0 {
-        return None;
-    }
-    if !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let ms_frac = format!("{frac:0<3}")
-        .get(..3)
-        .and_then(|x| x.parse::<i64>().ok())?;
-    Some(((days_from_civil(y, mo, da) * 24 + h) * 60 + mi) * 60_000 + se * 1000 + ms_frac)
+    crate::replay::workload::parse_azure_timestamp(s).map(|t| (t * 1000.0).floor() as i64)
 }
 
 #[derive(serde::Deserialize)]
