@@ -256,21 +256,27 @@ pub fn parse_azure_timestamp(s: &str) -> Option<f64> {
     Some(days as f64 * 86_400.0 + hh * 3600.0 + mm * 60.0 + ss)
 }
 
+/// One row of the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+/// The routing benchmark reads the same rows.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct AzureRecord {
+    /// `YYYY-MM-DD HH:MM:SS.fraction`, see [`parse_azure_timestamp`].
+    #[serde(rename = "TIMESTAMP")]
+    pub timestamp: String,
+    /// Prompt length, tokens.
+    #[serde(rename = "ContextTokens")]
+    pub context: u32,
+    /// Output length, tokens.
+    #[serde(rename = "GeneratedTokens")]
+    pub generated: u32,
+}
+
 fn load_azure(path: &Path) -> Result<Vec<Row>, ReplayError> {
-    #[derive(serde::Deserialize)]
-    struct Rec {
-        #[serde(rename = "TIMESTAMP")]
-        timestamp: String,
-        #[serde(rename = "ContextTokens")]
-        context: u32,
-        #[serde(rename = "GeneratedTokens")]
-        generated: u32,
-    }
     let text = read_text(path)?;
     let mut rdr = csv::Reader::from_reader(text.as_bytes());
     let mut rows = Vec::new();
     let mut t0 = None;
-    for (i, rec) in rdr.deserialize::<Rec>().enumerate() {
+    for (i, rec) in rdr.deserialize::<AzureRecord>().enumerate() {
         let line = i + 2; // 1-based, after the header
         let rec = rec.map_err(|e| parse_err(path, line, e.to_string()))?;
         let t = parse_azure_timestamp(&rec.timestamp).ok_or_else(|| {

@@ -140,15 +140,7 @@ pub fn parse_azure_timestamp(s: &str) -> Option<i64> {
     crate::replay::workload::parse_azure_timestamp(s).map(|t| (t * 1000.0).floor() as i64)
 }
 
-#[derive(serde::Deserialize)]
-struct AzureRecord {
-    #[serde(rename = "TIMESTAMP")]
-    timestamp: String,
-    #[serde(rename = "ContextTokens")]
-    context: u32,
-    #[serde(rename = "GeneratedTokens")]
-    generated: u32,
-}
+use crate::replay::workload::AzureRecord;
 
 /// Load the Azure conv CSV (no prefix ids; see the module doc).
 ///
