@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | [`analyze`] | a request body | `kvroute_core::route::analyze_for_route` on every API path | never panics; deterministic; `n ≥ 1`; demand ≥ prompt tokens; prefix hashes ≤ `max_blocks`; exact token-id counts only for token-id prompts |
 //! | [`snapshot`] | an ingest body | `Snapshot::decode` | never panics; a decoded snapshot validates, and re-encodes to bytes that decode to the same ids, version and numbers |
-//! | [`exposition`] | a `/metrics` body (or a llama.cpp `/slots` body) | `expo::Exposition`, every `adapters::extract` kind, `llamacpp::slots_usage` | never panics; the scrape path's filtered parse keeps exactly the relevant samples of the full parse; adapter output has `kv_usage` in 0..=1, non-zero block size and capacity, and passes `Snapshot::validate` as the wire form kvroute-cp pushes |
+//! | [`exposition`] | a `/metrics` body (or a llama.cpp `/slots` body) | `expo::Exposition`, every `adapters::extract` kind, `llamacpp::slots_usage` | never panics; a body the full parse accepts, the scrape path's filtered parse accepts too, keeping exactly the relevant samples and skipping no more lines; adapter output has `kv_usage` in 0..=1, non-zero block size and capacity, and passes `Snapshot::validate` as the wire form kvroute-cp pushes |
 //! | [`sse_usage`] | a streamed response body | `usage::SseUsageScanner` | never panics; the tail stays ≤ `max_tail`; the usage read from the body split into arbitrary chunks equals the usage read from it whole (when no event outgrew the tail) |
 //!
 //! The targets themselves (`fuzz/libfuzzer/fuzz_targets/*.rs`, built by `cargo +nightly
@@ -126,7 +126,10 @@ pub fn snapshot(data: &[u8]) {
 fn same_samples(a: &[Sample], b: &[&Sample]) -> bool {
     a.len() == b.len()
         && a.iter().zip(b).all(|(x, y)| {
-            x.name == y.name && x.labels == y.labels && x.value.to_bits() == y.value.to_bits()
+            x.name == y.name
+                && x.labels == y.labels
+                && x.value.to_bits() == y.value.to_bits()
+                && x.timestamp.map(f64::to_bits) == y.timestamp.map(f64::to_bits)
         })
 }
 
@@ -164,12 +167,8 @@ fn wire(stats: &ServerStats) -> EndpointStats {
 /// The control plane's scrape path: exposition parser, each adapter, llama.cpp `/slots`.
 pub fn exposition(data: &[u8]) {
     let _ = llamacpp::slots_usage(data);
-    let Ok(text) = std::str::from_utf8(data) else {
-        assert!(Exposition::parse_bytes(data).is_err(), "non-UTF-8 accepted");
-        return;
-    };
-    let full = Exposition::parse(text);
-    let kept = Exposition::parse_with(text, adapters::is_relevant);
+    let full = Exposition::parse_bytes(data);
+    let kept = Exposition::parse_bytes_with(data, adapters::is_relevant);
     if let Ok(full) = &full {
         let Ok(kept) = &kept else {
             fail("the filtered parse rejects a body the full parse accepts");
@@ -185,6 +184,7 @@ pub fn exposition(data: &[u8]) {
             kept.samples,
             relevant
         );
+        assert!(kept.skipped <= full.skipped, "the filtered parse skipped more lines");
     }
     let Ok(expo) = kept else { return };
     for kind in KINDS {

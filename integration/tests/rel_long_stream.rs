@@ -19,9 +19,9 @@ use hyper_util::rt::TokioIo;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use kvroute_integration::harness::kvroute::now_ms;
 use kvroute_integration::harness::{free_port, http, wasm_path, workspace_root, Envoy};
-use kvroute_integration::sim::metrics::Dialect;
-use kvroute_integration::sim::perf::BatchShape;
-use kvroute_integration::sim::server::{spawn_fleet, FleetConfig, ReplicaConfig};
+use kvroute_sim::metrics::Dialect;
+use kvroute_sim::perf::BatchShape;
+use kvroute_sim::server::{spawn_fleet, FleetConfig, ReplicaConfig};
 use std::time::{Duration, Instant};
 
 /// Wall-clock length of the generation, seconds (the old route timeout was 30 s).

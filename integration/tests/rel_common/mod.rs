@@ -13,8 +13,8 @@
 use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::kvroute::{ingest_plugin_config, TEST_TOKEN};
 use kvroute_integration::harness::{free_port, http, render, templates, wasm_path, Envoy};
-use kvroute_integration::sim::metrics::Dialect;
-use kvroute_integration::sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
+use kvroute_sim::metrics::Dialect;
+use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
