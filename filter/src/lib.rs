@@ -8,6 +8,7 @@
 //! | [`config`] | plugin JSON → validated [`config::Config`] |
 //! | [`host`] | the host seam (trait) and an in-memory mock for native tests |
 //! | [`names`] | every header, shared-data key and metric name |
+//! | [`reply`] | every reply the filter makes itself (OpenAI error object, `GET /v1/models`) |
 //! | [`shared`] | snapshot publication/cache and the in-flight table in shared data (CAS) |
 //! | [`ingest`] | the snapshot ingest route (role `ingest`) |
 //! | [`router`] | per-worker state, the decision, reservations, admission tick, calibration |
@@ -20,6 +21,7 @@ pub mod config;
 pub mod host;
 pub mod ingest;
 pub mod names;
+pub mod reply;
 pub mod router;
 pub mod shared;
 pub mod stream;

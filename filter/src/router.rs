@@ -5,11 +5,12 @@
 //! - a pick sets the routing header (cluster name, or `host:port[,fallback...]`), asks Envoy
 //!   to clear its route cache, and reserves the request's KV demand (tokens) on the chosen
 //!   endpoint in the shared in-flight table;
-//! - no endpoint for the model → JSON 503;
-//! - every endpoint saturated → held in the admission queue when enabled, else JSON 429
-//!   with `retry-after`;
+//! - no endpoint for the model → 404 `model_not_found` when no endpoint lists it, else 503
+//!   `no_healthy_endpoint` with `retry-after` ([`crate::reply`], OpenAI's error object);
+//! - every endpoint saturated → held in the admission queue when enabled, else 429
+//!   `saturated` with `retry-after`;
 //! - no snapshot yet, or an internal error → fail open: no header is set and Envoy's
-//!   default route applies (counter `kvroute.fail_open`), or JSON 503 when
+//!   default route applies (counter `kvroute.fail_open`), or 503 `router_unavailable` when
 //!   `fail_open` is false.
 //!
 //! Requests routed without their body (no body, upgrade, over `max_body_bytes`, encoded)
@@ -504,6 +505,30 @@ impl Worker {
 }
 
 impl Worker {
+    /// The reply when no endpoint can take a request for the model in `body`: 404
+    /// `model_not_found` when no endpoint of the snapshot lists it (base model or LoRA
+    /// adapter), else 503 `no_healthy_endpoint` with `retry-after`. Counted either way.
+    /// Reads the body's `model` again: this is the error path, not the hot path.
+    pub fn no_endpoints_reply<H: Host>(
+        &mut self,
+        host: &H,
+        body: Option<&[u8]>,
+    ) -> crate::reply::LocalReply {
+        let model = crate::reply::requested_model(body);
+        let known = match (&model, self.cache.catalog(host)) {
+            (Some(m), Ok(Some(c))) => c.serves(m),
+            // No model named (any endpoint would do) or no catalog: not the client's fault.
+            _ => true,
+        };
+        if known {
+            host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
+            crate::reply::no_healthy_endpoint(model.as_deref(), self.config.admission.retry_after_s)
+        } else {
+            host.metric_add(MetricKind::Counter, metric::MODEL_NOT_FOUND, 1);
+            crate::reply::model_not_found(model.as_deref().unwrap_or(""))
+        }
+    }
+
     /// Admission tick: answer 429 to parked requests past `admission.timeout_ms`, then
     /// re-decide parked requests in service order until one still finds no capacity.
     /// Returns how many were resumed.
@@ -511,20 +536,13 @@ impl Worker {
         let now = host.now_ms();
         let (timeout, retry_after) = (
             self.config.admission.timeout_ms,
-            self.config.admission.retry_after_s.to_string(),
+            self.config.admission.retry_after_s,
         );
-        let reject_body = r#"{"error":"saturated"}"#;
+        let reject = crate::reply::saturated(retry_after);
         for p in self.admission.take_expired(now, timeout) {
             if host.set_effective_context(p.context_id) {
                 host.metric_add(MetricKind::Counter, metric::REJECTED, 1);
-                host.send_local_reply(
-                    429,
-                    &[
-                        ("content-type", "application/json"),
-                        ("retry-after", &retry_after),
-                    ],
-                    reject_body.as_bytes(),
-                );
+                reject.send(host);
             }
         }
         let mut resumed = 0;
@@ -562,12 +580,7 @@ impl Worker {
                 }
                 Decision::NoEndpoints => {
                     self.admission.pop();
-                    host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
-                    host.send_local_reply(
-                        503,
-                        &[("content-type", "application/json")],
-                        br#"{"error":"no_endpoints"}"#,
-                    );
+                    self.no_endpoints_reply(host, body).send(host);
                 }
                 Decision::FailOpen(_) => {
                     self.admission.pop();

@@ -4,6 +4,7 @@
 
 use crate::config::{Config, Role};
 use crate::host::{Host, HostError, Level, MetricKind};
+use crate::names::metric;
 use crate::router::{consume_snapshots, Worker};
 use crate::stream::{Flow, Stream};
 use proxy_wasm::hostcalls;
@@ -13,6 +14,9 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
+
+/// Tick period when admission is off: how often the Wasm memory gauge is refreshed, ms.
+const MEMORY_GAUGE_PERIOD_MS: u64 = 1_000;
 
 thread_local! {
     static METRICS: RefCell<BTreeMap<&'static str, u32>> = const { RefCell::new(BTreeMap::new()) };
@@ -134,6 +138,10 @@ impl Host for ProxyHost {
     fn resume_request(&self) {
         let _ = hostcalls::resume_http_request();
     }
+    fn property(&self, path: &[&str]) -> Option<String> {
+        let bytes = hostcalls::get_property(path.to_vec()).ok()??;
+        String::from_utf8(bytes).ok()
+    }
 }
 
 fn action(f: Flow) -> Action {
@@ -177,7 +185,12 @@ impl RootContext for Root {
         let (role, queue, tick) = (
             config.role,
             config.queue_name.clone(),
-            config.admission.enabled.then_some(config.admission.tick_ms),
+            // Without admission the tick only refreshes the Wasm memory gauge.
+            if config.admission.enabled {
+                config.admission.tick_ms
+            } else {
+                MEMORY_GAUGE_PERIOD_MS
+            },
         );
         let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
@@ -211,9 +224,7 @@ impl RootContext for Root {
                 }
             }
         }
-        if let Some(ms) = tick {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
-        }
+        let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.worker = Some(Rc::new(RefCell::new(worker)));
         true
     }
@@ -227,8 +238,13 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        // This VM's linear memory: it only grows, so a leak shows as steady growth.
+        let pages = core::arch::wasm32::memory_size(0) as u64;
+        ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
         if let Some(w) = &self.worker {
-            w.borrow_mut().tick(&ProxyHost);
+            if w.borrow().config.admission.enabled {
+                w.borrow_mut().tick(&ProxyHost);
+            }
         }
     }
 

@@ -28,9 +28,12 @@ use kvroute_cp::adapters::{self, llamacpp, ServerKind, ServerStats};
 use kvroute_cp::expo::{Exposition, Sample};
 use std::sync::OnceLock;
 
+/// One fuzz target's check.
+pub type Check = fn(&[u8]);
+
 /// The fuzz targets, by name (the directory names under `fuzz/corpus/` and
 /// `fuzz/regressions/`, and the binaries of `fuzz/libfuzzer`).
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Check)] = &[
     ("analyze", analyze),
     ("snapshot", snapshot),
     ("exposition", exposition),
@@ -184,7 +187,10 @@ pub fn exposition(data: &[u8]) {
             kept.samples,
             relevant
         );
-        assert!(kept.skipped <= full.skipped, "the filtered parse skipped more lines");
+        assert!(
+            kept.skipped <= full.skipped,
+            "the filtered parse skipped more lines"
+        );
     }
     let Ok(expo) = kept else { return };
     for kind in KINDS {

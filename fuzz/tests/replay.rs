@@ -3,6 +3,7 @@
 //! crashed a target (`fuzz/regressions/<target>/`, one file per crash, named after what it
 //! found). Runs on stable in the normal test suite; a regression fails here without fuzzing.
 
+#![allow(clippy::unwrap_used, clippy::panic)]
 use std::path::{Path, PathBuf};
 
 fn inputs(dir: &Path) -> Vec<PathBuf> {

@@ -7,7 +7,7 @@
 //! | control plane killed, restarted | the filter keeps the last snapshot and routes on it; once it is older than `stale_after_ms` every decision is a least-request fallback; all 200; after the restart decisions are by policy again |
 //! | backend restarted in place | its prefix affinity is dropped: the next turn of a conversation it served matches 0 prefix blocks there |
 //! | everything saturated | admission holds up to `max_queue` requests per worker and answers the rest 429 at once; the held ones get 429 after `timeout_ms`; nothing hangs |
-//! | ingest flood | 100 pushes/s of snapshots at the ingest size limit: every push is accepted and handled, routing answers 200 throughout; one byte over the limit gets 413 |
+//! | ingest flood | 100 pushes/s for 5 s, then 20 snapshots at the ingest size limit (1 MiB): every push is accepted and handled, routing answers 200 throughout; one byte over the limit gets 413 |
 //! | endpoint churn | 2,000 new addresses over time: the in-flight table drains to 0 and the Wasm memory stops growing |
 #![allow(
     clippy::unwrap_used,
@@ -302,7 +302,7 @@ async fn ingest_flood_at_the_size_limit() {
     let url = fleet.url("/v1/chat/completions");
     let router = tokio::spawn(async move {
         let mut statuses = Vec::new();
-        for i in 0..50 {
+        for i in 0..30 {
             let r = http::request(
                 "POST",
                 &url,
@@ -316,23 +316,36 @@ async fn ingest_flood_at_the_size_limit() {
         }
         statuses
     });
-    // 100 pushes/s for 5 s.
+    // 100 pushes/s for 5 s of a 40-endpoint fleet (open loop: one task per push), then 20
+    // pushes at the size limit back to back.
     let start = Instant::now();
-    let pushes = 500u64;
-    let mut sent = 0u64;
+    let pushes = 520u64;
+    let mut sends = tokio::task::JoinSet::new();
     let mut tick = tokio::time::interval(Duration::from_millis(10));
-    while sent < pushes {
-        tick.tick().await;
-        let snap = padded(&fleet, version0 + sent, filler, 0).encode();
-        let r = fleet
-            .ingest(
-                &snap,
-                Some(kvroute_integration::harness::kvroute::TEST_TOKEN),
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.status, 204, "push {sent}: {}", r.text());
-        sent += 1;
+    for sent in 0..pushes {
+        let big = sent >= 500;
+        if !big {
+            tick.tick().await;
+        }
+        let snap = padded(&fleet, version0 + sent, if big { filler } else { 40 }, 0).encode();
+        let url = format!("http://127.0.0.1:{}/kvroute/v1/snapshot", fleet.ingest_port);
+        let push = async move {
+            let auth = format!(
+                "Bearer {}",
+                kvroute_integration::harness::kvroute::TEST_TOKEN
+            );
+            http::request("POST", &url, &[("authorization", auth.as_str())], &snap).await
+        };
+        if big {
+            let r = push.await.unwrap();
+            assert_eq!(r.status, 204, "push {sent}: {}", r.text());
+        } else {
+            sends.spawn(push);
+        }
+    }
+    while let Some(r) = sends.join_next().await {
+        let r = r.unwrap().unwrap();
+        assert_eq!(r.status, 204, "{}", r.text());
     }
     let took = start.elapsed();
     let statuses = router.await.unwrap();
@@ -352,11 +365,12 @@ async fn ingest_flood_at_the_size_limit() {
         .await
         .unwrap();
     eprintln!(
-        "ingest flood: {pushes} pushes of {body_len} bytes in {:.1} s",
+        "ingest flood: 500 pushes at 100/s, then 20 of {body_len} bytes, in {:.1} s",
         took.as_secs_f64()
     );
     // One byte over the limit: refused, named.
-    let mut over = padded(&fleet, version0 + pushes + 1, filler + 10, 0).encode();
+    let mut over = padded(&fleet, version0 + pushes + 1, filler + 200, 0).encode();
+    assert!(over.len() > LIMIT + 1);
     over.truncate(LIMIT + 1);
     let r = fleet
         .ingest(
@@ -421,4 +435,78 @@ async fn endpoint_churn_keeps_state_bounded() {
     );
     assert!(fleet.envoy.wasm_failures().await.unwrap().is_empty());
     let _ = (free_port, Mode::Cluster, INFLIGHT, WASM_MEMORY);
+}
+
+/// What a client sees for an unknown model, a model list and a misconfigured cluster, through
+/// real Envoy: OpenAI-shaped replies, never an empty 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_are_openai_shaped_and_a_missing_cluster_is_named() {
+    let fleet = Fleet::start(FleetOptions::default()).await.unwrap();
+    let now = now_ms();
+    let mut typo = fleet.endpoint(1, 0.0, now);
+    typo.cluster = "c1-typo".into();
+    typo.lora_adapters = vec!["sql-lora".into()];
+    fleet
+        .push(&Snapshot::new(
+            1,
+            now,
+            vec![fleet.endpoint(0, 0.9, now), typo],
+        ))
+        .await
+        .unwrap();
+
+    // Unknown model: 404 model_not_found, which OpenAI clients do not retry.
+    let body = br#"{"model":"no-such-model","messages":[{"role":"user","content":"hi"}]}"#;
+    let r = fleet.post("/v1/chat/completions", body).await.unwrap();
+    assert_eq!(r.status, 404, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["param"], "model");
+    assert_eq!(r.header("content-type"), Some("application/json"));
+
+    // GET /v1/models: base models and adapters of the snapshot, OpenAI's list shape.
+    let r = http::request("GET", &fleet.url("/v1/models"), &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["object"], "list");
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["m", "sql-lora"]);
+    assert_eq!(fleet.counts(), vec![0, 0], "answered by the filter");
+
+    // The endpoint whose cluster Envoy lacks: a named 503, a metric, a log line.
+    let r = fleet
+        .post(
+            "/v1/chat/completions",
+            br#"{"model":"sql-lora","messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 503);
+    assert!(!r.body.is_empty(), "an empty 503");
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["code"], "cluster_not_found", "{}", r.text());
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`c1-typo`"));
+    assert_eq!(
+        fleet
+            .custom("kvroute.outcome.cluster_not_found")
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(fleet
+        .envoy
+        .log()
+        .contains("kvroute: Envoy has no cluster `c1-typo` (chosen for endpoint `pool/e1`)"));
+    assert!(fleet.envoy.wasm_failures().await.unwrap().is_empty());
 }

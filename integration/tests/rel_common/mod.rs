@@ -81,7 +81,12 @@ impl Drop for Stack {
     }
 }
 
-fn cp_yaml(addrs: &[SocketAddr], scrape_ms: u64, ingest_port: u16, token_file: &PathBuf) -> String {
+fn cp_yaml(
+    addrs: &[SocketAddr],
+    scrape_ms: u64,
+    ingest_port: u16,
+    token_file: &std::path::Path,
+) -> String {
     let mut y = format!(
         "listen: 127.0.0.1:0\nscrape:\n  interval_ms: {scrape_ms}\n  timeout_ms: 1000\n  jitter: 0\npush:\n  heartbeat_ms: 200\n  min_interval_ms: 10\n  token_file: {}\ntargets:\n  - name: envoy\n    url: http://127.0.0.1:{ingest_port}/kvroute/v1/snapshot\npools:\n  - name: pool\n    kind: vllm\n    models: [\"{MODEL}\"]\n    endpoints:\n",
         token_file.display()
