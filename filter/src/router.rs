@@ -51,7 +51,10 @@ pub struct Routed {
     pub header: String,
     /// Its value: the endpoint's cluster, or `host:port[,fallback...]`.
     pub value: String,
-    /// Decision reason (debug header): `policy:<name>` or `stale_fallback`.
+    /// Decision reason (debug header): `policy:<name>` or `stale_fallback`, then
+    /// `;endpoint=<id>`, `;load_only=<cause>` when the body was not used
+    /// (`body_not_read`, `not_inference`, `unparsable`), `;demand_over_capacity` when re-picked
+    /// by load, e.g. `policy:hybrid;endpoint=pool/e1;load_only=unparsable`.
     pub reason: String,
     /// The core decision.
     pub route: Route,
@@ -206,7 +209,7 @@ impl Worker {
                         (self.config.endpoint_header.clone(), v)
                     }
                 };
-                let reason = match route.reason {
+                let mut reason = match route.reason {
                     PickReason::Policy => {
                         host.metric_add(MetricKind::Counter, metric::DECISIONS_POLICY, 1);
                         host.metric_add(
@@ -221,6 +224,17 @@ impl Worker {
                         "stale_fallback".to_owned()
                     }
                 };
+                // Where it went and what the decision rested on (a load-only pick of an
+                // unparsable body must not read like a body-based one).
+                reason.push_str(";endpoint=");
+                reason.push_str(&route.endpoint);
+                if let Basis::LoadOnly(cause) = d.basis {
+                    reason.push_str(";load_only=");
+                    reason.push_str(cause.name());
+                }
+                if route.demand_over_capacity {
+                    reason.push_str(";demand_over_capacity");
+                }
                 Decision::Route(Box::new(Routed {
                     header,
                     value,
@@ -527,6 +541,41 @@ mod tests {
                 kvroute_core::picker::PolicyKind::RoundRobin
             )),
             3
+        );
+    }
+
+    #[test]
+    fn decision_reason_names_endpoint_and_load_only_cause() {
+        let h = MockHost::new(1000);
+        let snap = Snapshot::new(1, 1000, vec![endpoint(0, 1000)]);
+        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        let mut w = worker(r#"{"debug_header":true}"#);
+        let reason = |d: Decision| match d {
+            Decision::Route(r) => r.reason,
+            d => panic!("unexpected {d:?}"),
+        };
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(
+            reason(w.decide(&h, "/v1/chat/completions", Some(body))),
+            "policy:hybrid;endpoint=pool/e0"
+        );
+        assert_eq!(
+            reason(w.decide(&h, "/v1/chat/completions", Some(b"{\"model\":"))),
+            "policy:hybrid;endpoint=pool/e0;load_only=unparsable"
+        );
+        assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
+        let r = w.decide(&h, "/v1/chat/completions", None);
+        let Decision::Route(r) = r else {
+            panic!("not routed")
+        };
+        assert_eq!(
+            r.reason,
+            "policy:hybrid;endpoint=pool/e0;load_only=body_not_read"
+        );
+        w.apply_route(&h, &r).unwrap();
+        assert_eq!(
+            h.header(DECISION_HEADER).as_deref(),
+            Some(r.reason.as_str())
         );
     }
 

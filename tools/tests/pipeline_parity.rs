@@ -29,11 +29,11 @@ use kvroute_filter::config::Config;
 use kvroute_filter::host::mock::MockHost;
 use kvroute_filter::router::{Decision, Held, Worker};
 use kvroute_filter::shared;
+use kvroute_sim::metrics::Dialect;
+use kvroute_sim::server::ReplicaConfig;
 use kvroute_tools::replay::workload::load_workload;
 use kvroute_tools::replay::{shared_data_dir, TraceSource, WorkloadOptions};
 use kvroute_tools::routebench::{kvroute_router, BenchConfig};
-use kvroute_sim::metrics::Dialect;
-use kvroute_sim::server::ReplicaConfig;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const SEED: u64 = 11;
