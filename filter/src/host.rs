@@ -86,6 +86,7 @@ pub trait Host {
     }
 }
 
+#[cfg(any(test, feature = "testing"))]
 pub mod mock {
     //! In-memory [`Host`] for native tests, with builder methods.
     use super::*;

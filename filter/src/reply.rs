@@ -301,8 +301,8 @@ pub fn is_model_list(method: Option<&str>, path: &str) -> bool {
     method == Some("GET") && p == "/v1/models"
 }
 
-/// The `model` field of a JSON body, if it has one (read only on the error path, to tell an
-/// unknown model from an unavailable one).
+/// The `model` field of a JSON body, if it has one (read only on the error path, to name the
+/// model in a 503 `no_healthy_endpoint`).
 pub fn requested_model(body: Option<&[u8]>) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct M {

@@ -1,11 +1,14 @@
 //! proxy-wasm glue: the real [`Host`] over the SDK's host calls, and the root and HTTP
-//! contexts that delegate to [`crate::stream::Stream`] and [`crate::router::Worker`].
+//! contexts that delegate to [`crate::stream::Stream`] and [`crate::router::Worker`] (role
+//! `route`) or to [`crate::ingest::IngestStream`] and [`crate::ingest::consume_snapshots`]
+//! (role `ingest`).
 //! Compiled for `wasm32` only; everything it calls is unit-tested natively with the mock.
 
 use crate::config::{Config, Role};
 use crate::host::{Host, HostError, Level, MetricKind};
+use crate::ingest::{consume_snapshots, IngestStream};
 use crate::names::metric;
-use crate::router::{consume_snapshots, Worker};
+use crate::router::Worker;
 use crate::stream::{Flow, Stream};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -151,11 +154,19 @@ fn action(f: Flow) -> Action {
     }
 }
 
-/// Root context: parses config, owns the worker state, consumes the snapshot queue
-/// (role `ingest`) and runs the admission tick (role `route` with admission on).
+/// What a configured root context serves.
+enum Serving {
+    /// Role `route`: the worker state shared with its HTTP contexts.
+    Route(Rc<RefCell<Worker>>),
+    /// Role `ingest`: the configuration its HTTP contexts check uploads against.
+    Ingest(Rc<Config>),
+}
+
+/// Root context: parses config, owns the worker state (role `route`) and runs its admission
+/// tick, or consumes the snapshot queue (role `ingest`).
 struct Root {
     context_id: u32,
-    worker: Option<Rc<RefCell<Worker>>>,
+    serving: Option<Serving>,
     queue: Option<u32>,
 }
 
@@ -182,16 +193,37 @@ impl RootContext for Root {
                 .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
                 .map(|d| u64::from(d.subsec_nanos()))
                 .unwrap_or(0);
-        let (role, queue, tick) = (
-            config.role,
-            config.queue_name.clone(),
-            // Without admission the tick only refreshes the Wasm memory gauge.
-            if config.admission.enabled {
-                config.admission.tick_ms
-            } else {
-                MEMORY_GAUGE_PERIOD_MS
-            },
-        );
+        if let Err(e) = crate::shared::ensure_keys(&host) {
+            host.log(
+                Level::Warn,
+                &format!("kvroute: shared keys not created: {e}"),
+            );
+        }
+        if config.role == Role::Ingest {
+            match hostcalls::register_shared_queue(&config.queue_name) {
+                Ok(id) => self.queue = Some(id),
+                Err(e) => {
+                    host.log(
+                        Level::Error,
+                        &format!(
+                            "kvroute: cannot register queue {}: {e:?}",
+                            config.queue_name
+                        ),
+                    );
+                    return false;
+                }
+            }
+            // The tick only refreshes the Wasm memory gauge here.
+            let _ = hostcalls::set_tick_period(Duration::from_millis(MEMORY_GAUGE_PERIOD_MS));
+            self.serving = Some(Serving::Ingest(Rc::new(config)));
+            return true;
+        }
+        // Without admission the tick only refreshes the Wasm memory gauge.
+        let tick = if config.admission.enabled {
+            config.admission.tick_ms
+        } else {
+            MEMORY_GAUGE_PERIOD_MS
+        };
         let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
             Err(e) => {
@@ -199,12 +231,6 @@ impl RootContext for Root {
                 return false;
             }
         };
-        if let Err(e) = crate::shared::ensure_keys(&host) {
-            host.log(
-                Level::Warn,
-                &format!("kvroute: shared keys not created: {e}"),
-            );
-        }
         match crate::shared::next_worker_number(&host) {
             Ok(n) => worker.set_worker_number(n),
             Err(e) => host.log(
@@ -212,20 +238,8 @@ impl RootContext for Root {
                 &format!("kvroute: no worker number (random reservation ids): {e}"),
             ),
         }
-        if role == Role::Ingest {
-            match hostcalls::register_shared_queue(&queue) {
-                Ok(id) => self.queue = Some(id),
-                Err(e) => {
-                    host.log(
-                        Level::Error,
-                        &format!("kvroute: cannot register queue {queue}: {e:?}"),
-                    );
-                    return false;
-                }
-            }
-        }
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
-        self.worker = Some(Rc::new(RefCell::new(worker)));
+        self.serving = Some(Serving::Route(Rc::new(RefCell::new(worker))));
         true
     }
 
@@ -241,7 +255,7 @@ impl RootContext for Root {
         // This VM's linear memory: it only grows, so a leak shows as steady growth.
         let pages = core::arch::wasm32::memory_size(0) as u64;
         ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
-        if let Some(w) = &self.worker {
+        if let Some(Serving::Route(w)) = &self.serving {
             if w.borrow().config.admission.enabled {
                 w.borrow_mut().tick(&ProxyHost);
             }
@@ -249,10 +263,14 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let worker = self.worker.clone()?;
-        Some(Box::new(Http {
-            stream: Stream::new(worker, context_id),
-        }))
+        match self.serving.as_ref()? {
+            Serving::Route(w) => Some(Box::new(Http {
+                stream: Stream::new(w.clone(), context_id),
+            })),
+            Serving::Ingest(c) => Some(Box::new(Ingest {
+                stream: IngestStream::new(c.clone()),
+            })),
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -296,6 +314,25 @@ impl HttpContext for Http {
     }
 }
 
+/// HTTP context of the ingest listener: a thin shell over [`IngestStream`].
+struct Ingest {
+    stream: IngestStream,
+}
+
+impl Context for Ingest {}
+
+impl HttpContext for Ingest {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_request_headers(&ProxyHost, end_of_stream))
+    }
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_request_body(&ProxyHost, size, end_of_stream))
+    }
+    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        action(self.stream.on_request_trailers(&ProxyHost))
+    }
+}
+
 #[allow(unsafe_code)] // proxy_wasm::main! expands to the `_initialize` export.
 mod entry {
     proxy_wasm::main! {{
@@ -307,7 +344,7 @@ mod entry {
             );
         }));
         proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-            Box::new(super::Root { context_id, worker: None, queue: None })
+            Box::new(super::Root { context_id, serving: None, queue: None })
         });
     }}
 }

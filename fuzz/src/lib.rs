@@ -7,7 +7,7 @@
 //!
 //! | function | input | code under test | properties checked |
 //! |---|---|---|---|
-//! | [`analyze`] | a request body | `kvroute_core::route::analyze_for_route` on every API path | never panics; deterministic; `n ≥ 1`; demand ≥ prompt tokens; prefix hashes ≤ `max_blocks`; exact token-id counts only for token-id prompts |
+//! | [`analyze`] | a request body | `kvroute_core::analysis::analyze`, then the router's request description and KV demand, on every API path | never panics; deterministic; `n ≥ 1`; demand ≥ prompt tokens; prefix hashes ≤ `max_blocks`; exact token-id counts only for token-id prompts |
 //! | [`snapshot`] | an ingest body | `Snapshot::decode` | never panics; a decoded snapshot validates, and re-encodes to bytes that decode to the same ids, version and numbers |
 //! | [`exposition`] | a `/metrics` body (or a llama.cpp `/slots` body) | `expo::Exposition`, every `adapters::extract` kind, `llamacpp::slots_usage` | never panics; a body the full parse accepts, the scrape path's filtered parse accepts too, keeping exactly the relevant samples and skipping no more lines; adapter output has `kv_usage` in 0..=1, non-zero block size and capacity, and passes `Snapshot::validate` as the wire form kvroute-cp pushes |
 //! | [`sse_usage`] | a streamed response body | `usage::SseUsageScanner` | never panics; the tail stays ≤ `max_tail`; the usage read from the body split into arbitrary chunks equals the usage read from it whole (when no event outgrew the tail) |
@@ -18,15 +18,14 @@
 //! so `make test` guards against regressions without a nightly toolchain. How to run them and
 //! what was run: `docs/reliability.md`.
 
+use kvroute_core::analysis::{self, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::prefix::PrefixConfig;
-use kvroute_core::profile::{builtin_profiles, ModelProfile};
-use kvroute_core::route::analyze_for_route;
+use kvroute_core::router::{RequestInfo, Router, RouterConfig};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use kvroute_core::usage::SseUsageScanner;
 use kvroute_cp::adapters::{self, llamacpp, ServerKind, ServerStats};
 use kvroute_cp::expo::{Exposition, Sample};
-use std::sync::OnceLock;
 
 /// One fuzz target's check.
 pub type Check = fn(&[u8]);
@@ -49,48 +48,61 @@ pub const PATHS: &[&str] = &[
     "/generate",
 ];
 
-fn profiles() -> &'static [ModelProfile] {
-    static P: OnceLock<Vec<ModelProfile>> = OnceLock::new();
-    P.get_or_init(builtin_profiles)
+thread_local! {
+    /// The router the filter builds from a default plugin config: built-in model profiles.
+    static ROUTER: Option<Router> = Router::new(RouterConfig::default(), 0).ok();
 }
 
 /// Request analysis: the filter's per-request parser of untrusted bodies.
 ///
-/// Runs `analyze_for_route` for each of [`PATHS`] with the default estimator and prefix
-/// configuration and the built-in model profiles.
+/// For each of [`PATHS`]: [`analysis::analyze`] with the default estimator, then
+/// [`RequestInfo::from_analysis`] with the default prefix configuration and the KV demand
+/// of [`Router::demand`] (built-in model profiles), the path [`Router::route`] takes.
 pub fn analyze(data: &[u8]) {
     let estimator = Estimator::default();
     let prefix = PrefixConfig::default();
-    for path in PATHS {
-        let first = analyze_for_route(path, data, &estimator, &prefix, profiles());
-        let again = analyze_for_route(path, data, &estimator, &prefix, profiles());
-        assert_eq!(first, again, "analysis is not deterministic on {path}");
-        match first {
-            Ok(r) => {
-                let a = &r.analysis;
-                assert!(a.n >= 1, "n = {} on {path}", a.n);
-                assert!(
-                    r.demand.tokens >= a.prompt_tokens,
-                    "demand {} < prompt {} on {path}",
-                    r.demand.tokens,
-                    a.prompt_tokens
-                );
-                assert!(
-                    r.hashes.len() <= prefix.max_blocks,
-                    "{} prefix hashes > max_blocks {}",
-                    r.hashes.len(),
-                    prefix.max_blocks
-                );
-                if let Some(m) = &a.model {
-                    assert!(!m.is_empty(), "empty model accepted on {path}");
+    ROUTER.with(|router| {
+        let Some(router) = router else {
+            fail("the default router configuration is rejected");
+        };
+        for path in PATHS {
+            let api = ApiKind::from_path(path);
+            let first = analysis::analyze(api, data, &estimator);
+            let again = analysis::analyze(api, data, &estimator);
+            assert_eq!(first, again, "analysis is not deterministic on {path}");
+            match first {
+                Ok(a) => {
+                    assert!(a.n >= 1, "n = {} on {path}", a.n);
+                    if let Some(m) = &a.model {
+                        assert!(!m.is_empty(), "empty model accepted on {path}");
+                    }
+                    let req = RequestInfo::from_analysis(a.clone(), &prefix);
+                    assert_eq!(
+                        req,
+                        RequestInfo::from_analysis(a, &prefix),
+                        "request description is not deterministic on {path}"
+                    );
+                    let (_, demand) = router.demand(&req);
+                    assert!(
+                        demand.tokens >= req.prompt_tokens,
+                        "demand {} < prompt {} on {path}",
+                        demand.tokens,
+                        req.prompt_tokens
+                    );
+                    assert!(
+                        req.prefix_hashes.len() <= prefix.max_blocks,
+                        "{} prefix hashes > max_blocks {}",
+                        req.prefix_hashes.len(),
+                        prefix.max_blocks
+                    );
+                }
+                Err(e) => {
+                    // The error is shown to the client: it must render.
+                    let _ = e.to_string();
                 }
             }
-            Err(e) => {
-                // The error is shown to the client: it must render.
-                let _ = e.to_string();
-            }
         }
-    }
+    });
 }
 
 /// Snapshot ingest: the filter's decoder of what the control plane pushes.
