@@ -20,7 +20,7 @@ use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER};
 use crate::shared::{self, SnapshotCache};
 use kvroute_core::admission::AdmissionQueue;
-use kvroute_core::analysis::{analyze, ApiKind, RequestAnalysis};
+use kvroute_core::analysis::{analyze_bounded, ApiKind, RequestAnalysis};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::{InFlight, PickInput, PickOutcome, PickReason, PickRequest, Picker};
 use kvroute_core::prefix::{block_hashes, PrefixIndex};
@@ -228,14 +228,16 @@ impl Worker {
         );
         let api = ApiKind::from_path(path);
         let analysis: Option<RequestAnalysis> = match body {
-            Some(b) if api != ApiKind::Other => match analyze(api, b, &self.estimator) {
-                Ok(a) => Some(a),
-                Err(e) => {
-                    host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
-                    host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
-                    None
+            Some(b) if api != ApiKind::Other => {
+                match analyze_bounded(api, b, &self.estimator, self.config.prefix.max_bytes()) {
+                    Ok(a) => Some(a),
+                    Err(e) => {
+                        host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
+                        host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
+                        None
+                    }
                 }
-            },
+            }
             _ => None,
         };
         if analysis.is_none() {
