@@ -15,9 +15,9 @@ wasm-floor: ## Build the benchmark floor filter (bench/floor-filter) for wasm32-
 bench-overhead: wasm wasm-floor envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, Wasm memory)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
-	  $(CARGO) run -q -p kvroute-integration --bin kvroute-overhead -- $(OVERHEAD_ARGS)
+	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- $(OVERHEAD_ARGS)
 
 test-overhead: wasm wasm-floor envoy wrk ## Overhead benchmark smoke: every size and proxy runs and reports (not a timed assertion)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
-	  $(CARGO) test -p kvroute-integration --test overhead_smoke
+	  $(CARGO) test -p kvroute-tools --test overhead_smoke
