@@ -293,6 +293,13 @@ impl HttpContext for Http {
     }
     fn on_log(&mut self) {
         self.stream.on_done(&ProxyHost);
+        // Pages of 64 KiB; one instruction, no host call besides the gauge.
+        let bytes = core::arch::wasm32::memory_size::<0>().saturating_mul(65_536);
+        ProxyHost.metric_record(
+            MetricKind::Gauge,
+            crate::names::metric::WASM_MEMORY_BYTES,
+            u64::try_from(bytes).unwrap_or(u64::MAX),
+        );
     }
 }
 
