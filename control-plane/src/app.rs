@@ -49,6 +49,8 @@ struct Settings {
     push: PushSettings,
     kubernetes: KubernetesSettings,
     token: TokenRx,
+    /// Where the token comes from (file or env var), named in 401 logs.
+    token_source: Arc<str>,
     kube: Option<kube::Client>,
     tls: Tls,
 }
@@ -121,7 +123,10 @@ impl ControlPlane {
         if token.subscribe().borrow().is_none()
             && !(config.targets.is_empty() && config.kubernetes.gateways.is_empty())
         {
-            tracing::warn!(env = %config.push.token_env, "no ingest token configured; pushing without Authorization");
+            tracing::warn!(
+                source = %config.push.token_source(),
+                "no ingest token found; pushing without Authorization (a filter with an `ingest_token` answers 401)"
+            );
         }
         let kube = kube_client(&config.kubernetes).await?;
         let listener = tokio::net::TcpListener::bind(config.listen)
@@ -151,6 +156,7 @@ impl ControlPlane {
             push: config.push.clone(),
             kubernetes: config.kubernetes.clone(),
             token: token.subscribe(),
+            token_source: config.push.token_source().into(),
             kube,
             tls,
         };
@@ -288,7 +294,10 @@ async fn supervise(
     mut reload: mpsc::Receiver<Reload>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut scrape_client = scrape::client(settings.scrape.timeout, &settings.tls.scrape);
+    let mut scrape_client = scrape::client(
+        scrape::connect_timeout(settings.scrape.timeout),
+        &settings.tls.scrape,
+    );
     let mut push_client = push::client(settings.push.timeout, &settings.tls.push);
     let mut endpoints_rx = endpoints.subscribe();
     let mut targets_rx = targets.subscribe();
@@ -329,10 +338,14 @@ async fn supervise(
             let keep = !restart_pushers && current.iter().any(|t| &t.name == name && t == target);
             if !keep {
                 let _ = stop.send(true);
-                hub.telemetry.forget_target(name);
+                if !current.iter().any(|t| &t.name == name) {
+                    hub.telemetry.forget_target(name);
+                }
             }
             keep
         });
+        let names: Vec<&str> = current.iter().map(|t| t.name.as_str()).collect();
+        hub.retain_push_targets(&names);
         for t in current.iter() {
             if !pushers.contains_key(&t.name) {
                 let (stop, stop_rx) = watch::channel(false);
@@ -342,6 +355,7 @@ async fn supervise(
                     t.clone(),
                     settings.push.clone(),
                     settings.token.clone(),
+                    settings.token_source.clone(),
                     stop_rx,
                 ));
                 pushers.insert(t.name.clone(), (t.clone(), stop, task));
@@ -361,7 +375,10 @@ async fn supervise(
                     restart_pushers = config.push != settings.push
                         || *token.subscribe().borrow() != *settings.token.borrow();
                     if restart_scrapers {
-                        scrape_client = scrape::client(config.scrape.timeout, &tls.scrape);
+                        scrape_client = scrape::client(
+                            scrape::connect_timeout(config.scrape.timeout),
+                            &tls.scrape,
+                        );
                     }
                     if restart_pushers {
                         push_client = push::client(config.push.timeout, &tls.push);
@@ -374,6 +391,7 @@ async fn supervise(
                         _token_source = token;
                         settings.token = _token_source.subscribe();
                     }
+                    settings.token_source = config.push.token_source().into();
                     settings.scrape = config.scrape;
                     settings.push = config.push;
                     if restart_watches {

@@ -80,7 +80,13 @@ async fn model_server(addr: SocketAddr, models: &[&str], kv: f64) -> ModelServer
         "/metrics" => (200, Bytes::from(vllm_body(kv, 1, 0, None, 10.0))),
         _ => (404, Bytes::new()),
     });
-    let server = Server::start_on(addr, handler, Arc::new(Mutex::new(false))).await;
+    let server = Server::start_on(
+        addr,
+        handler,
+        Arc::new(Mutex::new(false)),
+        Arc::new(Mutex::new(Duration::ZERO)),
+    )
+    .await;
     ModelServer {
         _server: server,
         models: list,
