@@ -5,7 +5,7 @@
 //!   trust store (rustls-native-certs);
 //! - optional client certificate for mTLS: `cert_file` (PEM chain, leaf first) and
 //!   `key_file` (PEM PKCS#8, PKCS#1 or SEC1 key), both or neither;
-//! - TLS 1.2 and 1.3, ALPN `http/1.1`.
+//! - TLS 1.2 and 1.3; ALPN `http/1.1` (set by hyper-rustls, which refuses a preset list).
 //!
 //! The connector speaks plain HTTP for `http://` URLs and TLS for `https://` ones, so one
 //! client serves both. The server name checked is the URL's host; for pods reached by IP
@@ -92,7 +92,7 @@ pub fn client_config(
             reason: e.to_string(),
         })?
         .with_root_certificates(roots);
-    let mut config = match (&s.cert_file, &s.key_file) {
+    let config = match (&s.cert_file, &s.key_file) {
         (Some(cert), Some(key)) => {
             let cf = format!("{section}.cert_file");
             let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
@@ -113,7 +113,6 @@ pub fn client_config(
         }
         _ => builder.with_no_client_auth(),
     };
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
 

@@ -278,8 +278,17 @@ fn shipped_examples_are_valid() {
             .and_then(|d| d.get("kvroute-cp.yaml"))
             .and_then(|s| s.as_str())
         {
+            // Kubernetes discovery: no static endpoints or targets, one pool, one gateway set.
             let c = Config::from_yaml(cfg).unwrap();
-            assert_eq!((c.endpoints.len(), c.targets.len()), (2, 1));
+            assert_eq!((c.endpoints.len(), c.targets.len()), (0, 0));
+            assert_eq!(
+                (c.kubernetes.pools.len(), c.kubernetes.gateways.len()),
+                (1, 1)
+            );
+            assert_eq!(
+                c.push.token_file.as_deref(),
+                Some(std::path::Path::new("/var/run/kvroute/token/token"))
+            );
             found += 1;
         }
     }

@@ -41,7 +41,30 @@ fn queried() -> BTreeSet<String> {
 }
 
 fn cp_names() -> BTreeSet<String> {
-    let text = kvroute_cp::telemetry::Telemetry::new().encode();
+    use kvroute_cp::telemetry::{EndpointLabel, StateLabel, TargetLabel, Telemetry};
+    // Labelled families are encoded only once they hold a series: create one in each.
+    let t = Telemetry::new();
+    let e = EndpointLabel {
+        endpoint: "p/e".into(),
+    };
+    let g = TargetLabel {
+        target: "gw".into(),
+    };
+    t.scrape_duration.get_or_create(&e).observe(0.01);
+    t.scrape_error("p/e", "connect");
+    t.restarts.get_or_create(&e).inc();
+    t.skipped_lines.get_or_create(&e).inc();
+    t.push_duration.get_or_create(&g).observe(0.01);
+    t.push_failure("gw", "timeout");
+    t.pushes.get_or_create(&g).inc();
+    t.scrape_to_push.get_or_create(&g).observe(0.01);
+    t.push_auth_rejected.get_or_create(&g).set(0);
+    t.endpoints
+        .get_or_create(&StateLabel {
+            state: "healthy".into(),
+        })
+        .set(1);
+    let text = t.encode();
     let mut out = BTreeSet::new();
     for l in text.lines() {
         let Some(rest) = l.strip_prefix("# TYPE ") else {

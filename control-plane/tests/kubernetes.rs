@@ -221,14 +221,14 @@ async fn inference_pool_pods_join_leave_restart_and_relist_after_410() {
 
     // DELETED.
     api.delete(&pods, "pod-d");
-    wait_endpoints(&cp, &[ep_a2.clone()], "pod-d deleted").await;
+    wait_endpoints(&cp, std::slice::from_ref(&ep_a2), "pod-d deleted").await;
 
     // 410 Gone: changes the watch never delivered are picked up by the re-list.
     let lists_before = api.lists(&pods);
     api.delete_unseen(&pods, "pod-a");
     api.apply_unseen(&pods, vllm_pod("pod-b", "127.0.0.3", true, 0));
     api.compact();
-    wait_endpoints(&cp, &[ep_b.clone()], "re-list after 410 Gone").await;
+    wait_endpoints(&cp, std::slice::from_ref(&ep_b), "re-list after 410 Gone").await;
     assert!(
         api.lists(&pods) > lists_before,
         "the pod collection was listed again after 410"

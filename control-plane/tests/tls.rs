@@ -236,7 +236,19 @@ async fn https_fails_closed_on_unknown_ca_or_missing_client_certificate() {
     })
     .await;
     assert!(metrics_seen.lock().unwrap().is_empty());
+    // Pushes (right CA) go on, carrying the endpoint as unhealthy with no stats.
+    wait_for(WAIT, "the unscrapable endpoint pushed as unhealthy", || {
+        ingest_seen.lock().unwrap().iter().any(|(_, _, body)| {
+            Snapshot::decode(body).is_ok_and(|s| {
+                s.endpoints.len() == 1
+                    && !s.endpoints[0].healthy
+                    && s.endpoints[0].kv_usage.is_none()
+            })
+        })
+    })
+    .await;
     cp.shutdown().await;
+    ingest_seen.lock().unwrap().clear();
     // No client certificate: the server refuses the handshake; pushes fail.
     let cp = ControlPlane::start(
         Config::from_yaml(&yaml(metrics, ingest, &pki, "ca.crt", false)).unwrap(),
