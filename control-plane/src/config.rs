@@ -456,7 +456,7 @@ const CONTROL_REASON: &str = "must not contain control characters (CR, LF, NUL..
 
 /// True when `s` holds an ASCII or Unicode control character.
 fn has_control(s: &str) -> bool {
-    s.chars().any(char::is_control)
+    kvroute_core::snapshot::check_label(s).is_err()
 }
 
 fn invalid(
@@ -906,5 +906,5 @@ const TOKEN_REASON: &str =
 
 /// Whether `Bearer <token>` is a valid `Authorization` header value.
 fn is_header_safe(token: &str) -> bool {
-    http::HeaderValue::from_str(&format!("Bearer {token}")).is_ok()
+    http::HeaderValue::from_str(&format!("{}{token}", kvroute_core::snapshot::AUTH_SCHEME)).is_ok()
 }

@@ -71,7 +71,10 @@ pub async fn post(
     let mut req =
         http::Request::post(url.clone()).header(http::header::CONTENT_TYPE, "application/json");
     if let Some(t) = token {
-        req = req.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+        req = req.header(
+            http::header::AUTHORIZATION,
+            format!("{}{t}", kvroute_core::snapshot::AUTH_SCHEME),
+        );
     }
     let req = req
         .body(Full::new(body))

@@ -44,9 +44,32 @@
 //! (vLLM's default request timeout is unbounded; Envoy's default route timeout is 15 s,
 //! which LLM routes usually raise to minutes).
 
-use crate::picker::InFlight;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+/// Router-local load on one endpoint.
+///
+/// `requests` and `tokens` cover only what the snapshot does not show yet (reservations made
+/// since that endpoint's scrape); `prefill_tokens` covers every in-flight request the router
+/// sent there that has not produced its first token, whatever the scrape age, because no
+/// model-server metric reports queued prompt *tokens*.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct InFlight {
+    /// Requests sent and not yet finished.
+    pub requests: u32,
+    /// Their reserved KV demand, tokens.
+    pub tokens: u64,
+    /// Pending prefill, tokens: Σ over the router's requests on this endpoint without a first
+    /// token yet of (estimated prompt tokens − prefix tokens expected cached there), as
+    /// recorded by [`InflightTable::reserve_with_prefill`]. This is the
+    /// prefill half of NVIDIA Dynamo's router-side active-sequence accounting: its
+    /// `ActiveSequences` (`lib/llm/src/kv_router/sequence.rs`) records per request
+    /// `isl − overlap × block_size` prefill tokens at `add_request` and drops them at
+    /// `mark_prefill_completed` or `free` ("Potential New Prefill Blocks" in
+    /// <https://docs.nvidia.com/dynamo/design-docs/router-design>).
+    #[serde(default)]
+    pub prefill_tokens: u64,
+}
 
 /// Default reservation lifetime, milliseconds (10 minutes).
 pub const DEFAULT_TTL_MS: u64 = 600_000;
