@@ -15,10 +15,10 @@ use std::time::Instant;
 
 const N: usize = 400;
 
+/// Nearest-rank percentile ([`kvroute_core::percentile`]) of `v`, sorted in place.
 fn pct(v: &mut [u128], p: f64) -> u128 {
     v.sort_unstable();
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v.get(i).copied().unwrap_or(0)
+    kvroute_core::percentile::nearest_rank(v, p).unwrap_or(0)
 }
 
 async fn run(port: u16, bodies: &[(String, Vec<u8>)]) -> anyhow::Result<Vec<u128>> {
@@ -40,10 +40,7 @@ async fn run(port: u16, bodies: &[(String, Vec<u8>)]) -> anyhow::Result<Vec<u128
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
-    let dir = std::env::var("KVROUTE_SHARED_DATA")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| kvroute_integration::harness::workspace_root().join("../shared/data"))
-        .join("requests");
+    let dir = kvroute_core::shared_data::dir().join("requests");
     let mut bodies = Vec::new();
     let mut models = vec!["m".to_string()];
     let mut files: Vec<_> = std::fs::read_dir(&dir)?
