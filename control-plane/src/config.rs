@@ -264,7 +264,7 @@ const CONTROL_REASON: &str = "must not contain control characters (CR, LF, NUL..
 
 /// True when `s` holds an ASCII or Unicode control character.
 fn has_control(s: &str) -> bool {
-    s.chars().any(char::is_control)
+    kvroute_core::snapshot::check_label(s).is_err()
 }
 
 fn invalid(
@@ -318,11 +318,27 @@ impl Config {
 
     /// Read, parse and validate a file.
     pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        Self::load_raw(path).map(|(_, c)| c)
+    }
+
+    /// Like [`Self::load`], also returning the file as written (for `--check`).
+    pub fn load_raw(path: &std::path::Path) -> Result<(RawConfig, Self), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Self::from_yaml(&text)
+        Self::from_yaml_raw(&text)
+    }
+
+    /// Like [`Self::from_yaml`], also returning the file as written.
+    pub fn from_yaml_raw(text: &str) -> Result<(RawConfig, Self), ConfigError> {
+        if text.trim().is_empty() {
+            return Err(ConfigError::Syntax("the config is empty".into()));
+        }
+        let raw: RawConfig =
+            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let c = raw.validate()?;
+        Ok((raw, c))
     }
 }
 
@@ -548,11 +564,22 @@ impl PushSettings {
     }
 }
 
+impl PushSettings {
+    /// Where the token is read from, for logs and `--check` (never the token itself):
+    /// ``file `/etc/kvroute/token` `` or ``environment variable `KVROUTE_INGEST_TOKEN` ``.
+    pub fn token_source(&self) -> String {
+        match &self.token_file {
+            Some(p) => format!("file `{}`", p.display()),
+            None => format!("environment variable `{}`", self.token_env),
+        }
+    }
+}
+
 /// Why a token is refused: every push would otherwise fail to build its request.
 const TOKEN_REASON: &str =
     "token is not a valid HTTP header value (control character or line break inside)";
 
 /// Whether `Bearer <token>` is a valid `Authorization` header value.
 fn is_header_safe(token: &str) -> bool {
-    http::HeaderValue::from_str(&format!("Bearer {token}")).is_ok()
+    http::HeaderValue::from_str(&format!("{}{token}", kvroute_core::snapshot::AUTH_SCHEME)).is_ok()
 }
