@@ -14,10 +14,7 @@ mod common;
 
 use kvroute_core::estimate::{estimate_with, CharClassCosts, Estimator};
 
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    let idx = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
-}
+use kvroute_core::percentile::percentile as quantile;
 
 struct Row {
     median: f64,
