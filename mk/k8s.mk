@@ -58,5 +58,5 @@ test-k8s: wasm envoy validate-manifests ## Kubernetes discovery and TLS (fake AP
 	$(CARGO) test -p kvroute-cp --test kubernetes --test tls
 	KVROUTE_WASM="$(FILTER_WASM)" $(CARGO) test -p kvroute-oci-wasm
 	KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) test -p kvroute-integration --test istio_example
