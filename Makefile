@@ -23,11 +23,11 @@ help: ## List the targets
 fmt: ## Format all Rust code
 	$(CARGO) fmt --all
 
-lint: ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter), warnings denied
+lint: toolchain ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter), warnings denied
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
-test: lint test-core test-wasm test-filter test-sim test-cp test-replay test-bench test-demo test-reliability ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests
+test: bootstrap lint test-core test-wasm test-filter test-sim test-cp test-replay test-bench test-demo test-overhead test-k8s test-reliability ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests
 	@echo "make test: all suites passed"

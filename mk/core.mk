@@ -5,9 +5,8 @@
 test-core: ## kvroute-core tests (native): unit, proptest, golden, estimator accuracy vs tiktoken
 	$(CARGO) test -p kvroute-core -- --nocapture
 
-test-wasm: ## kvroute-core tests compiled to wasm32-wasip1, run under Node's WASI (scripts/wasi-run.mjs)
+test-wasm: toolchain ## kvroute-core tests compiled to wasm32-wasip1, run under Node's WASI (scripts/wasi-run.mjs)
 	@command -v node >/dev/null || { echo "test-wasm: node (>= 20) is required"; exit 1; }
-	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
 	$(CARGO) test -p kvroute-core --target wasm32-wasip1
 
 lint-core: ## clippy for kvroute-core, native (all targets) and wasm32-wasip1, warnings denied

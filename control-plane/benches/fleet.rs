@@ -26,6 +26,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use kvroute_core::percentile::percentile;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -42,9 +43,7 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 fn fixture() -> String {
-    let base = std::env::var_os("KVROUTE_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"));
+    let base = kvroute_core::shared_data::dir();
     std::fs::read_to_string(base.join("metrics/vllm-v1-0.10-reconstructed.prom")).unwrap()
 }
 
@@ -233,14 +232,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
 }
 
 fn main() {

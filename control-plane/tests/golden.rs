@@ -13,9 +13,7 @@ use kvroute_cp::expo::Exposition;
 use std::path::PathBuf;
 
 fn metrics_dir() -> PathBuf {
-    let base = std::env::var_os("KVROUTE_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"));
+    let base = kvroute_core::shared_data::dir();
     base.join("metrics")
 }
 

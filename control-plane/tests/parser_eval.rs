@@ -10,10 +10,7 @@
 use std::path::PathBuf;
 
 fn dir() -> PathBuf {
-    std::env::var_os("KVROUTE_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"))
-        .join("metrics")
+    kvroute_core::shared_data::dir().join("metrics")
 }
 
 /// `openmetrics-parser` (Prometheus mode) reads 9 of the 10 fixtures but rejects the whole

@@ -31,14 +31,9 @@ mod native {
     use kvroute_core::estimate::Estimator;
     use kvroute_core::prefix::{block_hashes, PrefixConfig};
     use std::hint::black_box;
-    use std::path::PathBuf;
 
     fn prompts() -> Vec<String> {
-        let dir = std::env::var("KVROUTE_SHARED_DATA")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| {
-                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data")
-            });
+        let dir = kvroute_core::shared_data::dir();
         let text = std::fs::read_to_string(
             dir.join("prompts/lmbenchmark_sharegpt_multiround_warmup.json"),
         )

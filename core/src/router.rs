@@ -10,10 +10,10 @@
 //!    model, and the reconciliation of the prefix index (endpoints that left the fleet or
 //!    restarted, i.e. whose `process_start_ms` changed, lose their prefix-affinity state:
 //!    their prefix cache is cold).
-//! 2. **Analysis.** The body is read by [`crate::analysis::analyze`] into a
-//!    [`RequestInfo`]. Without a body (not read by the host, not an inference API, or
-//!    unparsable) the request is routed by load alone ([`Basis::LoadOnly`]): zero prompt
-//!    tokens, no model, no prefix.
+//! 2. **Analysis.** The body is read by [`crate::analysis::analyze_bounded`] (the prefix
+//!    text rendered only as far as the hash chain can reach) into a [`RequestInfo`].
+//!    Without a body (not read by the host, not an inference API, or unparsable) the request
+//!    is routed by load alone ([`Basis::LoadOnly`]): zero prompt tokens, no model, no prefix.
 //! 3. **Demand.** KV demand in tokens from the model's profile
 //!    ([`crate::profile::ModelProfile::demand`]). A model without a profile gets the same
 //!    formula with the router's generic assumptions ([`generic_profile`]): output limit
@@ -45,7 +45,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::analysis::{analyze, AnalysisError, ApiKind, RequestAnalysis};
+use crate::analysis::{analyze_bounded, AnalysisError, ApiKind, RequestAnalysis};
 use crate::estimate::{Estimator, EstimatorConfig};
 use crate::inflight::InflightTable;
 use crate::picker::{
@@ -417,7 +417,7 @@ impl Router {
                 Basis::LoadOnly(LoadOnlyCause::NotInference),
                 None,
             ),
-            Some(b) => match analyze(api, b, &self.estimator) {
+            Some(b) => match analyze_bounded(api, b, &self.estimator, self.prefix.max_bytes()) {
                 Ok(a) => (
                     RequestInfo::from_analysis(a, &self.prefix),
                     Basis::Body,

@@ -45,8 +45,6 @@ pub mod metric {
     pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
     /// `GET /v1/models` answered from the snapshot (counter).
     pub const MODELS_LISTED: &str = "kvroute.models_listed";
-    /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick).
-    pub const WASM_MEMORY: &str = "kvroute.wasm_memory_bytes";
     /// Requests answered 429 (saturated, queue full or timed out) (counter).
     pub const REJECTED: &str = "kvroute.outcome.rejected";
     /// Requests whose KV demand exceeds every serving endpoint's whole KV capacity: they can
@@ -82,4 +80,10 @@ pub mod metric {
     pub const RESERVED: &str = "kvroute.reservations.reserved";
     /// Shared in-flight reservations right now, all workers (gauge).
     pub const INFLIGHT: &str = "kvroute.inflight";
+    /// Linear memory of the Wasm VM that last reported, bytes (gauge): refreshed at the end
+    /// of each request and on every root tick (at least once a second, so an idle VM reports
+    /// too). Wasm memory only grows, so this is the VM's high-water mark and a leak shows as
+    /// steady growth; with one worker it is the per-worker figure `make bench-overhead`
+    /// reports.
+    pub const WASM_MEMORY_BYTES: &str = "kvroute.wasm_memory_bytes";
 }

@@ -280,10 +280,7 @@ async fn every_shared_body_and_malformed_json_stays_healthy() {
     })
     .await
     .unwrap();
-    let dir = std::env::var("KVROUTE_SHARED_DATA")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| kvroute_integration::harness::workspace_root().join("../shared/data"))
-        .join("requests");
+    let dir = kvroute_core::shared_data::dir().join("requests");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())

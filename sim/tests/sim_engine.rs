@@ -249,11 +249,7 @@ fn refuses_bad_requests() {
 }
 
 fn shared(rel: &str) -> std::path::PathBuf {
-    let base = std::env::var("KVROUTE_SHARED_DATA")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data")
-        });
+    let base = kvroute_core::shared_data::dir();
     base.join(rel)
 }
 

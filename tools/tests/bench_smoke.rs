@@ -21,9 +21,7 @@ const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const SEED: u64 = 11;
 
 fn data_dir() -> PathBuf {
-    std::env::var_os("KVROUTE_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"))
+    kvroute_core::shared_data::dir()
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

@@ -24,6 +24,7 @@ use kvroute_core::inflight::InflightTable;
 use kvroute_core::picker::PolicyKind;
 use kvroute_core::profile::builtin;
 use kvroute_core::router::Outcome;
+use kvroute_core::shared_data::dir as shared_data_dir;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use kvroute_filter::config::Config;
 use kvroute_filter::host::mock::MockHost;
@@ -32,7 +33,7 @@ use kvroute_filter::shared;
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::ReplicaConfig;
 use kvroute_tools::replay::workload::load_workload;
-use kvroute_tools::replay::{shared_data_dir, TraceSource, WorkloadOptions};
+use kvroute_tools::replay::{TraceSource, WorkloadOptions};
 use kvroute_tools::routebench::{kvroute_router, BenchConfig};
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";

@@ -18,13 +18,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
+use kvroute_core::percentile::percentile;
 use kvroute_core::prefix::{block_hashes, PrefixConfig};
 use kvroute_core::profile::builtin;
 use kvroute_integration::harness::{RecordingBackend, Reply};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
 use kvroute_sim::trace::load_mooncake;
-use kvroute_tools::replay::report::{percentile, read_report};
+use kvroute_tools::replay::report::read_report;
 use kvroute_tools::replay::workload::{block_text, BLOCK_TOKENS};
 use kvroute_tools::replay::*;
 use serde_json::Value;
@@ -827,7 +828,7 @@ fn report_round_trips_and_plots_are_svg() {
 fn kv_samples_come_from_kvroute_cp_adapters() {
     use kvroute_cp::adapters::ServerKind;
     use kvroute_tools::replay::kv::sample_from;
-    let dir = shared_data_dir().join("metrics");
+    let dir = kvroute_core::shared_data::dir().join("metrics");
     let vllm = std::fs::read_to_string(dir.join("vllm-v1-0.10-reconstructed.prom")).unwrap();
     let s = sample_from("r0", ServerKind::Vllm, 1.5, &vllm, None).unwrap();
     // vllm:kv_cache_usage_perc 0.4219, num_requests_running 24, num_requests_waiting 3.

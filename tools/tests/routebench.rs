@@ -16,9 +16,7 @@ use kvroute_tools::routebench::{chain_ids, run_router, BenchConfig, RouterKind};
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 fn data_dir() -> PathBuf {
-    std::env::var_os("KVROUTE_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"))
+    kvroute_core::shared_data::dir()
 }
 
 fn setup(n: usize) -> Result<(Vec<TraceRow>, EngineConfig), Box<dyn std::error::Error>> {

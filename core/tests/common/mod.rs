@@ -11,12 +11,7 @@ use std::path::PathBuf;
 
 /// The shared fixture directory: `$KVROUTE_SHARED_DATA`, else `<workspace>/../shared/data`.
 pub fn shared_data() -> PathBuf {
-    if let Ok(p) = std::env::var("KVROUTE_SHARED_DATA") {
-        if !p.is_empty() {
-            return PathBuf::from(p);
-        }
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data")
+    kvroute_core::shared_data::dir()
 }
 
 /// Read a fixture file, failing the test with a clear message when it is missing.

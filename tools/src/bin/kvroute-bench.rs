@@ -52,8 +52,9 @@ enum Cmd {
 
 #[derive(Debug, Args, Clone)]
 struct Common {
-    /// Shared data directory (traces/, prompts/).
-    #[arg(long, env = "KVROUTE_SHARED_DATA", default_value = "../shared/data")]
+    /// Shared data directory (traces/, prompts/); default `$KVROUTE_SHARED_DATA`, else
+    /// `../shared/data` beside the workspace (`kvroute_core::shared_data::dir`).
+    #[arg(long, default_value_os_t = kvroute_core::shared_data::dir())]
     data: PathBuf,
     /// Model (built-in profile); the simulator picks its GPU perf profile.
     #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]

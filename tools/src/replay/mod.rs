@@ -32,7 +32,7 @@ pub mod report;
 pub mod workload;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
@@ -83,6 +83,24 @@ pub enum ReplayError {
     },
 }
 
+impl From<kvroute_sim::trace::TraceError> for ReplayError {
+    fn from(e: kvroute_sim::trace::TraceError) -> Self {
+        use kvroute_sim::trace::TraceError;
+        match e {
+            TraceError::Io { path, source } => ReplayError::Io { path, source },
+            TraceError::Parse {
+                path,
+                line,
+                message,
+            } => ReplayError::Parse {
+                path,
+                line,
+                message,
+            },
+        }
+    }
+}
+
 /// A trace file and its format (see `../shared/data/README.md`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TraceSource {
@@ -95,18 +113,10 @@ pub enum TraceSource {
     ShareGpt(PathBuf),
 }
 
-/// The shared-data directory: `$KVROUTE_SHARED_DATA`, else `<workspace>/../shared/data`.
-pub fn shared_data_dir() -> PathBuf {
-    match std::env::var("KVROUTE_SHARED_DATA") {
-        Ok(p) if !p.is_empty() => PathBuf::from(p),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data"),
-    }
-}
-
 /// Default file of a trace kind (`mooncake`, `azure`, `sharegpt`, `sharegpt-multiround`)
-/// under [`shared_data_dir`]; unknown kinds give the Mooncake trace.
+/// under [`kvroute_core::shared_data::dir`]; unknown kinds give the Mooncake trace.
 pub fn default_trace_path(kind: &str) -> PathBuf {
-    let d = shared_data_dir();
+    let d = kvroute_core::shared_data::dir();
     match kind {
         "azure" => d.join("traces/AzureLLMInferenceTrace_conv.csv"),
         "sharegpt" => d.join("prompts/sharegpt_v3_filtered_1000.json"),

@@ -1,9 +1,9 @@
 //! Summaries, the side-by-side table and the JSON report.
 //!
 //! ## Definitions
-//! - Percentiles are nearest-rank: the q-quantile of n ascending values is the value at
-//!   1-based rank ⌈q·n⌉, so p50 of `[1, 2, 3, 4]` is 2 and p99 of 100 values is the 99th.
-//!   No value gives 0.
+//! - Percentiles are nearest-rank ([`kvroute_core::percentile`]): the q-quantile of n
+//!   ascending values is the value at 1-based rank ⌈q·n⌉, so p50 of `[1, 2, 3, 4]` is 2 and
+//!   p99 of 100 values is the 99th. No value gives 0.
 //! - Latency percentiles, TPOT and throughput cover successful requests only (`error` is
 //!   `None`); `errors` counts the rest.
 //! - `prefix_hit_rate` = Σ cached prompt tokens / Σ prompt tokens over successful requests
@@ -17,22 +17,13 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use kvroute_core::percentile::percentile;
 use serde::{Deserialize, Serialize};
 
 use super::{ReplayError, ReportFiles, RunReport, Summary};
 
 /// Name of the JSON report inside the output directory.
 pub const REPORT_JSON: &str = "report.json";
-
-/// Nearest-rank percentile of ascending `sorted` (see the module doc); 0 when empty.
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    let n = sorted.len();
-    if n == 0 {
-        return 0.0;
-    }
-    let rank = (q.clamp(0.0, 1.0) * n as f64).ceil() as usize;
-    sorted.get(rank.clamp(1, n) - 1).copied().unwrap_or(0.0)
-}
 
 fn sorted(v: impl Iterator<Item = f64>) -> Vec<f64> {
     let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();

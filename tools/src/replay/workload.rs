@@ -1,6 +1,9 @@
 //! Traces to requests: loading, prompt synthesis, arrival times, slicing and scaling.
 //!
 //! ## Sources
+//! Files are read by `kvroute_sim::trace` (one loader for all tools); this module turns its
+//! records into requests:
+//!
 //! | source | arrival | prompt | output |
 //! |---|---|---|---|
 //! | Mooncake JSONL (kvcache-ai/Mooncake `FAST25-release/traces/`) | `timestamp` ms | synthesised from `hash_ids` (below) | `output_length` |
@@ -8,9 +11,7 @@
 //! | ShareGPT v3 (`[{id, conversations}]`) | Poisson, `sharegpt_rate_rps` | first human turn | [`DEFAULT_SHAREGPT_OUTPUT_TOKENS`] |
 //! | LMBenchmark multi-round (`[{input, output_length}]`) | Poisson | `input` (file order kept: later inputs extend earlier ones) | `output_length` |
 //!
-//! `max_output_tokens` caps every output. The shared ShareGPT v3 file had e-mail addresses
-//! replaced after JSON escaping, leaving invalid `\u` escapes (`\user@example.com`); such a
-//! backslash is read as a literal backslash ([`repair_json_escapes`]).
+//! `max_output_tokens` caps every output.
 //!
 //! ## Mooncake prompt text
 //! A Mooncake `hash_id` names a 512-token block of prompt content; equal ids in two rows mean
@@ -40,11 +41,10 @@
 //! (kvroute-sim `--time-scale`), which keeps the offered load relative to the simulated
 //! capacity unchanged while latencies shrink by the same factor.
 //!
-//! Poisson gaps are `−ln(1 − u) / rate` with `u` uniform in `[0, 1)` from `fastrand` seeded
-//! with `seed` (inverse-transform sampling of the exponential distribution).
+//! Poisson arrivals (ShareGPT, LMBenchmark) are drawn by the loader from `seed` at
+//! `sharegpt_rate_rps` (formula in `kvroute_sim::trace`).
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use bytes::Bytes;
 use kvroute_core::estimate::Estimator;
@@ -53,31 +53,15 @@ use serde_json::{json, Value};
 
 use super::{ReplayError, ReplayRequest, TraceSource, WorkloadOptions};
 use kvroute_sim::api::{DEFAULT_PREFIX_BLOCK_TOKENS, EXTENSION_FIELD};
+use kvroute_sim::trace::{self, TraceFormat, TraceRecord};
 
-/// Output tokens requested for ShareGPT v3 prompts, which carry no output length (the
-/// `--sharegpt-output-len` default of vLLM's `benchmark_serving.py` is 256 too).
-pub const DEFAULT_SHAREGPT_OUTPUT_TOKENS: u32 = 256;
+pub use kvroute_sim::trace::DEFAULT_SHAREGPT_OUTPUT_TOKENS;
 /// Tokens per Mooncake `hash_id` block (Mooncake's block size).
 pub const BLOCK_TOKENS: u32 = DEFAULT_PREFIX_BLOCK_TOKENS;
 /// Letters per synthesised word; with its leading space a word is 7 bytes and one token.
 pub const WORD_LETTERS: usize = 6;
 /// Domain tag mixed into Azure filler words so they never equal a Mooncake block's words.
 const FILLER_TAG: u64 = 0x6b76_726f_7574_6531;
-
-/// One trace row, before slicing.
-#[derive(Debug, Clone, PartialEq)]
-struct Row {
-    /// Trace seconds from the first row.
-    t_s: f64,
-    /// Prompt tokens (`None`: estimate from `text`).
-    input: Option<u32>,
-    /// Output tokens.
-    output: u32,
-    /// Mooncake block ids.
-    hash_ids: Vec<u64>,
-    /// Real prompt text (ShareGPT).
-    text: Option<String>,
-}
 
 fn push_word(out: &mut String, h: u64) {
     out.push(' ');
@@ -156,204 +140,6 @@ fn mooncake_text_cached(
         s.push_str(&filler_text(seed, row, left));
     }
     s
-}
-
-/// Make JSON text with invalid `\u` escapes parseable: a backslash followed by `u` and fewer
-/// than four hex digits is doubled (read as a literal backslash). Valid escapes are kept.
-pub fn repair_json_escapes(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.char_indices().peekable();
-    while let Some((i, c)) = chars.next() {
-        out.push(c);
-        if c != '\\' {
-            continue;
-        }
-        match chars.peek().copied() {
-            Some((_, 'u')) => {
-                let hex = s.get(i + 2..i + 6).unwrap_or("");
-                if hex.len() != 4 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    out.push('\\');
-                }
-            }
-            Some((_, next)) => {
-                out.push(next);
-                chars.next();
-            }
-            None => {}
-        }
-    }
-    out
-}
-
-fn read_text(path: &Path) -> Result<String, ReplayError> {
-    std::fs::read_to_string(path).map_err(|source| ReplayError::Io {
-        path: path.to_owned(),
-        source,
-    })
-}
-
-fn parse_err(path: &Path, line: usize, message: impl Into<String>) -> ReplayError {
-    ReplayError::Parse {
-        path: path.to_owned(),
-        line,
-        message: message.into(),
-    }
-}
-
-fn load_mooncake(path: &Path) -> Result<Vec<Row>, ReplayError> {
-    let rows = kvroute_sim::trace::load_mooncake(path).map_err(|e| match e {
-        kvroute_sim::trace::TraceError::Io { source, .. } => ReplayError::Io {
-            path: path.to_owned(),
-            source,
-        },
-        kvroute_sim::trace::TraceError::Parse { line, source, .. } => {
-            parse_err(path, line, source.to_string())
-        }
-    })?;
-    let t0 = rows.first().map(|r| r.timestamp).unwrap_or(0);
-    Ok(rows
-        .into_iter()
-        .map(|r| Row {
-            t_s: r.timestamp.saturating_sub(t0) as f64 / 1000.0,
-            input: Some(r.input_length),
-            output: r.output_length,
-            hash_ids: r.hash_ids,
-            text: None,
-        })
-        .collect())
-}
-
-/// Seconds since 1970-01-01 of an Azure `TIMESTAMP` (`YYYY-MM-DD HH:MM:SS[.fraction]`,
-/// UTC assumed). `None` when malformed or out of range (month, day, hour, minute, second).
-/// The routing benchmark reads the same timestamps through this function.
-pub fn parse_azure_timestamp(s: &str) -> Option<f64> {
-    let (date, time) = s.trim().split_once([' ', 'T'])?;
-    let mut d = date.splitn(3, '-');
-    let y: i64 = d.next()?.parse().ok()?;
-    let m: i64 = d.next()?.parse().ok()?;
-    let day: i64 = d.next()?.parse().ok()?;
-    let mut t = time.splitn(3, ':');
-    let hh: f64 = t.next()?.parse().ok()?;
-    let mm: f64 = t.next()?.parse().ok()?;
-    let ss: f64 = t.next()?.parse().ok()?;
-    if !(1..=12).contains(&m)
-        || !(1..=31).contains(&day)
-        || !(0.0..24.0).contains(&hh)
-        || !(0.0..60.0).contains(&mm)
-        || !(0.0..61.0).contains(&ss)
-    {
-        return None;
-    }
-    // Days from civil (proleptic Gregorian), H. Hinnant, "chrono-Compatible Low-Level Date
-    // Algorithms", http://howardhinnant.github.io/date_algorithms.html#days_from_civil
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some(days as f64 * 86_400.0 + hh * 3600.0 + mm * 60.0 + ss)
-}
-
-/// One row of the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
-/// The routing benchmark reads the same rows.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
-pub struct AzureRecord {
-    /// `YYYY-MM-DD HH:MM:SS.fraction`, see [`parse_azure_timestamp`].
-    #[serde(rename = "TIMESTAMP")]
-    pub timestamp: String,
-    /// Prompt length, tokens.
-    #[serde(rename = "ContextTokens")]
-    pub context: u32,
-    /// Output length, tokens.
-    #[serde(rename = "GeneratedTokens")]
-    pub generated: u32,
-}
-
-fn load_azure(path: &Path) -> Result<Vec<Row>, ReplayError> {
-    let text = read_text(path)?;
-    let mut rdr = csv::Reader::from_reader(text.as_bytes());
-    let mut rows = Vec::new();
-    let mut t0 = None;
-    for (i, rec) in rdr.deserialize::<AzureRecord>().enumerate() {
-        let line = i + 2; // 1-based, after the header
-        let rec = rec.map_err(|e| parse_err(path, line, e.to_string()))?;
-        let t = parse_azure_timestamp(&rec.timestamp).ok_or_else(|| {
-            parse_err(
-                path,
-                line,
-                format!(
-                    "bad TIMESTAMP {:?} (want YYYY-MM-DD HH:MM:SS.f)",
-                    rec.timestamp
-                ),
-            )
-        })?;
-        let t0 = *t0.get_or_insert(t);
-        rows.push(Row {
-            t_s: (t - t0).max(0.0),
-            input: Some(rec.context),
-            output: rec.generated,
-            hash_ids: Vec::new(),
-            text: None,
-        });
-    }
-    Ok(rows)
-}
-
-fn load_sharegpt(path: &Path, rate: f64, seed: u64) -> Result<Vec<Row>, ReplayError> {
-    let text = read_text(path)?;
-    let v: Value = serde_json::from_str(&repair_json_escapes(&text))
-        .map_err(|e| parse_err(path, e.line(), e.to_string()))?;
-    let items = v
-        .as_array()
-        .ok_or_else(|| parse_err(path, 0, "expected a JSON array of prompts"))?;
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let mut t = 0.0;
-    let mut rows = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        let (prompt, output) = if let Some(input) = item.get("input") {
-            let p = input
-                .as_str()
-                .ok_or_else(|| parse_err(path, 0, format!("[{i}].input is not a string")))?;
-            let out = item
-                .get("output_length")
-                .and_then(Value::as_u64)
-                .and_then(|n| u32::try_from(n).ok())
-                .unwrap_or(DEFAULT_SHAREGPT_OUTPUT_TOKENS);
-            (p, out)
-        } else if let Some(conv) = item.get("conversations").and_then(Value::as_array) {
-            let human = conv
-                .iter()
-                .find(|turn| turn.get("from").and_then(Value::as_str) == Some("human"))
-                .and_then(|turn| turn.get("value"))
-                .and_then(Value::as_str);
-            match human {
-                Some(p) => (p, DEFAULT_SHAREGPT_OUTPUT_TOKENS),
-                None => continue, // no human turn: nothing to send
-            }
-        } else {
-            return Err(parse_err(
-                path,
-                0,
-                format!("[{i}] has neither `input` nor `conversations`"),
-            ));
-        };
-        if prompt.is_empty() {
-            continue;
-        }
-        if i > 0 {
-            t += -(1.0 - rng.f64()).ln() / rate;
-        }
-        rows.push(Row {
-            t_s: t,
-            input: None,
-            output,
-            hash_ids: Vec::new(),
-            text: Some(prompt.to_owned()),
-        });
-    }
-    Ok(rows)
 }
 
 fn check_positive(option: &'static str, v: f64) -> Result<(), ReplayError> {
@@ -438,17 +224,18 @@ fn body(
 /// ([`ReplayError::Option`]). An empty slice is not an error (no requests).
 pub fn load_workload(opts: &WorkloadOptions) -> Result<Vec<ReplayRequest>, ReplayError> {
     validate(opts)?;
-    let rows = match &opts.source {
-        TraceSource::Mooncake(p) => load_mooncake(p)?,
-        TraceSource::AzureCsv(p) => load_azure(p)?,
-        TraceSource::ShareGpt(p) => load_sharegpt(p, opts.sharegpt_rate_rps, opts.seed)?,
+    let (format, path) = match &opts.source {
+        TraceSource::Mooncake(p) => (TraceFormat::Mooncake, p),
+        TraceSource::AzureCsv(p) => (TraceFormat::Azure, p),
+        TraceSource::ShareGpt(p) => (TraceFormat::ShareGpt, p),
     };
+    let rows = trace::load(format, path, opts.sharegpt_rate_rps, opts.seed)?;
     let end = opts.duration_s.map(|d| opts.start_s + d);
     let estimator = Estimator::default();
     let divisor = opts.rate_scale * opts.time_scale;
     let limit = opts.max_requests.unwrap_or(usize::MAX);
     // Pass 1 (cheap): choose the rows. Pass 2 (parallel, rayon): synthesise the bodies.
-    let mut chosen: Vec<(usize, &Row, u32, u32)> = Vec::new();
+    let mut chosen: Vec<(usize, &TraceRecord, u32, u32)> = Vec::new();
     for (row_index, row) in rows.iter().enumerate() {
         if chosen.len() >= limit {
             break;
@@ -506,27 +293,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn repair_keeps_valid_escapes_and_doubles_bad_ones() {
-        assert_eq!(
-            repair_json_escapes(r#""a\u0041\n\\u""#),
-            r#""a\u0041\n\\u""#
-        );
-        assert_eq!(repair_json_escapes(r#""x\user""#), r#""x\\user""#);
-        let v: String = serde_json::from_str(&repair_json_escapes(r#""x\user\u00e9""#)).unwrap();
-        assert_eq!(v, "x\\useré");
-    }
-
-    #[test]
-    fn azure_timestamps() {
-        assert_eq!(parse_azure_timestamp("1970-01-01 00:00:00"), Some(0.0));
-        // 2023-11-16 is 19,677 days after the epoch.
-        let t = parse_azure_timestamp("2023-11-16 18:15:46.6805900").unwrap();
-        assert!((t - (19_677.0 * 86_400.0 + 18.0 * 3600.0 + 15.0 * 60.0 + 46.68059)).abs() < 1e-6);
-        assert_eq!(parse_azure_timestamp("2023-13-01 00:00:00"), None);
-        assert_eq!(parse_azure_timestamp("garbage"), None);
-    }
-
-    #[test]
     fn block_text_shape() {
         let a = block_text(7, BLOCK_TOKENS);
         assert_eq!(a.len(), BLOCK_TOKENS as usize * (WORD_LETTERS + 1));
@@ -540,15 +306,6 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Valid JSON is never changed by the repair.
-        #[test]
-        fn repair_is_identity_on_valid_json(text in "\\PC*") {
-            let json = serde_json::to_string(&text).unwrap();
-            proptest::prop_assert_eq!(repair_json_escapes(&json), json.clone());
-            let back: String = serde_json::from_str(&repair_json_escapes(&json)).unwrap();
-            proptest::prop_assert_eq!(back, text);
-        }
-
         /// Rows share exactly the text of their common leading ids, and every prompt is
         /// `input` words of 7 bytes.
         #[test]

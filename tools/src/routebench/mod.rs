@@ -59,6 +59,7 @@ use std::collections::VecDeque;
 
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::inflight::InflightTable;
+use kvroute_core::percentile::percentile;
 use kvroute_core::picker::{PickerConfig, PolicyKind};
 use kvroute_core::router::{Outcome, RequestInfo, RouterConfig};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
@@ -261,15 +262,6 @@ pub fn chain_ids(ids: &[u64]) -> Vec<u64> {
             prev
         })
         .collect()
-}
-
-/// Nearest-rank percentile of ascending `sorted` (`q` in 0..1); 0 when empty.
-pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let idx = ((sorted.len() - 1) as f64 * q).round() as usize;
-    sorted.get(idx).copied().unwrap_or(0.0)
 }
 
 enum Router {

@@ -4,8 +4,7 @@
 //! - **Mooncake** (`traces/mooncake_conversation_trace.jsonl`, kvcache-ai/Mooncake FAST'25):
 //!   rows as recorded, `hash_ids` give real prefix structure ([`kvroute_sim::trace::load_mooncake`]).
 //! - **Azure conv** (`traces/AzureLLMInferenceTrace_conv.csv`, Azure Public Dataset, Patel et
-//!   al., "Splitwise", ISCA'24): `TIMESTAMP`, `ContextTokens`, `GeneratedTokens`, read with
-//!   the `csv` crate. The trace records **no prompt content or hashes**, so rows carry no
+//!   al., "Splitwise", ISCA'24): `TIMESTAMP`, `ContextTokens`, `GeneratedTokens`. The trace records **no prompt content or hashes**, so rows carry no
 //!   prefix ids: no two requests are assumed to share a prefix, and every router's
 //!   prefix-cache hit rate is 0 on it. It measures load balancing only.
 //! - **ShareGPT multi-round** (`prompts/lmbenchmark_sharegpt_multiround_run.json`,
@@ -19,60 +18,19 @@
 //!   `fastrand`) at [`SHAREGPT_BASE_RATE`] request/s in file order, so a conversation's
 //!   rounds arrive in order; the load sweep rescales the rate.
 //!
-//! Every loader returns rows sorted by arrival with the first at 0 ms.
+//! Files are read by `kvroute_sim::trace` (one loader for all tools); this module turns its
+//! records into rows. Every loader returns rows sorted by arrival with the first at 0 ms.
 
 use std::path::Path;
 
 use kvroute_core::estimate::Estimator;
 
-use kvroute_sim::trace::{load_mooncake, TraceError, TraceRow};
+use kvroute_sim::trace::{self, load_mooncake, TraceError, TraceRow};
 
 /// Bytes per ShareGPT prefix block.
 pub const SHAREGPT_BLOCK_CHARS: usize = 2048;
 /// Poisson rate of the ShareGPT workload before load scaling (requests/s).
 pub const SHAREGPT_BASE_RATE: f64 = 1.0;
-
-/// A workload that cannot be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkloadError {
-    /// Mooncake JSONL error.
-    #[error(transparent)]
-    Trace(#[from] TraceError),
-    /// I/O error.
-    #[error("reading {path}: {source}")]
-    Io {
-        /// File.
-        path: String,
-        /// Cause.
-        source: std::io::Error,
-    },
-    /// CSV error (Azure).
-    #[error("{path}: {source}")]
-    Csv {
-        /// File.
-        path: String,
-        /// Cause.
-        source: csv::Error,
-    },
-    /// A timestamp that is not `YYYY-MM-DD HH:MM:SS[.fraction]`.
-    #[error("{path}: row {row}: bad TIMESTAMP `{value}`")]
-    Timestamp {
-        /// File.
-        path: String,
-        /// 1-based data row.
-        row: usize,
-        /// The text.
-        value: String,
-    },
-    /// JSON error (ShareGPT).
-    #[error("{path}: {source}")]
-    Json {
-        /// File.
-        path: String,
-        /// Cause.
-        source: serde_json::Error,
-    },
-}
 
 /// Which trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -113,7 +71,9 @@ impl TraceKind {
     }
 
     /// Load the whole trace from `data_dir` (`seed` drives the ShareGPT arrivals only).
-    pub fn load(self, data_dir: &Path, seed: u64) -> Result<Vec<TraceRow>, WorkloadError> {
+    ///
+    /// Errors: the file cannot be read or a row is malformed ([`TraceError`]).
+    pub fn load(self, data_dir: &Path, seed: u64) -> Result<Vec<TraceRow>, TraceError> {
         let p = data_dir.join(self.rel_path());
         match self {
             TraceKind::Mooncake => Ok(normalise(load_mooncake(&p)?)),
@@ -133,55 +93,21 @@ pub fn normalise(mut rows: Vec<TraceRow>) -> Vec<TraceRow> {
     rows
 }
 
-/// Milliseconds since 1970-01-01 of an Azure `TIMESTAMP` (`2023-11-16 18:15:46.6805900`,
-/// UTC, fraction optional; sub-millisecond digits truncated). `None` when malformed. One
-/// parser serves both tools: [`crate::replay::workload::parse_azure_timestamp`].
-pub fn parse_azure_timestamp(s: &str) -> Option<i64> {
-    crate::replay::workload::parse_azure_timestamp(s).map(|t| (t * 1000.0).floor() as i64)
-}
-
-use crate::replay::workload::AzureRecord;
-
-/// Load the Azure conv CSV (no prefix ids; see the module doc).
+/// Load the Azure conv CSV (no prefix ids; see the module doc): the loader's seconds after
+/// the first row, rounded to milliseconds.
 ///
-/// Errors: [`WorkloadError::Csv`] for unreadable files or rows, [`WorkloadError::Timestamp`]
-/// for a malformed `TIMESTAMP`.
-pub fn load_azure(path: &Path) -> Result<Vec<TraceRow>, WorkloadError> {
-    let p = path.display().to_string();
-    let mut rd = csv::Reader::from_path(path).map_err(|source| WorkloadError::Csv {
-        path: p.clone(),
-        source,
-    })?;
-    let mut stamped = Vec::new();
-    for (i, rec) in rd.deserialize::<AzureRecord>().enumerate() {
-        let rec = rec.map_err(|source| WorkloadError::Csv {
-            path: p.clone(),
-            source,
-        })?;
-        let ms = parse_azure_timestamp(&rec.timestamp).ok_or_else(|| WorkloadError::Timestamp {
-            path: p.clone(),
-            row: i + 1,
-            value: rec.timestamp.clone(),
-        })?;
-        stamped.push((ms, rec.context, rec.generated));
-    }
-    let t0 = stamped.iter().map(|r| r.0).min().unwrap_or(0);
-    let rows = stamped
+/// Errors: [`TraceError`] for an unreadable file, a malformed row or `TIMESTAMP`.
+pub fn load_azure(path: &Path) -> Result<Vec<TraceRow>, TraceError> {
+    let rows = trace::load_azure(path)?
         .into_iter()
-        .map(|(ms, input, output)| TraceRow {
-            timestamp: u64::try_from(ms - t0).unwrap_or(0),
-            input_length: input,
-            output_length: output,
+        .map(|r| TraceRow {
+            timestamp: (r.t_s * 1000.0).round() as u64,
+            input_length: r.input.unwrap_or(0),
+            output_length: r.output,
             hash_ids: Vec::new(),
         })
         .collect();
     Ok(normalise(rows))
-}
-
-#[derive(serde::Deserialize)]
-struct SharegptEntry {
-    input: String,
-    output_length: u32,
 }
 
 /// Prefix ids of `text`: xxh64 of each full [`SHAREGPT_BLOCK_CHARS`]-byte block.
@@ -193,72 +119,31 @@ pub fn text_block_ids(text: &str) -> Vec<u64> {
 }
 
 /// Load the LMBenchmark ShareGPT multi-round file with Poisson arrivals at `rate` req/s
-/// (≤ 0 or non-finite → 1.0) drawn from `seed` (see the module doc).
+/// (≤ 0 or non-finite → 1.0) drawn from `seed` (see the module doc): prompt tokens from
+/// kvroute-core's [`Estimator`], prefix ids from [`text_block_ids`].
 ///
-/// Errors: [`WorkloadError::Io`] / [`WorkloadError::Json`].
-pub fn load_sharegpt(path: &Path, seed: u64, rate: f64) -> Result<Vec<TraceRow>, WorkloadError> {
-    let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| WorkloadError::Io {
-        path: p.clone(),
-        source,
-    })?;
-    let entries: Vec<SharegptEntry> =
-        serde_json::from_slice(&bytes).map_err(|source| WorkloadError::Json { path: p, source })?;
-    let rate = if rate.is_finite() && rate > 0.0 {
-        rate
-    } else {
-        1.0
-    };
+/// Errors: [`TraceError`] for an unreadable or malformed file.
+pub fn load_sharegpt(path: &Path, seed: u64, rate: f64) -> Result<Vec<TraceRow>, TraceError> {
     let est = Estimator::default();
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let mut t = 0.0f64;
-    let mut rows = Vec::with_capacity(entries.len());
-    for (i, e) in entries.iter().enumerate() {
-        if i > 0 {
-            // Exponential gap: −ln(U)/λ with U in (0, 1].
-            t += -(1.0 - rng.f64()).ln() / rate;
-        }
-        rows.push(TraceRow {
-            timestamp: (t * 1000.0) as u64,
-            input_length: u32::try_from(est.estimate_text(&e.input))
-                .unwrap_or(u32::MAX)
-                .max(1),
-            output_length: e.output_length.max(1),
-            hash_ids: text_block_ids(&e.input),
-        });
-    }
-    Ok(rows)
+    Ok(trace::load_sharegpt(path, rate, seed)?
+        .into_iter()
+        .map(|r| {
+            let text = r.text.unwrap_or_default();
+            TraceRow {
+                timestamp: (r.t_s * 1000.0) as u64,
+                input_length: u32::try_from(est.estimate_text(&text))
+                    .unwrap_or(u32::MAX)
+                    .max(1),
+                output_length: r.output.max(1),
+                hash_ids: text_block_ids(&text),
+            }
+        })
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn azure_timestamps() {
-        let a = parse_azure_timestamp("2023-11-16 18:15:46.6805900").unwrap_or(-1);
-        let b = parse_azure_timestamp("2023-11-16 18:15:50.9951690").unwrap_or(-1);
-        assert_eq!(b - a, 4315);
-        // 2023-11-16 is day 19 677 since the epoch.
-        assert_eq!(
-            parse_azure_timestamp("2023-11-16 00:00:00"),
-            Some(19_677 * 86_400_000)
-        );
-        assert_eq!(
-            parse_azure_timestamp("2023-11-17 00:00:00.5"),
-            Some(19_678 * 86_400_000 + 500)
-        );
-        for bad in [
-            "",
-            "2023-11-16",
-            "2023-13-01 00:00:00",
-            "2023-11-16 25:00:00",
-            "x y",
-            "2023-11-16 1:2:3.4a",
-        ] {
-            assert_eq!(parse_azure_timestamp(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn block_ids_are_prefix_consistent() {
