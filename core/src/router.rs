@@ -235,8 +235,15 @@ pub struct Route {
 pub enum Outcome {
     /// Send the request to [`Route::endpoint`].
     Route(Route),
-    /// No endpoint serves the request (the host answers 503).
+    /// The request names a model (base model or LoRA adapter) that endpoints of the
+    /// snapshot list, but none of them can take it now (unhealthy, or filtered out by the
+    /// policy): the host answers 503 with `retry-after`. Also a request without a model
+    /// when no endpoint is healthy.
     NoEndpoints,
+    /// No endpoint of the snapshot, healthy or not, lists the requested model (base model
+    /// or LoRA adapter): the client asked for something this pool does not serve, so the
+    /// host answers 404 (`model_not_found`, as OpenAI's API does). Carries the model name.
+    UnknownModel(String),
     /// Every serving endpoint is out of KV headroom (the host queues or answers 429).
     NoCapacity {
         /// vLLM priority (lower first).
@@ -267,6 +274,8 @@ struct Fleet {
     max_capacity: BTreeMap<String, u64>,
     /// Largest KV capacity among all healthy endpoints (requests without a model), tokens.
     max_capacity_any: Option<u64>,
+    /// Every model and LoRA adapter any endpoint lists, healthy or not.
+    models: std::collections::BTreeSet<String>,
 }
 
 /// The profile of a model without one: [`DEFAULT_MAX_TOKENS`] output limit,
@@ -462,6 +471,9 @@ impl Router {
             }
             fleet.process_start.insert(e.id.clone(), e.process_start_ms);
             fleet.scraped_at.insert(e.id.clone(), e.scraped_at_ms);
+            fleet
+                .models
+                .extend(e.models.iter().chain(&e.lora_adapters).cloned());
             if !e.healthy {
                 continue;
             }
@@ -559,7 +571,10 @@ impl Router {
                     },
                 })
             }
-            PickOutcome::NoEndpoints => Outcome::NoEndpoints,
+            PickOutcome::NoEndpoints => match req.model.as_deref() {
+                Some(m) if !self.fleet.models.contains(m) => Outcome::UnknownModel(m.to_owned()),
+                _ => Outcome::NoEndpoints,
+            },
             PickOutcome::NoCapacity => Outcome::NoCapacity {
                 priority: req.priority,
                 size: demand,
@@ -714,6 +729,40 @@ mod tests {
         assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::Unparsable));
         assert!(d.parse_error.is_some());
         assert_eq!(route(&d).endpoint, "pool/e0");
+    }
+
+    /// A model no endpoint lists is the client's error (404); a listed model whose endpoints
+    /// are all unhealthy is the fleet's (503). LoRA adapters count as listed models.
+    #[test]
+    fn unknown_model_differs_from_no_healthy_endpoint() {
+        let mut r = router(PolicyKind::Hybrid);
+        let mut sick = ep(1, 0.1);
+        sick.models = vec!["sick".into()];
+        sick.lora_adapters = vec!["sick-lora".into()];
+        sick.healthy = false;
+        let snap = Snapshot::new(1, NOW, vec![ep(0, 0.1), sick]);
+        let t = InflightTable::default();
+        let p = "/v1/chat/completions";
+        let body =
+            |m: &str| format!(r#"{{"model":"{m}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        let d = r.route(&snap, &t, p, Some(body("other").as_bytes()), NOW);
+        assert_eq!(d.outcome, Outcome::UnknownModel("other".into()));
+        for m in ["sick", "sick-lora"] {
+            let d = r.route(&snap, &t, p, Some(body(m).as_bytes()), NOW);
+            assert_eq!(d.outcome, Outcome::NoEndpoints, "{m}");
+        }
+        assert_eq!(
+            route(&r.route(&snap, &t, p, Some(body("m").as_bytes()), NOW)).endpoint,
+            "pool/e0"
+        );
+        // No model named and nothing healthy: no endpoints, not an unknown model.
+        let mut down = ep(0, 0.1);
+        down.healthy = false;
+        let snap = Snapshot::new(2, NOW, vec![down]);
+        assert_eq!(
+            r.route(&snap, &t, p, None, NOW).outcome,
+            Outcome::NoEndpoints
+        );
     }
 
     #[test]

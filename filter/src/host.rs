@@ -78,6 +78,12 @@ pub trait Host {
     fn set_effective_context(&self, context_id: u32) -> bool;
     /// Resume a paused request (of the effective context).
     fn resume_request(&self);
+    /// An Envoy attribute as a string, e.g. `["response", "code_details"]`
+    /// (<https://www.envoyproxy.io/docs/envoy/latest/intro/arch_overview/advanced/attributes>);
+    /// `None` when absent or not readable here.
+    fn property(&self, _path: &[&str]) -> Option<String> {
+        None
+    }
 }
 
 #[cfg(any(test, feature = "testing"))]
@@ -138,6 +144,8 @@ pub mod mock {
         pub ctx_events: Rc<RefCell<Vec<(u32, String)>>>,
         /// Current effective context.
         pub effective: Rc<RefCell<u32>>,
+        /// Envoy attributes by dotted path (e.g. `response.code_details`).
+        pub properties: Rc<RefCell<BTreeMap<String, String>>>,
     }
 
     impl MockHost {
@@ -162,6 +170,12 @@ pub mod mock {
         /// Builder: set a request header.
         pub fn with_header(self, k: &str, v: &str) -> Self {
             self.req_headers.borrow_mut().insert(k.into(), v.into());
+            self
+        }
+
+        /// Builder: set an Envoy attribute (dotted path, e.g. `response.code_details`).
+        pub fn with_property(self, path: &str, v: &str) -> Self {
+            self.properties.borrow_mut().insert(path.into(), v.into());
             self
         }
 
@@ -216,6 +230,9 @@ pub mod mock {
         fn response_body(&self, size: usize) -> Option<Vec<u8>> {
             let b = self.resp_chunk.borrow();
             b.get(..size.min(b.len())).map(|s| s.to_vec())
+        }
+        fn property(&self, path: &[&str]) -> Option<String> {
+            self.properties.borrow().get(&path.join(".")).cloned()
         }
         fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
             let ctx = *self.effective.borrow();

@@ -3,13 +3,14 @@
 //! Contract (the control plane implements the client side):
 //! `POST <ingest_path>` (default `/kvroute/v1/snapshot`) with
 //! `Authorization: Bearer <ingest_token>` and a `kvroute_core::snapshot::Snapshot` JSON body.
-//! Answers, always locally (nothing is forwarded upstream):
+//! Answers, always locally (nothing is forwarded upstream), errors in OpenAI's error shape
+//! ([`crate::reply`], `code` in brackets):
 //! - `204` — valid; enqueued on the shared queue for the root-context consumer;
-//! - `401 {"error":"unauthorized"}` — missing or wrong token (constant-time comparison);
-//! - `413 {"error":"too_large","max_bytes":N}` — body over `ingest_max_bytes`;
-//! - `400 {"error":"invalid_snapshot","detail":"..."}` — not a valid snapshot;
-//! - `404` / `405` JSON — other paths or methods;
-//! - `503 {"error":"queue_unavailable"}` — the shared queue could not be resolved.
+//! - `401` (`invalid_ingest_token`) — missing or wrong token (constant-time comparison);
+//! - `413` (`request_too_large`) — body over `ingest_max_bytes` (named in the message);
+//! - `400` (`invalid_snapshot`) — not a valid snapshot (the message says why);
+//! - `404` (`not_found`) / `405` (`method_not_allowed`) — other paths or methods;
+//! - `503` (`queue_unavailable`) — the shared queue could not be resolved.
 //!
 //! [`IngestStream`] is the per-request state machine of this role (headers checked at once,
 //! body buffered up to `ingest_max_bytes`, enqueued at end of stream or trailers);
@@ -19,31 +20,14 @@
 use crate::config::Config;
 use crate::host::{Host, Level, MetricKind};
 use crate::names::metric;
+use crate::reply::{self, LocalReply};
 use crate::shared;
 use crate::stream::Flow;
 use std::rc::Rc;
 use subtle::ConstantTimeEq;
 
-/// A local reply: status and JSON body.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    /// HTTP status.
-    pub status: u32,
-    /// JSON body (empty for 204).
-    pub body: String,
-}
-
-fn json(status: u32, error: &str, extra: Option<(&str, serde_json::Value)>) -> Reply {
-    let mut m = serde_json::Map::new();
-    m.insert("error".into(), serde_json::Value::String(error.into()));
-    if let Some((k, v)) = extra {
-        m.insert(k.into(), v);
-    }
-    Reply {
-        status,
-        body: serde_json::Value::Object(m).to_string(),
-    }
-}
+/// A local reply (see [`crate::reply`]).
+pub type Reply = LocalReply;
 
 /// Token check: `Authorization: Bearer <token>`, constant time in the token's content.
 pub fn authorized(config: &Config, authorization: Option<&str>) -> bool {
@@ -66,13 +50,13 @@ pub fn check_headers(
 ) -> Option<Reply> {
     let path = path.unwrap_or("").split('?').next().unwrap_or("");
     if path != config.ingest_path {
-        return Some(json(404, "not_found", None));
+        return Some(reply::ingest_not_found(path));
     }
     if method != Some("POST") {
-        return Some(json(405, "method_not_allowed", None));
+        return Some(reply::ingest_method_not_allowed());
     }
     if !authorized(config, authorization) {
-        return Some(json(401, "unauthorized", None));
+        return Some(reply::ingest_unauthorized());
     }
     if let Some(len) = content_length.and_then(|l| l.trim().parse::<u64>().ok()) {
         if len > config.ingest_max_bytes as u64 {
@@ -84,14 +68,7 @@ pub fn check_headers(
 
 /// 413 for a body over the limit.
 pub fn too_large(config: &Config) -> Reply {
-    json(
-        413,
-        "too_large",
-        Some((
-            "max_bytes",
-            serde_json::Value::from(config.ingest_max_bytes),
-        )),
-    )
+    reply::ingest_too_large(config.ingest_max_bytes)
 }
 
 /// Body-time check: `Ok(())` when the body is a valid snapshot within limits.
@@ -101,26 +78,21 @@ pub fn check_body(config: &Config, body: &[u8]) -> Result<(), Reply> {
     }
     kvroute_core::snapshot::Snapshot::decode(body)
         .map(|_| ())
-        .map_err(|e| {
-            json(
-                400,
-                "invalid_snapshot",
-                Some(("detail", serde_json::Value::String(e.to_string()))),
-            )
-        })
+        .map_err(|e| reply::ingest_invalid(&e.to_string()))
 }
 
 /// 204 after enqueueing.
 pub fn accepted() -> Reply {
     Reply {
         status: 204,
+        retry_after_s: None,
         body: String::new(),
     }
 }
 
 /// 503 when the queue is unavailable.
 pub fn queue_unavailable() -> Reply {
-    json(503, "queue_unavailable", None)
+    reply::ingest_queue_unavailable()
 }
 
 /// One request on the ingest listener: always answered locally, exactly once.
@@ -147,12 +119,7 @@ impl IngestStream {
             return;
         }
         self.replied = true;
-        let headers: &[(&str, &str)] = if r.body.is_empty() {
-            &[]
-        } else {
-            &[("content-type", "application/json")]
-        };
-        host.send_local_reply(r.status, headers, r.body.as_bytes());
+        r.send(host);
     }
 
     fn reject<H: Host>(&mut self, host: &H, r: &Reply) -> Flow {
@@ -372,13 +339,9 @@ mod tests {
             405
         );
         let r = check_headers(&c, Some("POST"), p, None, None).unwrap();
-        assert_eq!(
-            r,
-            Reply {
-                status: 401,
-                body: r#"{"error":"unauthorized"}"#.into()
-            }
-        );
+        assert_eq!(r, reply::ingest_unauthorized());
+        assert_eq!(r.status, 401);
+        assert_eq!(r.code().as_deref(), Some("invalid_ingest_token"));
         assert_eq!(
             check_headers(&c, Some("POST"), p, Some("Bearer wrong"), None)
                 .unwrap()
@@ -392,12 +355,10 @@ mod tests {
             401
         );
         let r = check_headers(&c, Some("POST"), p, auth, Some("201")).unwrap();
+        assert_eq!(r.status, 413);
         assert_eq!(
-            r,
-            Reply {
-                status: 413,
-                body: r#"{"error":"too_large","max_bytes":200}"#.into()
-            }
+            r.body,
+            r#"{"error":{"code":"request_too_large","message":"Snapshot larger than ingest_max_bytes (200 bytes).","param":null,"type":"invalid_request_error"}}"#
         );
     }
 
@@ -416,7 +377,7 @@ mod tests {
         assert_eq!(r.status, 400);
         assert_eq!(
             r.body,
-            r#"{"detail":"unsupported snapshot format 9 (this build reads 1)","error":"invalid_snapshot"}"#
+            r#"{"error":{"code":"invalid_snapshot","message":"Invalid snapshot: unsupported snapshot format 9 (this build reads 1)","param":null,"type":"invalid_request_error"}}"#
         );
         assert_eq!(check_body(&c, &[b' '; 201]).unwrap_err().status, 413);
     }

@@ -35,8 +35,20 @@ pub mod metric {
     pub const DECISIONS_STALE: &str = "kvroute.decisions.stale_fallback";
     /// Decisions made without the body (no body, upgrade, too large, encoded) (counter).
     pub const DECISIONS_LOAD_ONLY: &str = "kvroute.decisions.load_only";
-    /// Requests answered 503 because no endpoint serves them (counter).
+    /// Requests answered 503 `no_healthy_endpoint`: the model is served, but by no healthy
+    /// endpoint (counter).
     pub const NO_ENDPOINTS: &str = "kvroute.outcome.no_endpoints";
+    /// Requests answered 404 `model_not_found`: no endpoint lists the model (counter).
+    pub const MODEL_NOT_FOUND: &str = "kvroute.outcome.model_not_found";
+    /// Cluster-mode requests Envoy could not send because the chosen cluster does not exist
+    /// (answered 503 `cluster_not_found`, naming it) (counter).
+    pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
+    /// `GET /v1/models` answered from the snapshot (counter).
+    pub const MODELS_LISTED: &str = "kvroute.models_listed";
+    /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick).
+    /// Wasm memory only grows, so this is the VM's high-water mark; with one worker it is the
+    /// per-worker figure `make bench-overhead` reports.
+    pub const WASM_MEMORY: &str = "kvroute.wasm_memory_bytes";
     /// Requests answered 429 (saturated, queue full or timed out) (counter).
     pub const REJECTED: &str = "kvroute.outcome.rejected";
     /// Requests whose KV demand exceeds every serving endpoint's whole KV capacity: they can
@@ -72,8 +84,4 @@ pub mod metric {
     pub const RESERVED: &str = "kvroute.reservations.reserved";
     /// Shared in-flight reservations right now, all workers (gauge).
     pub const INFLIGHT: &str = "kvroute.inflight";
-    /// Linear memory of the Wasm VM that handled the last request, bytes (gauge). Wasm
-    /// memory only grows, so this is the VM's high-water mark; with one worker it is the
-    /// per-worker figure `make bench-overhead` reports.
-    pub const WASM_MEMORY_BYTES: &str = "kvroute.wasm_memory_bytes";
 }

@@ -8,11 +8,12 @@
 //!   to clear its route cache, and reserves the request's KV demand (tokens) and pending
 //!   prefill on the chosen endpoint in the shared in-flight table ([`Worker::apply_route`],
 //!   the one place a decision is applied);
-//! - no endpoint for the model → JSON 503;
-//! - every endpoint saturated → held in the admission queue when enabled, else JSON 429
-//!   with `retry-after`;
+//! - no endpoint for the model → 404 `model_not_found` when no endpoint lists it, else 503
+//!   `no_healthy_endpoint` with `retry-after` ([`crate::reply`], OpenAI's error object);
+//! - every endpoint saturated → held in the admission queue when enabled, else 429
+//!   `saturated` with `retry-after`;
 //! - no snapshot yet, or an internal error → fail open: no header is set and Envoy's
-//!   default route applies (counter `kvroute.fail_open`), or JSON 503 when
+//!   default route applies (counter `kvroute.fail_open`), or 503 `router_unavailable` when
 //!   `fail_open` is false.
 //!
 //! Requests routed without their body (no body, upgrade, over `max_body_bytes`, encoded)
@@ -65,8 +66,10 @@ pub struct Routed {
 pub enum Decision {
     /// Route (apply with [`Worker::apply_route`]).
     Route(Box<Routed>),
-    /// No endpoint serves the request.
+    /// Endpoints list the request's model but none can take it now (503, `retry-after`).
     NoEndpoints,
+    /// No endpoint lists the requested model (404 `model_not_found`); the model's name.
+    UnknownModel(String),
     /// Every endpoint is saturated.
     NoCapacity {
         /// vLLM priority (lower first).
@@ -243,6 +246,7 @@ impl Worker {
                 }))
             }
             Outcome::NoEndpoints => Decision::NoEndpoints,
+            Outcome::UnknownModel(m) => Decision::UnknownModel(m),
             Outcome::NoCapacity { priority, size } => Decision::NoCapacity { priority, size },
         }
     }
@@ -338,6 +342,33 @@ impl Worker {
 }
 
 impl Worker {
+    /// The reply to a request nobody can take: 404 `model_not_found` for a model no
+    /// endpoint lists ([`Decision::UnknownModel`]), else 503 `no_healthy_endpoint` with
+    /// `retry-after` naming the model of `body` (read again: this is the error path).
+    /// Counted either way. `None` for any other decision.
+    pub fn unserved_reply<H: Host>(
+        &self,
+        host: &H,
+        decision: &Decision,
+        body: Option<&[u8]>,
+    ) -> Option<crate::reply::LocalReply> {
+        match decision {
+            Decision::UnknownModel(model) => {
+                host.metric_add(MetricKind::Counter, metric::MODEL_NOT_FOUND, 1);
+                Some(crate::reply::model_not_found(model))
+            }
+            Decision::NoEndpoints => {
+                host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
+                let model = crate::reply::requested_model(body);
+                Some(crate::reply::no_healthy_endpoint(
+                    model.as_deref(),
+                    self.config.admission.retry_after_s,
+                ))
+            }
+            _ => None,
+        }
+    }
+
     /// Admission tick: answer 429 to parked requests past `admission.timeout_ms`, then
     /// re-decide parked requests in service order until one still finds no capacity.
     /// Returns how many were resumed.
@@ -345,20 +376,13 @@ impl Worker {
         let now = host.now_ms();
         let (timeout, retry_after) = (
             self.config.admission.timeout_ms,
-            self.config.admission.retry_after_s.to_string(),
+            self.config.admission.retry_after_s,
         );
-        let reject_body = r#"{"error":"saturated"}"#;
+        let reject = crate::reply::saturated(retry_after);
         for p in self.admission.take_expired(now, timeout) {
             if host.set_effective_context(p.context_id) {
                 host.metric_add(MetricKind::Counter, metric::REJECTED, 1);
-                host.send_local_reply(
-                    429,
-                    &[
-                        ("content-type", "application/json"),
-                        ("retry-after", &retry_after),
-                    ],
-                    reject_body.as_bytes(),
-                );
+                reject.send(host);
             }
         }
         let mut resumed = 0;
@@ -379,14 +403,11 @@ impl Worker {
                     host.resume_request();
                     resumed += 1;
                 }
-                Decision::NoEndpoints => {
+                d @ (Decision::NoEndpoints | Decision::UnknownModel(_)) => {
                     self.admission.pop();
-                    host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
-                    host.send_local_reply(
-                        503,
-                        &[("content-type", "application/json")],
-                        br#"{"error":"no_endpoints"}"#,
-                    );
+                    if let Some(r) = self.unserved_reply(host, &d, body) {
+                        r.send(host);
+                    }
                 }
                 Decision::FailOpen(_) => {
                     self.admission.pop();

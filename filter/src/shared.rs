@@ -156,6 +156,8 @@ pub fn next_worker_number<H: Host>(host: &H) -> Result<u32, SharedError> {
 pub struct SnapshotCache {
     version: Option<u64>,
     snap: Option<Rc<Snapshot>>,
+    /// Models served and the `GET /v1/models` body, built with each decode.
+    catalog: Option<Rc<crate::reply::ModelCatalog>>,
     /// How many times the snapshot was decoded (for tests and debugging).
     pub decodes: u64,
 }
@@ -173,10 +175,21 @@ impl SnapshotCache {
                 // per published version, never per request.
                 self.version = v;
                 let snap = Snapshot::decode(&bytes)?;
+                self.catalog = Some(Rc::new(crate::reply::ModelCatalog::from_snapshot(&snap)));
                 self.snap = Some(Rc::new(snap));
             }
         }
         Ok(self.snap.clone())
+    }
+
+    /// The models of the current snapshot (`None` before the first publication), refreshed
+    /// like [`SnapshotCache::current`].
+    pub fn catalog<H: Host>(
+        &mut self,
+        host: &H,
+    ) -> Result<Option<Rc<crate::reply::ModelCatalog>>, SharedError> {
+        self.current(host)?;
+        Ok(self.catalog.clone())
     }
 }
 

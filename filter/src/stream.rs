@@ -20,6 +20,7 @@
 
 use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER};
+use crate::reply::{self, LocalReply};
 use crate::router::{Decision, Held, Parked, RequestFacts, Routed, Worker};
 use kvroute_core::usage::{self, SseUsageScanner};
 use std::cell::RefCell;
@@ -63,10 +64,6 @@ pub struct Stream {
     resp: Resp,
 }
 
-fn json_error(error: &str) -> String {
-    serde_json::json!({ "error": error }).to_string()
-}
-
 impl Stream {
     /// A stream of HTTP context `context_id` on `worker`.
     pub fn new(worker: Rc<RefCell<Worker>>, context_id: u32) -> Self {
@@ -86,22 +83,26 @@ impl Stream {
         }
     }
 
-    fn reply<H: Host>(&mut self, host: &H, status: u32, body: &str, extra: &[(&str, &str)]) {
+    fn reply<H: Host>(&mut self, host: &H, r: &LocalReply) {
         if self.replied {
             return;
         }
         self.replied = true;
-        let mut headers: Vec<(&str, &str)> = Vec::with_capacity(extra.len() + 1);
-        if !body.is_empty() {
-            headers.push(("content-type", "application/json"));
-        }
-        headers.extend_from_slice(extra);
-        host.send_local_reply(status, &headers, body.as_bytes());
+        r.send(host);
     }
 
     /// Request headers arrived.
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
         self.path = host.request_header(":path").unwrap_or_default();
+        if reply::is_model_list(host.request_header(":method").as_deref(), &self.path) {
+            let catalog = self.worker.borrow_mut().cache.catalog(host).ok().flatten();
+            if let Some(c) = catalog {
+                host.metric_add(MetricKind::Counter, metric::MODELS_LISTED, 1);
+                self.reply(host, &c.list_reply());
+                return Flow::Pause;
+            }
+            // No snapshot yet: let the model servers answer.
+        }
         let (ch, eh, max) = {
             let w = self.worker.borrow();
             (
@@ -199,9 +200,11 @@ impl Stream {
                 self.decided_at_ms = host.now_ms();
                 Flow::Continue
             }
-            Decision::NoEndpoints => {
-                host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
-                self.reply(host, 503, &json_error("no_endpoints"), &[]);
+            d @ (Decision::NoEndpoints | Decision::UnknownModel(_)) => {
+                let r = self.worker.borrow().unserved_reply(host, &d, body);
+                if let Some(r) = r {
+                    self.reply(host, &r);
+                }
                 Flow::Pause
             }
             Decision::NoCapacity { priority, size } => {
@@ -229,8 +232,7 @@ impl Stream {
                     }
                 }
                 host.metric_add(MetricKind::Counter, metric::REJECTED, 1);
-                let ra = admission.retry_after_s.to_string();
-                self.reply(host, 429, &json_error("saturated"), &[("retry-after", &ra)]);
+                self.reply(host, &reply::saturated(admission.retry_after_s));
                 Flow::Pause
             }
             Decision::FailOpen(why) => {
@@ -240,11 +242,33 @@ impl Stream {
                     self.reason = "fail_open".into();
                     Flow::Continue
                 } else {
-                    self.reply(host, 503, &json_error("router_unavailable"), &[]);
+                    let ra = self.worker.borrow().config.admission.retry_after_s;
+                    self.reply(host, &reply::router_unavailable(ra));
                     Flow::Pause
                 }
             }
         }
+    }
+
+    /// Cluster mode: Envoy's router answered its own empty 503 because the cluster the
+    /// filter named does not exist (`response.code_details` `cluster_not_found`, e.g. a
+    /// typo or a defaulted `cluster` in kvroute-cp's config). Counted, logged with the
+    /// cluster's name, and replaced by a 503 that says what is wrong.
+    fn missing_cluster<H: Host>(&mut self, host: &H) -> Option<LocalReply> {
+        if host.property(&["response", "code_details"]).as_deref() != Some("cluster_not_found") {
+            return None;
+        }
+        let header = self.worker.borrow().config.cluster_header.clone();
+        let cluster = host.request_header(&header)?;
+        host.metric_add(MetricKind::Counter, metric::CLUSTER_NOT_FOUND, 1);
+        host.log(
+            Level::Warn,
+            &format!(
+                "kvroute: Envoy has no cluster `{cluster}` (chosen for endpoint `{}`): set pools[].endpoints[].cluster in kvroute-cp's config to an Envoy cluster name; answered 503 cluster_not_found",
+                self.held.as_ref().map_or("?", |h| h.endpoint.as_str())
+            ),
+        );
+        Some(reply::cluster_not_found(&cluster))
     }
 
     /// Response headers arrived.
@@ -253,6 +277,10 @@ impl Stream {
             return Flow::Continue;
         }
         self.adopt_resumed(host);
+        if let Some(r) = self.missing_cluster(host) {
+            self.reply(host, &r);
+            return Flow::Pause;
+        }
         if self.decided_at_ms > 0 {
             host.metric_record(
                 MetricKind::Histogram,
@@ -502,17 +530,108 @@ mod tests {
     }
 
     #[test]
-    fn no_endpoint_for_model_is_a_json_503() {
+    fn unknown_model_is_a_404_and_unhealthy_model_a_503() {
+        let mut sick = ep(1, 0.1);
+        sick.models = vec!["sick".into()];
+        sick.lora_adapters = vec!["sick-lora".into()];
+        sick.healthy = false;
+        let (h, w) = setup("{}", vec![ep(0, 0.1), sick]);
+        let send = |model: &str, ctx: u32| {
+            let body =
+                format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+            let r = request(&h, "/v1/chat/completions", body.as_bytes());
+            let mut s = Stream::new(w.clone(), ctx);
+            s.on_request_headers(&r, false);
+            assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+            let replies = r.replies();
+            assert_eq!(replies.len(), 1);
+            replies[0].clone()
+        };
+        let r = send("other", 2);
+        assert_eq!(r.status, 404);
+        assert_eq!(
+            String::from_utf8(r.body).unwrap(),
+            reply::model_not_found("other").body
+        );
+        assert_eq!(
+            r.headers,
+            vec![("content-type".into(), "application/json".into())]
+        );
+        assert_eq!(h.metric(metric::MODEL_NOT_FOUND), 1);
+        for (i, model) in ["sick", "sick-lora"].into_iter().enumerate() {
+            let r = send(model, 3 + i as u32);
+            assert_eq!(r.status, 503, "{model}");
+            assert_eq!(
+                String::from_utf8(r.body).unwrap(),
+                reply::no_healthy_endpoint(Some(model), 1).body
+            );
+            assert!(r.headers.contains(&("retry-after".into(), "1".into())));
+        }
+        assert_eq!(h.metric(metric::NO_ENDPOINTS), 2);
+        assert_eq!(h.metric(metric::MODEL_NOT_FOUND), 1);
+    }
+
+    #[test]
+    fn model_list_is_answered_from_the_snapshot() {
+        let mut lora = ep(1, 0.1);
+        lora.lora_adapters = vec!["sql".into()];
+        let (h, w) = setup("{}", vec![ep(0, 0.1), lora]);
+        let r = h
+            .sibling()
+            .with_header(":path", "/v1/models")
+            .with_header(":method", "GET");
+        let mut s = Stream::new(w.clone(), 2);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
+        let rep = r.replies();
+        assert_eq!(rep.len(), 1);
+        assert_eq!(rep[0].status, 200);
+        let v: serde_json::Value = serde_json::from_slice(&rep[0].body).unwrap();
+        let ids: Vec<&str> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["m", "sql"]);
+        assert_eq!(v["object"], "list");
+        assert_eq!(v["data"][1]["parent"], "m");
+        assert_eq!(h.metric(metric::MODELS_LISTED), 1);
+        // Before any snapshot the model servers answer it.
+        let (h, w) = setup("{}", vec![]);
+        let r = h
+            .sibling()
+            .with_header(":path", "/v1/models")
+            .with_header(":method", "GET");
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
+        assert!(r.replies().is_empty());
+    }
+
+    #[test]
+    fn missing_cluster_is_named_not_an_empty_503() {
         let (h, w) = setup("{}", vec![ep(0, 0.1)]);
-        let body = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;
-        let r = request(&h, "/v1/chat/completions", body);
+        let r = request(&h, "/v1/chat/completions", BODY);
         let mut s = Stream::new(w, 2);
         s.on_request_headers(&r, false);
-        assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
-        let replies = r.replies();
-        assert_eq!(replies.len(), 1);
-        assert_eq!(replies[0].status, 503);
-        assert_eq!(replies[0].body, br#"{"error":"no_endpoints"}"#);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
+        let r = r.with_property("response.code_details", "cluster_not_found");
+        assert_eq!(s.on_response_headers(&r), Flow::Pause);
+        let rep = r.replies();
+        assert_eq!(rep.len(), 1);
+        assert_eq!(rep[0].status, 503);
+        assert_eq!(
+            String::from_utf8(rep[0].body.clone()).unwrap(),
+            reply::cluster_not_found("c0").body
+        );
+        assert_eq!(h.metric(metric::CLUSTER_NOT_FOUND), 1);
+        assert!(h
+            .logs
+            .borrow()
+            .iter()
+            .any(|l| l.contains("Envoy has no cluster `c0` (chosen for endpoint `pool/e0`)")));
+        s.on_done(&r);
+        assert_eq!(h.metric(metric::RELEASED), 1);
     }
 
     #[test]
@@ -671,7 +790,10 @@ mod tests {
         assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
         let rep = r.replies();
         assert_eq!(rep[0].status, 429);
-        assert_eq!(rep[0].body, br#"{"error":"saturated"}"#);
+        assert_eq!(
+            String::from_utf8(rep[0].body.clone()).unwrap(),
+            reply::saturated(1).body
+        );
     }
 
     /// A request whose KV demand exceeds every endpoint's whole KV capacity can never fit,

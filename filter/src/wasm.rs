@@ -7,6 +7,7 @@
 use crate::config::{Config, Role};
 use crate::host::{Host, HostError, Level, MetricKind};
 use crate::ingest::{consume_snapshots, IngestStream};
+use crate::names::metric;
 use crate::router::Worker;
 use crate::stream::{Flow, Stream};
 use proxy_wasm::hostcalls;
@@ -16,6 +17,9 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
+
+/// Tick period when admission is off: how often the Wasm memory gauge is refreshed, ms.
+const MEMORY_GAUGE_PERIOD_MS: u64 = 1_000;
 
 thread_local! {
     static METRICS: RefCell<BTreeMap<&'static str, u32>> = const { RefCell::new(BTreeMap::new()) };
@@ -137,6 +141,10 @@ impl Host for ProxyHost {
     fn resume_request(&self) {
         let _ = hostcalls::resume_http_request();
     }
+    fn property(&self, path: &[&str]) -> Option<String> {
+        let bytes = hostcalls::get_property(path.to_vec()).ok()??;
+        String::from_utf8(bytes).ok()
+    }
 }
 
 fn action(f: Flow) -> Action {
@@ -205,10 +213,17 @@ impl RootContext for Root {
                     return false;
                 }
             }
+            // The tick only refreshes the Wasm memory gauge here.
+            let _ = hostcalls::set_tick_period(Duration::from_millis(MEMORY_GAUGE_PERIOD_MS));
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
-        let tick = config.admission.enabled.then_some(config.admission.tick_ms);
+        // Without admission the tick only refreshes the Wasm memory gauge.
+        let tick = if config.admission.enabled {
+            config.admission.tick_ms
+        } else {
+            MEMORY_GAUGE_PERIOD_MS
+        };
         let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
             Err(e) => {
@@ -223,9 +238,7 @@ impl RootContext for Root {
                 &format!("kvroute: no worker number (random reservation ids): {e}"),
             ),
         }
-        if let Some(ms) = tick {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
-        }
+        let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.serving = Some(Serving::Route(Rc::new(RefCell::new(worker))));
         true
     }
@@ -239,8 +252,13 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        // This VM's linear memory: it only grows, so a leak shows as steady growth.
+        let pages = core::arch::wasm32::memory_size(0) as u64;
+        ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
         if let Some(Serving::Route(w)) = &self.serving {
-            w.borrow_mut().tick(&ProxyHost);
+            if w.borrow().config.admission.enabled {
+                w.borrow_mut().tick(&ProxyHost);
+            }
         }
     }
 
@@ -293,13 +311,6 @@ impl HttpContext for Http {
     }
     fn on_log(&mut self) {
         self.stream.on_done(&ProxyHost);
-        // Pages of 64 KiB; one instruction, no host call besides the gauge.
-        let bytes = core::arch::wasm32::memory_size::<0>().saturating_mul(65_536);
-        ProxyHost.metric_record(
-            MetricKind::Gauge,
-            crate::names::metric::WASM_MEMORY_BYTES,
-            u64::try_from(bytes).unwrap_or(u64::MAX),
-        );
     }
 }
 

@@ -91,7 +91,10 @@ async fn ingest_auth_size_validity_and_versions() {
     let r = fleet.ingest(&good.encode(), None).await.unwrap();
     assert_eq!(
         (r.status, r.text().as_str()),
-        (401, r#"{"error":"unauthorized"}"#)
+        (
+            401,
+            r#"{"error":{"code":"invalid_ingest_token","message":"Missing or wrong ingest token (Authorization: Bearer <ingest_token>).","param":null,"type":"authentication_error"}}"#
+        )
     );
     let r = fleet
         .ingest(&good.encode(), Some("wrong-token-0123456789"))
@@ -108,7 +111,10 @@ async fn ingest_auth_size_validity_and_versions() {
     let r = fleet.ingest(&big, Some(TEST_TOKEN)).await.unwrap();
     assert_eq!(
         (r.status, r.text().as_str()),
-        (413, r#"{"error":"too_large","max_bytes":1048576}"#)
+        (
+            413,
+            r#"{"error":{"code":"request_too_large","message":"Snapshot larger than ingest_max_bytes (1048576 bytes).","param":null,"type":"invalid_request_error"}}"#
+        )
     );
     // Nothing applied so far: requests fail open.
     assert_eq!(
@@ -171,9 +177,12 @@ async fn ingest_auth_size_validity_and_versions() {
 async fn header_only_requests_are_decided_without_waiting() {
     let fleet = Fleet::start(least_kv()).await.unwrap();
     fleet.push_usages(1, &[0.7, 0.2]).await.unwrap();
-    let r = kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models"), &[], b"")
-        .await
-        .unwrap();
+    // `GET /v1/models` itself is answered by the filter from the snapshot; retrieving one
+    // model is a header-only request that goes upstream.
+    let r =
+        kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models/m"), &[], b"")
+            .await
+            .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-backend"), Some("b1"));
     assert_eq!(
@@ -364,7 +373,10 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
         .unwrap();
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("2"));
-    assert_eq!(r.text(), r#"{"error":"saturated"}"#);
+    assert_eq!(
+        r.text(),
+        r#"{"error":{"code":"saturated","message":"Every endpoint serving this model is out of KV-cache capacity; retry later.","param":null,"type":"rate_limit_error"}}"#
+    );
     assert!(started.elapsed() >= std::time::Duration::from_millis(1400));
     assert_eq!(fleet.counts(), vec![0, 1]);
 }

@@ -380,7 +380,7 @@ async fn http2_request_ending_with_trailers_is_routed_by_its_body() {
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
-/// A request whose KV demand (prompt + n × max_tokens for a model without a profile)
+/// A request whose KV demand (prompt + n × ⌈max_tokens × 0.5⌉ for a model without a profile)
 /// exceeds every endpoint's whole KV capacity can never fit: it is routed by load, not
 /// answered 429 "retry later" forever, even on an idle fleet.
 #[tokio::test]
@@ -394,9 +394,11 @@ async fn demand_larger_than_every_kv_cache_is_routed_not_429() {
     let now = now_ms();
     let eps = vec![fleet.endpoint(0, 0.0, now), fleet.endpoint(1, 0.0, now)];
     fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
-    // Capacity is 1,000,000 tokens per endpoint; 2 × 600,000 output tokens do not fit.
+    // Capacity is 1,000,000 tokens per endpoint; a model without a profile expects half its
+    // output limit per choice (kvroute_core::router's one demand rule): 2 × ⌈1,500,000 × 0.5⌉
+    // = 1,500,000 tokens do not fit.
     let body =
-        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":600000,"n":2}"#;
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1500000,"n":2}"#;
     let r = fleet.post("/v1/chat/completions", body).await.unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(fleet.counts().iter().sum::<usize>(), 1);

@@ -164,6 +164,7 @@ fn filter_and_benchmark_pick_identically() {
                 last = Some(b.endpoint.clone());
             }
             (Decision::NoEndpoints, Outcome::NoEndpoints) => no_endpoints += 1,
+            (Decision::UnknownModel(a), Outcome::UnknownModel(b)) if a == b => no_endpoints += 1,
             (f, b) => panic!("request {i} ({path}): filter {f:?}, benchmark {b:?}"),
         }
         if !matches!(b.basis, kvroute_core::router::Basis::Body) {

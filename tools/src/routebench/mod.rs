@@ -628,7 +628,9 @@ pub fn run_router(
                         reserve = r.reserve_tokens;
                         r.primary
                     }
-                    Outcome::NoCapacity { .. } | Outcome::NoEndpoints => {
+                    Outcome::NoCapacity { .. }
+                    | Outcome::NoEndpoints
+                    | Outcome::UnknownModel(_) => {
                         overflow += 1;
                         prefill_estimate = u64::from(prompt);
                         reserve = router.demand(&info).1.tokens;

@@ -1,0 +1,421 @@
+//! Every reply the filter makes itself, in OpenAI's shapes.
+//!
+//! Errors use OpenAI's error object (<https://platform.openai.com/docs/guides/error-codes>,
+//! the `error` member of the API's error responses), which vLLM's OpenAI server also returns:
+//! `{"error":{"message":"…","type":"…","param":null,"code":"…"}}`. OpenAI clients read
+//! `message` and branch on the status; `code` is a stable machine-readable reason.
+//! [`error`] is the one function that builds them; the rest of this module names each
+//! reply the filter can send:
+//!
+//! | status | `type` | `code` | when |
+//! |---|---|---|---|
+//! | 400 | `invalid_request_error` | `invalid_snapshot` | ingest: the body is not a valid snapshot |
+//! | 401 | `authentication_error` | `invalid_ingest_token` | ingest: missing or wrong token |
+//! | 404 | `invalid_request_error` | `model_not_found` | no endpoint in the snapshot lists the model (base model or LoRA adapter) |
+//! | 404 | `invalid_request_error` | `not_found` | ingest: another path |
+//! | 405 | `invalid_request_error` | `method_not_allowed` | ingest: not `POST` |
+//! | 413 | `invalid_request_error` | `request_too_large` | ingest: body over `ingest_max_bytes` |
+//! | 429 | `rate_limit_error` | `saturated` | every endpoint serving the model is out of KV headroom (after the admission queue, when on); `retry-after` |
+//! | 503 | `server_error` | `no_healthy_endpoint` | the model is known but no endpoint serving it is healthy; `retry-after` |
+//! | 503 | `server_error` | `cluster_not_found` | cluster mode: the cluster kvroute-cp named for the endpoint does not exist in this Envoy (replaces Envoy's empty 503) |
+//! | 503 | `server_error` | `router_unavailable` | the filter cannot decide and `fail_open` is off; `retry-after` |
+//! | 503 | `server_error` | `queue_unavailable` | ingest: the shared queue is missing |
+//!
+//! A 404 is not retried by OpenAI clients (the SDKs retry 408, 409, 429 and 5xx), so an
+//! unknown model fails at once instead of after the client's retries.
+//!
+//! `GET /v1/models` is answered from the snapshot in OpenAI's list shape
+//! (<https://platform.openai.com/docs/api-reference/models/list>): one entry per base model
+//! and per LoRA adapter any endpoint lists, healthy or not, sorted by id. The body is built
+//! once per snapshot version ([`ModelCatalog`]).
+
+use crate::host::Host;
+use kvroute_core::snapshot::Snapshot;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A reply to send instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    /// HTTP status.
+    pub status: u32,
+    /// `retry-after`, seconds, when the client should try again later.
+    pub retry_after_s: Option<u32>,
+    /// JSON body (empty for 204).
+    pub body: String,
+}
+
+impl LocalReply {
+    /// Send it (`content-type: application/json` when there is a body).
+    pub fn send<H: Host>(&self, host: &H) {
+        let ra = self.retry_after_s.map(|s| s.to_string());
+        let mut headers: Vec<(&str, &str)> = Vec::with_capacity(2);
+        if !self.body.is_empty() {
+            headers.push(("content-type", "application/json"));
+        }
+        if let Some(ra) = &ra {
+            headers.push(("retry-after", ra));
+        }
+        host.send_local_reply(self.status, &headers, self.body.as_bytes());
+    }
+
+    /// The `code` of an error body (for logs and tests); `None` for other bodies.
+    pub fn code(&self) -> Option<String> {
+        let v: serde_json::Value = serde_json::from_str(&self.body).ok()?;
+        v.get("error")?.get("code")?.as_str().map(str::to_owned)
+    }
+}
+
+/// The one builder of error replies: OpenAI's error object with `status`.
+///
+/// `kind` is the error `type`, `code` the machine-readable reason, `param` the request
+/// field at fault (if any), `retry_after_s` sets `retry-after`.
+pub fn error(
+    status: u32,
+    kind: &str,
+    code: &str,
+    message: &str,
+    param: Option<&str>,
+    retry_after_s: Option<u32>,
+) -> LocalReply {
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": param,
+            "code": code,
+        }
+    })
+    .to_string();
+    LocalReply {
+        status,
+        retry_after_s,
+        body,
+    }
+}
+
+const INVALID: &str = "invalid_request_error";
+const SERVER: &str = "server_error";
+
+/// 404: no endpoint lists `model`.
+pub fn model_not_found(model: &str) -> LocalReply {
+    error(
+        404,
+        INVALID,
+        "model_not_found",
+        &format!("The model `{model}` does not exist: no endpoint behind this gateway serves it (GET /v1/models lists those that do)."),
+        Some("model"),
+        None,
+    )
+}
+
+/// 503: `model` is served, but by no healthy endpoint right now.
+pub fn no_healthy_endpoint(model: Option<&str>, retry_after_s: u32) -> LocalReply {
+    let what = model.map_or_else(|| "this request".to_owned(), |m| format!("model `{m}`"));
+    error(
+        503,
+        SERVER,
+        "no_healthy_endpoint",
+        &format!("No healthy endpoint serves {what} right now; retry later."),
+        None,
+        Some(retry_after_s),
+    )
+}
+
+/// 429: every endpoint serving the request is out of KV-cache headroom.
+pub fn saturated(retry_after_s: u32) -> LocalReply {
+    error(
+        429,
+        "rate_limit_error",
+        "saturated",
+        "Every endpoint serving this model is out of KV-cache capacity; retry later.",
+        None,
+        Some(retry_after_s),
+    )
+}
+
+/// 503: the filter could not decide and `fail_open` is off.
+pub fn router_unavailable(retry_after_s: u32) -> LocalReply {
+    error(
+        503,
+        SERVER,
+        "router_unavailable",
+        "kvroute has no usable endpoint stats yet (no snapshot from kvroute-cp) and fail_open is off; retry later.",
+        None,
+        Some(retry_after_s),
+    )
+}
+
+/// 503: cluster mode sent the request to `cluster`, which this Envoy does not have.
+pub fn cluster_not_found(cluster: &str) -> LocalReply {
+    error(
+        503,
+        SERVER,
+        "cluster_not_found",
+        &format!("kvroute routed this request to Envoy cluster `{cluster}`, which this Envoy does not have: check pools[].endpoints[].cluster in kvroute-cp's config (it defaults to the pool's name) against the Envoy clusters."),
+        None,
+        None,
+    )
+}
+
+/// Ingest 401.
+pub fn ingest_unauthorized() -> LocalReply {
+    error(
+        401,
+        "authentication_error",
+        "invalid_ingest_token",
+        "Missing or wrong ingest token (Authorization: Bearer <ingest_token>).",
+        None,
+        None,
+    )
+}
+
+/// Ingest 413: body over `max_bytes`.
+pub fn ingest_too_large(max_bytes: usize) -> LocalReply {
+    error(
+        413,
+        INVALID,
+        "request_too_large",
+        &format!("Snapshot larger than ingest_max_bytes ({max_bytes} bytes)."),
+        None,
+        None,
+    )
+}
+
+/// Ingest 400: not a valid snapshot (`detail` says why).
+pub fn ingest_invalid(detail: &str) -> LocalReply {
+    error(
+        400,
+        INVALID,
+        "invalid_snapshot",
+        &format!("Invalid snapshot: {detail}"),
+        None,
+        None,
+    )
+}
+
+/// Ingest 404: another path.
+pub fn ingest_not_found(path: &str) -> LocalReply {
+    error(
+        404,
+        INVALID,
+        "not_found",
+        &format!("No ingest route at `{path}`."),
+        None,
+        None,
+    )
+}
+
+/// Ingest 405: not POST.
+pub fn ingest_method_not_allowed() -> LocalReply {
+    error(
+        405,
+        INVALID,
+        "method_not_allowed",
+        "The ingest route takes POST only.",
+        None,
+        None,
+    )
+}
+
+/// Ingest 503: the shared queue is missing.
+pub fn ingest_queue_unavailable() -> LocalReply {
+    error(
+        503,
+        SERVER,
+        "queue_unavailable",
+        "The filter's shared queue is not available; retry later.",
+        None,
+        None,
+    )
+}
+
+/// The models a snapshot serves, and the `GET /v1/models` body, built once per version.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModelCatalog {
+    /// Served ids (base models and LoRA adapters) → the base model an adapter runs on
+    /// (`None` for a base model, or an adapter on several bases).
+    models: BTreeMap<String, Option<String>>,
+    /// `GET /v1/models` body.
+    pub list_body: String,
+}
+
+impl ModelCatalog {
+    /// From every endpoint of `snap`, healthy or not.
+    pub fn from_snapshot(snap: &Snapshot) -> Self {
+        let mut models: BTreeMap<String, Option<String>> = BTreeMap::new();
+        let mut bases: BTreeMap<String, BTreeSet<&str>> = BTreeMap::new();
+        for e in &snap.endpoints {
+            for m in &e.models {
+                models.insert(m.clone(), None);
+            }
+            for a in &e.lora_adapters {
+                let b = bases.entry(a.clone()).or_default();
+                b.extend(e.models.iter().map(String::as_str));
+            }
+        }
+        for (a, b) in bases {
+            let parent = match (b.len(), b.first()) {
+                (1, Some(p)) => Some((*p).to_owned()),
+                _ => None,
+            };
+            models.entry(a).or_insert(parent);
+        }
+        let created = snap.generated_at_ms / 1000;
+        let data: Vec<serde_json::Value> = models
+            .iter()
+            .map(|(id, parent)| {
+                let mut m = serde_json::json!({
+                    "id": id,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvroute",
+                });
+                if let (Some(p), Some(obj)) = (parent, m.as_object_mut()) {
+                    obj.insert("parent".into(), serde_json::Value::String(p.clone()));
+                }
+                m
+            })
+            .collect();
+        let list_body = serde_json::json!({"object": "list", "data": data}).to_string();
+        Self { models, list_body }
+    }
+
+    /// Whether any endpoint lists `model` (base model or LoRA adapter).
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.contains_key(model)
+    }
+
+    /// The `GET /v1/models` reply.
+    pub fn list_reply(&self) -> LocalReply {
+        LocalReply {
+            status: 200,
+            retry_after_s: None,
+            body: self.list_body.clone(),
+        }
+    }
+}
+
+/// Whether `method` and `path` ask for the model list (`GET /v1/models`, query ignored).
+pub fn is_model_list(method: Option<&str>, path: &str) -> bool {
+    let p = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+    method == Some("GET") && p == "/v1/models"
+}
+
+/// The `model` field of a JSON body, if it has one (read only on the error path, to name the
+/// model in a 503 `no_healthy_endpoint`).
+pub fn requested_model(body: Option<&[u8]>) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct M {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<M>(body?).ok()?.model
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::snapshot::EndpointStats;
+
+    fn ep(id: &str, models: &[&str], lora: &[&str], healthy: bool) -> EndpointStats {
+        EndpointStats {
+            id: id.into(),
+            address: "127.0.0.1:1".into(),
+            cluster: "c".into(),
+            pool: "p".into(),
+            models: models.iter().map(|s| (*s).to_owned()).collect(),
+            lora_adapters: lora.iter().map(|s| (*s).to_owned()).collect(),
+            kv_usage: Some(0.1),
+            kv_capacity_tokens: None,
+            block_size: None,
+            running: 0,
+            waiting: 0,
+            healthy,
+            scraped_at_ms: 1,
+            process_start_ms: None,
+        }
+    }
+
+    #[test]
+    fn error_object_has_openai_shape() {
+        let r = model_not_found("gpt-x");
+        assert_eq!(r.status, 404);
+        assert_eq!(r.retry_after_s, None);
+        assert_eq!(
+            r.body,
+            r#"{"error":{"code":"model_not_found","message":"The model `gpt-x` does not exist: no endpoint behind this gateway serves it (GET /v1/models lists those that do).","param":"model","type":"invalid_request_error"}}"#
+        );
+        let r = saturated(3);
+        assert_eq!((r.status, r.retry_after_s), (429, Some(3)));
+        assert_eq!(r.code().as_deref(), Some("saturated"));
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["error"]["param"], serde_json::Value::Null);
+        assert_eq!(v["error"]["type"], "rate_limit_error");
+        let r = no_healthy_endpoint(Some("m"), 2);
+        assert_eq!((r.status, r.retry_after_s), (503, Some(2)));
+        assert_eq!(
+            cluster_not_found("vllm-a").code().as_deref(),
+            Some("cluster_not_found")
+        );
+        assert!(cluster_not_found("vllm-a").body.contains("`vllm-a`"));
+    }
+
+    #[test]
+    fn send_sets_content_type_and_retry_after() {
+        let h = crate::host::mock::MockHost::new(0);
+        saturated(5).send(&h);
+        let rep = h.replies();
+        assert_eq!(rep.len(), 1);
+        assert_eq!(rep[0].status, 429);
+        assert_eq!(
+            rep[0].headers,
+            vec![
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("retry-after".to_owned(), "5".to_owned())
+            ]
+        );
+    }
+
+    #[test]
+    fn catalog_lists_base_models_and_adapters_once() {
+        let snap = Snapshot::new(
+            7,
+            1_700_000_123_456,
+            vec![
+                ep("p/a", &["llama"], &["sql-lora"], true),
+                ep("p/b", &["llama"], &["sql-lora", "chat-lora"], false),
+                ep("q/c", &["qwen"], &["shared"], true),
+                ep("q/d", &["llama"], &["shared"], true),
+            ],
+        );
+        let c = ModelCatalog::from_snapshot(&snap);
+        assert!(c.serves("llama") && c.serves("chat-lora") && c.serves("shared"));
+        assert!(!c.serves("mistral"));
+        assert_eq!(
+            c.list_body,
+            concat!(
+                r#"{"data":["#,
+                r#"{"created":1700000123,"id":"chat-lora","object":"model","owned_by":"kvroute","parent":"llama"},"#,
+                r#"{"created":1700000123,"id":"llama","object":"model","owned_by":"kvroute"},"#,
+                r#"{"created":1700000123,"id":"qwen","object":"model","owned_by":"kvroute"},"#,
+                r#"{"created":1700000123,"id":"shared","object":"model","owned_by":"kvroute"},"#,
+                r#"{"created":1700000123,"id":"sql-lora","object":"model","owned_by":"kvroute","parent":"llama"}"#,
+                r#"],"object":"list"}"#
+            )
+        );
+        assert_eq!(c.list_reply().status, 200);
+    }
+
+    #[test]
+    fn model_list_route_and_requested_model() {
+        assert!(is_model_list(Some("GET"), "/v1/models"));
+        assert!(is_model_list(Some("GET"), "/v1/models/?x=1"));
+        assert!(!is_model_list(Some("POST"), "/v1/models"));
+        assert!(!is_model_list(Some("GET"), "/v1/models/llama"));
+        assert_eq!(
+            requested_model(Some(br#"{"model":"m","messages":[]}"#)).as_deref(),
+            Some("m")
+        );
+        assert_eq!(requested_model(Some(b"{")), None);
+        assert_eq!(requested_model(None), None);
+    }
+}
