@@ -52,10 +52,12 @@ fn router_names_round_trip() {
             "round_robin",
             "least_request",
             "llmd-epp",
+            "llmd-guide",
             "sglang-cache-aware",
             "dynamo-kv",
             "oracle",
-            "kvroute-hybrid"
+            "kvroute-hybrid",
+            "kvroute-predicted_ttft"
         ]
     );
     for k in RouterKind::all() {
@@ -64,7 +66,7 @@ fn router_names_round_trip() {
     assert_eq!(RouterKind::from_name("nope"), None);
     assert_eq!(
         RouterKind::all().iter().filter(|k| k.is_baseline()).count(),
-        5
+        6
     );
 }
 

@@ -49,6 +49,7 @@
 //! tie-break comes from a seeded `fastrand::Rng`.
 
 pub mod baselines;
+pub mod ceiling;
 pub mod output;
 pub mod sweep;
 pub mod workload;
@@ -57,6 +58,7 @@ use std::collections::VecDeque;
 
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::inflight::InflightTable;
+use kvroute_core::output_len::OutputLengths;
 use kvroute_core::picker::{
     uncached_prompt_tokens, InFlight, PickInput, PickOutcome, PickRequest, Picker, PickerConfig,
     PolicyKind,
@@ -69,7 +71,8 @@ use crate::sim::engine::{Engine, EngineConfig, EngineEvent, SimRequest};
 use crate::sim::trace::TraceRow;
 use baselines::dynamo::DynamoWorker;
 use baselines::{
-    DynamoKv, EndpointView, LeastRequest, LlmdEpp, Oracle, OracleView, RoundRobin, SglangCacheAware,
+    DynamoKv, EndpointView, LeastRequest, LlmdEpp, LlmdGuide, Oracle, OracleView, RoundRobin,
+    SglangCacheAware,
 };
 
 /// Tokens per trace `hash_id` block (Mooncake FAST'25 traces).
@@ -95,6 +98,8 @@ pub enum RouterKind {
     LeastRequest,
     /// [`baselines::LlmdEpp`].
     LlmdEpp,
+    /// [`baselines::LlmdGuide`].
+    LlmdGuide,
     /// [`baselines::SglangCacheAware`].
     SglangCacheAware,
     /// [`baselines::DynamoKv`].
@@ -113,6 +118,7 @@ impl RouterKind {
             RouterKind::RoundRobin => "round_robin",
             RouterKind::LeastRequest => "least_request",
             RouterKind::LlmdEpp => "llmd-epp",
+            RouterKind::LlmdGuide => "llmd-guide",
             RouterKind::SglangCacheAware => "sglang-cache-aware",
             RouterKind::DynamoKv => "dynamo-kv",
             RouterKind::Oracle => "oracle",
@@ -123,6 +129,7 @@ impl RouterKind {
                 PolicyKind::LeastKv => "kvroute-least_kv",
                 PolicyKind::PrefixAffinity => "kvroute-prefix_affinity",
                 PolicyKind::Hybrid => "kvroute-hybrid",
+                PolicyKind::PredictedTtft => "kvroute-predicted_ttft",
             },
         }
     }
@@ -132,16 +139,18 @@ impl RouterKind {
         RouterKind::Kvroute(PolicyKind::default())
     }
 
-    /// The benchmark's seven routers, `round_robin` first (the ratio baseline), kvroute's
-    /// default last.
-    pub fn all() -> [RouterKind; 7] {
+    /// The benchmark's nine routers, `round_robin` first (the ratio baseline): six baselines,
+    /// the oracle, kvroute's previous default `hybrid`, and kvroute's default last.
+    pub fn all() -> [RouterKind; 9] {
         [
             RouterKind::RoundRobin,
             RouterKind::LeastRequest,
             RouterKind::LlmdEpp,
+            RouterKind::LlmdGuide,
             RouterKind::SglangCacheAware,
             RouterKind::DynamoKv,
             RouterKind::Oracle,
+            RouterKind::Kvroute(PolicyKind::Hybrid),
             RouterKind::kvroute_default(),
         ]
     }
@@ -160,6 +169,7 @@ impl RouterKind {
             PolicyKind::LeastKv,
             PolicyKind::PrefixAffinity,
             PolicyKind::Hybrid,
+            PolicyKind::PredictedTtft,
         ]
         .map(RouterKind::Kvroute);
         RouterKind::all()
@@ -273,10 +283,16 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 enum Router {
-    Kv { picker: Picker, index: PrefixIndex },
+    Kv {
+        picker: Picker,
+        index: PrefixIndex,
+        /// Learned output lengths (kvroute-core), fed with each finished request's usage.
+        outputs: OutputLengths,
+    },
     Rr(RoundRobin),
     Lr(LeastRequest),
     Llmd(LlmdEpp),
+    LlmdGuide(LlmdGuide),
     Sglang(SglangCacheAware),
     Dynamo(DynamoKv),
     Oracle(Oracle),
@@ -291,6 +307,10 @@ struct Req {
     first: Option<f64>,
     admitted: bool,
     done: bool,
+    /// Router-tracked pending prefill charged at pick time (llm-d guide, Dynamo), tokens.
+    prefill_charge: u64,
+    /// kvroute's predicted effective prefill work at pick time (learner input), tokens.
+    predicted_work: f64,
 }
 
 struct State {
@@ -304,6 +324,13 @@ struct State {
     active_tokens: Vec<u64>,
     /// Requests without a first token yet, per replica (for the oracle).
     prefilling: Vec<Vec<u64>>,
+    /// Router-tracked pending prefill tokens per replica (llm-d guide's in-flight load,
+    /// Dynamo's active prefill tokens): charged at pick, released at the first token.
+    pending_prefill: Vec<u64>,
+    /// (request, replica, TTFT seconds) of first tokens not yet fed to the router.
+    first_tokens: Vec<(u64, usize, f64)>,
+    /// Requests finished and not yet fed to the router.
+    finished_ids: Vec<u64>,
     ttft: Vec<f64>,
     e2e: Vec<f64>,
     tpot_ok: usize,
@@ -354,6 +381,10 @@ impl State {
             if index == 1 {
                 r.first = Some(time);
                 let ttft = time - r.arrival;
+                if let Some(p) = self.pending_prefill.get_mut(k) {
+                    *p = p.saturating_sub(r.prefill_charge);
+                }
+                self.first_tokens.push((id, k, ttft));
                 self.ttft.push(ttft);
                 if ttft <= SLO_TTFT_S {
                     self.ttft_ok += 1;
@@ -374,6 +405,7 @@ impl State {
                 continue;
             }
             r.done = true;
+            self.finished_ids.push(id);
             self.finished += 1;
             self.generated += u64::from(r.output);
             self.last_finish = self.last_finish.max(time);
@@ -498,8 +530,13 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
             let index = PrefixIndex::new(
                 usize::try_from(cap_tokens / u64::from(TRACE_BLOCK_TOKENS)).unwrap_or(1),
             );
+            let outputs = OutputLengths::new();
             match Picker::new(pc, cfg.seed) {
-                Ok(picker) => Router::Kv { picker, index },
+                Ok(picker) => Router::Kv {
+                    picker,
+                    index,
+                    outputs,
+                },
                 // An invalid tuning config falls back to the default one rather than panic.
                 Err(_) => match Picker::new(
                     PickerConfig {
@@ -508,7 +545,11 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
                     },
                     cfg.seed,
                 ) {
-                    Ok(picker) => Router::Kv { picker, index },
+                    Ok(picker) => Router::Kv {
+                        picker,
+                        index,
+                        outputs,
+                    },
                     Err(_) => Router::Lr(LeastRequest),
                 },
             }
@@ -516,11 +557,66 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
         RouterKind::RoundRobin => Router::Rr(RoundRobin::new()),
         RouterKind::LeastRequest => Router::Lr(LeastRequest),
         RouterKind::LlmdEpp => Router::Llmd(LlmdEpp::new(cfg.seed)),
+        RouterKind::LlmdGuide => Router::LlmdGuide(LlmdGuide::new(cfg.seed)),
         RouterKind::SglangCacheAware => Router::Sglang(SglangCacheAware::new()),
         RouterKind::DynamoKv => Router::Dynamo(DynamoKv::new(engine.block_size, cfg.seed)),
         RouterKind::Oracle => Router::Oracle(Oracle),
     }
 }
+
+/// Feed what the router would observe from responses since the last call: kvroute's
+/// prefill-rate learner gets (predicted work at pick, TTFT) of each first token, its
+/// output-length model the (prompt, output) usage of each finished request — the filter's
+/// first-byte and `usage` observations.
+fn feed(router: &mut Router, st: &mut State, model: &str, ids: &[String]) {
+    let firsts = std::mem::take(&mut st.first_tokens);
+    let done = std::mem::take(&mut st.finished_ids);
+    let Router::Kv {
+        picker, outputs, ..
+    } = router
+    else {
+        return;
+    };
+    for (id, k, ttft) in firsts {
+        let (Some(r), Some(ep)) = (st.reqs.get(id as usize), ids.get(k)) else {
+            continue;
+        };
+        picker
+            .prefill_rates_mut()
+            .observe(ep, r.predicted_work, ttft);
+    }
+    for id in done {
+        if let Some(r) = st.reqs.get(id as usize) {
+            outputs.observe(
+                model,
+                ApiKind::Completions,
+                u64::from(r.prompt),
+                u64::from(r.output),
+            );
+        }
+    }
+}
+
+/// KV demand the kvroute router assumes for a request: prompt plus the learned median
+/// output for its prompt length, or the model profile's rule (half of the 1 024-token
+/// default limit) until enough responses were seen.
+fn expected_output(outputs: &OutputLengths, model: &str, prompt: u32) -> u64 {
+    outputs
+        .predict(
+            model,
+            ApiKind::Completions,
+            u64::from(prompt),
+            None,
+            OUTPUT_QUANTILE,
+        )
+        .unwrap_or(PROFILE_EXPECTED_OUTPUT)
+}
+
+/// Output-length quantile kvroute reserves KV for (the median).
+pub const OUTPUT_QUANTILE: f64 = 0.5;
+/// The model profile's expected output without a limit: ⌈1 024 × 0.5⌉ tokens
+/// (`kvroute_core::profile`).
+pub const PROFILE_EXPECTED_OUTPUT: u64 = 512;
 
 /// Replay `rows` through `cfg.replicas` engines of `engine` with one router. Never panics;
 /// an empty trace gives an all-zero report.
@@ -545,6 +641,9 @@ pub fn run_router(
         table: InflightTable::new(rows.len().max(1)),
         active_tokens: vec![0; n],
         prefilling: vec![Vec::new(); n],
+        pending_prefill: vec![0; n],
+        first_tokens: Vec::new(),
+        finished_ids: Vec::new(),
         ttft: Vec::with_capacity(rows.len()),
         e2e: Vec::with_capacity(rows.len()),
         tpot_ok: 0,
@@ -579,6 +678,7 @@ pub fn run_router(
                 next_scrape_ms = next_scrape_ms.max(last.saturating_sub(interval_ms));
             }
             st.run_to(next_scrape_ms as f64 / 1000.0);
+            feed(&mut router, &mut st, &cfg.model, &ids);
             st.sample_imbalance();
             let s = st.snapshot(&cfg.model, next_scrape_ms, next_scrape_ms / interval_ms);
             in_transit.push_back((next_scrape_ms.saturating_add(cfg.push_delay_ms), s));
@@ -590,6 +690,7 @@ pub fn run_router(
             }
         }
         st.run_to(t);
+        feed(&mut router, &mut st, &cfg.model, &ids);
         let prompt = row.input_length.max(1);
         let output = row.output_length.max(1);
         let hashes = chain_ids(&row.hash_ids);
@@ -612,11 +713,21 @@ pub fn run_router(
             })
             .collect();
         let least_loaded = LeastRequest.pick(&views).unwrap_or(0);
-        let demand = u64::from(prompt) + u64::from(output);
-        // kvroute's pending-prefill estimate for the chosen replica (set by the Kv arm).
+        // kvroute's pending-prefill estimate and predicted work for the chosen replica, and
+        // its KV reservation (set by the Kv arm).
         let mut prefill_estimate = 0u64;
+        let mut predicted_work = 0.0f64;
+        let mut demand = u64::from(prompt) + PROFILE_EXPECTED_OUTPUT;
+        // Pending prefill a baseline's router charges to the chosen replica.
+        let mut prefill_charge = 0u64;
         let chosen = match &mut router {
-            Router::Kv { picker, index } => {
+            Router::Kv {
+                picker,
+                index,
+                outputs,
+            } => {
+                let expected = expected_output(outputs, &cfg.model, prompt);
+                demand = u64::from(prompt) + expected;
                 let matches = index.match_snapshot(&hashes, &snap);
                 let unseen_map = st.table.unseen_totals(t_ms, |ep| {
                     snap.endpoints
@@ -639,7 +750,7 @@ pub fn run_router(
                     model: Some(&cfg.model),
                     api: ApiKind::Completions,
                     prompt_tokens: u64::from(prompt),
-                    output_limit: u64::from(output),
+                    output_limit: expected,
                     demand_tokens: demand,
                     prefix_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
                 };
@@ -658,11 +769,21 @@ pub fn run_router(
                     matches.get(k).copied().unwrap_or(0),
                     req.prefix_blocks,
                 );
+                predicted_work = picker
+                    .predict_ttft(&input, &req, k)
+                    .map_or(0.0, |p| p.effective_tokens);
                 k
             }
             Router::Rr(p) => p.pick(n).unwrap_or(0),
             Router::Lr(p) => p.pick(&views).unwrap_or(0),
             Router::Llmd(p) => p.pick(&ids, &views, &hashes).unwrap_or(least_loaded),
+            Router::LlmdGuide(p) => match p.pick(&ids, &st.pending_prefill, &hashes, prompt) {
+                Some(g) => {
+                    prefill_charge = g.charge_tokens;
+                    g.index
+                }
+                None => least_loaded,
+            },
             Router::Sglang(p) => p
                 .pick(&ids, &views, &hashes, prompt)
                 .unwrap_or(least_loaded),
@@ -671,12 +792,16 @@ pub fn run_router(
                     .engines
                     .iter()
                     .zip(&st.active_tokens)
-                    .map(|(e, &a)| DynamoWorker {
+                    .zip(&st.pending_prefill)
+                    .map(|((e, &a), &pf)| DynamoWorker {
                         overlap_blocks: cached_blocks(e, &engine_hashes),
                         active_tokens: a,
+                        active_prefill_tokens: pf,
                     })
                     .collect();
-                p.pick(&workers, prompt).unwrap_or(least_loaded)
+                let k = p.pick(&workers, prompt).unwrap_or(least_loaded);
+                prefill_charge = workers.get(k).map_or(0, |w| p.new_tokens(w, prompt));
+                k
             }
             Router::Oracle(p) => {
                 let ov: Vec<OracleView> =
@@ -694,6 +819,8 @@ pub fn run_router(
                 first: None,
                 admitted: false,
                 done: false,
+                prefill_charge,
+                predicted_work,
             };
         }
         let req = SimRequest {
@@ -721,6 +848,9 @@ pub fn run_router(
         }
         if let Some(p) = st.prefilling.get_mut(k) {
             p.push(i as u64);
+        }
+        if let Some(p) = st.pending_prefill.get_mut(k) {
+            *p = p.saturating_add(prefill_charge);
         }
         if let Some(id) = ids.get(k) {
             st.table.reserve_with_prefill(
