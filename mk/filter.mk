@@ -20,6 +20,7 @@ wasm: ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (rel
 
 test-filter: wasm envoy ## Filter unit tests + real-Envoy integration tests (builds the .wasm, installs Envoy)
 	$(CARGO) test -p kvroute-filter
+	$(CARGO) test -p kvroute-integration --lib
 	KVROUTE_WASM="$(FILTER_WASM)" \
 	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
 	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(FILTER_TESTS))

@@ -36,6 +36,7 @@ struct Settings {
     push: PushSettings,
     targets: Vec<Target>,
     token: Option<Arc<str>>,
+    token_source: Arc<str>,
 }
 
 /// A running control plane.
@@ -57,7 +58,10 @@ impl ControlPlane {
     pub async fn start(config: Config) -> Result<Self, StartError> {
         let token = config.push.read_token()?.map(Arc::<str>::from);
         if token.is_none() && !config.targets.is_empty() {
-            tracing::warn!(env = %config.push.token_env, "no ingest token configured; pushing without Authorization");
+            tracing::warn!(
+                source = %config.push.token_source(),
+                "no ingest token found; pushing without Authorization (a filter with an `ingest_token` answers 401)"
+            );
         }
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -83,6 +87,7 @@ impl ControlPlane {
             push: config.push.clone(),
             targets: config.targets.clone(),
             token,
+            token_source: config.push.token_source().into(),
         };
         let tasks = vec![
             tokio::spawn(server::serve(listener, hub.clone(), shutdown_rx.clone())),
@@ -149,7 +154,7 @@ async fn supervise(
     mut reload: mpsc::Receiver<(Config, Option<Arc<str>>)>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let scrape_client = scrape::client(settings.scrape.timeout);
+    let scrape_client = scrape::client(scrape::connect_timeout(settings.scrape.timeout));
     let push_client = push::client(settings.push.timeout);
     let mut endpoints_rx = discovery.subscribe();
     let mut scrapers: BTreeMap<String, (EndpointSpec, watch::Sender<bool>, JoinHandle<()>)> =
@@ -193,6 +198,7 @@ async fn supervise(
                     t.clone(),
                     settings.push.clone(),
                     settings.token.clone(),
+                    settings.token_source.clone(),
                     stop_rx,
                 ));
                 pushers.push((stop, task));
@@ -208,7 +214,10 @@ async fn supervise(
                     restart_pushers = config.push != settings.push
                         || config.targets != settings.targets
                         || token != settings.token;
+                    let names: Vec<&str> = config.targets.iter().map(|t| t.name.as_str()).collect();
+                    hub.retain_push_targets(&names);
                     settings = Settings {
+                        token_source: config.push.token_source().into(),
                         scrape: config.scrape,
                         push: config.push,
                         targets: config.targets,

@@ -318,11 +318,27 @@ impl Config {
 
     /// Read, parse and validate a file.
     pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        Self::load_raw(path).map(|(_, c)| c)
+    }
+
+    /// Like [`Self::load`], also returning the file as written (for `--check`).
+    pub fn load_raw(path: &std::path::Path) -> Result<(RawConfig, Self), ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Self::from_yaml(&text)
+        Self::from_yaml_raw(&text)
+    }
+
+    /// Like [`Self::from_yaml`], also returning the file as written.
+    pub fn from_yaml_raw(text: &str) -> Result<(RawConfig, Self), ConfigError> {
+        if text.trim().is_empty() {
+            return Err(ConfigError::Syntax("the config is empty".into()));
+        }
+        let raw: RawConfig =
+            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let c = raw.validate()?;
+        Ok((raw, c))
     }
 }
 
@@ -545,6 +561,17 @@ impl PushSettings {
             return Err(invalid("push.token_env", &self.token_env, TOKEN_REASON));
         }
         Ok(t)
+    }
+}
+
+impl PushSettings {
+    /// Where the token is read from, for logs and `--check` (never the token itself):
+    /// ``file `/etc/kvroute/token` `` or ``environment variable `KVROUTE_INGEST_TOKEN` ``.
+    pub fn token_source(&self) -> String {
+        match &self.token_file {
+            Some(p) => format!("file `{}`", p.display()),
+            None => format!("environment variable `{}`", self.token_env),
+        }
     }
 }
 

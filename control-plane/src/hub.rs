@@ -37,6 +37,7 @@
 use crate::adapters::ServerStats;
 use crate::config::EndpointSpec;
 use crate::restart::RestartTracker;
+use crate::scrape::FailureClass;
 use crate::telemetry::{EndpointLabel, StateLabel, Telemetry};
 use bytes::Bytes;
 use kvroute_core::snapshot::{EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION};
@@ -78,8 +79,11 @@ pub struct EndpointState {
     pub spec: EndpointSpec,
     /// Stats from the last successful scrape (kept, flagged unhealthy, after a failure).
     pub stats: Option<ServerStats>,
-    /// Last scrape succeeded.
+    /// Up: not marked down (see [`Hub::record_failure`]). A timed-out scrape leaves it
+    /// as it was; the stats are then stale.
     pub healthy: bool,
+    /// Connection failures in a row ([`DOWN_AFTER_UNREACHABLE`] mark the endpoint down).
+    pub unreachable_in_row: u32,
     /// Unix ms of the last successful scrape; 0 before the first.
     pub scraped_at_ms: u64,
     /// At least one scrape finished (either way).
@@ -91,6 +95,11 @@ pub struct EndpointState {
     /// `serde_json` encoding of [`Self::to_wire`], kept current by every change.
     wire_json: Vec<u8>,
 }
+
+/// Connection failures in a row that mark an up endpoint down (2: one refused connect can
+/// be a restart racing the scrape; two in a row, one scrape interval apart, mean the
+/// server is gone, so no new request goes to a killed backend after two intervals).
+pub const DOWN_AFTER_UNREACHABLE: u32 = 2;
 
 /// Snapshot bytes each Envoy worker is asked to decode per second, at most (see the module
 /// docs): the coalescing window grows to `snapshot bytes / this`. 2 MiB/s is a few per cent
@@ -112,6 +121,7 @@ impl EndpointState {
             spec,
             stats: None,
             healthy: false,
+            unreachable_in_row: 0,
             scraped_at_ms: 0,
             attempted: false,
             last_error: None,
@@ -190,6 +200,19 @@ impl EndpointState {
     }
 }
 
+/// Endpoints by state ([`Hub::counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Up, last scrape succeeded.
+    pub healthy: i64,
+    /// Up, but the last scrape failed (timed out): stats are aging.
+    pub stale: i64,
+    /// Down.
+    pub unhealthy: i64,
+    /// Not scraped yet.
+    pub pending: i64,
+}
+
 /// A published snapshot.
 #[derive(Debug, Clone)]
 pub struct Published {
@@ -245,6 +268,7 @@ pub struct Hub {
     published: watch::Sender<Option<Arc<Published>>>,
     last_version: Mutex<u64>,
     last_body_len: AtomicUsize,
+    push_rejected: Mutex<BTreeMap<String, String>>,
     /// Own metrics.
     pub telemetry: Telemetry,
 }
@@ -269,6 +293,7 @@ impl Hub {
             published,
             last_version: Mutex::new(0),
             last_body_len: AtomicUsize::new(0),
+            push_rejected: Mutex::new(BTreeMap::new()),
             telemetry: Telemetry::new(),
         })
     }
@@ -327,6 +352,7 @@ impl Hub {
             let restarted = st.restart.observe(&stats, at_ms);
             st.stats = Some(stats);
             st.healthy = true;
+            st.unreachable_in_row = 0;
             st.attempted = true;
             st.scraped_at_ms = at_ms;
             st.last_error = None;
@@ -350,14 +376,37 @@ impl Hub {
         }
     }
 
-    /// Record a failed scrape of `id`.
-    pub fn record_failure(&self, id: &str, error: String) {
+    /// Record a failed scrape of `id`, of class `class` (see [`crate::scrape`]):
+    /// - [`FailureClass::Stale`] (timed out): reachable, so up; stats and `scraped_at_ms`
+    ///   are kept, so the picker sees them age into staleness;
+    /// - [`FailureClass::Unreachable`]: down once [`DOWN_AFTER_UNREACHABLE`] happened in a
+    ///   row (an endpoint never seen up stays down);
+    /// - [`FailureClass::NotReady`]: down at once.
+    ///
+    /// Stats from the last success are kept in every case.
+    pub fn record_failure(&self, id: &str, class: FailureClass, error: String) {
         let changed = {
             let mut fleet = lock(&self.fleet);
             let Some(st) = fleet.get_mut(id) else { return };
-            let changed = st.healthy || !st.attempted;
-            st.healthy = false;
+            let was = (st.healthy, st.attempted);
+            match class {
+                FailureClass::Stale => {
+                    st.healthy = true;
+                    st.unreachable_in_row = 0;
+                }
+                FailureClass::Unreachable => {
+                    st.unreachable_in_row = st.unreachable_in_row.saturating_add(1);
+                    if st.unreachable_in_row >= DOWN_AFTER_UNREACHABLE {
+                        st.healthy = false;
+                    }
+                }
+                FailureClass::NotReady => {
+                    st.unreachable_in_row = 0;
+                    st.healthy = false;
+                }
+            }
             st.attempted = true;
+            let changed = was != (st.healthy, true);
             st.last_error = Some(error);
             if changed {
                 st.reencode();
@@ -390,17 +439,19 @@ impl Hub {
         lock(&self.fleet).values().all(|s| s.attempted)
     }
 
-    /// Endpoint counts: (healthy, unhealthy, pending).
-    pub fn counts(&self) -> (i64, i64, i64) {
+    /// Endpoint counts by state.
+    pub fn counts(&self) -> Counts {
         let fleet = lock(&self.fleet);
-        let mut c = (0, 0, 0);
+        let mut c = Counts::default();
         for s in fleet.values() {
             if !s.attempted {
-                c.2 += 1;
-            } else if s.healthy {
-                c.0 += 1;
+                c.pending += 1;
+            } else if !s.healthy {
+                c.unhealthy += 1;
+            } else if s.last_error.is_some() {
+                c.stale += 1;
             } else {
-                c.1 += 1;
+                c.healthy += 1;
             }
         }
         c
@@ -416,9 +467,39 @@ impl Hub {
         self.published.subscribe()
     }
 
-    /// Ready: a snapshot was published.
+    /// Ready: a snapshot was published and no target rejects the ingest token.
     pub fn ready(&self) -> bool {
-        self.published.borrow().is_some()
+        self.not_ready_reason().is_none()
+    }
+
+    /// Why `/readyz` answers 503, or `None` when ready.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if self.published.borrow().is_none() {
+            let pending = self.counts().pending;
+            return Some(format!("no snapshot yet ({pending} endpoints not scraped)"));
+        }
+        let rejected = lock(&self.push_rejected);
+        let (target, why) = rejected.iter().next()?;
+        Some(format!("pushes to target `{target}` are rejected: {why}"))
+    }
+
+    /// Note that target `target` rejects the ingest token (`Some(why)`) or accepted a push
+    /// (`None`). Any rejection makes `/readyz` answer 503.
+    pub fn set_push_rejected(&self, target: &str, why: Option<String>) {
+        let mut m = lock(&self.push_rejected);
+        match why {
+            Some(w) => {
+                m.insert(target.to_owned(), w);
+            }
+            None => {
+                m.remove(target);
+            }
+        }
+    }
+
+    /// Forget rejections of targets no longer configured (reload).
+    pub fn retain_push_targets(&self, names: &[&str]) {
+        lock(&self.push_rejected).retain(|t, _| names.contains(&t.as_str()));
     }
 
     /// Refresh the gauges computed on read (snapshot age, endpoints by state).
@@ -430,8 +511,13 @@ impl Hub {
             t.snapshot_version
                 .set(i64::try_from(p.version).unwrap_or(i64::MAX));
         }
-        let (h, u, p) = self.counts();
-        for (state, n) in [("healthy", h), ("unhealthy", u), ("pending", p)] {
+        let c = self.counts();
+        for (state, n) in [
+            ("healthy", c.healthy),
+            ("stale", c.stale),
+            ("unhealthy", c.unhealthy),
+            ("pending", c.pending),
+        ] {
             t.endpoints
                 .get_or_create(&StateLabel {
                     state: state.into(),
@@ -580,7 +666,7 @@ mod tests {
         // Partial updates: one success, one failure after success, one untouched.
         hub.record_success("p/a", stats(0.25, 3, &["x", "y"]), 1_000);
         hub.record_success("p/b", stats(0.5, 1, &[]), 1_001);
-        hub.record_failure("p/b", "boom".into());
+        hub.record_failure("p/b", FailureClass::NotReady, "boom".into());
         let p = hub.publish();
         assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
         let snap = p.snapshot().unwrap();

@@ -10,6 +10,7 @@
 
 pub mod adapters;
 pub mod app;
+pub mod check;
 pub mod config;
 pub mod discovery;
 pub mod expo;

@@ -10,8 +10,11 @@ pub const PATH_METRICS: &str = "/metrics";
 pub const PATH_SNAPSHOT: &str = "/v1/snapshot";
 /// Default ingest path on Envoy's internal listener (the filter's contract, issue 3).
 pub const DEFAULT_INGEST_PATH: &str = "/kvroute/v1/snapshot";
-/// Content type of the own metrics (Prometheus text 0.0.4).
-pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// Content type of the own metrics in the OpenMetrics 1.0 text format.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// Content type of the own metrics in the Prometheus text format 0.0.4.
+pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Scrape duration histogram, seconds, label `endpoint`.
 pub const M_SCRAPE_DURATION: &str = "kvroute_cp_scrape_duration_seconds";
@@ -36,3 +39,7 @@ pub const M_SNAPSHOT_VERSION: &str = "kvroute_cp_snapshot_version";
 pub const M_ENDPOINTS: &str = "kvroute_cp_endpoints";
 /// Failed config reloads counter.
 pub const M_RELOAD_FAILURES: &str = "kvroute_cp_config_reload_failures";
+/// Ingest-token rejection gauge, label `target`: 1 while the target answers 401/403.
+pub const M_PUSH_AUTH_REJECTED: &str = "kvroute_cp_push_auth_rejected";
+/// Malformed exposition lines skipped (the rest of the scrape is used), label `endpoint`.
+pub const M_SKIPPED_LINES: &str = "kvroute_cp_scrape_skipped_lines";

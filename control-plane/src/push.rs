@@ -6,6 +6,12 @@
 //! (`push.backoff_initial_ms` doubling to `push.backoff_max_ms`, plus up to 10 % jitter),
 //! always sending the newest snapshot available at the time of the retry. Targets never
 //! wait on each other.
+//!
+//! A rejected token (401, or 403 from an RBAC filter in front of the ingest) is a
+//! misconfiguration, not a transient fault: it is logged at `error` naming the token and
+//! where it was read from (at most once per [`crate::scrape::WARN_EVERY`]), counted in
+//! `kvroute_cp_push_auth_rejected`, and `/readyz` answers 503 until a push to that target
+//! succeeds ([`Hub::set_push_rejected`]).
 
 use crate::config::{PushSettings, Target};
 use crate::hub::{Hub, Published};
@@ -99,8 +105,10 @@ pub async fn run_target(
     target: Target,
     settings: PushSettings,
     token: Option<Arc<str>>,
+    token_source: Arc<str>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut last_auth_log: Option<Instant> = None;
     let mut rx = hub.subscribe();
     let label = TargetLabel {
         target: target.name.clone(),
@@ -135,12 +143,40 @@ pub async fn run_target(
                         .get_or_create(&label)
                         .observe(started.elapsed().as_secs_f64());
                     t.pushes.get_or_create(&label).inc();
+                    t.push_auth_rejected.get_or_create(&label).set(0);
                     if let Some(c) = current.changed_at {
                         t.scrape_to_push
                             .get_or_create(&label)
                             .observe(c.elapsed().as_secs_f64());
                     }
+                    hub.set_push_rejected(&target.name, None);
                     break;
+                }
+                Err(PushError::Status(code @ (401 | 403))) => {
+                    let why = format!(
+                        "ingest {} answered HTTP {code}: it rejected the ingest token ({token_source}); \
+                         it must equal the filter's `ingest_token`",
+                        target.url
+                    );
+                    if last_auth_log.is_none_or(|t| t.elapsed() >= crate::scrape::WARN_EVERY) {
+                        last_auth_log = Some(Instant::now());
+                        tracing::error!(target = %target.name, retry_in = ?backoff, "{why}; Envoy routes on stale stats until this is fixed");
+                    }
+                    hub.telemetry.push_failure(&target.name, &code.to_string());
+                    hub.telemetry
+                        .push_auth_rejected
+                        .get_or_create(&label)
+                        .set(1);
+                    hub.set_push_rejected(&target.name, Some(why));
+                    let wait = backoff.mul_f64(1.0 + 0.1 * rng.f64());
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                    backoff = (backoff * 2).min(settings.backoff_max);
+                    if let Some(newer) = rx.borrow_and_update().clone() {
+                        current = newer;
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(target = %target.name, error = %e, retry_in = ?backoff, "push failed");

@@ -1,8 +1,13 @@
 //! kvroute-cp's own HTTP server (hyper 1, HTTP/1.1): `/healthz`, `/readyz`, `/metrics`,
 //! `GET /v1/snapshot`. Paths are in [`crate::names`].
+//!
+//! `/readyz` answers 503 with the reason until the first snapshot is built, and while any
+//! ingest target rejects the token. `/metrics` negotiates its format on `Accept`
+//! ([`MetricsFormat::negotiate`]).
 
 use crate::hub::Hub;
 use crate::names::*;
+use crate::telemetry::MetricsFormat;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
@@ -23,8 +28,13 @@ fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp
     r
 }
 
-/// Answer one request.
-pub fn handle(hub: &Hub, method: &Method, path: &str) -> Response<Full<Bytes>> {
+/// Answer one request; `accept` is the request's `Accept` header (for `/metrics`).
+pub fn handle(
+    hub: &Hub,
+    method: &Method,
+    path: &str,
+    accept: Option<&str>,
+) -> Response<Full<Bytes>> {
     const TEXT: &str = "text/plain; charset=utf-8";
     let known = [PATH_HEALTHZ, PATH_READYZ, PATH_METRICS, PATH_SNAPSHOT];
     if !known.contains(&path) {
@@ -35,21 +45,22 @@ pub fn handle(hub: &Hub, method: &Method, path: &str) -> Response<Full<Bytes>> {
     }
     match path {
         PATH_HEALTHZ => reply(StatusCode::OK, TEXT, "ok\n"),
-        PATH_READYZ => {
-            if hub.ready() {
-                reply(StatusCode::OK, TEXT, "ready\n")
-            } else {
-                let (_, _, pending) = hub.counts();
-                reply(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    TEXT,
-                    format!("not ready: no snapshot yet ({pending} endpoints not scraped)\n"),
-                )
-            }
-        }
+        PATH_READYZ => match hub.not_ready_reason() {
+            None => reply(StatusCode::OK, TEXT, "ready\n"),
+            Some(why) => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                TEXT,
+                format!("not ready: {why}\n"),
+            ),
+        },
         PATH_METRICS => {
             hub.refresh_gauges();
-            reply(StatusCode::OK, METRICS_CONTENT_TYPE, hub.telemetry.encode())
+            let format = MetricsFormat::negotiate(accept);
+            reply(
+                StatusCode::OK,
+                format.content_type(),
+                hub.telemetry.encode_as(format),
+            )
         }
         _ => match hub.latest() {
             Some(p) => reply(StatusCode::OK, "application/json", p.body.clone()),
@@ -74,7 +85,11 @@ pub async fn serve(listener: TcpListener, hub: Arc<Hub>, mut shutdown: watch::Re
         let hub = hub.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {
-                let resp = handle(&hub, req.method(), req.uri().path());
+                let accept = req
+                    .headers()
+                    .get(http::header::ACCEPT)
+                    .and_then(|v| v.to_str().ok());
+                let resp = handle(&hub, req.method(), req.uri().path(), accept);
                 async move { Ok::<_, Infallible>(resp) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()

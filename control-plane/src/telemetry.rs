@@ -1,6 +1,14 @@
 //! kvroute-cp's own metrics, exposed on `/metrics` with the `prometheus-client` crate.
 //! Names are in [`crate::names`]. Histogram buckets: 0.5 ms × 2^k, k = 0..14 (0.5 ms to 8 s),
 //! covering loopback scrapes through the longest allowed timeout.
+//!
+//! Two renderings, chosen on the request's `Accept` ([`MetricsFormat::negotiate`], as
+//! Prometheus' client libraries do): OpenMetrics 1.0 (`prometheus-client`'s own output:
+//! counter families named without `_total`, samples with it, `# EOF`) served as
+//! `application/openmetrics-text; version=1.0.0`, and the Prometheus text format 0.0.4
+//! derived from it (counter `# HELP`/`# TYPE` lines renamed to the `_total` sample name,
+//! `# UNIT` and `# EOF` dropped) served as `text/plain; version=0.0.4`. Both are checked
+//! with `openmetrics-parser` in `tests/faults.rs` (`own_metrics_parse_in_both_formats`).
 
 use crate::names::*;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -46,7 +54,7 @@ pub struct TargetReason {
 /// Label set `{state}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
-    /// `healthy`, `unhealthy` or `pending`.
+    /// `healthy`, `stale`, `unhealthy` or `pending`.
     pub state: String,
 }
 
@@ -81,6 +89,99 @@ pub struct Telemetry {
     pub endpoints: Family<StateLabel, Gauge>,
     /// Failed reloads.
     pub reload_failures: Counter,
+    /// 1 while a target rejects the ingest token.
+    pub push_auth_rejected: Family<TargetLabel, Gauge>,
+    /// Malformed exposition lines skipped.
+    pub skipped_lines: Family<EndpointLabel, Counter>,
+}
+
+/// A text rendering of the own metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsFormat {
+    /// OpenMetrics 1.0 text.
+    OpenMetrics,
+    /// Prometheus text format 0.0.4.
+    PrometheusText,
+}
+
+impl MetricsFormat {
+    /// Choose by `Accept`: OpenMetrics when `application/openmetrics-text` is acceptable with
+    /// a q-value at least that of `text/plain` (Prometheus 2.x and 3.x send it first), else
+    /// the 0.0.4 text format (also with no `Accept`, like curl and older scrapers).
+    pub fn negotiate(accept: Option<&str>) -> Self {
+        let Some(accept) = accept else {
+            return Self::PrometheusText;
+        };
+        let mut om: Option<f64> = None;
+        let mut text: Option<f64> = None;
+        for range in accept.split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.strip_prefix("q="))
+                .find_map(|q| q.trim().parse::<f64>().ok())
+                .unwrap_or(1.0);
+            let slot = match media.as_str() {
+                "application/openmetrics-text" => &mut om,
+                "text/plain" => &mut text,
+                _ => continue,
+            };
+            *slot = Some(slot.map_or(q, |old: f64| old.max(q)));
+        }
+        match (om, text) {
+            (Some(o), t) if o > 0.0 && o >= t.unwrap_or(0.0) => Self::OpenMetrics,
+            _ => Self::PrometheusText,
+        }
+    }
+
+    /// The `Content-Type` of this rendering.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
+            Self::PrometheusText => PROMETHEUS_TEXT_CONTENT_TYPE,
+        }
+    }
+}
+
+/// Turn `prometheus-client`'s OpenMetrics text into the 0.0.4 text format: counter families
+/// take their `_total` sample name in `# HELP`/`# TYPE`, `# UNIT` and `# EOF` go, and `info`
+/// and `unknown` types become `gauge` and `untyped`.
+pub fn openmetrics_to_prometheus_text(om: &str) -> String {
+    let mut out = String::with_capacity(om.len());
+    let mut counters = std::collections::BTreeSet::new();
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            if let Some(name) = rest.strip_suffix(" counter") {
+                counters.insert(name.to_owned());
+            }
+        }
+    }
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let rename = |prefix: &str, line: &str| -> Option<String> {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        };
+        if let Some(l) = rename("# HELP ", line).or_else(|| rename("# TYPE ", line)) {
+            out.push_str(l.trim_end());
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let l = match rest.rsplit_once(' ') {
+                Some((name, "info")) => format!("# TYPE {name} gauge"),
+                Some((name, "unknown")) => format!("# TYPE {name} untyped"),
+                _ => line.to_owned(),
+            };
+            out.push_str(&l);
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
 }
 
 impl Default for Telemetry {
@@ -112,6 +213,8 @@ impl Telemetry {
             snapshot_version: Gauge::default(),
             endpoints: Family::default(),
             reload_failures: Counter::default(),
+            push_auth_rejected: Family::default(),
+            skipped_lines: Family::default(),
         };
         registry.register(
             M_SCRAPE_DURATION,
@@ -164,16 +267,34 @@ impl Telemetry {
             "Config reloads rejected as invalid",
             t.reload_failures.clone(),
         );
+        registry.register(
+            M_PUSH_AUTH_REJECTED,
+            "1 while the ingest target rejects the bearer token (HTTP 401/403)",
+            t.push_auth_rejected.clone(),
+        );
+        registry.register(
+            M_SKIPPED_LINES,
+            "Malformed exposition lines skipped; the rest of the scrape is used",
+            t.skipped_lines.clone(),
+        );
         Self { registry, ..t }
     }
 
-    /// Encode in the Prometheus text format.
+    /// Encode in the OpenMetrics 1.0 text format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
         }
         out
+    }
+
+    /// Encode in `format`.
+    pub fn encode_as(&self, format: MetricsFormat) -> String {
+        match format {
+            MetricsFormat::OpenMetrics => self.encode(),
+            MetricsFormat::PrometheusText => openmetrics_to_prometheus_text(&self.encode()),
+        }
     }
 
     /// Count one scrape error.
@@ -194,5 +315,45 @@ impl Telemetry {
                 reason: reason.to_owned(),
             })
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negotiate_follows_accept() {
+        use MetricsFormat::*;
+        // Prometheus 2.x/3.x default scrape protocols.
+        let prom = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2";
+        assert_eq!(MetricsFormat::negotiate(Some(prom)), OpenMetrics);
+        assert_eq!(
+            MetricsFormat::negotiate(Some("application/openmetrics-text")),
+            OpenMetrics
+        );
+        assert_eq!(
+            MetricsFormat::negotiate(Some(
+                "text/plain;version=0.0.4;q=0.9,application/openmetrics-text;q=0.5"
+            )),
+            PrometheusText
+        );
+        assert_eq!(
+            MetricsFormat::negotiate(Some("application/openmetrics-text;q=0")),
+            PrometheusText
+        );
+        assert_eq!(MetricsFormat::negotiate(Some("*/*")), PrometheusText);
+        assert_eq!(MetricsFormat::negotiate(None), PrometheusText);
+    }
+
+    #[test]
+    fn prometheus_text_renames_counter_families() {
+        let om = "# HELP x_pushes Pushes.\n# TYPE x_pushes counter\nx_pushes_total{t=\"a\"} 3\n\
+                  # HELP g A gauge.\n# TYPE g gauge\n# UNIT g seconds\ng 1.5\n# TYPE i info\ni_info 1\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_prometheus_text(om),
+            "# HELP x_pushes_total Pushes.\n# TYPE x_pushes_total counter\nx_pushes_total{t=\"a\"} 3\n\
+             # HELP g A gauge.\n# TYPE g gauge\ng 1.5\n# TYPE i gauge\ni_info 1\n"
+        );
     }
 }

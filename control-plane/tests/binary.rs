@@ -59,12 +59,90 @@ fn bad_config_field_exits_2_with_the_field() {
         .arg("--config")
         .arg(&cfg)
         .arg("--check")
+        .env_remove("KVROUTE_INGEST_TOKEN")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        "config ok: 0 endpoints, 0 targets, listen 127.0.0.1:9090\n"
+        "note: ingest token: none found in environment variable `KVROUTE_INGEST_TOKEN`; no targets, so none is needed\n\
+         config ok: 0 endpoints, 0 targets, listen 127.0.0.1:9090\n"
+    );
+}
+
+/// Issue 14, case 6: `--check` says whether it found a token and where, which clusters
+/// default to the pool name, and cross-checks an Envoy config (clusters, token, ports).
+#[test]
+fn check_reports_token_clusters_and_envoy_mismatches() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cp.yaml");
+    let envoy = dir.path().join("envoy.yaml");
+    let example = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/envoy/cluster-mode.yaml"
+    ))
+    .unwrap();
+    std::fs::write(&envoy, &example).unwrap();
+    let check = |yaml: &str, token: Option<&str>| {
+        std::fs::write(&cfg, yaml).unwrap();
+        let mut c = Command::new(BIN);
+        c.arg("--config")
+            .arg(&cfg)
+            .arg("--check")
+            .arg("--envoy-config")
+            .arg(&envoy)
+            .env_remove("KVROUTE_INGEST_TOKEN");
+        if let Some(t) = token {
+            c.env("KVROUTE_INGEST_TOKEN", t);
+        }
+        let out = c.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let base = "targets:\n  - name: envoy-0\n    url: http://127.0.0.1:10001/kvroute/v1/snapshot\n\
+                pools:\n  - name: llama\n    endpoints:\n      - name: a\n        address: 127.0.0.1:8001\n        cluster: vllm-a\n";
+    // Matching token, every cluster defined: ok.
+    let good = "change-me-to-a-long-random-secret";
+    assert_eq!(
+        check(base, Some(good)),
+        (
+            Some(0),
+            format!(
+                "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
+                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090\n",
+                good.len()
+            )
+        )
+    );
+    // Cluster left out: defaults to the pool name, which this Envoy config lacks; and a
+    // wrong token.
+    let defaulted = base.replace("        cluster: vllm-a\n", "");
+    assert_eq!(
+        check(&defaulted, Some("not-the-envoy-token")),
+        (
+            Some(2),
+            "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` (19 bytes)\n\
+             note: pool `llama`: `cluster` not set for 1 endpoint(s) (a); it defaults to the pool name, so in cluster mode the filter routes them to Envoy cluster `llama`\n\
+             error: cluster `llama` (endpoints llama/a) is not defined in the Envoy config (clusters: default, vllm-a, vllm-b); cluster mode would route them to a cluster Envoy does not have\n\
+             error: the ingest token from environment variable `KVROUTE_INGEST_TOKEN` differs from the Envoy config's `ingest_token` (listener port 10001): every push would be answered 401\n\
+             config NOT ok: 2 error(s)\n"
+                .to_string()
+        )
+    );
+    // No token at all while Envoy requires one; a target on another port.
+    let other_port = base.replace(":10001/", ":10101/");
+    assert_eq!(
+        check(&other_port, None),
+        (
+            Some(2),
+            "note: ingest token: none found in environment variable `KVROUTE_INGEST_TOKEN`: pushes carry no Authorization, and an ingest filter with an `ingest_token` answers them 401\n\
+             error: the Envoy config's ingest filter requires an `ingest_token`, but none was found in environment variable `KVROUTE_INGEST_TOKEN`: every push would be answered 401\n\
+             note: target `envoy-0` posts to port 10101, not an ingest listener port of this Envoy config (10001); fine if it is another Envoy\n\
+             config NOT ok: 1 error(s)\n"
+                .to_string()
+        )
     );
 }
 

@@ -36,8 +36,10 @@ async fn hung_endpoint_does_not_delay_others() {
     ))
     .await;
     wait_for(WAIT, "b to time out", || state(&cp, "p/b").attempted).await;
+    // A timeout means reachable but slow: up, no stats, never scraped (stale).
     let b = state(&cp, "p/b");
-    assert!(!b.healthy);
+    assert!(b.healthy);
+    assert_eq!((b.stats.is_none(), b.scraped_at_ms), (true, 0));
     assert_eq!(b.last_error.as_deref(), Some("timed out after 150ms"));
     // While b hangs (150 ms per try), a keeps being scraped every ~20 ms.
     let first = state(&cp, "p/a").scraped_at_ms;
@@ -48,13 +50,20 @@ async fn hung_endpoint_does_not_delay_others() {
     let a = state(&cp, "p/a");
     assert!(a.healthy);
     assert_eq!(a.stats.as_ref().unwrap().kv_usage, Some(0.5));
+    wait_for(WAIT, "snapshot with both", || {
+        cp.hub()
+            .latest()
+            .is_some_and(|p| p.snapshot().unwrap().endpoints.iter().all(|e| e.healthy))
+    })
+    .await;
     let snap = cp.hub().latest().unwrap().snapshot().unwrap();
-    let ids: Vec<(&str, bool)> = snap
+    let ids: Vec<(&str, bool, bool)> = snap
         .endpoints
         .iter()
-        .map(|e| (e.id.as_str(), e.healthy))
+        .map(|e| (e.id.as_str(), e.healthy, e.scraped_at_ms > 0))
         .collect();
-    assert_eq!(ids, vec![("p/a", true), ("p/b", false)]);
+    assert_eq!(ids, vec![("p/a", true, true), ("p/b", true, false)]);
+    assert_eq!(cp.hub().counts().stale, 1);
     let (_, metrics) = get(&format!("http://{}/metrics", cp.local_addr())).await;
     assert!(
         metrics.contains("kvroute_cp_scrape_errors_total{endpoint=\"p/b\",reason=\"timeout\"}"),
@@ -83,7 +92,7 @@ async fn garbage_and_500_are_unhealthy_with_the_reason() {
     assert_eq!(
         state(&cp, "p/g").last_error.as_deref(),
         Some(
-            "not a Prometheus exposition: line 1: metric name must start with a letter, `_` or `:`"
+            "not a Prometheus exposition: no line is a metric sample; line 1: metric name must start with a letter, `_` or `:`"
         )
     );
     assert_eq!(
@@ -390,5 +399,269 @@ async fn llamacpp_uses_slots() {
     })
     .await;
     assert!(state(&cp, "p/l").healthy);
+    cp.shutdown().await;
+}
+
+/// Issue 14, case 1: a busy llama-server answers `/metrics` at once and `/slots` after 2 s,
+/// with a 500 ms scrape timeout. Real capture (`llamacpp-server-b11434-real-busy.*`):
+/// 4 processing, 1 deferred; `/slots` holds 67 + 109 + 111 + 111 = 398 of 4 × 1024 tokens.
+#[tokio::test]
+async fn busy_llamacpp_is_stale_not_dead() {
+    let srv = FakeModelServer::start(Behavior::Body(fixture(
+        "llamacpp-server-b11434-real-busy.prom",
+    )))
+    .await;
+    *srv.slots.lock().unwrap() = Some(fixture("llamacpp-server-b11434-real-busy.slots.json"));
+    *srv.slots_delay.lock().unwrap() = Duration::from_secs(2);
+    let yaml = config_yaml(&[("l", srv.addr())], &[], "")
+        .replace("interval_ms: 20", "interval_ms: 200")
+        .replace("timeout_ms: 150", "timeout_ms: 500");
+    let cp = start(&yaml).await;
+    let slots_timeouts = || {
+        cp.hub()
+            .telemetry
+            .scrape_errors
+            .get(&kvroute_cp::telemetry::EndpointReason {
+                endpoint: "p/l".into(),
+                reason: "slots_timeout".into(),
+            })
+            .map_or(0, |c| c.get())
+    };
+    wait_for(WAIT, "two /slots timeouts", || slots_timeouts() >= 2).await;
+    let l = state(&cp, "p/l");
+    assert!(l.healthy);
+    assert_eq!(l.last_error, None);
+    let s = l.stats.unwrap();
+    // The primary signal is kept; KV usage is unknown (no /slots reading yet), never 0.
+    assert_eq!((s.running, s.waiting, s.kv_usage), (4, 1, None));
+    assert_eq!(s.monotonic_total, Some(184.0 + 21.0));
+    // Scrapes stay fresh while /slots times out.
+    let t = l.scraped_at_ms;
+    wait_for(WAIT, "a fresher scrape", || {
+        state(&cp, "p/l").scraped_at_ms > t
+    })
+    .await;
+    // /slots answers again: KV usage from it.
+    *srv.slots_delay.lock().unwrap() = Duration::ZERO;
+    wait_for(WAIT, "KV from /slots", || {
+        state(&cp, "p/l").stats.unwrap().kv_usage == Some(398.0 / 4096.0)
+    })
+    .await;
+    // Busy again: the previous /slots reading stands in, the endpoint stays up and fresh.
+    *srv.slots_delay.lock().unwrap() = Duration::from_secs(2);
+    let before = slots_timeouts();
+    wait_for(WAIT, "another /slots timeout", || slots_timeouts() > before).await;
+    let l = state(&cp, "p/l");
+    assert!(l.healthy);
+    let s = l.stats.unwrap();
+    assert_eq!(
+        (s.kv_usage, s.kv_capacity_tokens, s.running),
+        (Some(398.0 / 4096.0), Some(4096), 4)
+    );
+    let snap = cp.hub().latest().unwrap().snapshot().unwrap();
+    assert!(snap.endpoints[0].healthy);
+    cp.shutdown().await;
+}
+
+/// Every replica timing out (busy): the snapshot keeps them up with aging stats, and the
+/// core picker falls back to least-request over them instead of answering 503.
+#[tokio::test]
+async fn all_replicas_slow_never_means_no_endpoints() {
+    use kvroute_core::picker::{
+        PickInput, PickOutcome, PickReason, PickRequest, Picker, PickerConfig,
+    };
+    let a = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 2, 0, None, 1.0))).await;
+    let b = FakeModelServer::start(Behavior::Body(vllm_body(0.2, 9, 0, None, 1.0))).await;
+    let cp = start(&config_yaml(&[("a", a.addr()), ("b", b.addr())], &[], "")).await;
+    wait_for(WAIT, "both scraped", || {
+        state(&cp, "p/a").scraped_at_ms > 0 && state(&cp, "p/b").scraped_at_ms > 0
+    })
+    .await;
+    a.set(Behavior::Hang);
+    b.set(Behavior::Hang);
+    wait_for(WAIT, "both timing out", || {
+        state(&cp, "p/a").last_error.is_some() && state(&cp, "p/b").last_error.is_some()
+    })
+    .await;
+    assert_eq!(cp.hub().counts().stale, 2);
+    let p = cp.hub().publish();
+    let snap = p.snapshot().unwrap();
+    assert!(snap.endpoints.iter().all(|e| e.healthy));
+    let mut picker = Picker::new(PickerConfig::default(), 7).unwrap();
+    let stale_after = picker.config().stale_after_ms;
+    let input = PickInput {
+        snapshot: &snap,
+        inflight: &[],
+        prefix_match_blocks: &[],
+        now_ms: p.generated_at_ms + stale_after + 1_000,
+    };
+    let req = PickRequest {
+        model: Some("m"),
+        api: kvroute_core::analysis::ApiKind::ChatCompletions,
+        prompt_tokens: 100,
+        output_limit: 100,
+        demand_tokens: 200,
+        prefix_blocks: 0,
+    };
+    match picker.pick(&input, &req) {
+        PickOutcome::Picked(pick) => {
+            assert_eq!(pick.reason, PickReason::StaleFallback);
+            // Least-request: a (2 running) before b (9 running).
+            assert_eq!(snap.endpoints[pick.primary].id, "p/a");
+        }
+        other => panic!("expected a stale fallback pick, got {other:?}"),
+    }
+    cp.shutdown().await;
+}
+
+/// Refused connections mark an endpoint down only when repeated; one 503 (failed
+/// readiness, e.g. llama.cpp loading a model) marks it down at once.
+#[tokio::test]
+async fn refused_twice_or_not_ready_marks_down() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let hub = kvroute_cp::hub::Hub::new(
+        Duration::from_secs(1),
+        Duration::ZERO,
+        Duration::from_secs(1),
+    );
+    let spec = Config::from_yaml(&config_yaml(&[("a", srv.addr())], &[], ""))
+        .unwrap()
+        .endpoints
+        .remove(0);
+    hub.set_endpoints(std::slice::from_ref(&spec));
+    use kvroute_cp::scrape::FailureClass::*;
+    hub.record_success("p/a", Default::default(), 1_000);
+    hub.record_failure("p/a", Unreachable, "refused".into());
+    assert!(
+        hub.endpoint("p/a").unwrap().healthy,
+        "one refusal is not down"
+    );
+    hub.record_failure("p/a", Stale, "timed out".into());
+    hub.record_failure("p/a", Unreachable, "refused".into());
+    assert!(
+        hub.endpoint("p/a").unwrap().healthy,
+        "a timeout in between resets the run"
+    );
+    hub.record_failure("p/a", Unreachable, "refused".into());
+    assert!(
+        !hub.endpoint("p/a").unwrap().healthy,
+        "two refusals in a row are down"
+    );
+    hub.record_success("p/a", Default::default(), 2_000);
+    hub.record_failure("p/a", NotReady, "HTTP status 503".into());
+    assert!(!hub.endpoint("p/a").unwrap().healthy, "503 is down at once");
+    // Through the scraper: a 503 is down with its reason.
+    srv.set(Behavior::Status(503));
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[], "")).await;
+    wait_for(WAIT, "scraped", || state(&cp, "p/a").attempted).await;
+    let a = state(&cp, "p/a");
+    assert_eq!(
+        (a.healthy, a.last_error.as_deref()),
+        (false, Some("HTTP status 503"))
+    );
+    cp.shutdown().await;
+}
+
+/// Issue 14, case 6: a wrong ingest token is named in `/readyz`, counted in a metric, and
+/// clears when the token is accepted again.
+#[tokio::test]
+async fn rejected_token_makes_readyz_fail_with_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "wrong-token\n").unwrap();
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    *ingest.status.lock().unwrap() = 401;
+    let extra = format!("  token_file: {}\n", token.display());
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], &extra)).await;
+    let base = format!("http://{}", cp.local_addr());
+    wait_for(WAIT, "rejection noted", || {
+        cp.hub()
+            .not_ready_reason()
+            .is_some_and(|r| r.contains("rejected"))
+    })
+    .await;
+    let (status, body) = get(&format!("{base}/readyz")).await;
+    assert_eq!(status, 503);
+    assert_eq!(
+        body,
+        format!(
+            "not ready: pushes to target `envoy-0` are rejected: ingest {} answered HTTP 401: \
+             it rejected the ingest token (file `{}`); it must equal the filter's `ingest_token`\n",
+            ingest.url(),
+            token.display()
+        )
+    );
+    let (_, metrics) = get(&format!("{base}/metrics")).await;
+    assert!(
+        metrics.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 1"),
+        "{metrics}"
+    );
+    *ingest.status.lock().unwrap() = 204;
+    wait_for(WAIT, "ready again", || cp.hub().ready()).await;
+    assert_eq!(
+        get(&format!("{base}/readyz")).await,
+        (200, "ready\n".into())
+    );
+    let (_, metrics) = get(&format!("{base}/metrics")).await;
+    assert!(metrics.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 0"));
+    cp.shutdown().await;
+}
+
+/// Issue 14, case 7: `/metrics` serves OpenMetrics 1.0 when asked (as Prometheus asks) and
+/// the 0.0.4 text format otherwise; each parses with a real parser for its content type.
+#[tokio::test]
+async fn own_metrics_parse_in_both_formats() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], "")).await;
+    wait_for(WAIT, "push", || ingest.count() > 0).await;
+    let url = format!("http://{}/metrics", cp.local_addr());
+    let prometheus_accept = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2";
+    let (status, ct, om) = get_accept(&url, Some(prometheus_accept)).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        ct,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(om.ends_with("# EOF\n"), "{om}");
+    let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&om)
+        .unwrap_or_else(|e| panic!("{e:?}\n{om}"));
+    let pushes = &parsed.families["kvroute_cp_pushes"];
+    assert_eq!(
+        pushes.family_type,
+        openmetrics_parser::OpenMetricsType::Counter
+    );
+    for (accept, ct_want) in [
+        (None, "text/plain; version=0.0.4; charset=utf-8"),
+        (
+            Some("text/plain"),
+            "text/plain; version=0.0.4; charset=utf-8",
+        ),
+        (Some("*/*"), "text/plain; version=0.0.4; charset=utf-8"),
+    ] {
+        let (status, ct, text) = get_accept(&url, accept).await;
+        assert_eq!((status, ct.as_str()), (200, ct_want), "{accept:?}");
+        assert!(!text.contains("# EOF"));
+        assert!(
+            text.contains("# TYPE kvroute_cp_pushes_total counter\n"),
+            "{text}"
+        );
+        let parsed = openmetrics_parser::prometheus::parse_prometheus(&text)
+            .unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+        let pushes = &parsed.families["kvroute_cp_pushes_total"];
+        assert_eq!(
+            pushes.family_type,
+            openmetrics_parser::PrometheusType::Counter
+        );
+        // The second reference parser agrees on the counter sample.
+        let scrape =
+            prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap();
+        assert!(scrape
+            .samples
+            .iter()
+            .any(|s| s.metric == "kvroute_cp_pushes_total"
+                && matches!(s.value, prometheus_parse::Value::Counter(v) if v >= 1.0)));
+    }
     cp.shutdown().await;
 }

@@ -1,7 +1,7 @@
 //! # kvroute-core
 //!
 //! The pure routing logic of kvroute, shared by the proxy-wasm filter (`kvroute-filter`),
-//! the control plane (`kvroute-cp`) and the simulator/benchmark (`kvroute-integration`).
+//! the control plane (`kvroute-cp`), the simulator (`kvroute-sim`) and the tools (`kvroute-tools`).
 //!
 //! Nothing here depends on proxy-wasm, tokio, a clock or an OS random source: callers pass
 //! the current time (`now_ms`, Unix milliseconds) and a seed. The crate builds natively and

@@ -13,7 +13,7 @@
 //! - Queue depths: `llamacpp:requests_processing` (running), `llamacpp:requests_deferred` (waiting).
 //! - Restart counter: `llamacpp:prompt_tokens_total + llamacpp:tokens_predicted_total`.
 
-use super::{count, ratio, AdapterError, ServerKind, ServerStats};
+use super::{count, ratio, AdapterError, LabelRules, ServerKind, ServerStats};
 use crate::expo::Exposition;
 use serde::Deserialize;
 
@@ -46,6 +46,14 @@ struct NextToken {
     #[serde(default)]
     n_decoded: u64,
 }
+
+/// llama.cpp exports one series per gauge from one process: any repeated series is a copy.
+pub const LABELS: LabelRules = LabelRules {
+    kind: ServerKind::Llamacpp,
+    rank: None,
+    copies: &[],
+    known: &[],
+};
 
 /// KV state read from a `/slots` body: (tokens held, capacity tokens, busy slots).
 /// `None` when the body is not a JSON slot array or the capacity is 0.
@@ -83,7 +91,10 @@ pub fn extract(expo: &Exposition, slots: Option<&[u8]>) -> Result<ServerStats, A
             None,
         ),
     };
-    let monotonic_total = match (expo.sum(PROMPT_TOKENS), expo.sum(PREDICTED_TOKENS)) {
+    let monotonic_total = match (
+        LABELS.sum(expo, PROMPT_TOKENS),
+        LABELS.sum(expo, PREDICTED_TOKENS),
+    ) {
         (None, None) => None,
         (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
     };
@@ -92,8 +103,8 @@ pub fn extract(expo: &Exposition, slots: Option<&[u8]>) -> Result<ServerStats, A
         kv_usage,
         kv_capacity_tokens,
         block_size: None,
-        running: count(expo.sum(PROCESSING)),
-        waiting: count(expo.sum(DEFERRED)),
+        running: count(LABELS.sum(expo, PROCESSING)),
+        waiting: count(LABELS.sum(expo, DEFERRED)),
         lora_adapters: Vec::new(),
         process_start_ms: None,
         monotonic_total,

@@ -10,10 +10,29 @@
 //! | `llamacpp` | [`llamacpp`] | `GET /slots` (Σ cached tokens of busy slots / Σ `n_ctx`), else legacy `llamacpp:kv_cache_usage_ratio` | Σ `n_ctx` |
 //! | `trtllm` | [`trtllm`] | `used / max` of `nv_trt_llm_kv_cache_block_metrics` (`fraction` only as fallback) | `max × tokens_per` |
 //!
-//! Rules shared by all: a missing KV signal is `None` (unknown), never 0; data-parallel
-//! ranks (vLLM's `engine` label, any repeated sample) are summed for queue depths and
-//! capacity and capacity-weighted for usage; `process_start_time_seconds` (the standard
-//! process collector of Python's and Go's Prometheus clients) gives the process start.
+//! Rules shared by all: a missing KV signal is `None` (unknown), never 0;
+//! `process_start_time_seconds` (the standard process collector of Python's and Go's
+//! Prometheus clients) gives the process start.
+//!
+//! **Ranks and copies** ([`LabelRules`]). One server can export several series of one
+//! gauge. Series from *distinct engines or ranks* (data parallelism) are added up for
+//! queue depths, capacity and counters, and capacity-weighted (else averaged) for usage.
+//! Series that differ only in a *copy* label are the same engine's value exported more
+//! than once and are counted once, at their maximum (the most loaded reading: a copy left
+//! by an exited process reads low or equal, never hides load). Each adapter declares its
+//! rank label, copy labels and other known labels:
+//!
+//! | kind | rank label (added up) | copy labels (counted once) | other known labels |
+//! |---|---|---|---|
+//! | `vllm`, `llmd-sim` | `engine` | `pid` (older multi-process vLLM, prometheus_client multiprocess mode) | `model_name` |
+//! | `sglang` | `dp_rank` | `tp_rank`, `pp_rank`, `pid` (every TP/PP rank of one DP rank reports the same scheduler state) | `model_name`, `engine_type` |
+//! | `tgi` | none | every label (one router per server) | none |
+//! | `llamacpp` | none | every label (one server process) | none |
+//! | `trtllm` | none: the first series of each quantity is read (one TensorRT-LLM model per endpoint) | not applicable | not checked |
+//!
+//! A label no rule names is treated as a copy label (never multiplies a count) and logged
+//! once per process at `warn` ([`LabelRules::unexpected`]), so a new upstream label shows
+//! up in the logs instead of silently doubling a queue depth.
 
 pub mod llamacpp;
 pub mod llmd_sim;
@@ -146,6 +165,84 @@ pub const RELEVANT: &[&str] = &[
 /// Whether the adapters read metric `name` (histogram buckets never).
 pub fn is_relevant(name: &str) -> bool {
     !name.ends_with("_bucket") && RELEVANT.contains(&name)
+}
+
+/// How one adapter reads the labels of the families it sums (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct LabelRules {
+    /// Adapter, for the warning.
+    pub kind: ServerKind,
+    /// Label naming a distinct engine or rank; `None`: the server has one.
+    pub rank: Option<&'static str>,
+    /// Labels that only tell copies of one engine's series apart.
+    pub copies: &'static [&'static str],
+    /// Other labels the adapter knows and ignores.
+    pub known: &'static [&'static str],
+}
+
+static WARNED: std::sync::Mutex<std::collections::BTreeSet<(String, String)>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+impl LabelRules {
+    /// Labels of family `name` that these rules do not name, sorted, deduplicated.
+    pub fn unexpected(&self, expo: &Exposition, name: &str) -> Vec<String> {
+        let mut out: Vec<String> = expo
+            .family(name)
+            .flat_map(|s| s.labels.iter().map(|(k, _)| k.as_str()))
+            .filter(|k| {
+                self.rank != Some(*k) && !self.copies.contains(k) && !self.known.contains(k)
+            })
+            .map(str::to_owned)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Log each unexpected label of `name` once per process.
+    fn warn_unexpected(&self, expo: &Exposition, name: &str) {
+        for label in self.unexpected(expo, name) {
+            let first = WARNED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert((name.to_owned(), label.clone()));
+            if first {
+                tracing::warn!(
+                    metric = name,
+                    label = %label,
+                    kind = self.kind.as_str(),
+                    "unexpected label: series that differ only in it are read as copies of one engine (counted once, not added up)"
+                );
+            }
+        }
+    }
+
+    /// One value per distinct rank of family `name`, in first-seen order: the maximum
+    /// finite value among its copies. Ranks whose every copy is non-finite are left out.
+    pub fn per_rank<'a>(&self, expo: &'a Exposition, name: &'a str) -> Vec<(&'a str, f64)> {
+        self.warn_unexpected(expo, name);
+        let mut out: Vec<(&'a str, f64)> = Vec::new();
+        for s in expo.family(name) {
+            if !s.value.is_finite() {
+                continue;
+            }
+            let rank = self.rank.and_then(|r| s.label(r)).unwrap_or("");
+            match out.iter_mut().find(|(r, _)| *r == rank) {
+                Some((_, v)) => *v = v.max(s.value),
+                None => out.push((rank, s.value)),
+            }
+        }
+        out
+    }
+
+    /// Σ over distinct ranks of [`Self::per_rank`]; `None` when the family is absent
+    /// (present but all non-finite: 0).
+    pub fn sum(&self, expo: &Exposition, name: &str) -> Option<f64> {
+        if !expo.has(name) {
+            return None;
+        }
+        Some(self.per_rank(expo, name).iter().map(|(_, v)| v).sum())
+    }
 }
 
 /// Detect the kind from exposed names. Order matters: llm-d-inference-sim exports vLLM names

@@ -7,11 +7,13 @@
 //!   not, and it is then unknown (deriving it as `num_used_tokens / token_usage` would
 //!   amplify the gauge's rounding, e.g. `0.28` in the docs sample).
 //! - Queue depths: `sglang:num_running_reqs`, `sglang:num_queue_reqs`.
-//! - Data parallelism: one sample per rank (`dp_rank` in newer releases); summed, usage
-//!   averaged.
+//! - Data parallelism: one sample per `dp_rank` ([`LABELS`]); depths, capacity and counters
+//!   summed, usage averaged. Newer releases label series with `tp_rank` and `pp_rank`, and
+//!   with `--enable-metrics-for-all-schedulers` every TP/PP rank of one DP rank reports the
+//!   same scheduler state: those are copies, counted once.
 //! - Restart counter: `sglang:prompt_tokens_total + sglang:generation_tokens_total`.
 
-use super::{count, ratio, AdapterError, ServerKind, ServerStats};
+use super::{count, ratio, AdapterError, LabelRules, ServerKind, ServerStats};
 use crate::expo::Exposition;
 
 /// KV token pool usage gauge.
@@ -27,6 +29,14 @@ pub const PROMPT_TOKENS: &str = "sglang:prompt_tokens_total";
 /// Generation tokens counter.
 pub const GENERATION_TOKENS: &str = "sglang:generation_tokens_total";
 
+/// How SGLang labels its series (`python/sglang/srt/metrics/collector.py`).
+pub const LABELS: LabelRules = LabelRules {
+    kind: ServerKind::Sglang,
+    rank: Some("dp_rank"),
+    copies: &["tp_rank", "pp_rank", "pid"],
+    known: &["model_name", "engine_type"],
+};
+
 /// Extract SGLang stats.
 pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
     if !expo.has(RUNNING) && !expo.has(TOKEN_USAGE) {
@@ -35,16 +45,20 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
             expected: RUNNING,
         });
     }
-    let usages: Vec<f64> = expo
-        .family(TOKEN_USAGE)
-        .filter_map(|s| ratio(s.value))
+    let usages: Vec<f64> = LABELS
+        .per_rank(expo, TOKEN_USAGE)
+        .into_iter()
+        .filter_map(|(_, v)| ratio(v))
         .collect();
     let kv_usage = (!usages.is_empty()).then(|| usages.iter().sum::<f64>() / usages.len() as f64);
-    let kv_capacity_tokens = expo
-        .sum(MAX_TOTAL_TOKENS)
+    let kv_capacity_tokens = LABELS
+        .sum(expo, MAX_TOTAL_TOKENS)
         .filter(|v| v.is_finite() && *v > 0.0)
         .map(|v| v.round() as u64);
-    let monotonic_total = match (expo.sum(PROMPT_TOKENS), expo.sum(GENERATION_TOKENS)) {
+    let monotonic_total = match (
+        LABELS.sum(expo, PROMPT_TOKENS),
+        LABELS.sum(expo, GENERATION_TOKENS),
+    ) {
         (None, None) => None,
         (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
     };
@@ -53,10 +67,32 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
         kv_usage,
         kv_capacity_tokens,
         block_size: None,
-        running: count(expo.sum(RUNNING)),
-        waiting: count(expo.sum(WAITING)),
+        running: count(LABELS.sum(expo, RUNNING)),
+        waiting: count(LABELS.sum(expo, WAITING)),
         lora_adapters: Vec::new(),
         process_start_ms: None,
         monotonic_total,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// TP ranks of one DP rank are copies; DP ranks add up.
+    #[test]
+    fn dp_ranks_add_up_tp_copies_do_not() {
+        let e = Exposition::parse(concat!(
+            "sglang:num_running_reqs{dp_rank=\"0\",model_name=\"m\",tp_rank=\"0\"} 7\n",
+            "sglang:num_running_reqs{dp_rank=\"0\",model_name=\"m\",tp_rank=\"1\"} 7\n",
+            "sglang:num_running_reqs{dp_rank=\"1\",model_name=\"m\",tp_rank=\"0\"} 3\n",
+            "sglang:token_usage{dp_rank=\"0\",model_name=\"m\",tp_rank=\"0\"} 0.5\n",
+            "sglang:token_usage{dp_rank=\"0\",model_name=\"m\",tp_rank=\"1\"} 0.5\n",
+            "sglang:token_usage{dp_rank=\"1\",model_name=\"m\",tp_rank=\"0\"} 0.1\n",
+        ))
+        .unwrap();
+        let s = extract(&e).unwrap();
+        assert_eq!(s.running, 10);
+        assert!((s.kv_usage.unwrap() - 0.3).abs() < 1e-12);
+    }
 }

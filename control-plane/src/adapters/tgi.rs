@@ -12,7 +12,7 @@
 //! - Queue depths: `tgi_batch_current_size` (running), `tgi_queue_size` (waiting).
 //! - Restart counter: `tgi_request_count` (counter without `_total`, metrics-exporter-prometheus style).
 
-use super::{count, ratio, AdapterError, ServerKind, ServerStats};
+use super::{count, ratio, AdapterError, LabelRules, ServerKind, ServerStats};
 use crate::expo::Exposition;
 
 /// Tokens reserved by the current batch.
@@ -26,6 +26,14 @@ pub const QUEUE_SIZE: &str = "tgi_queue_size";
 /// Requests received counter.
 pub const REQUEST_COUNT: &str = "tgi_request_count";
 
+/// TGI exports one series per gauge from one process: any repeated series is a copy.
+pub const LABELS: LabelRules = LabelRules {
+    kind: ServerKind::Tgi,
+    rank: None,
+    copies: &[],
+    known: &[],
+};
+
 /// Extract TGI stats.
 pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
     if !expo.has(QUEUE_SIZE) && !expo.has(BATCH_CURRENT_SIZE) {
@@ -37,7 +45,7 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
     let budget = expo
         .sum(BATCH_MAX_TOTAL_TOKENS)
         .filter(|v| v.is_finite() && *v > 0.0);
-    let reserved = expo.sum(BATCH_CURRENT_MAX_TOKENS);
+    let reserved = LABELS.sum(expo, BATCH_CURRENT_MAX_TOKENS);
     let kv_usage = match (reserved, budget) {
         (Some(r), Some(b)) => ratio(r / b),
         _ => None,
@@ -47,10 +55,10 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
         kv_usage,
         kv_capacity_tokens: budget.map(|b| b.round() as u64),
         block_size: None,
-        running: count(expo.sum(BATCH_CURRENT_SIZE)),
-        waiting: count(expo.sum(QUEUE_SIZE)),
+        running: count(LABELS.sum(expo, BATCH_CURRENT_SIZE)),
+        waiting: count(LABELS.sum(expo, QUEUE_SIZE)),
         lora_adapters: Vec::new(),
         process_start_ms: None,
-        monotonic_total: expo.sum(REQUEST_COUNT),
+        monotonic_total: LABELS.sum(expo, REQUEST_COUNT),
     })
 }

@@ -8,9 +8,11 @@
 //! - Capacity: `vllm:cache_config_info` labels `num_gpu_blocks × block_size` (tokens); only
 //!   those two labels are read because the label set changes between releases.
 //! - Queue depths: `vllm:num_requests_running`, `vllm:num_requests_waiting`.
-//! - Data parallelism: one sample per `engine` label. Depths and capacity are summed; usage
-//!   is the capacity-weighted mean (plain mean when a capacity is unknown), i.e. the
-//!   fraction of all blocks in use.
+//! - Data parallelism: one sample per `engine` label ([`LABELS`]). Depths, capacity and
+//!   counters are summed over engines; usage is the capacity-weighted mean (plain mean when
+//!   a capacity is unknown), i.e. the fraction of all blocks in use. Series of one engine
+//!   that differ only in `pid` (older vLLM in prometheus_client's multi-process mode) are
+//!   copies, counted once at their maximum.
 //! - LoRA: `vllm:lora_requests_info`, whose *value* is a Unix timestamp; vLLM keeps every
 //!   label combination it ever set, so only the newest sample per engine is current. Its
 //!   `running_lora_adapters` and `waiting_lora_adapters` are comma-separated lists.
@@ -18,7 +20,9 @@
 //!   (prometheus_client's counter creation time, set while the engine starts).
 //! - Restart counter: `vllm:prompt_tokens_total + vllm:generation_tokens_total`.
 
-use super::{count, ratio, seconds_to_ms, AdapterError, ServerKind, ServerStats, PROCESS_START};
+use super::{
+    count, ratio, seconds_to_ms, AdapterError, LabelRules, ServerKind, ServerStats, PROCESS_START,
+};
 use crate::expo::Exposition;
 use std::collections::BTreeMap;
 
@@ -40,6 +44,14 @@ pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
 /// Creation time of the prompt tokens counter (prometheus_client `_created`).
 pub const PROMPT_TOKENS_CREATED: &str = "vllm:prompt_tokens_created";
+
+/// How vLLM labels its series (module docs of [`super`]).
+pub const LABELS: LabelRules = LabelRules {
+    kind: ServerKind::Vllm,
+    rank: Some("engine"),
+    copies: &["pid"],
+    known: &["model_name"],
+};
 
 /// Extract vLLM stats.
 pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
@@ -75,10 +87,10 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
     let mut weight = 0.0;
     let mut plain = Vec::new();
     let mut all_weighted = true;
-    for s in expo.family(usage_name) {
-        let Some(u) = ratio(s.value) else { continue };
+    for (engine, value) in LABELS.per_rank(expo, usage_name) {
+        let Some(u) = ratio(value) else { continue };
         plain.push(u);
-        match capacity.get(s.label("engine").unwrap_or("")) {
+        match capacity.get(engine) {
             Some(&(cap, _)) if cap > 0 => {
                 weighted += u * cap as f64;
                 weight += cap as f64;
@@ -130,7 +142,10 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
                 .filter_map(|s| seconds_to_ms(s.value))
                 .min()
         });
-    let monotonic_total = match (expo.sum(PROMPT_TOKENS), expo.sum(GENERATION_TOKENS)) {
+    let monotonic_total = match (
+        LABELS.sum(expo, PROMPT_TOKENS),
+        LABELS.sum(expo, GENERATION_TOKENS),
+    ) {
         (None, None) => None,
         (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
     };
@@ -139,8 +154,8 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
         kv_usage,
         kv_capacity_tokens,
         block_size,
-        running: count(expo.sum(RUNNING)),
-        waiting: count(expo.sum(WAITING)),
+        running: count(LABELS.sum(expo, RUNNING)),
+        waiting: count(LABELS.sum(expo, WAITING)),
         lora_adapters,
         process_start_ms,
         monotonic_total,
@@ -171,6 +186,37 @@ mod tests {
         assert_eq!(s.block_size, Some(16));
         // (0.5*1600 + 0.2*4800) / 6400 = 0.275
         assert!((s.kv_usage.unwrap() - 0.275).abs() < 1e-12);
+    }
+
+    /// Issue 14: two copies of engine 0 (older multi-process vLLM, `pid` label) read as
+    /// running 5, not 10; distinct engines still add up.
+    #[test]
+    fn copies_of_one_engine_are_counted_once() {
+        let e = Exposition::parse(concat!(
+            "vllm:num_requests_running{engine=\"0\",model_name=\"m\",pid=\"101\"} 5\n",
+            "vllm:num_requests_running{engine=\"0\",model_name=\"m\",pid=\"102\"} 5\n",
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\",pid=\"101\"} 0\n",
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\",pid=\"102\"} 2\n",
+            "vllm:num_requests_waiting{engine=\"1\",model_name=\"m\",pid=\"103\"} 3\n",
+            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\",pid=\"101\"} 0.5\n",
+            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\",pid=\"102\"} 0.5\n",
+            "vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\",pid=\"101\"} 100\n",
+            "vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\",pid=\"102\"} 100\n",
+        ))
+        .unwrap();
+        let s = extract(&e).unwrap();
+        assert_eq!(s.running, 5);
+        assert_eq!(s.waiting, 5);
+        assert_eq!(s.kv_usage, Some(0.5));
+        assert_eq!(s.monotonic_total, Some(100.0));
+        assert!(LABELS.unexpected(&e, RUNNING).is_empty());
+        let odd = Exposition::parse(concat!(
+            "vllm:num_requests_running{engine=\"0\",zone=\"a\"} 4\n",
+            "vllm:num_requests_running{engine=\"0\",zone=\"b\"} 4\n",
+        ))
+        .unwrap();
+        assert_eq!(LABELS.unexpected(&odd, RUNNING), vec!["zone"]);
+        assert_eq!(extract(&odd).unwrap().running, 4);
     }
 
     #[test]

@@ -41,7 +41,12 @@ pub struct Server {
 }
 
 impl Server {
-    async fn start_on(addr: SocketAddr, handler: Handler, hang: Arc<Mutex<bool>>) -> Self {
+    async fn start_on(
+        addr: SocketAddr,
+        handler: Handler,
+        hang: Arc<Mutex<bool>>,
+        slots_delay: Arc<Mutex<Duration>>,
+    ) -> Self {
         let listener = TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stop_rx) = watch::channel(false);
@@ -54,11 +59,13 @@ impl Server {
                 };
                 let handler = handler.clone();
                 let hang = hang.clone();
+                let slots_delay = slots_delay.clone();
                 let mut conn_stop = stop_rx.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: http::Request<Incoming>| {
                         let handler = handler.clone();
                         let hang = hang.clone();
+                        let slots_delay = slots_delay.clone();
                         async move {
                             let method = req.method().clone();
                             let path = req.uri().path().to_owned();
@@ -75,6 +82,10 @@ impl Server {
                                 .unwrap_or_default();
                             if *hang.lock().unwrap() && path == "/metrics" {
                                 std::future::pending::<()>().await;
+                            }
+                            let delay = *slots_delay.lock().unwrap();
+                            if path == "/slots" && !delay.is_zero() {
+                                tokio::time::sleep(delay).await;
                             }
                             let (status, body) = handler(method, path, body, auth);
                             let mut resp = http::Response::new(Full::new(body));
@@ -111,6 +122,8 @@ pub struct FakeModelServer {
     pub server: Server,
     pub behavior: Arc<Mutex<Behavior>>,
     pub slots: Arc<Mutex<Option<String>>>,
+    /// `/slots` answers after this long (a busy llama-server).
+    pub slots_delay: Arc<Mutex<Duration>>,
     hang: Arc<Mutex<bool>>,
 }
 
@@ -139,11 +152,13 @@ impl FakeModelServer {
         });
         let is_hang = matches!(*behavior.lock().unwrap(), Behavior::Hang);
         *hg.lock().unwrap() = is_hang;
-        let server = Server::start_on(addr, handler, hang.clone()).await;
+        let slots_delay = Arc::new(Mutex::new(Duration::ZERO));
+        let server = Server::start_on(addr, handler, hang.clone(), slots_delay.clone()).await;
         Self {
             server,
             behavior,
             slots,
+            slots_delay,
             hang,
         }
     }
@@ -194,7 +209,13 @@ impl FakeIngest {
             }
             (code, Bytes::new())
         });
-        let server = Server::start_on(addr, handler, Arc::new(Mutex::new(false))).await;
+        let server = Server::start_on(
+            addr,
+            handler,
+            Arc::new(Mutex::new(false)),
+            Arc::new(Mutex::new(Duration::ZERO)),
+        )
+        .await;
         Self {
             server,
             received,
@@ -232,6 +253,28 @@ pub async fn try_get(url: &str) -> Option<(u16, String)> {
     Some((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
+/// GET a URL with an `Accept` header: (status, content type, body).
+pub async fn get_accept(url: &str, accept: Option<&str>) -> (u16, String, String) {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Empty<Bytes>>();
+    let mut req = http::Request::get(url);
+    if let Some(a) = accept {
+        req = req.header(http::header::ACCEPT, a);
+    }
+    let resp = client
+        .request(req.body(Empty::new()).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let ct = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, ct, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// Poll `cond` every 10 ms until it holds or `within` passes; panics with `what` on timeout.
 pub async fn wait_for<F: FnMut() -> bool>(within: Duration, what: &str, mut cond: F) {
     let deadline = Instant::now() + within;
@@ -263,6 +306,16 @@ pub fn vllm_body(
         s.push_str(&format!("process_start_time_seconds {t}\n"));
     }
     s
+}
+
+/// A shared fixture, read in place.
+pub fn fixture(name: &str) -> String {
+    let base = std::env::var_os("KVROUTE_SHARED_DATA")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data")
+        });
+    std::fs::read_to_string(base.join("metrics").join(name)).unwrap()
 }
 
 /// A test config: fast intervals, given endpoints (name, addr) and ingest URLs.

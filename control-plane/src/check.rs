@@ -1,0 +1,230 @@
+//! `kvroute-cp --check`: validate a config without starting, and say what it will do.
+//!
+//! Beyond parsing and validating ([`crate::config`]), the check reports what is otherwise
+//! only visible at run time:
+//! - whether an ingest token was found, and where from (never the token itself);
+//! - which endpoints' Envoy `cluster` defaults to their pool's name (cluster mode routes to
+//!   that cluster, so a missing Envoy cluster of that name is a 503 at request time);
+//! - with an Envoy config (`--envoy-config`), a cross-check: every endpoint's cluster is
+//!   defined when a kvroute filter runs in cluster mode; the ingest filter's
+//!   `ingest_token`, when written inline, equals the token found; each target's port is a
+//!   listener port carrying the ingest filter.
+//!
+//! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
+
+use crate::config::{Config, RawConfig};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// One line of the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finding {
+    /// Something that will not work.
+    Error(String),
+    /// Worth knowing; not a failure.
+    Note(String),
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Error(s) => write!(f, "error: {s}"),
+            Self::Note(s) => write!(f, "note: {s}"),
+        }
+    }
+}
+
+/// What the kvroute filter configurations inside an Envoy config say.
+#[derive(Debug, Default)]
+struct EnvoyView {
+    clusters: BTreeSet<String>,
+    /// Routing filter modes found (`cluster`, `endpoint`).
+    modes: BTreeSet<String>,
+    /// Ingest filters: (listener port, inline `ingest_token`).
+    ingest: Vec<(Option<u64>, Option<String>)>,
+}
+
+fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
+    let v: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(yaml).map_err(|e| format!("Envoy config is not YAML: {e}"))?;
+    let mut view = EnvoyView::default();
+    let sr = v.get("static_resources");
+    for c in sr
+        .and_then(|s| s.get("clusters"))
+        .and_then(|c| c.as_sequence())
+        .into_iter()
+        .flatten()
+    {
+        if let Some(n) = c.get("name").and_then(|n| n.as_str()) {
+            view.clusters.insert(n.to_owned());
+        }
+    }
+    for l in sr
+        .and_then(|s| s.get("listeners"))
+        .and_then(|c| c.as_sequence())
+        .into_iter()
+        .flatten()
+    {
+        let port = l
+            .get("address")
+            .and_then(|a| a.get("socket_address"))
+            .and_then(|s| s.get("port_value"))
+            .and_then(serde_yaml_ng::Value::as_u64);
+        let mut configs = Vec::new();
+        filter_configs(l, &mut configs);
+        for c in configs {
+            if c.get("role").and_then(|r| r.as_str()) == Some("ingest") {
+                let token = c
+                    .get("ingest_token")
+                    .and_then(|t| t.as_str())
+                    .map(str::to_owned);
+                view.ingest.push((port, token));
+            } else {
+                let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("endpoint");
+                view.modes.insert(mode.to_owned());
+            }
+        }
+    }
+    Ok(view)
+}
+
+/// kvroute filter configurations below `v`: JSON strings under a `value` key that parse
+/// as objects with a `role`, `mode` or `picker` field.
+fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
+    match v {
+        serde_yaml_ng::Value::Mapping(m) => {
+            for (k, val) in m {
+                if let (Some("value"), Some(s)) = (k.as_str(), val.as_str()) {
+                    if let Ok(j @ serde_json::Value::Object(_)) =
+                        serde_json::from_str::<serde_json::Value>(s)
+                    {
+                        if ["role", "mode", "picker"]
+                            .iter()
+                            .any(|f| j.get(f).is_some())
+                        {
+                            out.push(j);
+                        }
+                    }
+                }
+                filter_configs(val, out);
+            }
+        }
+        serde_yaml_ng::Value::Sequence(s) => s.iter().for_each(|x| filter_configs(x, out)),
+        serde_yaml_ng::Value::Tagged(t) => filter_configs(&t.value, out),
+        _ => {}
+    }
+}
+
+/// Check a validated config (`raw` is the same file as written, for what was defaulted)
+/// and optionally an Envoy config's text. `token` is what [`crate::config::PushSettings::read_token`]
+/// returned.
+pub fn check(
+    raw: &RawConfig,
+    config: &Config,
+    token: Option<&str>,
+    envoy_yaml: Option<&str>,
+) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let source = config.push.token_source();
+    match (token, config.targets.is_empty()) {
+        (Some(t), _) => out.push(Finding::Note(format!(
+            "ingest token: found in {source} ({} bytes)",
+            t.len()
+        ))),
+        (None, true) => out.push(Finding::Note(format!(
+            "ingest token: none found in {source}; no targets, so none is needed"
+        ))),
+        (None, false) => out.push(Finding::Note(format!(
+            "ingest token: none found in {source}: pushes carry no Authorization, and an \
+             ingest filter with an `ingest_token` answers them 401"
+        ))),
+    }
+    for pool in &raw.pools {
+        let defaulted: Vec<&str> = pool
+            .endpoints
+            .iter()
+            .filter(|e| e.cluster.is_none())
+            .map(|e| e.name.as_str())
+            .collect();
+        if !defaulted.is_empty() {
+            out.push(Finding::Note(format!(
+                "pool `{}`: `cluster` not set for {} endpoint(s) ({}); it defaults to the pool \
+                 name, so in cluster mode the filter routes them to Envoy cluster `{}`",
+                pool.name,
+                defaulted.len(),
+                defaulted.join(", "),
+                pool.name
+            )));
+        }
+    }
+    let Some(yaml) = envoy_yaml else {
+        return out;
+    };
+    let view = match envoy_view(yaml) {
+        Ok(v) => v,
+        Err(e) => {
+            out.push(Finding::Error(e));
+            return out;
+        }
+    };
+    if view.modes.contains("cluster") {
+        let mut missing: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for e in &config.endpoints {
+            if !view.clusters.contains(&e.cluster) {
+                missing.entry(&e.cluster).or_default().push(&e.id);
+            }
+        }
+        for (cluster, ids) in missing {
+            out.push(Finding::Error(format!(
+                "cluster `{cluster}` (endpoints {}) is not defined in the Envoy config \
+                 (clusters: {}); cluster mode would route them to a cluster Envoy does not have",
+                ids.join(", "),
+                view.clusters.iter().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+    } else if !view.modes.is_empty() {
+        out.push(Finding::Note(
+            "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not used".into(),
+        ));
+    }
+    if view.ingest.is_empty() && !config.targets.is_empty() {
+        out.push(Finding::Error(
+            "the Envoy config has no kvroute ingest filter (`\"role\":\"ingest\"`): pushes \
+             would not reach the filter"
+                .into(),
+        ));
+    }
+    for (port, envoy_token) in &view.ingest {
+        match (envoy_token.as_deref(), token) {
+            (Some(e), Some(t)) if e != t => out.push(Finding::Error(format!(
+                "the ingest token from {source} differs from the Envoy config's `ingest_token`{}: \
+                 every push would be answered 401",
+                port.map(|p| format!(" (listener port {p})"))
+                    .unwrap_or_default()
+            ))),
+            (Some(_), None) => out.push(Finding::Error(format!(
+                "the Envoy config's ingest filter requires an `ingest_token`, but none was found \
+                 in {source}: every push would be answered 401"
+            ))),
+            _ => {}
+        }
+    }
+    let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|(p, _)| *p).collect();
+    if !ports.is_empty() {
+        for t in &config.targets {
+            let port = t.url.port_u16().map(u64::from).unwrap_or(80);
+            if !ports.contains(&port) {
+                out.push(Finding::Note(format!(
+                    "target `{}` posts to port {port}, not an ingest listener port of this Envoy \
+                     config ({}); fine if it is another Envoy",
+                    t.name,
+                    ports
+                        .iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
+    }
+    out
+}

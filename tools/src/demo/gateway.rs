@@ -1,0 +1,354 @@
+//! The gateway in front of the backends: Envoy (child process) and, in kvroute mode,
+//! kvroute-cp (in this process) pushing snapshots to the filter.
+
+use super::ports::PortPlan;
+use super::DemoError;
+use kvroute_core::picker::PolicyKind;
+use kvroute_cp::{Config, ControlPlane};
+use kvroute_integration::harness::{free_port, render, templates, wasm_path, Envoy};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Envoy config of kvroute mode (placeholders `LISTEN_PORT`, `INGEST_PORT`, `TIMEOUT_S`,
+/// `WASM`, `PLUGIN_CONFIG`, `INGEST_CONFIG`, `CLUSTERS`).
+pub const KVROUTE_TEMPLATE: &str = include_str!("templates/kvroute.yaml");
+/// Envoy config of the round-robin baseline (placeholders `LISTEN_PORT`, `TIMEOUT_S`,
+/// `CLUSTERS`).
+pub const ROUND_ROBIN_TEMPLATE: &str = include_str!("templates/round_robin.yaml");
+/// How long [`Gateway::start`] waits for the filter to publish its first snapshot.
+pub const SNAPSHOT_DEADLINE: Duration = Duration::from_secs(30);
+/// Filter stat: snapshots published to shared data (counter).
+pub const STAT_PUBLISHED: &str = "wasmcustom.kvroute.snapshots.published";
+/// Filter stat: decisions by the configured policy (counter).
+pub const STAT_DECISIONS: &str = "wasmcustom.kvroute.decisions.policy";
+/// Filter stat: internal errors that fell open to the default route (counter).
+pub const STAT_FAIL_OPEN: &str = "wasmcustom.kvroute.fail_open";
+/// Filter stat: age of the snapshot used by the last decision, milliseconds (gauge).
+pub const STAT_SNAPSHOT_AGE_MS: &str = "wasmcustom.kvroute.snapshot_age_ms";
+/// Envoy stat: requests that took the default route (cluster `all`), i.e. not routed by
+/// the filter in kvroute mode.
+pub const STAT_DEFAULT_ROUTE: &str = "cluster.all.upstream_rq_total";
+
+/// One model server behind the gateway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    /// kvroute-cp endpoint name (`sim-0`, `llama-1`, ...); its Envoy cluster is `c<i>`.
+    pub name: String,
+    /// Where it listens.
+    pub address: SocketAddr,
+    /// Its Prometheus endpoint.
+    pub metrics_url: String,
+    /// kvroute-cp adapter kind (`vllm`, `llamacpp`, ...).
+    pub kind: String,
+    /// llama.cpp `/slots` URL.
+    pub slots_url: Option<String>,
+}
+
+impl Backend {
+    /// The replay's KV sampling target for this backend, named by its address (the value
+    /// of [`super::BACKEND_HEADER`]) so shares and KV peaks line up in the table.
+    pub fn kv_target(&self) -> crate::replay::KvSampleTarget {
+        crate::replay::KvSampleTarget {
+            name: self.address.to_string(),
+            metrics_url: self.metrics_url.clone(),
+            kind: self.kind.clone(),
+            slots_url: self.slots_url.clone(),
+        }
+    }
+}
+
+/// How Envoy routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// The kvroute filter with this picker policy, fed by kvroute-cp.
+    Kvroute(PolicyKind),
+    /// Envoy's own `ROUND_ROBIN` over all backends, no filter, no control plane.
+    RoundRobin,
+}
+
+impl Routing {
+    /// Label used in reports: `kvroute-<policy>` or `envoy-round-robin`.
+    pub fn label(&self) -> String {
+        match self {
+            Routing::Kvroute(p) => format!("kvroute-{}", p.name()),
+            Routing::RoundRobin => "envoy-round-robin".to_owned(),
+        }
+    }
+}
+
+/// Parse a picker policy name (`hybrid`, `prefix_affinity`, `least_kv`, `least_request`,
+/// `round_robin`, `random`; `-` accepted for `_`).
+pub fn parse_policy(name: &str) -> Result<PolicyKind, DemoError> {
+    let norm = name.trim().replace('-', "_");
+    serde_json::from_value::<PolicyKind>(serde_json::Value::String(norm)).map_err(|_| {
+        DemoError::Option {
+            option: "--policy",
+            value: name.to_owned(),
+            reason:
+                "expected hybrid, prefix_affinity, least_kv, least_request, round_robin or random"
+                    .into(),
+        }
+    })
+}
+
+/// Options of [`Gateway::start`].
+#[derive(Debug, Clone)]
+pub struct GatewayOptions {
+    /// Routing mode.
+    pub routing: Routing,
+    /// Ports (`listen`/`ingest` 0: any free port; `cp` 0: OS-chosen).
+    pub ports: PortPlan,
+    /// Model name the backends serve (kvroute-cp pool `models`).
+    pub model: String,
+    /// Envoy route timeout, seconds.
+    pub timeout_s: u64,
+    /// Envoy `--concurrency` (worker threads).
+    pub concurrency: u32,
+    /// kvroute-cp scrape interval, milliseconds.
+    pub scrape_interval_ms: u64,
+    /// kvroute-cp heartbeat (push at least this often), milliseconds.
+    pub heartbeat_ms: u64,
+}
+
+impl GatewayOptions {
+    /// Defaults: ports from `ports`, 600 s timeout, 2 Envoy workers, scrape every 100 ms,
+    /// heartbeat 100 ms (so the filter's snapshot stays well under 1 s old even on a busy
+    /// machine; the picker's `stale_after_ms` default is 2 s).
+    pub fn new(routing: Routing, ports: PortPlan, model: &str) -> Self {
+        Self {
+            routing,
+            ports,
+            model: model.to_owned(),
+            timeout_s: 600,
+            concurrency: 2,
+            scrape_interval_ms: 100,
+            heartbeat_ms: 100,
+        }
+    }
+}
+
+/// Envoy, and kvroute-cp in kvroute mode. Dropping it kills Envoy; [`Gateway::shutdown`]
+/// also stops kvroute-cp's tasks.
+pub struct Gateway {
+    /// Envoy (killed on drop).
+    pub envoy: Envoy,
+    /// The control plane (kvroute mode only).
+    pub cp: Option<ControlPlane>,
+    /// Envoy's main listener port.
+    pub listen_port: u16,
+    /// The filter's ingest port (kvroute mode only).
+    pub ingest_port: Option<u16>,
+    /// Routing mode.
+    pub routing: Routing,
+    token_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("envoy", &self.envoy)
+            .field("cp", &self.cp.as_ref().map(|c| c.local_addr()))
+            .field("listen_port", &self.listen_port)
+            .field("ingest_port", &self.ingest_port)
+            .field("routing", &self.routing)
+            .finish()
+    }
+}
+
+fn any_port(p: u16) -> Result<u16, DemoError> {
+    if p != 0 {
+        return Ok(p);
+    }
+    free_port().map_err(|e| DemoError::Io {
+        path: PathBuf::from("127.0.0.1:0"),
+        source: e,
+    })
+}
+
+fn token() -> String {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+        ^ u64::from(std::process::id()).rotate_left(32);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..32).map(|_| rng.alphanumeric()).collect()
+}
+
+/// kvroute-cp's YAML for `backends`, pushing to `ingest_port` with the token in `token_file`.
+pub fn cp_yaml(
+    backends: &[Backend],
+    opts: &GatewayOptions,
+    ingest_port: u16,
+    token_file: &std::path::Path,
+) -> String {
+    let mut y = format!(
+        "listen: 127.0.0.1:{cp}\nscrape:\n  interval_ms: {si}\n  timeout_ms: 1000\npush:\n  heartbeat_ms: {hb}\n  token_file: {tf}\ntargets:\n  - name: envoy\n    url: http://127.0.0.1:{ingest_port}/kvroute/v1/snapshot\npools:\n  - name: demo\n    models: [\"{model}\"]\n    endpoints:\n",
+        cp = opts.ports.cp,
+        si = opts.scrape_interval_ms,
+        hb = opts.heartbeat_ms,
+        tf = token_file.display(),
+        model = opts.model,
+    );
+    for (i, b) in backends.iter().enumerate() {
+        y.push_str(&format!(
+            "      - name: {}\n        address: {}\n        cluster: c{i}\n        kind: {}\n        metrics_url: {}\n",
+            b.name, b.address, b.kind, b.metrics_url
+        ));
+        if let Some(s) = &b.slots_url {
+            y.push_str(&format!("        slots_url: {s}\n"));
+        }
+    }
+    y
+}
+
+impl Gateway {
+    /// Start kvroute-cp (kvroute mode) and Envoy in front of `backends`; in kvroute mode,
+    /// wait (up to [`SNAPSHOT_DEADLINE`]) until the filter has published a snapshot in
+    /// which every backend is healthy, so the first request is routed on real stats.
+    pub async fn start(backends: &[Backend], opts: &GatewayOptions) -> Result<Self, DemoError> {
+        let listen_port = any_port(opts.ports.listen)?;
+        let addrs: Vec<String> = backends.iter().map(|b| b.address.to_string()).collect();
+        let all = templates::static_cluster("all", &addrs);
+        let timeout = opts.timeout_s.to_string();
+        match opts.routing {
+            Routing::RoundRobin => {
+                let yaml = render(
+                    ROUND_ROBIN_TEMPLATE,
+                    &[
+                        ("LISTEN_PORT", listen_port.to_string()),
+                        ("TIMEOUT_S", timeout),
+                        ("CLUSTERS", all),
+                    ],
+                )
+                .map_err(|e| DemoError::Sim(e.to_string()))?;
+                let envoy = Envoy::start(&yaml, opts.concurrency).await?;
+                Ok(Self {
+                    envoy,
+                    cp: None,
+                    listen_port,
+                    ingest_port: None,
+                    routing: opts.routing,
+                    token_file: None,
+                })
+            }
+            Routing::Kvroute(policy) => {
+                let ingest_port = any_port(opts.ports.ingest)?;
+                let token = token();
+                let mut clusters: String = addrs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a))
+                    })
+                    .collect();
+                clusters.push_str(&all);
+                let route_cfg = serde_json::json!({
+                    "mode": "cluster",
+                    "picker": {"policy": policy.name()},
+                })
+                .to_string();
+                let ingest_cfg =
+                    serde_json::json!({"role": "ingest", "ingest_token": token}).to_string();
+                let yaml = render(
+                    KVROUTE_TEMPLATE,
+                    &[
+                        ("LISTEN_PORT", listen_port.to_string()),
+                        ("INGEST_PORT", ingest_port.to_string()),
+                        ("TIMEOUT_S", timeout),
+                        ("WASM", wasm_path().display().to_string()),
+                        ("PLUGIN_CONFIG", route_cfg),
+                        ("INGEST_CONFIG", ingest_cfg),
+                        ("CLUSTERS", clusters),
+                    ],
+                )
+                .map_err(|e| DemoError::Sim(e.to_string()))?;
+                let wasm = wasm_path();
+                if !wasm.is_file() {
+                    return Err(DemoError::NotReady(format!(
+                        "no filter at {}: run `make wasm` or set KVROUTE_WASM",
+                        wasm.display()
+                    )));
+                }
+                let envoy = Envoy::start(&yaml, opts.concurrency).await?;
+                let token_file = std::env::temp_dir().join(format!(
+                    "kvroute-demo-{}-{ingest_port}.token",
+                    std::process::id()
+                ));
+                std::fs::write(&token_file, &token).map_err(|source| DemoError::Io {
+                    path: token_file.clone(),
+                    source,
+                })?;
+                let yaml = cp_yaml(backends, opts, ingest_port, &token_file);
+                let config =
+                    Config::from_yaml(&yaml).map_err(|e| DemoError::ControlPlane(e.to_string()))?;
+                let cp = ControlPlane::start(config)
+                    .await
+                    .map_err(|e| DemoError::ControlPlane(e.to_string()))?;
+                let gw = Self {
+                    envoy,
+                    cp: Some(cp),
+                    listen_port,
+                    ingest_port: Some(ingest_port),
+                    routing: opts.routing,
+                    token_file: Some(token_file),
+                };
+                gw.wait_first_snapshot(backends.len()).await?;
+                Ok(gw)
+            }
+        }
+    }
+
+    async fn wait_first_snapshot(&self, backends: usize) -> Result<(), DemoError> {
+        let deadline = Instant::now() + SNAPSHOT_DEADLINE;
+        loop {
+            let published = self.envoy.stat(STAT_PUBLISHED).await?.unwrap_or(0);
+            let healthy = self.cp.as_ref().map_or(0, |cp| {
+                cp.hub()
+                    .wire_endpoints()
+                    .iter()
+                    .filter(|e| e.healthy)
+                    .count()
+            });
+            if published > 0 && healthy == backends {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(DemoError::NotReady(format!(
+                    "after {SNAPSHOT_DEADLINE:?}: filter published {published} snapshots, kvroute-cp sees {healthy}/{backends} backends healthy"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `http://127.0.0.1:<listen>/v1/chat/completions`.
+    pub fn chat_url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1/chat/completions", self.listen_port)
+    }
+
+    /// kvroute-cp's own address (kvroute mode).
+    pub fn cp_addr(&self) -> Option<SocketAddr> {
+        self.cp.as_ref().map(|c| c.local_addr())
+    }
+
+    /// Stop kvroute-cp (waits for its tasks) and Envoy.
+    pub async fn shutdown(mut self) {
+        if let Some(cp) = self.cp.take() {
+            cp.shutdown().await;
+        }
+        if let Some(t) = self.token_file.take() {
+            let _ = std::fs::remove_file(t);
+        }
+        // Envoy is killed when `self` drops here.
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(t) = self.token_file.take() {
+            let _ = std::fs::remove_file(t);
+        }
+    }
+}
