@@ -98,7 +98,11 @@ impl Histogram {
         if self.total <= 0.0 {
             return None;
         }
-        let q = if q.is_finite() { q.clamp(0.0, 1.0) } else { 0.5 };
+        let q = if q.is_finite() {
+            q.clamp(0.0, 1.0)
+        } else {
+            0.5
+        };
         let target = q * self.total;
         let mut acc = 0.0;
         for (i, &w) in self.bins.iter().enumerate() {
@@ -230,19 +234,31 @@ mod tests {
         for _ in 0..20 {
             o.observe("m", ApiKind::ChatCompletions, 100, 200);
         }
-        assert_eq!(o.predict("m", ApiKind::ChatCompletions, 100, None, 0.5), None);
+        assert_eq!(
+            o.predict("m", ApiKind::ChatCompletions, 100, None, 0.5),
+            None
+        );
         o.observe("m", ApiKind::ChatCompletions, 100, 200);
         // 200 lies in bin ⌊log2(200)·4⌋ = 30, [181.0, 215.3): the median interpolates to the
         // middle of the mass, the upper end for q = 1.
         let p50 = o.predict("m", ApiKind::ChatCompletions, 100, None, 0.5);
         assert_eq!(p50, Some(197));
-        assert_eq!(o.predict("m", ApiKind::ChatCompletions, 100, None, 1.0), Some(215));
+        assert_eq!(
+            o.predict("m", ApiKind::ChatCompletions, 100, None, 1.0),
+            Some(215)
+        );
         // Other API or model: nothing.
         assert_eq!(o.predict("m", ApiKind::Completions, 100, None, 0.5), None);
-        assert_eq!(o.predict("x", ApiKind::ChatCompletions, 100, None, 0.5), None);
+        assert_eq!(
+            o.predict("x", ApiKind::ChatCompletions, 100, None, 0.5),
+            None
+        );
         // Ignored: zero completion tokens.
         o.observe("x", ApiKind::ChatCompletions, 100, 0);
-        assert_eq!(o.predict("x", ApiKind::ChatCompletions, 100, None, 0.5), None);
+        assert_eq!(
+            o.predict("x", ApiKind::ChatCompletions, 100, None, 0.5),
+            None
+        );
     }
 
     #[test]
@@ -253,18 +269,30 @@ mod tests {
             o.observe("m", ApiKind::ChatCompletions, 100 + i, 50);
             o.observe("m", ApiKind::ChatCompletions, 20_000 + i, 800);
         }
-        let short = o.predict("m", ApiKind::ChatCompletions, 120, None, 0.5).unwrap_or(0);
-        let long = o.predict("m", ApiKind::ChatCompletions, 25_000, None, 0.5).unwrap_or(0);
+        let short = o
+            .predict("m", ApiKind::ChatCompletions, 120, None, 0.5)
+            .unwrap_or(0);
+        let long = o
+            .predict("m", ApiKind::ChatCompletions, 25_000, None, 0.5)
+            .unwrap_or(0);
         assert!((45..=54).contains(&short), "{short}");
         assert!((740..=880).contains(&long), "{long}");
         // A prompt length never seen borrows the all-prompt histogram: half 50, half 800 (the
         // 800s slightly more recent, so heavier), so its median is the lower edge of the
         // 800-token bin, 2^9.5 = 724.
-        let mid = o.predict("m", ApiKind::ChatCompletions, 3_000, None, 0.5).unwrap_or(0);
+        let mid = o
+            .predict("m", ApiKind::ChatCompletions, 3_000, None, 0.5)
+            .unwrap_or(0);
         assert_eq!(mid, 724);
         // Capped by max_tokens.
-        assert_eq!(o.predict("m", ApiKind::ChatCompletions, 25_000, Some(100), 0.5), Some(100));
-        assert_eq!(o.predict("m", ApiKind::ChatCompletions, 25_000, Some(0), 0.5), Some(1));
+        assert_eq!(
+            o.predict("m", ApiKind::ChatCompletions, 25_000, Some(100), 0.5),
+            Some(100)
+        );
+        assert_eq!(
+            o.predict("m", ApiKind::ChatCompletions, 25_000, Some(0), 0.5),
+            Some(1)
+        );
     }
 
     #[test]
@@ -277,7 +305,9 @@ mod tests {
             o.observe("m", ApiKind::ChatCompletions, 500, 100);
         }
         // After 3 000 observations at OUTPUT_FORGET 0.999 the old mass is e^-3 ≈ 5 %.
-        let p50 = o.predict("m", ApiKind::ChatCompletions, 500, None, 0.5).unwrap_or(0);
+        let p50 = o
+            .predict("m", ApiKind::ChatCompletions, 500, None, 0.5)
+            .unwrap_or(0);
         assert!((90..=110).contains(&p50), "{p50}");
     }
 }

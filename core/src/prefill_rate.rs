@@ -249,7 +249,10 @@ mod tests {
         let e = r.estimate("a");
         assert_eq!(e.tokens_per_s, 20_000.0);
         assert_eq!(e.observations, 0);
-        assert_eq!(PrefillRates::new(f64::NAN).seed(), DEFAULT_PREFILL_TOKENS_PER_S);
+        assert_eq!(
+            PrefillRates::new(f64::NAN).seed(),
+            DEFAULT_PREFILL_TOKENS_PER_S
+        );
         assert_eq!(PrefillRates::new(-1.0).seed(), DEFAULT_PREFILL_TOKENS_PER_S);
     }
 
@@ -306,7 +309,10 @@ mod tests {
         assert_eq!(r.len(), MAX_ENDPOINTS);
         // The oldest ones went first.
         assert_eq!(r.estimate("e0").observations, 0);
-        assert_eq!(r.estimate(&format!("e{}", MAX_ENDPOINTS + 9)).observations, 1);
+        assert_eq!(
+            r.estimate(&format!("e{}", MAX_ENDPOINTS + 9)).observations,
+            1
+        );
         let json = serde_json::to_string(&r).unwrap_or_default();
         let back: PrefillRates = serde_json::from_str(&json).unwrap_or_default();
         assert_eq!(back, r);

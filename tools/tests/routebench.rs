@@ -56,8 +56,8 @@ fn router_names_round_trip() {
             "sglang-cache-aware",
             "dynamo-kv",
             "oracle",
-            "kvroute-hybrid",
-            "kvroute-predicted_ttft"
+            "kvroute-predicted_ttft",
+            "kvroute-hybrid"
         ]
     );
     for k in RouterKind::all() {

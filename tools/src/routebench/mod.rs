@@ -140,7 +140,7 @@ impl RouterKind {
     }
 
     /// The benchmark's nine routers, `round_robin` first (the ratio baseline): six baselines,
-    /// the oracle, kvroute's previous default `hybrid`, and kvroute's default last.
+    /// the oracle, kvroute's `predicted_ttft` policy, and kvroute's default (`hybrid`) last.
     pub fn all() -> [RouterKind; 9] {
         [
             RouterKind::RoundRobin,
@@ -150,7 +150,7 @@ impl RouterKind {
             RouterKind::SglangCacheAware,
             RouterKind::DynamoKv,
             RouterKind::Oracle,
-            RouterKind::Kvroute(PolicyKind::Hybrid),
+            RouterKind::Kvroute(PolicyKind::PredictedTtft),
             RouterKind::kvroute_default(),
         ]
     }

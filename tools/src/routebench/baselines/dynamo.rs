@@ -71,8 +71,7 @@ impl DynamoKv {
     pub fn cost(&self, w: &DynamoWorker, input_tokens: u32) -> f64 {
         let bs = f64::from(self.block_size);
         let input = f64::from(input_tokens);
-        let prefill =
-            (w.active_prefill_tokens + self.new_tokens(w, input_tokens)) as f64 / bs;
+        let prefill = (w.active_prefill_tokens + self.new_tokens(w, input_tokens)) as f64 / bs;
         let new_blocks = ((input / bs).ceil() - f64::from(w.overlap_blocks)).max(0.0);
         let decode = (w.active_tokens as f64 / bs).ceil() + new_blocks;
         self.overlap_weight * prefill + decode

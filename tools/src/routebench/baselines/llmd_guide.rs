@@ -171,7 +171,8 @@ mod tests {
         let load = [0, 300_000, 10];
         assert_eq!(p.filter(&ids, &load, &[1, 2, 3, 4, 5]), vec![0, 1, 2]);
         assert_eq!(
-            p.pick(&ids, &load, &[1, 2, 3, 4, 5], 2_560).map(|g| g.index),
+            p.pick(&ids, &load, &[1, 2, 3, 4, 5], 2_560)
+                .map(|g| g.index),
             Some(0)
         );
         // 3 of 5 blocks (0.6 < 0.8): not sticky anywhere new.
