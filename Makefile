@@ -29,5 +29,5 @@ lint: ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter),
 	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
-test: lint test-core test-wasm test-filter test-sim test-cp test-replay test-bench test-demo ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests
+test: lint test-core test-wasm test-filter test-sim test-cp test-replay test-bench test-demo test-overhead ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests
 	@echo "make test: all suites passed"

@@ -9,8 +9,8 @@ bench-routing: ## Full routing benchmark (release): 3 traces x 4/8/16 replicas x
 	$(CARGO) run --release -p kvroute-tools --bin kvroute-bench -- sweep \
 		--data $(KVROUTE_SHARED_DATA) --out $(BENCH_OUT)
 
-test-bench: ## Routing-benchmark smoke test: 2 traces x 4 replicas x 9 routers on short slices, loaders, capacity search, report outputs, baseline unit tests
-	$(CARGO) test -p kvroute-tools --test bench_smoke --test routebench
+test-bench: ## Routing-benchmark smoke test: 2 traces x 4 replicas x 9 routers on short slices, loaders, capacity search, report outputs, baseline unit tests, filter-vs-benchmark pick parity
+	$(CARGO) test -p kvroute-tools --test bench_smoke --test routebench --test pipeline_parity
 	$(CARGO) test -p kvroute-tools --lib routebench::
 
 bench-crosscheck: ## Offline prediction for the online cross-check: Mooncake first 10 min, 4 replicas, 70% load (kvroute default and round robin)

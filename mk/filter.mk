@@ -31,7 +31,4 @@ demo-filter: wasm envoy ## One-command local run: Envoy + filter + 3 recording b
 	  $(CARGO) run -q -p kvroute-integration --example filter_demo
 
 .PHONY: bench-filter
-bench-filter: wasm envoy ## Latency added by the filter: Envoy+kvroute vs plain Envoy, p50/p90/p99
-	KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)" \
-	  $(CARGO) run -q -p kvroute-integration --example filter_latency
+bench-filter: bench-overhead ## Alias of bench-overhead (the filter's cost next to plain Envoy; see docs/overhead.md)

@@ -1,10 +1,14 @@
 //! Wiring: starts the HTTP server, the snapshot builder, and a supervisor that keeps one
-//! scrape task per discovered endpoint and one push task per target, restarting them when
-//! discovery or the config changes.
+//! scrape task per discovered endpoint and one push task per target (static or discovered
+//! gateway pod), starting and stopping them as discovery or the config changes, plus the
+//! Kubernetes watch tasks ([`crate::discovery`]).
 
-use crate::config::{Config, ConfigError, EndpointSpec, PushSettings, ScrapeSettings, Target};
-use crate::discovery::{Discovery, StaticDiscovery};
+use crate::config::{
+    Config, ConfigError, EndpointSpec, KubernetesSettings, PushSettings, ScrapeSettings, Target,
+};
+use crate::discovery::{gateways, kubernetes, Merged, STATIC_SLOT};
 use crate::hub::Hub;
+use crate::token::{TokenRx, TokenSource};
 use crate::{push, scrape, server};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -26,6 +30,15 @@ pub enum StartError {
     /// Config problem (token file unreadable, ...).
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// No usable Kubernetes client (no in-cluster config or kubeconfig, bad `api_server`).
+    #[error("kubernetes: {reason}")]
+    Kubernetes {
+        /// What kube-rs reported.
+        reason: String,
+    },
+    /// A TLS file is unreadable or unusable.
+    #[error("tls: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     /// The supervisor is gone (shutting down).
     #[error("control plane is shutting down")]
     Stopped,
@@ -34,9 +47,36 @@ pub enum StartError {
 struct Settings {
     scrape: ScrapeSettings,
     push: PushSettings,
-    targets: Vec<Target>,
-    token: Option<Arc<str>>,
+    kubernetes: KubernetesSettings,
+    token: TokenRx,
+    /// Where the token comes from (file or env var), named in 401 logs.
     token_source: Arc<str>,
+    kube: Option<kube::Client>,
+    tls: Tls,
+}
+
+/// The TLS client configs of both directions.
+#[derive(Clone)]
+struct Tls {
+    scrape: Arc<rustls::ClientConfig>,
+    push: Arc<rustls::ClientConfig>,
+}
+
+impl Tls {
+    fn build(c: &Config) -> Result<Self, StartError> {
+        Ok(Self {
+            scrape: crate::tls::client_config("scrape.tls", &c.scrape.tls)?,
+            push: crate::tls::client_config("push.tls", &c.push.tls)?,
+        })
+    }
+}
+
+/// One reload's worth of new state, built before it is applied.
+struct Reload {
+    config: Config,
+    token: TokenSource,
+    kube: Option<kube::Client>,
+    tls: Tls,
 }
 
 /// A running control plane.
@@ -44,8 +84,9 @@ pub struct ControlPlane {
     hub: Arc<Hub>,
     local_addr: SocketAddr,
     shutdown: watch::Sender<bool>,
-    reload: mpsc::Sender<(Config, Option<Arc<str>>)>,
-    discovery: Arc<StaticDiscovery>,
+    reload: mpsc::Sender<Reload>,
+    endpoints: Arc<Merged<EndpointSpec>>,
+    targets: Arc<Merged<Target>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -53,16 +94,41 @@ fn first_wait(c: &Config) -> std::time::Duration {
     c.scrape.timeout + c.scrape.interval
 }
 
+/// A Kubernetes client for `k`, or `None` when nothing is watched. `api_server` wins; else
+/// kube-rs infers in-cluster config, then kubeconfig.
+async fn kube_client(k: &KubernetesSettings) -> Result<Option<kube::Client>, StartError> {
+    if k.is_empty() {
+        return Ok(None);
+    }
+    let config = match &k.api_server {
+        Some(uri) => kube::Config::new(uri.clone()),
+        None => kube::Config::infer()
+            .await
+            .map_err(|e| StartError::Kubernetes {
+                reason: e.to_string(),
+            })?,
+    };
+    kube::Client::try_from(config)
+        .map(Some)
+        .map_err(|e| StartError::Kubernetes {
+            reason: e.to_string(),
+        })
+}
+
 impl ControlPlane {
     /// Start everything on the current tokio runtime.
     pub async fn start(config: Config) -> Result<Self, StartError> {
-        let token = config.push.read_token()?.map(Arc::<str>::from);
-        if token.is_none() && !config.targets.is_empty() {
+        let tls = Tls::build(&config)?;
+        let token = TokenSource::start(&config.push)?;
+        if token.subscribe().borrow().is_none()
+            && !(config.targets.is_empty() && config.kubernetes.gateways.is_empty())
+        {
             tracing::warn!(
                 source = %config.push.token_source(),
                 "no ingest token found; pushing without Authorization (a filter with an `ingest_token` answers 401)"
             );
         }
+        let kube = kube_client(&config.kubernetes).await?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| StartError::Bind {
@@ -80,33 +146,43 @@ impl ControlPlane {
         );
         hub.set_endpoints(&config.endpoints);
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let discovery = Arc::new(StaticDiscovery::new(config.endpoints.clone()));
+        let endpoints = Arc::new(Merged::new(|e: &EndpointSpec| e.id.as_str()));
+        endpoints.set(STATIC_SLOT, config.endpoints.clone());
+        let targets = Arc::new(Merged::new(|t: &Target| t.name.as_str()));
+        targets.set(STATIC_SLOT, config.targets.clone());
         let (reload, reload_rx) = mpsc::channel(4);
         let settings = Settings {
             scrape: config.scrape.clone(),
             push: config.push.clone(),
-            targets: config.targets.clone(),
-            token,
+            kubernetes: config.kubernetes.clone(),
+            token: token.subscribe(),
             token_source: config.push.token_source().into(),
+            kube,
+            tls,
         };
         let tasks = vec![
             tokio::spawn(server::serve(listener, hub.clone(), shutdown_rx.clone())),
             tokio::spawn(hub.clone().run_builder(shutdown_rx.clone())),
             tokio::spawn(supervise(
                 hub.clone(),
-                discovery.clone(),
+                endpoints.clone(),
+                targets.clone(),
                 settings,
+                token,
                 reload_rx,
                 shutdown_rx,
             )),
         ];
-        tracing::info!(%local_addr, endpoints = config.endpoints.len(), targets = config.targets.len(), "kvroute-cp started");
+        tracing::info!(%local_addr, endpoints = config.endpoints.len(), targets = config.targets.len(),
+            inference_pools = config.kubernetes.pools.len(), gateway_sets = config.kubernetes.gateways.len(),
+            "kvroute-cp started");
         Ok(Self {
             hub,
             local_addr,
             shutdown,
             reload,
-            discovery,
+            endpoints,
+            targets,
             tasks,
         })
     }
@@ -121,19 +197,37 @@ impl ControlPlane {
         &self.hub
     }
 
-    /// Apply a new config (endpoints, scrape/push settings, targets, token). The listen
-    /// address is not changed (needs a restart). Errors leave the running config in place.
+    /// The current endpoint set (static and discovered).
+    pub fn endpoints(&self) -> Arc<Vec<EndpointSpec>> {
+        self.endpoints.current()
+    }
+
+    /// The current push targets (static and discovered gateway pods).
+    pub fn targets(&self) -> Arc<Vec<Target>> {
+        self.targets.current()
+    }
+
+    /// Apply a new config (endpoints, scrape/push settings, targets, token, Kubernetes
+    /// watches). The listen address is not changed (needs a restart). Errors leave the
+    /// running config in place.
     pub async fn reload(&self, config: Config) -> Result<(), StartError> {
-        let token = config.push.read_token()?.map(Arc::<str>::from);
+        let tls = Tls::build(&config)?;
+        let token = TokenSource::start(&config.push)?;
+        let kube = kube_client(&config.kubernetes).await?;
         self.hub.set_timing(
             config.push.heartbeat,
             config.push.min_interval,
             first_wait(&config),
         );
-        self.hub.set_endpoints(&config.endpoints);
-        self.discovery.set(config.endpoints.clone());
+        self.endpoints.set(STATIC_SLOT, config.endpoints.clone());
+        self.targets.set(STATIC_SLOT, config.targets.clone());
         self.reload
-            .send((config, token))
+            .send(Reload {
+                config,
+                token,
+                kube,
+                tls,
+            })
             .await
             .map_err(|_| StartError::Stopped)
     }
@@ -147,21 +241,73 @@ impl ControlPlane {
     }
 }
 
+type Stoppable = (watch::Sender<bool>, JoinHandle<()>);
+
+/// Start the Kubernetes watch tasks of `s` (none without a client).
+fn start_watches(
+    s: &Settings,
+    scrape_client: &scrape::ScrapeClient,
+    endpoints: &Arc<Merged<EndpointSpec>>,
+    targets: &Arc<Merged<Target>>,
+) -> Vec<Stoppable> {
+    let Some(client) = &s.kube else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for p in &s.kubernetes.pools {
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(kubernetes::run_pool(
+            client.clone(),
+            p.clone(),
+            scrape_client.clone(),
+            endpoints.clone(),
+            stop_rx,
+        ));
+        out.push((stop, task));
+    }
+    for g in &s.kubernetes.gateways {
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(gateways::run(
+            client.clone(),
+            g.clone(),
+            targets.clone(),
+            stop_rx,
+        ));
+        out.push((stop, task));
+    }
+    out
+}
+
+fn stop_all(tasks: &mut Vec<Stoppable>) {
+    for (stop, task) in tasks.drain(..) {
+        let _ = stop.send(true);
+        task.abort();
+    }
+}
+
 async fn supervise(
     hub: Arc<Hub>,
-    discovery: Arc<StaticDiscovery>,
+    endpoints: Arc<Merged<EndpointSpec>>,
+    targets: Arc<Merged<Target>>,
     mut settings: Settings,
-    mut reload: mpsc::Receiver<(Config, Option<Arc<str>>)>,
+    mut _token_source: TokenSource,
+    mut reload: mpsc::Receiver<Reload>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let scrape_client = scrape::client(scrape::connect_timeout(settings.scrape.timeout));
-    let push_client = push::client(settings.push.timeout);
-    let mut endpoints_rx = discovery.subscribe();
+    let mut scrape_client = scrape::client(
+        scrape::connect_timeout(settings.scrape.timeout),
+        &settings.tls.scrape,
+    );
+    let mut push_client = push::client(settings.push.timeout, &settings.tls.push);
+    let mut endpoints_rx = endpoints.subscribe();
+    let mut targets_rx = targets.subscribe();
     let mut scrapers: BTreeMap<String, (EndpointSpec, watch::Sender<bool>, JoinHandle<()>)> =
         BTreeMap::new();
-    let mut pushers: Vec<(watch::Sender<bool>, JoinHandle<()>)> = Vec::new();
+    let mut pushers: BTreeMap<String, (Target, watch::Sender<bool>, JoinHandle<()>)> =
+        BTreeMap::new();
+    let mut watches = start_watches(&settings, &scrape_client, &endpoints, &targets);
     let mut restart_scrapers = false;
-    let mut restart_pushers = true;
+    let mut restart_pushers = false;
     loop {
         let specs = endpoints_rx.borrow_and_update().clone();
         hub.set_endpoints(&specs);
@@ -186,11 +332,22 @@ async fn supervise(
                 scrapers.insert(spec.id.clone(), (spec.clone(), stop, task));
             }
         }
-        if restart_pushers {
-            for (stop, _) in pushers.drain(..) {
+        // Same for push targets: a new gateway pod gets the current snapshot at once.
+        let current = targets_rx.borrow_and_update().clone();
+        pushers.retain(|name, (target, stop, _)| {
+            let keep = !restart_pushers && current.iter().any(|t| &t.name == name && t == target);
+            if !keep {
                 let _ = stop.send(true);
+                if !current.iter().any(|t| &t.name == name) {
+                    hub.telemetry.forget_target(name);
+                }
             }
-            for t in &settings.targets {
+            keep
+        });
+        let names: Vec<&str> = current.iter().map(|t| t.name.as_str()).collect();
+        hub.retain_push_targets(&names);
+        for t in current.iter() {
+            if !pushers.contains_key(&t.name) {
                 let (stop, stop_rx) = watch::channel(false);
                 let task = tokio::spawn(push::run_target(
                     hub.clone(),
@@ -201,40 +358,63 @@ async fn supervise(
                     settings.token_source.clone(),
                     stop_rx,
                 ));
-                pushers.push((stop, task));
+                pushers.insert(t.name.clone(), (t.clone(), stop, task));
             }
         }
         restart_scrapers = false;
         restart_pushers = false;
         tokio::select! {
             r = endpoints_rx.changed() => if r.is_err() { break },
+            r = targets_rx.changed() => if r.is_err() { break },
             msg = reload.recv() => match msg {
-                Some((config, token)) => {
+                Some(Reload { config, token, kube, tls }) => {
+                    // Clients (and their TLS configs) are rebuilt when their section changes;
+                    // tasks of unchanged sections keep running.
                     restart_scrapers = config.scrape != settings.scrape;
+                    // A token from an env var can change under the same settings.
                     restart_pushers = config.push != settings.push
-                        || config.targets != settings.targets
-                        || token != settings.token;
-                    let names: Vec<&str> = config.targets.iter().map(|t| t.name.as_str()).collect();
-                    hub.retain_push_targets(&names);
-                    settings = Settings {
-                        token_source: config.push.token_source().into(),
-                        scrape: config.scrape,
-                        push: config.push,
-                        targets: config.targets,
-                        token,
-                    };
-                    tracing::info!(restart_scrapers, restart_pushers, "config reloaded");
+                        || *token.subscribe().borrow() != *settings.token.borrow();
+                    if restart_scrapers {
+                        scrape_client = scrape::client(
+                            scrape::connect_timeout(config.scrape.timeout),
+                            &tls.scrape,
+                        );
+                    }
+                    if restart_pushers {
+                        push_client = push::client(config.push.timeout, &tls.push);
+                    }
+                    settings.tls = tls;
+                    let restart_watches = config.kubernetes != settings.kubernetes;
+                    if restart_pushers {
+                        // Running push tasks hold receivers of the old source; they are
+                        // restarted with the new one.
+                        _token_source = token;
+                        settings.token = _token_source.subscribe();
+                    }
+                    settings.token_source = config.push.token_source().into();
+                    settings.scrape = config.scrape;
+                    settings.push = config.push;
+                    if restart_watches {
+                        stop_all(&mut watches);
+                        endpoints.clear_prefix(kubernetes::SLOT_PREFIX);
+                        targets.clear_prefix(gateways::SLOT_PREFIX);
+                        settings.kubernetes = config.kubernetes;
+                        settings.kube = kube;
+                        watches = start_watches(&settings, &scrape_client, &endpoints, &targets);
+                    }
+                    tracing::info!(restart_scrapers, restart_pushers, restart_watches, "config reloaded");
                 }
                 None => break,
             },
             _ = shutdown.changed() => break,
         }
     }
+    stop_all(&mut watches);
     for (_, (_, stop, task)) in scrapers {
         let _ = stop.send(true);
         task.abort();
     }
-    for (stop, task) in pushers {
+    for (_, (_, stop, task)) in pushers {
         let _ = stop.send(true);
         task.abort();
     }

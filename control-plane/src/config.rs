@@ -44,6 +44,9 @@ pub struct RawConfig {
     /// Static discovery: pools of endpoints.
     #[serde(default)]
     pub pools: Vec<RawPool>,
+    /// Kubernetes discovery: InferencePools (endpoints) and gateway pods (push targets).
+    #[serde(default)]
+    pub kubernetes: RawKubernetes,
 }
 
 fn default_listen() -> String {
@@ -62,6 +65,58 @@ pub struct RawScrape {
     pub jitter: f64,
     /// Largest `/metrics` body read, bytes (default 8 MiB).
     pub max_body_bytes: usize,
+    /// TLS for `https://` metrics URLs.
+    pub tls: RawTls,
+}
+
+/// `tls:` of `scrape` or `push`: used for `https://` URLs only.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTls {
+    /// PEM bundle of the CAs to trust; default the system trust store.
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate chain (mTLS); needs `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of `cert_file`.
+    pub key_file: Option<PathBuf>,
+}
+
+/// Validated TLS file settings (read by [`crate::tls::client_config`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsSettings {
+    /// CA bundle.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain.
+    pub cert_file: Option<PathBuf>,
+    /// Client key.
+    pub key_file: Option<PathBuf>,
+}
+
+impl RawTls {
+    fn validate(&self, section: &str) -> Result<TlsSettings, ConfigError> {
+        match (&self.cert_file, &self.key_file) {
+            (Some(c), None) => {
+                return Err(invalid(
+                    format!("{section}.cert_file"),
+                    c.display(),
+                    "needs key_file too",
+                ))
+            }
+            (None, Some(k)) => {
+                return Err(invalid(
+                    format!("{section}.key_file"),
+                    k.display(),
+                    "needs cert_file too",
+                ))
+            }
+            _ => {}
+        }
+        Ok(TlsSettings {
+            ca_file: self.ca_file.clone(),
+            cert_file: self.cert_file.clone(),
+            key_file: self.key_file.clone(),
+        })
+    }
 }
 
 impl Default for RawScrape {
@@ -71,6 +126,7 @@ impl Default for RawScrape {
             timeout_ms: 500,
             jitter: 0.1,
             max_body_bytes: 8 << 20,
+            tls: RawTls::default(),
         }
     }
 }
@@ -93,6 +149,8 @@ pub struct RawPush {
     pub token_file: Option<PathBuf>,
     /// Environment variable holding the bearer token (default `KVROUTE_INGEST_TOKEN`).
     pub token_env: Option<String>,
+    /// TLS for `https://` ingest URLs.
+    pub tls: RawTls,
 }
 
 impl Default for RawPush {
@@ -105,6 +163,7 @@ impl Default for RawPush {
             backoff_max_ms: 5000,
             token_file: None,
             token_env: None,
+            tls: RawTls::default(),
         }
     }
 }
@@ -117,6 +176,77 @@ pub struct RawTarget {
     pub name: String,
     /// Full ingest URL, `http://host:port/kvroute/v1/snapshot`.
     pub url: String,
+}
+
+/// `kubernetes:` section. Empty by default (no Kubernetes API access at all).
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawKubernetes {
+    /// API server URL, e.g. `https://10.0.0.1:6443`. Default: in-cluster service-account
+    /// config, else `$KUBECONFIG`/`~/.kube/config` (kube-rs `Config::infer`).
+    pub api_server: Option<String>,
+    /// InferencePools whose ready pods become endpoints.
+    pub inference_pools: Vec<RawInferencePool>,
+    /// Gateway pods that each get every snapshot pushed to them.
+    pub gateways: Vec<RawGateways>,
+}
+
+/// One watched InferencePool (`inference.networking.k8s.io/v1`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawInferencePool {
+    /// Namespace of the InferencePool (its pods live there too).
+    pub namespace: String,
+    /// InferencePool name; also the snapshot's pool name.
+    pub name: String,
+    /// Server kind of the pool's pods (default `auto`).
+    #[serde(default)]
+    pub kind: ServerKind,
+    /// Envoy cluster reaching the pool's pods; default the pool name.
+    pub cluster: Option<String>,
+    /// Models served; default: each pod's `GET /v1/models` (`data[].id`).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Port serving `/metrics`; default each target port.
+    pub metrics_port: Option<u16>,
+    /// Path of the metrics endpoint (default `/metrics`).
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
+    /// `http` or `https` for scrapes and `/v1/models` (default `http`).
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+
+fn default_scheme() -> String {
+    "http".into()
+}
+
+fn default_ingest_path() -> String {
+    "/kvroute/v1/snapshot".into()
+}
+
+/// Gateway (Envoy) pods selected by labels; every ready one becomes a push target.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGateways {
+    /// Name prefix of the targets (`<name>/<pod>`), in logs and metric labels.
+    pub name: String,
+    /// Namespace of the gateway pods.
+    pub namespace: String,
+    /// Label selector (`matchLabels`), e.g. `{istio: ingressgateway}`; at least one label.
+    pub selector: std::collections::BTreeMap<String, String>,
+    /// Port of the ingest listener on each pod.
+    pub port: u16,
+    /// Ingest path (default `/kvroute/v1/snapshot`).
+    #[serde(default = "default_ingest_path")]
+    pub path: String,
+    /// `http` or `https` (default `http`).
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
 }
 
 /// One pool (InferencePool).
@@ -168,6 +298,64 @@ pub struct Config {
     pub targets: Vec<Target>,
     /// Endpoints across all pools, in config order.
     pub endpoints: Vec<EndpointSpec>,
+    /// Kubernetes discovery.
+    pub kubernetes: KubernetesSettings,
+}
+
+/// Validated `kubernetes:` section.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct KubernetesSettings {
+    /// API server override.
+    pub api_server: Option<http::Uri>,
+    /// Watched InferencePools.
+    pub pools: Vec<PoolWatch>,
+    /// Watched gateway pod sets.
+    pub gateways: Vec<GatewayWatch>,
+}
+
+impl KubernetesSettings {
+    /// True when nothing is watched (no API client is built).
+    pub fn is_empty(&self) -> bool {
+        self.pools.is_empty() && self.gateways.is_empty()
+    }
+}
+
+/// A validated InferencePool watch.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolWatch {
+    /// Namespace.
+    pub namespace: String,
+    /// InferencePool name.
+    pub name: String,
+    /// Server kind.
+    pub kind: ServerKind,
+    /// Envoy cluster.
+    pub cluster: String,
+    /// Models (empty: ask each pod's `/v1/models`).
+    pub models: Vec<String>,
+    /// Metrics port override.
+    pub metrics_port: Option<u16>,
+    /// Metrics path (starts with `/`).
+    pub metrics_path: String,
+    /// `http` or `https`.
+    pub scheme: String,
+}
+
+/// A validated gateway pod watch.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GatewayWatch {
+    /// Target name prefix.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+    /// `matchLabels`.
+    pub selector: std::collections::BTreeMap<String, String>,
+    /// Ingest port.
+    pub port: u16,
+    /// Ingest path (starts with `/`).
+    pub path: String,
+    /// `http` or `https`.
+    pub scheme: String,
 }
 
 /// Validated scrape settings.
@@ -181,6 +369,8 @@ pub struct ScrapeSettings {
     pub jitter: f64,
     /// Body size limit, bytes.
     pub max_body_bytes: usize,
+    /// TLS files for `https://`.
+    pub tls: TlsSettings,
 }
 
 /// Validated push settings.
@@ -200,6 +390,8 @@ pub struct PushSettings {
     pub token_file: Option<PathBuf>,
     /// Token env var name.
     pub token_env: String,
+    /// TLS files for `https://`.
+    pub tls: TlsSettings,
 }
 
 /// A validated ingest target.
@@ -264,7 +456,7 @@ const CONTROL_REASON: &str = "must not contain control characters (CR, LF, NUL..
 
 /// True when `s` holds an ASCII or Unicode control character.
 fn has_control(s: &str) -> bool {
-    s.chars().any(char::is_control)
+    kvroute_core::snapshot::check_label(s).is_err()
 }
 
 fn invalid(
@@ -279,17 +471,13 @@ fn invalid(
     }
 }
 
-/// Parse an `http://host:port/...` URL.
+/// Parse an `http://` or `https://` `host:port/...` URL.
 fn http_url(field: &str, s: &str) -> Result<http::Uri, ConfigError> {
     let uri: http::Uri = s
         .parse()
         .map_err(|e: http::uri::InvalidUri| invalid(field, s, format!("not a URL ({e})")))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(invalid(
-            field,
-            s,
-            "must start with http:// (TLS is not supported)",
-        ));
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(invalid(field, s, "must start with http:// or https://"));
     }
     if uri.authority().is_none() {
         return Err(invalid(field, s, "has no host"));
@@ -472,7 +660,10 @@ impl RawConfig {
                             .unwrap_or_default();
                         Some(http_url(
                             &at("slots_url"),
-                            &format!("http://{authority}/slots"),
+                            &format!(
+                                "{}://{authority}/slots",
+                                metrics_url.scheme_str().unwrap_or("http")
+                            ),
                         )?)
                     }
                     (None, _) => None,
@@ -507,13 +698,16 @@ impl RawConfig {
                 });
             }
         }
+        let kubernetes = self.kubernetes.validate(&pools)?;
         Ok(Config {
+            kubernetes,
             listen,
             scrape: ScrapeSettings {
                 interval,
                 timeout,
                 jitter: s.jitter,
                 max_body_bytes: s.max_body_bytes,
+                tls: s.tls.validate("scrape.tls")?,
             },
             push: PushSettings {
                 heartbeat,
@@ -526,9 +720,140 @@ impl RawConfig {
                     .token_env
                     .clone()
                     .unwrap_or_else(|| DEFAULT_TOKEN_ENV.into()),
+                tls: p.tls.validate("push.tls")?,
             },
             targets,
             endpoints,
+        })
+    }
+}
+
+fn scheme(field: &str, s: &str) -> Result<String, ConfigError> {
+    match s {
+        "http" | "https" => Ok(s.to_owned()),
+        _ => Err(invalid(field, s, "must be `http` or `https`")),
+    }
+}
+
+fn url_path(field: &str, s: &str) -> Result<String, ConfigError> {
+    if !s.starts_with('/') || s.parse::<http::uri::PathAndQuery>().is_err() {
+        return Err(invalid(field, s, "must be a URL path starting with `/`"));
+    }
+    Ok(s.to_owned())
+}
+
+/// A Kubernetes object name or namespace (RFC 1123 label/subdomain characters).
+fn k8s_name(field: &str, s: &str) -> Result<String, ConfigError> {
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+    if !ok {
+        return Err(invalid(
+            field,
+            s.escape_debug(),
+            "must be a Kubernetes name (lower-case letters, digits, `-`, `.`)",
+        ));
+    }
+    Ok(s.to_owned())
+}
+
+impl RawKubernetes {
+    /// Validate; `static_pools` are the names used by `pools:` (a name may not be both).
+    fn validate(&self, static_pools: &BTreeSet<&str>) -> Result<KubernetesSettings, ConfigError> {
+        let api_server = match &self.api_server {
+            None => None,
+            Some(s) => {
+                let uri: http::Uri = s.parse().map_err(|e: http::uri::InvalidUri| {
+                    invalid("kubernetes.api_server", s, format!("not a URL ({e})"))
+                })?;
+                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none()
+                {
+                    return Err(invalid(
+                        "kubernetes.api_server",
+                        s,
+                        "must be an http:// or https:// URL with a host",
+                    ));
+                }
+                Some(uri)
+            }
+        };
+        let mut names = BTreeSet::new();
+        let mut pools = Vec::new();
+        for (i, p) in self.inference_pools.iter().enumerate() {
+            let at = |f: &str| format!("kubernetes.inference_pools[{i}].{f}");
+            let namespace = k8s_name(&at("namespace"), &p.namespace)?;
+            let name = k8s_name(&at("name"), &p.name)?;
+            if static_pools.contains(name.as_str()) || !names.insert(name.clone()) {
+                return Err(invalid(
+                    at("name"),
+                    &name,
+                    "duplicate pool name (pool names are unique across `pools` and `kubernetes.inference_pools`)",
+                ));
+            }
+            let cluster = p.cluster.clone().unwrap_or_else(|| name.clone());
+            if cluster.is_empty() || has_control(&cluster) {
+                return Err(invalid(
+                    at("cluster"),
+                    cluster.escape_debug(),
+                    "must be non-empty without control characters",
+                ));
+            }
+            if let Some(m) = p.models.iter().find(|m| m.is_empty() || has_control(m)) {
+                return Err(invalid(
+                    at("models"),
+                    m.escape_debug(),
+                    "model names must be non-empty without control characters",
+                ));
+            }
+            if p.metrics_port == Some(0) {
+                return Err(invalid(at("metrics_port"), 0, "must be in 1..=65535"));
+            }
+            pools.push(PoolWatch {
+                namespace,
+                name,
+                kind: p.kind,
+                cluster,
+                models: p.models.clone(),
+                metrics_port: p.metrics_port,
+                metrics_path: url_path(&at("metrics_path"), &p.metrics_path)?,
+                scheme: scheme(&at("scheme"), &p.scheme)?,
+            });
+        }
+        let mut gnames = BTreeSet::new();
+        let mut gateways = Vec::new();
+        for (i, g) in self.gateways.iter().enumerate() {
+            let at = |f: &str| format!("kubernetes.gateways[{i}].{f}");
+            if g.name.is_empty() || has_control(&g.name) || !gnames.insert(g.name.as_str()) {
+                return Err(invalid(
+                    at("name"),
+                    g.name.escape_debug(),
+                    "must be non-empty, unique, without control characters",
+                ));
+            }
+            if g.selector.is_empty() {
+                return Err(invalid(
+                    at("selector"),
+                    "{}",
+                    "needs at least one label (an empty selector would push to every pod)",
+                ));
+            }
+            if g.port == 0 {
+                return Err(invalid(at("port"), 0, "must be in 1..=65535"));
+            }
+            gateways.push(GatewayWatch {
+                name: g.name.clone(),
+                namespace: k8s_name(&at("namespace"), &g.namespace)?,
+                selector: g.selector.clone(),
+                port: g.port,
+                path: url_path(&at("path"), &g.path)?,
+                scheme: scheme(&at("scheme"), &g.scheme)?,
+            });
+        }
+        Ok(KubernetesSettings {
+            api_server,
+            pools,
+            gateways,
         })
     }
 }
@@ -581,5 +906,5 @@ const TOKEN_REASON: &str =
 
 /// Whether `Bearer <token>` is a valid `Authorization` header value.
 fn is_header_safe(token: &str) -> bool {
-    http::HeaderValue::from_str(&format!("Bearer {token}")).is_ok()
+    http::HeaderValue::from_str(&format!("{}{token}", kvroute_core::snapshot::AUTH_SCHEME)).is_ok()
 }

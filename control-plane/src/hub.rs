@@ -24,11 +24,13 @@
 //! `min_interval_ms`. With ~300 bytes per endpoint: 64 endpoints (≈19 KiB) keep the 10 ms
 //! default window; 1,000 endpoints (≈300 KiB) get ≈150 ms, i.e. ≈7 pushes/s instead of ≈70.
 //!
-//! Encoding: each endpoint keeps its wire-form JSON fragment, re-encoded only when that
-//! endpoint is recorded (scrape, failure, spec change). A snapshot body is the header plus
-//! the fragments joined by `,` — byte for byte what [`Snapshot::encode`] writes for the same
-//! snapshot (the test `concatenated_body_equals_core_encode` pins this) — so publishing
-//! costs one copy of the fragments, not a clone and a JSON encode of the whole fleet.
+//! Encoding: each endpoint keeps its wire-form JSON fragment
+//! ([`kvroute_core::snapshot::encode_endpoint`]), re-encoded only when that endpoint is
+//! recorded (scrape, failure, spec change). A snapshot body is core's envelope around the
+//! fragments ([`kvroute_core::snapshot::write_envelope`]) — the functions
+//! [`Snapshot::encode`] itself uses, so the bytes are the same (the test
+//! `concatenated_body_equals_core_encode` pins this) — and publishing costs one copy of the
+//! fragments, not a clone and a JSON encode of the whole fleet.
 //!
 //! Versions: `max(now in Unix µs, previous + 1)`. The wall clock makes versions grow
 //! across control-plane restarts (receivers drop snapshots not newer than theirs); the
@@ -40,7 +42,9 @@ use crate::restart::RestartTracker;
 use crate::scrape::FailureClass;
 use crate::telemetry::{EndpointLabel, StateLabel, Telemetry};
 use bytes::Bytes;
-use kvroute_core::snapshot::{EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION};
+use kvroute_core::snapshot::{
+    encode_endpoint, write_envelope, EndpointStats, Snapshot, SnapshotError,
+};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -136,17 +140,21 @@ impl EndpointState {
         self
     }
 
-    /// Refresh the cached wire fragment. `serde_json` cannot fail on this type (strings,
-    /// numbers, options; a non-finite float is written as `null`, as `Snapshot::encode`
-    /// does).
+    /// Refresh the cached wire fragment (core's [`encode_endpoint`]).
     ///
-    /// Last line of defence: the endpoint is checked with core's snapshot validation
-    /// first. Every Envoy rejects a whole snapshot when one endpoint is invalid, so an
-    /// endpoint whose scraped stats fail (an adapter bug, a server sending values no
+    /// Last line of defence: the endpoint is checked with core's endpoint validation
+    /// ([`EndpointStats::validate`]) first. Every Envoy rejects a whole snapshot when one endpoint is
+    /// invalid, so an endpoint whose scraped stats fail (an adapter bug, a server sending values no
     /// adapter anticipated) is sent as unhealthy without stats instead of blocking the fleet.
     fn reencode(&mut self) {
         let mut wire = self.to_wire();
-        if let Err(e) = Snapshot::new(0, 0, vec![wire.clone()]).validate() {
+        if let Err((field, reason)) = wire.validate() {
+            let e = SnapshotError::InvalidEndpoint {
+                index: 0,
+                id: wire.id.clone(),
+                field,
+                reason,
+            };
             tracing::warn!(
                 endpoint = %self.spec.id,
                 error = %e,
@@ -157,11 +165,9 @@ impl EndpointState {
             self.last_error = Some(format!("invalid stats: {e}"));
             wire = self.to_wire();
         }
+        // Reuses the fragment's allocation.
         self.wire_json.clear();
-        // Reuses the fragment's allocation; on the (unreachable) error leave it empty.
-        if serde_json::to_writer(&mut self.wire_json, &wire).is_err() {
-            self.wire_json.clear();
-        }
+        encode_endpoint(&wire, &mut self.wire_json);
     }
 
     /// The fields a routing decision reads (everything on the wire but `scraped_at_ms`).
@@ -233,29 +239,6 @@ impl Published {
     pub fn snapshot(&self) -> Result<Snapshot, SnapshotError> {
         Snapshot::decode(&self.body)
     }
-}
-
-/// Write a snapshot body: `serde_json`'s compact form of [`Snapshot`] (fields in
-/// declaration order) with the already-encoded endpoint fragments spliced in.
-fn write_body<'a>(
-    out: &mut Vec<u8>,
-    version: u64,
-    generated_at_ms: u64,
-    fragments: impl Iterator<Item = &'a [u8]>,
-) {
-    use std::io::Write as _;
-    // Writing into a Vec cannot fail.
-    let _ = write!(
-        out,
-        "{{\"format\":{FORMAT_VERSION},\"version\":{version},\"generated_at_ms\":{generated_at_ms},\"endpoints\":["
-    );
-    for (i, f) in fragments.enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(f);
-    }
-    out.extend_from_slice(b"]}");
 }
 
 /// Shared state.
@@ -539,7 +522,7 @@ impl Hub {
         let mut body = Vec::with_capacity(self.last_body_len.load(Ordering::Relaxed) + 64);
         {
             let fleet = lock(&self.fleet);
-            write_body(
+            write_envelope(
                 &mut body,
                 version,
                 generated_at_ms,

@@ -21,6 +21,8 @@ pub mod restart;
 pub mod scrape;
 pub mod server;
 pub mod telemetry;
+pub mod tls;
+pub mod token;
 
 pub use app::{ControlPlane, StartError};
 pub use config::{Config, ConfigError};

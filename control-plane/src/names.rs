@@ -9,7 +9,7 @@ pub const PATH_METRICS: &str = "/metrics";
 /// Current snapshot (JSON, the wire format) for debugging.
 pub const PATH_SNAPSHOT: &str = "/v1/snapshot";
 /// Default ingest path on Envoy's internal listener (the filter's contract, issue 3).
-pub const DEFAULT_INGEST_PATH: &str = "/kvroute/v1/snapshot";
+pub const DEFAULT_INGEST_PATH: &str = kvroute_core::snapshot::INGEST_PATH;
 /// Content type of the own metrics in the OpenMetrics 1.0 text format.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";

@@ -18,21 +18,18 @@ use crate::hub::{Hub, Published};
 use crate::telemetry::TargetLabel;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// HTTP client used for pushes.
-pub type PushClient = Client<HttpConnector, Full<Bytes>>;
+/// HTTP client used for pushes (`http://` and `https://`, [`crate::tls`]).
+pub type PushClient = Client<crate::tls::Connector, Full<Bytes>>;
 
-/// A keep-alive client for pushes.
-pub fn client(connect_timeout: Duration) -> PushClient {
-    let mut conn = HttpConnector::new();
-    conn.set_nodelay(true);
-    conn.set_connect_timeout(Some(connect_timeout));
+/// A keep-alive client for pushes; `tls` is used for `https://` URLs.
+pub fn client(connect_timeout: Duration, tls: &rustls::ClientConfig) -> PushClient {
+    let conn = crate::tls::connector(connect_timeout, tls);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .build(conn)
@@ -74,7 +71,10 @@ pub async fn post(
     let mut req =
         http::Request::post(url.clone()).header(http::header::CONTENT_TYPE, "application/json");
     if let Some(t) = token {
-        req = req.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+        req = req.header(
+            http::header::AUTHORIZATION,
+            format!("{}{t}", kvroute_core::snapshot::AUTH_SCHEME),
+        );
     }
     let req = req
         .body(Full::new(body))
@@ -98,13 +98,14 @@ pub async fn post(
         .unwrap_or(Err(PushError::Timeout))
 }
 
-/// The per-target loop; returns when `shutdown` turns true.
+/// The per-target loop; returns when `shutdown` turns true. Each push reads the current
+/// token from `token` ([`crate::token`]), so a rotated token is used without a restart.
 pub async fn run_target(
     hub: Arc<Hub>,
     client: PushClient,
     target: Target,
     settings: PushSettings,
-    token: Option<Arc<str>>,
+    token: crate::token::TokenRx,
     token_source: Arc<str>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -128,10 +129,11 @@ pub async fn run_target(
         let mut current = snap;
         loop {
             let started = Instant::now();
+            let bearer = token.borrow().clone();
             match post(
                 &client,
                 &target.url,
-                token.as_deref(),
+                bearer.as_deref(),
                 current.body.clone(),
                 settings.timeout,
             )

@@ -45,25 +45,22 @@ use crate::hub::{now_ms, Hub};
 use crate::telemetry::EndpointLabel;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// HTTP client used for scrapes.
-pub type ScrapeClient = Client<HttpConnector, Empty<Bytes>>;
+/// HTTP client used for scrapes (`http://` and `https://`, [`crate::tls`]).
+pub type ScrapeClient = Client<crate::tls::Connector, Empty<Bytes>>;
 
 /// A client with keep-alive and `TCP_NODELAY`; idle connections live 90 s. The read
 /// buffer is fixed at 16 KiB: hyper's adaptive buffer grows to the body size and an idle
 /// pooled connection keeps it, which at 1,000 endpoints × ~64 KiB is most of the RSS.
 /// `connect_timeout`: [`connect_timeout`] of the scrape timeout, so that a host that does
-/// not answer SYNs shows as unreachable rather than slow.
-pub fn client(connect_timeout: Duration) -> ScrapeClient {
-    let mut conn = HttpConnector::new();
-    conn.set_nodelay(true);
-    conn.set_connect_timeout(Some(connect_timeout));
+/// not answer SYNs shows as unreachable rather than slow. `tls` is used for `https://` URLs.
+pub fn client(connect_timeout: Duration, tls: &rustls::ClientConfig) -> ScrapeClient {
+    let conn = crate::tls::connector(connect_timeout, tls);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .http1_read_buf_exact_size(16 * 1024)

@@ -316,6 +316,17 @@ impl Telemetry {
             })
             .inc();
     }
+
+    /// Drop a target's per-target series (a gateway pod that left), so pod churn does not
+    /// grow the exposition without bound. Failure counters keep their history.
+    pub fn forget_target(&self, target: &str) {
+        let label = TargetLabel {
+            target: target.to_owned(),
+        };
+        self.push_duration.remove(&label);
+        self.pushes.remove(&label);
+        self.scrape_to_push.remove(&label);
+    }
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ fn signal(child: &Child, sig: &str) {
 fn bad_config_field_exits_2_with_the_field() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("cp.yaml");
-    std::fs::write(&cfg, "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:1\n        metrics_url: https://x/metrics\n").unwrap();
+    std::fs::write(&cfg, "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:1\n        metrics_url: ftp://x/metrics\n").unwrap();
     let out = Command::new(BIN)
         .arg("--config")
         .arg(&cfg)
@@ -52,7 +52,7 @@ fn bad_config_field_exits_2_with_the_field() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
-        "kvroute-cp: config field `pools[0].endpoints[0].metrics_url` = `https://x/metrics`: must start with http:// (TLS is not supported)\n"
+        "kvroute-cp: config field `pools[0].endpoints[0].metrics_url` = `ftp://x/metrics`: must start with http:// or https://\n"
     );
     std::fs::write(&cfg, "pools: []\n").unwrap();
     let out = Command::new(BIN)

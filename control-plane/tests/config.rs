@@ -115,7 +115,18 @@ fn invalid_fields_are_named() {
         ("push:\n  min_interval_ms: 5000\n", "config field `push.min_interval_ms` = `5000`: must be in 0..=1000 ms"),
         ("push:\n  backoff_max_ms: 10\n", "config field `push.backoff_max_ms` = `10`: must be in 100..=600000 ms"),
         ("push:\n  token_env: ''\n", "config field `push.token_env` = ``: must not be empty"),
-        ("targets:\n  - name: e\n    url: https://x:1/\n", "config field `targets[0].url` = `https://x:1/`: must start with http:// (TLS is not supported)"),
+        ("targets:\n  - name: e\n    url: ftp://x:1/\n", "config field `targets[0].url` = `ftp://x:1/`: must start with http:// or https://"),
+        ("scrape:\n  tls:\n    cert_file: /c.pem\n", "config field `scrape.tls.cert_file` = `/c.pem`: needs key_file too"),
+        ("push:\n  tls:\n    key_file: /k.pem\n", "config field `push.tls.key_file` = `/k.pem`: needs cert_file too"),
+        ("kubernetes:\n  api_server: ftp://x\n", "config field `kubernetes.api_server` = `ftp://x`: must be an http:// or https:// URL with a host"),
+        ("kubernetes:\n  inference_pools:\n    - {namespace: Default, name: p}\n", "config field `kubernetes.inference_pools[0].namespace` = `Default`: must be a Kubernetes name (lower-case letters, digits, `-`, `.`)"),
+        ("pools:\n  - name: p\n    endpoints: []\nkubernetes:\n  inference_pools:\n    - {namespace: default, name: p}\n", "config field `kubernetes.inference_pools[0].name` = `p`: duplicate pool name (pool names are unique across `pools` and `kubernetes.inference_pools`)"),
+        ("kubernetes:\n  inference_pools:\n    - {namespace: default, name: p, scheme: ftp}\n", "config field `kubernetes.inference_pools[0].scheme` = `ftp`: must be `http` or `https`"),
+        ("kubernetes:\n  inference_pools:\n    - {namespace: default, name: p, metrics_path: metrics}\n", "config field `kubernetes.inference_pools[0].metrics_path` = `metrics`: must be a URL path starting with `/`"),
+        ("kubernetes:\n  inference_pools:\n    - {namespace: default, name: p, metrics_port: 0}\n", "config field `kubernetes.inference_pools[0].metrics_port` = `0`: must be in 1..=65535"),
+        ("kubernetes:\n  gateways:\n    - {name: g, namespace: istio-system, selector: {}, port: 15901}\n", "config field `kubernetes.gateways[0].selector` = `{}`: needs at least one label (an empty selector would push to every pod)"),
+        ("kubernetes:\n  gateways:\n    - {name: g, namespace: istio-system, selector: {a: b}, port: 0}\n", "config field `kubernetes.gateways[0].port` = `0`: must be in 1..=65535"),
+        ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1}\n    - {name: g, namespace: n, selector: {a: b}, port: 1}\n", "config field `kubernetes.gateways[1].name` = `g`: must be non-empty, unique, without control characters"),
         ("targets:\n  - name: e\n    url: http://a:1/\n  - name: e\n    url: http://b:1/\n", "config field `targets[1].name` = `e`: duplicate target name"),
         ("pools:\n  - name: a/b\n    endpoints: []\n", "config field `pools[0].name` = `a/b`: must be non-empty and contain no `/`"),
         ("pools:\n  - name: p\n    endpoints: []\n  - name: p\n    endpoints: []\n", "config field `pools[1].name` = `p`: duplicate pool name"),
@@ -124,9 +135,9 @@ fn invalid_fields_are_named() {
         assert_eq!(&err(yaml), want, "for {yaml:?}");
     }
     let ep_cases: &[(&str, &str)] = &[
-        ("metrics_url: ftp://x/metrics", "config field `pools[0].endpoints[1].metrics_url` = `ftp://x/metrics`: must start with http:// (TLS is not supported)"),
+        ("metrics_url: ftp://x/metrics", "config field `pools[0].endpoints[1].metrics_url` = `ftp://x/metrics`: must start with http:// or https://"),
         ("metrics_url: 'not a url'", "config field `pools[0].endpoints[1].metrics_url` = `not a url`: not a URL (invalid uri character)"),
-        ("slots_url: /slots", "config field `pools[0].endpoints[1].slots_url` = `/slots`: must start with http:// (TLS is not supported)"),
+        ("slots_url: /slots", "config field `pools[0].endpoints[1].slots_url` = `/slots`: must start with http:// or https://"),
         ("cluster: ''", "config field `pools[0].endpoints[1].cluster` = ``: must not be empty"),
         ("models: ['']", "config field `pools[0].endpoints[1].models` = ``: model names must not be empty"),
     ];
@@ -267,10 +278,103 @@ fn shipped_examples_are_valid() {
             .and_then(|d| d.get("kvroute-cp.yaml"))
             .and_then(|s| s.as_str())
         {
+            // Kubernetes discovery: no static endpoints or targets, one pool, one gateway set.
             let c = Config::from_yaml(cfg).unwrap();
-            assert_eq!((c.endpoints.len(), c.targets.len()), (2, 1));
+            assert_eq!((c.endpoints.len(), c.targets.len()), (0, 0));
+            assert_eq!(
+                (c.kubernetes.pools.len(), c.kubernetes.gateways.len()),
+                (1, 1)
+            );
+            assert_eq!(
+                c.push.token_file.as_deref(),
+                Some(std::path::Path::new("/var/run/kvroute/token/token"))
+            );
             found += 1;
         }
     }
     assert_eq!(found, 1);
+}
+
+#[test]
+fn kubernetes_and_tls_sections() {
+    let c = Config::from_yaml(
+        "scrape:\n  tls: {ca_file: /ca.pem, cert_file: /c.pem, key_file: /k.pem}\n\
+         push:\n  tls: {ca_file: /ca2.pem}\n\
+         targets:\n  - {name: t, url: 'https://gw:15901/kvroute/v1/snapshot'}\n\
+         kubernetes:\n  api_server: https://10.0.0.1:6443\n  inference_pools:\n\
+         \x20   - {namespace: default, name: llama, kind: vllm, cluster: c, models: [m], metrics_port: 9400, metrics_path: /m, scheme: https}\n\
+         \x20   - {namespace: models, name: qwen}\n\
+         \x20 gateways:\n    - {name: gw, namespace: istio-system, selector: {istio: ingressgateway}, port: 15901}\n",
+    )
+    .unwrap();
+    assert_eq!(
+        c.scrape.tls.ca_file.as_deref(),
+        Some(std::path::Path::new("/ca.pem"))
+    );
+    assert_eq!(
+        c.scrape.tls.key_file.as_deref(),
+        Some(std::path::Path::new("/k.pem"))
+    );
+    assert_eq!(
+        c.push.tls.ca_file.as_deref(),
+        Some(std::path::Path::new("/ca2.pem"))
+    );
+    assert_eq!(c.push.tls.cert_file, None);
+    assert_eq!(c.targets[0].url.scheme_str(), Some("https"));
+    let k = &c.kubernetes;
+    assert_eq!(
+        k.api_server.as_ref().unwrap().to_string(),
+        "https://10.0.0.1:6443/"
+    );
+    let full = &k.pools[0];
+    assert_eq!(
+        (
+            full.namespace.as_str(),
+            full.name.as_str(),
+            full.kind,
+            full.cluster.as_str()
+        ),
+        ("default", "llama", ServerKind::Vllm, "c")
+    );
+    assert_eq!(full.models, vec!["m".to_string()]);
+    assert_eq!(
+        (
+            full.metrics_port,
+            full.metrics_path.as_str(),
+            full.scheme.as_str()
+        ),
+        (Some(9400), "/m", "https")
+    );
+    // Defaults.
+    let min = &k.pools[1];
+    assert_eq!(
+        (
+            min.kind,
+            min.cluster.as_str(),
+            min.models.len(),
+            min.metrics_port,
+            min.metrics_path.as_str(),
+            min.scheme.as_str()
+        ),
+        (ServerKind::Auto, "qwen", 0, None, "/metrics", "http")
+    );
+    let g = &k.gateways[0];
+    assert_eq!(
+        (
+            g.name.as_str(),
+            g.namespace.as_str(),
+            g.port,
+            g.path.as_str(),
+            g.scheme.as_str()
+        ),
+        ("gw", "istio-system", 15901, "/kvroute/v1/snapshot", "http")
+    );
+    assert_eq!(
+        g.selector.get("istio").map(String::as_str),
+        Some("ingressgateway")
+    );
+    assert!(Config::from_yaml("listen: 127.0.0.1:1\n")
+        .unwrap()
+        .kubernetes
+        .is_empty());
 }

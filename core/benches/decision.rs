@@ -1,6 +1,8 @@
 //! Criterion benchmark: one routing decision ([`Picker::pick`]) over 8, 64, 512 and 4,096
 //! endpoints, for the default `hybrid` policy and `least_request` for comparison, plus the
-//! full per-request path at 64 endpoints (analysis + prefix hashing + index lookup + pick).
+//! full per-request path at 64 endpoints through the one pipeline the filter runs,
+//! [`kvroute_core::router::Router::route`] (analysis + demand + prefix hashing + index
+//! lookup + in-flight totals + pick + index record).
 //!
 //! Run: `make bench-core` (or `cargo bench -p kvroute-core --bench decision`).
 #![allow(
@@ -27,11 +29,10 @@ fn main() {
 mod native {
 
     use criterion::{criterion_group, BenchmarkId, Criterion};
-    use kvroute_core::analysis::{analyze, ApiKind};
-    use kvroute_core::estimate::Estimator;
+    use kvroute_core::analysis::ApiKind;
+    use kvroute_core::inflight::InflightTable;
     use kvroute_core::picker::*;
-    use kvroute_core::prefix::{block_hashes, PrefixConfig, PrefixIndex};
-    use kvroute_core::profile::builtin;
+    use kvroute_core::router::{Router, RouterConfig};
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
     use std::hint::black_box;
 
@@ -107,51 +108,32 @@ mod native {
 
     fn bench_full_path(c: &mut Criterion) {
         let (snap, inflight, _) = fleet(64);
-        let est = Estimator::default();
-        let cfg = PrefixConfig::default();
-        let profile = builtin("meta-llama/Llama-3.1-8B-Instruct").unwrap();
+        let mut table = InflightTable::new(4096);
+        let mut id = 0;
+        for (e, f) in snap.endpoints.iter().zip(&inflight) {
+            for _ in 0..f.requests {
+                id += 1;
+                let t = f.tokens / u64::from(f.requests.max(1));
+                table.reserve_with_prefill(id, &e.id, t, t / 2, NOW, 600_000);
+            }
+        }
         let system = "You are a helpful assistant for Example Corp. ".repeat(40);
         let body = serde_json::json!({
-        "model": "meta-llama/Llama-3.1-8B-Instruct",
-        "max_tokens": 256,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "What is the warranty?"}],
-    })
-    .to_string();
-        let mut index = PrefixIndex::default();
-        let a = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est).unwrap();
-        let h = block_hashes(
-            "meta-llama/Llama-3.1-8B-Instruct",
-            None,
-            &a.prefix_text,
-            &cfg,
-        );
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "max_tokens": 256,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "What is the warranty?"}],
+        })
+        .to_string();
+        let mut router = Router::new(RouterConfig::default(), 1).unwrap();
+        let path = "/v1/chat/completions";
+        // Warm the prefix index: the shared system prompt was sent to 8 endpoints before.
         for i in 0..8 {
-            index.record(&format!("pool/pod-{i}"), &h);
+            let only = Snapshot::new(0, NOW, vec![snap.endpoints[i].clone()]);
+            router.route(&only, &table, path, Some(body.as_bytes()), NOW);
         }
-        let mut picker = Picker::new(PickerConfig::default(), 1).unwrap();
         c.bench_function("full_path/64_endpoints_2KiB_chat", |b| {
             b.iter(|| {
-                let a =
-                    analyze(ApiKind::ChatCompletions, black_box(body.as_bytes()), &est).unwrap();
-                let model = a.model.as_deref().unwrap_or("");
-                let hashes = block_hashes(model, a.cache_salt.as_deref(), &a.prefix_text, &cfg);
-                let matches = index.match_snapshot(&hashes, &snap);
-                let d = profile.demand(&a);
-                let req = PickRequest {
-                    model: a.model.as_deref(),
-                    api: a.api,
-                    prompt_tokens: a.prompt_tokens,
-                    output_limit: u64::from(profile.output_limit(&a)),
-                    demand_tokens: d.tokens,
-                    prefix_blocks: hashes.len() as u32,
-                };
-                let input = PickInput {
-                    snapshot: &snap,
-                    inflight: &inflight,
-                    prefix_match_blocks: &matches,
-                    now_ms: NOW,
-                };
-                black_box(picker.pick(&input, &req))
+                black_box(router.route(&snap, &table, path, Some(black_box(body.as_bytes())), NOW))
             })
         });
     }

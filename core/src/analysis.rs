@@ -10,7 +10,11 @@
 //! dozens: `temperature`, `response_format`, `logit_bias`...) are skipped by serde without
 //! being materialised. Each field the router needs is then decoded on its own, so an error
 //! names the exact JSON path (`messages[2].content`) and no `serde_json::Value` tree is ever
-//! built. Strings are borrowed from the body where they contain no escapes (`Cow<str>`).
+//! built. Prompt strings are never copied whole: their escapes are decoded piece by piece
+//! while the unescaped stretches between them are borrowed from the body, and each piece
+//! goes straight to the token tally ([`crate::estimate::Tally`]) and, while the prefix
+//! text is under its limit ([`analyze_bounded`]), to the prefix rendering. Small fields
+//! (`model`, roles, types) are borrowed where they contain no escapes (`Cow<str>`).
 //! serde_json's recursion limit (128) bounds nesting, so no input can overflow the stack.
 //!
 //! ## APIs
@@ -44,7 +48,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::estimate::Estimator;
+use crate::estimate::{CharClassCosts, Estimator, Tally};
 
 /// Which OpenAI-compatible API a request targets, derived from the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -109,6 +113,7 @@ pub struct RequestAnalysis {
     pub prompt_tokens_exact: bool,
     /// The text hashed for prefix affinity: for chat, the rendered conversation in order with
     /// roles; for completions, the prompt; for token ids, a canonical rendering of the ids.
+    /// Whole from [`analyze`]; only its first bytes from [`analyze_bounded`].
     pub prefix_text: String,
     /// vLLM `cache_salt`, mixed into the prefix hash seed.
     pub cache_salt: Option<String>,
@@ -260,11 +265,12 @@ struct TgiParameters<'a> {
 #[derive(Deserialize)]
 struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
 
-/// Accumulates the rendered prefix text and the token estimate.
+/// Accumulates the rendered prefix text (up to `prefix_limit` bytes) and the token tally.
 struct Acc<'e> {
     estimator: &'e Estimator,
     prefix: String,
-    text_tokens: f64,
+    prefix_limit: usize,
+    tally: Tally,
     overhead_tokens: u64,
     exact_tokens: u64,
     exact: bool,
@@ -272,11 +278,12 @@ struct Acc<'e> {
 }
 
 impl<'e> Acc<'e> {
-    fn new(estimator: &'e Estimator) -> Self {
+    fn new(estimator: &'e Estimator, prefix_limit: usize) -> Self {
         Self {
             estimator,
             prefix: String::new(),
-            text_tokens: 0.0,
+            prefix_limit,
+            tally: Tally::new(),
             overhead_tokens: 0,
             exact_tokens: 0,
             exact: false,
@@ -284,32 +291,77 @@ impl<'e> Acc<'e> {
         }
     }
 
+    /// Append to the prefix text while it is shorter than the limit; the last piece is
+    /// kept up to the first character boundary at or past the limit, so the first
+    /// `prefix_limit` bytes are exactly those of the unbounded rendering.
+    fn push_prefix(&mut self, s: &str) {
+        let room = self.prefix_limit.saturating_sub(self.prefix.len());
+        if room == 0 {
+            return;
+        }
+        if s.len() <= room {
+            self.prefix.push_str(s);
+            return;
+        }
+        let mut cut = room;
+        while !s.is_char_boundary(cut) {
+            cut += 1;
+        }
+        self.prefix.push_str(s.get(..cut).unwrap_or(s));
+    }
+
     /// Append text that is both hashed and counted.
     fn text(&mut self, s: &str) {
-        self.prefix.push_str(s);
-        self.text_tokens += self.estimator.estimate_text_f64(s);
+        self.push_prefix(s);
+        self.tally.feed(s.as_bytes());
+        self.tally.end_text();
+    }
+
+    /// Append a JSON string (the raw token, quotes included) that is both hashed and
+    /// counted, decoding its escapes as it goes: unescaped stretches are borrowed from the
+    /// body, so no copy of the string is made.
+    fn json_text(
+        &mut self,
+        raw: &RawValue,
+        field: &dyn Fn() -> String,
+    ) -> Result<(), AnalysisError> {
+        let inner = raw
+            .get()
+            .strip_prefix('"')
+            .and_then(|r| r.strip_suffix('"'))
+            .ok_or_else(|| invalid(field(), "a string"))?;
+        let ok = for_each_piece(inner, |piece| {
+            self.push_prefix(piece);
+            self.tally.feed(piece.as_bytes());
+        });
+        self.tally.end_text();
+        ok.map_err(|()| invalid(field(), "a string"))
     }
 
     /// Append a structural marker that is hashed but not counted (template overhead is
     /// counted separately).
     fn marker(&mut self, s: &str) {
-        self.prefix.push_str(s);
+        self.push_prefix(s);
     }
 
     fn role(&mut self, role: &str) {
-        self.prefix.push_str("<|");
-        self.prefix.push_str(role);
-        self.prefix.push_str("|>\n");
+        self.push_prefix("<|");
+        self.push_prefix(role);
+        self.push_prefix("|>\n");
         self.overhead_tokens = self.overhead_tokens.saturating_add(TOKENS_PER_MESSAGE);
     }
 
     fn media(&mut self, kind: &str, data: &str) {
-        let h = xxhash_rust::xxh64::xxh64(data.as_bytes(), 0);
-        self.prefix.push_str("<|");
-        self.prefix.push_str(kind);
-        self.prefix.push(':');
-        push_hex(&mut self.prefix, h);
-        self.prefix.push_str("|>");
+        if self.prefix.len() < self.prefix_limit {
+            let h = xxhash_rust::xxh64::xxh64(data.as_bytes(), 0);
+            let mut tag = String::with_capacity(kind.len() + 21);
+            tag.push_str("<|");
+            tag.push_str(kind);
+            tag.push(':');
+            push_hex(&mut tag, h);
+            tag.push_str("|>");
+            self.push_prefix(&tag);
+        }
         match kind {
             "image" => self.media.images = self.media.images.saturating_add(1),
             "audio" => self.media.audio = self.media.audio.saturating_add(1),
@@ -317,19 +369,32 @@ impl<'e> Acc<'e> {
         }
     }
 
+    fn file(&mut self, data: &str) {
+        if self.prefix.len() < self.prefix_limit {
+            let mut tag = String::with_capacity(25);
+            tag.push_str("<|file:");
+            push_hex(&mut tag, xxhash_rust::xxh64::xxh64(data.as_bytes(), 0));
+            tag.push_str("|>");
+            self.push_prefix(&tag);
+        }
+    }
+
     fn token_ids(&mut self, ids: &[u32]) {
         for (i, id) in ids.iter().enumerate() {
-            if i > 0 {
-                self.prefix.push(' ');
+            if self.prefix.len() >= self.prefix_limit {
+                break;
             }
-            self.prefix.push_str(&id.to_string());
+            if i > 0 {
+                self.push_prefix(" ");
+            }
+            self.push_prefix(&id.to_string());
         }
         self.exact_tokens = self.exact_tokens.saturating_add(ids.len() as u64);
     }
 
     fn prompt_tokens(&self, model: Option<&str>) -> u64 {
         let cal = self.estimator.calibration(model);
-        let text = (self.text_tokens * cal).ceil();
+        let text = (self.tally.tokens(&CharClassCosts::default()) * cal).ceil();
         let text = if text.is_finite() && text > 0.0 {
             text as u64
         } else {
@@ -343,6 +408,64 @@ impl<'e> Acc<'e> {
             .saturating_add(self.exact_tokens)
             .saturating_add(media)
     }
+}
+
+/// Decode the inside of a JSON string (between its quotes) piece by piece: each unescaped
+/// stretch is passed as a borrowed `&str`, each escape as its decoded character. Errors on a
+/// malformed escape or a lone UTF-16 surrogate (as serde_json does when it decodes a string).
+fn for_each_piece(inner: &str, mut f: impl FnMut(&str)) -> Result<(), ()> {
+    let mut rest = inner;
+    while let Some(at) = rest.find('\\') {
+        if at > 0 {
+            f(rest.get(..at).ok_or(())?);
+        }
+        let esc = rest.get(at + 1..).ok_or(())?;
+        let (ch, used) = match esc.as_bytes().first().copied().ok_or(())? {
+            b'"' => ('"', 1),
+            b'\\' => ('\\', 1),
+            b'/' => ('/', 1),
+            b'b' => ('\u{8}', 1),
+            b'f' => ('\u{c}', 1),
+            b'n' => ('\n', 1),
+            b'r' => ('\r', 1),
+            b't' => ('\t', 1),
+            b'u' => {
+                let hi = hex4(esc.get(1..5).ok_or(())?)?;
+                match hi {
+                    0xD800..=0xDBFF => {
+                        let lo = esc
+                            .get(5..7)
+                            .filter(|p| *p == "\\u")
+                            .and_then(|_| esc.get(7..11))
+                            .ok_or(())
+                            .and_then(hex4)?;
+                        if !(0xDC00..=0xDFFF).contains(&lo) {
+                            return Err(());
+                        }
+                        let cp = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+                        (char::from_u32(cp).ok_or(())?, 11)
+                    }
+                    0xDC00..=0xDFFF => return Err(()),
+                    _ => (char::from_u32(hi).ok_or(())?, 5),
+                }
+            }
+            _ => return Err(()),
+        };
+        let mut buf = [0u8; 4];
+        f(ch.encode_utf8(&mut buf));
+        rest = esc.get(used..).ok_or(())?;
+    }
+    if !rest.is_empty() {
+        f(rest);
+    }
+    Ok(())
+}
+
+fn hex4(s: &str) -> Result<u32, ()> {
+    if s.len() != 4 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(());
+    }
+    u32::from_str_radix(s, 16).map_err(|_| ())
 }
 
 fn push_hex(out: &mut String, v: u64) {
@@ -430,10 +553,28 @@ fn byte_position(body: &[u8], offset: usize) -> (usize, usize) {
 /// for bytes that are not a UTF-8 JSON object; [`AnalysisError::MissingField`] when `model`
 /// (or the API's prompt field) is absent; [`AnalysisError::InvalidField`] naming the JSON
 /// path of a field with the wrong type or value. Never panics on any input.
+///
+/// [`RequestAnalysis::prefix_text`] is the whole rendering; the router, which hashes only
+/// the first [`crate::prefix::PrefixConfig::max_bytes`] bytes, calls [`analyze_bounded`].
 pub fn analyze(
     api: ApiKind,
     body: &[u8],
     estimator: &Estimator,
+) -> Result<RequestAnalysis, AnalysisError> {
+    analyze_bounded(api, body, estimator, usize::MAX)
+}
+
+/// [`analyze`], rendering [`RequestAnalysis::prefix_text`] only up to `prefix_bytes` bytes
+/// (cut at the first character boundary at or past it). Everything else is the same, and
+/// the first `prefix_bytes` bytes of the prefix text equal those of [`analyze`]'s, so
+/// [`crate::prefix::block_hashes`] with `max_blocks × block_chars ≤ prefix_bytes` gives the
+/// same hashes. The rest of the body is still read, validated and estimated, but nothing of
+/// it is copied: on a 1 MiB conversation only the first blocks are rendered.
+pub fn analyze_bounded(
+    api: ApiKind,
+    body: &[u8],
+    estimator: &Estimator,
+    prefix_limit: usize,
 ) -> Result<RequestAnalysis, AnalysisError> {
     let text = std::str::from_utf8(body).map_err(|e| {
         let (line, column) = byte_position(body, e.valid_up_to());
@@ -498,7 +639,7 @@ pub fn analyze(
             .map_err(|_| invalid("priority", "a 32-bit integer"))?,
     };
 
-    let mut acc = Acc::new(estimator);
+    let mut acc = Acc::new(estimator, prefix_limit);
     let max_output_tokens = match api {
         ApiKind::ChatCompletions => {
             let mct = de_limit(b.max_completion_tokens, "max_completion_tokens")?;
@@ -577,8 +718,7 @@ fn chat(acc: &mut Acc<'_>, tools_raw: Raw<'_>, messages: Raw<'_>) -> Result<(), 
 fn content(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisError> {
     match first_byte(raw) {
         b'"' => {
-            let s = de_str(raw, &|| path.to_string())?;
-            acc.text(&s);
+            acc.json_text(raw, &|| path.to_string())?;
             Ok(())
         }
         b'n' if raw.get() == "null" => Ok(()),
@@ -605,13 +745,11 @@ fn part(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisErr
     match kind.as_ref() {
         "text" | "input_text" | "output_text" => {
             let t = p.text.ok_or_else(|| missing(format!("{path}.text")))?;
-            let s = de_str(t, &|| format!("{path}.text"))?;
-            acc.text(&s);
+            acc.json_text(t, &|| format!("{path}.text"))?;
         }
         "refusal" => {
             if let Some(t) = p.refusal {
-                let s = de_str(t, &|| format!("{path}.refusal"))?;
-                acc.text(&s);
+                acc.json_text(t, &|| format!("{path}.refusal"))?;
             }
         }
         "image_url" | "input_image" => {
@@ -630,12 +768,7 @@ fn part(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisErr
         "file" | "input_file" => {
             // Documents are opaque to the router; hash their identity, count nothing.
             let data = p.file_data.or(p.file_id).map(|r| r.get()).unwrap_or("");
-            acc.marker("<|file:");
-            push_hex(
-                &mut acc.prefix,
-                xxhash_rust::xxh64::xxh64(data.as_bytes(), 0),
-            );
-            acc.marker("|>");
+            acc.file(data);
         }
         // Unknown part types are hashed by their JSON but not counted.
         _ => acc.marker(raw.get()),
@@ -667,12 +800,10 @@ fn function_call(
 ) -> Result<(), AnalysisError> {
     acc.marker("<|tool_call|>");
     if let Some(n) = name {
-        let s = de_str(n, &|| format!("{path}.name"))?;
-        acc.text(&s);
+        acc.json_text(n, &|| format!("{path}.name"))?;
     }
     if let Some(a) = arguments {
-        let s = de_str(a, &|| format!("{path}.arguments"))?;
-        acc.text(&s);
+        acc.json_text(a, &|| format!("{path}.arguments"))?;
     }
     acc.marker("\n");
     Ok(())
@@ -685,8 +816,7 @@ fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), Ana
         "a string, an array of strings, an array of token ids, or an array of token-id arrays";
     match first_byte(raw) {
         b'"' => {
-            let s = de_str(raw, &|| field.to_string())?;
-            acc.text(&s);
+            acc.json_text(raw, &|| field.to_string())?;
             Ok(())
         }
         b'[' => {
@@ -700,8 +830,7 @@ fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), Ana
                         if i > 0 {
                             acc.marker("\n");
                         }
-                        let s = de_str(it, &|| format!("{field}[{i}]"))?;
-                        acc.text(&s);
+                        acc.json_text(it, &|| format!("{field}[{i}]"))?;
                     }
                 }
                 b'[' => {
@@ -739,18 +868,19 @@ fn responses(
     tools(acc, tools_raw)?;
     if let Some(ins) = instructions {
         if ins.get() != "null" {
-            let s = de_str(ins, &|| "instructions".into())?;
+            if first_byte(ins) != b'"' {
+                return Err(invalid("instructions", "a string"));
+            }
             acc.role("system");
-            acc.text(&s);
+            acc.json_text(ins, &|| "instructions".into())?;
             acc.marker("\n");
         }
     }
     let input = input.ok_or_else(|| missing("input"))?;
     match first_byte(input) {
         b'"' => {
-            let s = de_str(input, &|| "input".into())?;
             acc.role("user");
-            acc.text(&s);
+            acc.json_text(input, &|| "input".into())?;
             acc.marker("\n");
         }
         b'[' => {
@@ -794,8 +924,7 @@ fn response_item(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), An
             acc.role("function_call_output");
             match it.output {
                 Some(o) if first_byte(o) == b'"' => {
-                    let s = de_str(o, &|| format!("{path}.output"))?;
-                    acc.text(&s);
+                    acc.json_text(o, &|| format!("{path}.output"))?;
                 }
                 Some(o) => acc.text(o.get()),
                 None => {}
@@ -816,8 +945,7 @@ fn response_item(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), An
 /// anything else contributes no prompt text.
 fn other(acc: &mut Acc<'_>, b: &Body<'_>) -> Result<Option<u32>, AnalysisError> {
     if let Some(inputs) = b.inputs {
-        let s = de_str(inputs, &|| "inputs".into())?;
-        acc.text(&s);
+        acc.json_text(inputs, &|| "inputs".into())?;
     } else if let Some(p) = b.prompt {
         prompt_like(acc, p, "prompt")?;
     }

@@ -159,26 +159,6 @@ enum Class {
     Space,
 }
 
-/// Tokens of a finished run of `run` characters of `class`.
-#[inline]
-fn run_cost(c: &CharClassCosts, class: Class, run: u32) -> f64 {
-    match class {
-        Class::Word => {
-            let r = f64::from(run);
-            if r <= c.word_free_chars {
-                c.word_base
-            } else {
-                c.word_base + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
-            }
-        }
-        Class::Digit => (f64::from(run) / c.digits_per_token).ceil(),
-        Class::Punct => c.punct_first + f64::from(run.saturating_sub(1)) * c.punct_more,
-        Class::Newline => c.newline_run,
-        Class::Space if run >= 2 => c.space_run,
-        _ => 0.0,
-    }
-}
-
 /// Class of each ASCII byte, as a table so the hot loop has no per-byte compare chain.
 // Evaluated at compile time: an out-of-range index would be a build error, not a panic.
 #[allow(clippy::indexing_slicing)]
@@ -213,60 +193,204 @@ fn ascii_class(b: u8) -> Class {
         .unwrap_or(Class::None)
 }
 
+/// Run lengths tallied one by one; longer runs are rare and kept in a short list.
+const RUN_BINS: usize = 64;
+
+/// Streaming form of the heuristic: feed text in pieces (e.g. the segments of a JSON
+/// string between escapes), end a text with [`Tally::end_text`], read the estimate with
+/// [`Tally::tokens`].
+///
+/// The scan does integer work only: it counts runs per class and length (words and digit
+/// runs in a histogram, since their cost depends on the length) and characters per class.
+/// The per-class costs ([`CharClassCosts`], floating point) are applied once, in
+/// [`Tally::tokens`], so the per-byte loop has no floating point. Texts ended with
+/// `end_text` never join runs across their boundary, so the tally of several texts equals
+/// the sum of their separate estimates.
+#[derive(Debug, Clone)]
+pub struct Tally {
+    class: Class,
+    run: u32,
+    // Multi-byte character being decoded: code point so far, bytes still expected, width.
+    cp: u32,
+    pending: u32,
+    width: u32,
+    words: [u32; RUN_BINS],
+    digits: [u32; RUN_BINS],
+    long_words: Vec<u32>,
+    long_digits: Vec<u32>,
+    punct_runs: u64,
+    punct_chars: u64,
+    newline_runs: u64,
+    space_runs: u64,
+    controls: u64,
+    cjk: u64,
+    other_bytes: u64,
+}
+
+impl std::fmt::Debug for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            Class::None => "none",
+            Class::Word => "word",
+            Class::Digit => "digit",
+            Class::Punct => "punct",
+            Class::Newline => "newline",
+            Class::Space => "space",
+        };
+        f.write_str(s)
+    }
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Self {
+            class: Class::None,
+            run: 0,
+            cp: 0,
+            pending: 0,
+            width: 0,
+            words: [0; RUN_BINS],
+            digits: [0; RUN_BINS],
+            long_words: Vec::new(),
+            long_digits: Vec::new(),
+            punct_runs: 0,
+            punct_chars: 0,
+            newline_runs: 0,
+            space_runs: 0,
+            controls: 0,
+            cjk: 0,
+            other_bytes: 0,
+        }
+    }
+}
+
+fn bump(bins: &mut [u32; RUN_BINS], long: &mut Vec<u32>, run: u32) {
+    match bins.get_mut(run as usize) {
+        Some(n) => *n = n.saturating_add(1),
+        None => long.push(run),
+    }
+}
+
+impl Tally {
+    /// An empty tally.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Record the finished run.
+    #[inline]
+    fn close_run(&mut self) {
+        match self.class {
+            Class::Word => bump(&mut self.words, &mut self.long_words, self.run),
+            Class::Digit => bump(&mut self.digits, &mut self.long_digits, self.run),
+            Class::Punct => {
+                self.punct_runs += 1;
+                self.punct_chars += u64::from(self.run);
+            }
+            Class::Newline => self.newline_runs += 1,
+            Class::Space if self.run >= 2 => self.space_runs += 1,
+            _ => {}
+        }
+    }
+
+    /// Scan more bytes of the current text. `bytes` must be whole UTF-8 characters as a
+    /// sequence (a `&str`, or the encoding of decoded characters); a multi-byte character
+    /// ends the current ASCII run.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            if b < 0x80 {
+                let next = ascii_class(b);
+                if next == self.class && next != Class::None {
+                    self.run = self.run.saturating_add(1);
+                } else {
+                    self.close_run();
+                    if next == Class::None {
+                        self.controls += 1;
+                    }
+                    self.class = next;
+                    self.run = 1;
+                }
+                continue;
+            }
+            if b & 0xC0 == 0x80 {
+                // Continuation byte.
+                self.cp = (self.cp << 6) | u32::from(b & 0x3F);
+                self.pending = self.pending.saturating_sub(1);
+                if self.pending == 0 {
+                    if is_cjk_cp(self.cp) {
+                        self.cjk += 1;
+                    } else {
+                        self.other_bytes += u64::from(self.width);
+                    }
+                }
+                continue;
+            }
+            // Leading byte of a multi-byte character: ends the current ASCII run.
+            self.close_run();
+            self.class = Class::None;
+            self.run = 0;
+            (self.cp, self.pending, self.width) = if b >= 0xF0 {
+                (u32::from(b & 0x07), 3, 4)
+            } else if b >= 0xE0 {
+                (u32::from(b & 0x0F), 2, 3)
+            } else {
+                (u32::from(b & 0x1F), 1, 2)
+            };
+        }
+    }
+
+    /// End the current text: its last run is closed, and the next fed byte starts a new one.
+    pub fn end_text(&mut self) {
+        self.close_run();
+        self.class = Class::None;
+        self.run = 0;
+        self.pending = 0;
+    }
+
+    /// Unrounded tokens of every text tallied so far, under costs `c` (call after
+    /// [`Self::end_text`]; an open run is not counted).
+    pub fn tokens(&self, c: &CharClassCosts) -> f64 {
+        let word = |len: u32| {
+            let r = f64::from(len);
+            if r <= c.word_free_chars {
+                c.word_base
+            } else {
+                c.word_base + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
+            }
+        };
+        let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
+        let mut total = 0.0;
+        for (len, (&w, &d)) in (0u32..).zip(self.words.iter().zip(self.digits.iter())) {
+            if w > 0 {
+                total += f64::from(w) * word(len);
+            }
+            if d > 0 {
+                total += f64::from(d) * digit(len);
+            }
+        }
+        total += self.long_words.iter().map(|&l| word(l)).sum::<f64>();
+        total += self.long_digits.iter().map(|&l| digit(l)).sum::<f64>();
+        let more = self.punct_chars.saturating_sub(self.punct_runs);
+        total += self.punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
+        total += self.newline_runs as f64 * c.newline_run;
+        total += self.space_runs as f64 * c.space_run;
+        total += self.controls as f64;
+        total += self.cjk as f64 * c.cjk_char;
+        total += self.other_bytes as f64 * c.other_byte;
+        total
+    }
+}
+
 /// The heuristic itself, with explicit costs (used by tests to fit the defaults).
 ///
-/// One pass over the UTF-8 bytes: ASCII bytes extend or end a run of their class; a
-/// multi-byte character ends the current run and costs `cjk_char` (CJK) or
+/// One pass over the UTF-8 bytes ([`Tally`]): ASCII bytes extend or end a run of their
+/// class; a multi-byte character ends the current run and costs `cjk_char` (CJK) or
 /// `other_byte` × its byte length.
 pub fn estimate_with(c: &CharClassCosts, text: &str) -> f64 {
-    let mut total = 0.0;
-    let mut class = Class::None;
-    let mut run: u32 = 0;
-    // Multi-byte character being decoded: code point so far and bytes still expected.
-    let mut cp: u32 = 0;
-    let mut pending: u32 = 0;
-    let mut width: u32 = 0;
-    for &b in text.as_bytes() {
-        if b < 0x80 {
-            let next = ascii_class(b);
-            if next == class && next != Class::None {
-                run = run.saturating_add(1);
-            } else {
-                total += run_cost(c, class, run);
-                if next == Class::None {
-                    total += 1.0; // control character
-                }
-                class = next;
-                run = 1;
-            }
-            continue;
-        }
-        if b & 0xC0 == 0x80 {
-            // Continuation byte.
-            cp = (cp << 6) | u32::from(b & 0x3F);
-            pending = pending.saturating_sub(1);
-            if pending == 0 {
-                total += if is_cjk_cp(cp) {
-                    c.cjk_char
-                } else {
-                    c.other_byte * f64::from(width)
-                };
-            }
-            continue;
-        }
-        // Leading byte of a multi-byte character: ends the current ASCII run.
-        total += run_cost(c, class, run);
-        class = Class::None;
-        run = 0;
-        (cp, pending, width) = if b >= 0xF0 {
-            (u32::from(b & 0x07), 3, 4)
-        } else if b >= 0xE0 {
-            (u32::from(b & 0x0F), 2, 3)
-        } else {
-            (u32::from(b & 0x1F), 1, 2)
-        };
-    }
-    total + run_cost(c, class, run)
+    let mut t = Tally::new();
+    t.feed(text.as_bytes());
+    t.end_text();
+    t.tokens(c)
 }
 
 fn is_cjk_cp(cp: u32) -> bool {

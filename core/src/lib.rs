@@ -7,16 +7,15 @@
 //! the current time (`now_ms`, Unix milliseconds) and a seed. The crate builds natively and
 //! for `wasm32-wasip1` / `wasm32-unknown-unknown`, and behaves identically on both.
 //!
-//! Pipeline of one routing decision:
+//! Pipeline of one routing decision, run by [`router::Router`] (the one implementation the
+//! filter and the benchmarks call):
 //! 1. [`analysis::analyze`] reads an OpenAI-style body into a [`analysis::RequestAnalysis`]
 //!    (model, stream, n, output limit, estimated prompt tokens, text for prefix hashing).
 //! 2. [`profile::ModelProfile::demand`] turns that into KV demand (tokens and bytes).
-//! 3. [`prefix::block_hashes`] hashes the prefix text into a chain of block hashes.
+//! 3. [`prefix::block_hashes`] hashes the prefix text into a chain of block hashes, matched
+//!    against the per-endpoint record of routed prefixes ([`prefix::PrefixIndex`]).
 //! 4. [`picker::Picker::pick`] chooses a primary endpoint and ordered fallbacks from a
-//!    [`snapshot::Snapshot`] plus local in-flight reservations.
-//!
-//! [`route::analyze_for_route`] runs steps 1-3 in one call; [`prefix::PrefixIndex`] keeps the
-//! per-endpoint record of routed prefixes that feeds step 4.
+//!    [`snapshot::Snapshot`] plus the in-flight reservations ([`inflight::InflightTable`]).
 
 pub mod admission;
 pub mod analysis;
@@ -27,6 +26,6 @@ pub mod picker;
 pub mod prefill_rate;
 pub mod prefix;
 pub mod profile;
-pub mod route;
+pub mod router;
 pub mod snapshot;
 pub mod usage;

@@ -52,6 +52,15 @@ impl Default for PrefixConfig {
     }
 }
 
+impl PrefixConfig {
+    /// Bytes of text that can contribute to a hash: `max_blocks × block_chars` (16 KiB by
+    /// default). The router renders no more than this of a prompt
+    /// ([`crate::analysis::analyze_bounded`]).
+    pub fn max_bytes(&self) -> usize {
+        self.block_chars.saturating_mul(self.max_blocks)
+    }
+}
+
 /// Seed of the chain: `xxh64(model)`, or `xxh64(salt ‖ le_u64(xxh64(model)))` with a salt.
 pub fn seed_hash(model: &str, cache_salt: Option<&str>) -> u64 {
     let h = xxh64(model.as_bytes(), 0);
@@ -79,7 +88,7 @@ pub fn block_hashes(
         return Vec::new();
     }
     let bytes = text.as_bytes();
-    let limit = config.block_chars.saturating_mul(config.max_blocks);
+    let limit = config.max_bytes();
     let bytes = bytes.get(..limit).unwrap_or(bytes);
     let mut out = Vec::with_capacity(bytes.len() / config.block_chars);
     let mut prev = seed_hash(model, cache_salt);

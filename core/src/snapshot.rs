@@ -9,11 +9,68 @@
 //! object `{"format": 1, "version": N, "generated_at_ms": T, "endpoints": [...]}`.
 //! `format` is the schema version (decoders reject unknown ones); `version` is the
 //! snapshot sequence number, increasing monotonically across control-plane restarts.
+//! Writers that keep each endpoint's encoded form between snapshots (the control plane's
+//! hub) build a body from [`encode_endpoint`] fragments and [`write_envelope`]; those are
+//! what [`Snapshot::encode`] itself uses, so both give the same bytes.
+//!
+//! Transport ([`INGEST_PATH`], [`AUTH_SCHEME`]): the control plane `POST`s the body to the
+//! filter's ingest listener with `Authorization: Bearer <token>`; both sides use these
+//! constants.
 
 use serde::{Deserialize, Serialize};
 
 /// Schema version this crate writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// Default path of the filter's snapshot ingest route (`POST`).
+pub const INGEST_PATH: &str = "/kvroute/v1/snapshot";
+
+/// Authorization scheme of the ingest route, with its separating space
+/// (`Authorization: Bearer <token>`, RFC 6750 §2.1).
+pub const AUTH_SCHEME: &str = "Bearer ";
+
+/// Append the wire form of one endpoint (a JSON object, `serde_json`'s compact form, fields
+/// in declaration order) to `out`. Non-finite floats are written as `null`.
+pub fn encode_endpoint(endpoint: &EndpointStats, out: &mut Vec<u8>) {
+    let start = out.len();
+    // Writing into a Vec cannot fail for this type; on the (unreachable) error leave nothing.
+    if serde_json::to_writer(&mut *out, endpoint).is_err() {
+        out.truncate(start);
+    }
+}
+
+/// Write a snapshot body around already-encoded endpoint `fragments` (each from
+/// [`encode_endpoint`]): `{"format":1,"version":V,"generated_at_ms":T,"endpoints":[f1,f2,...]}`.
+pub fn write_envelope<'a>(
+    out: &mut Vec<u8>,
+    version: u64,
+    generated_at_ms: u64,
+    fragments: impl Iterator<Item = &'a [u8]>,
+) {
+    envelope(out, FORMAT_VERSION, version, generated_at_ms, fragments);
+}
+
+fn envelope<'a>(
+    out: &mut Vec<u8>,
+    format: u32,
+    version: u64,
+    generated_at_ms: u64,
+    fragments: impl Iterator<Item = &'a [u8]>,
+) {
+    use std::io::Write as _;
+    // Writing into a Vec cannot fail.
+    let _ = write!(
+        out,
+        "{{\"format\":{format},\"version\":{version},\"generated_at_ms\":{generated_at_ms},\"endpoints\":["
+    );
+    for (i, f) in fragments.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(f);
+    }
+    out.extend_from_slice(b"]}");
+}
 
 /// One snapshot of the fleet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -105,9 +162,25 @@ impl Snapshot {
         }
     }
 
-    /// Encode to the wire format (JSON bytes).
+    /// Encode to the wire format (JSON bytes): the [`write_envelope`] layout around one
+    /// [`encode_endpoint`] fragment per endpoint.
     pub fn encode(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
+        let mut fragments: Vec<Vec<u8>> = Vec::with_capacity(self.endpoints.len());
+        for e in &self.endpoints {
+            let mut f = Vec::with_capacity(256);
+            encode_endpoint(e, &mut f);
+            fragments.push(f);
+        }
+        let len: usize = fragments.iter().map(|f| f.len() + 1).sum();
+        let mut out = Vec::with_capacity(len + 96);
+        envelope(
+            &mut out,
+            self.format,
+            self.version,
+            self.generated_at_ms,
+            fragments.iter().map(Vec::as_slice),
+        );
+        out
     }
 
     /// Decode and validate wire bytes.
@@ -127,51 +200,13 @@ impl Snapshot {
         }
         let mut seen = std::collections::BTreeSet::new();
         for (index, e) in self.endpoints.iter().enumerate() {
-            let bad = |field: &'static str, reason: &'static str| SnapshotError::InvalidEndpoint {
-                index,
-                id: e.id.clone(),
-                field,
-                reason,
-            };
-            if e.id.is_empty() {
-                return Err(bad("id", "is empty"));
-            }
-            if e.address.is_empty() {
-                return Err(bad("address", "is empty"));
-            }
-            if let Err(reason) = check_address(&e.address) {
-                return Err(bad("address", reason));
-            }
-            // These strings end up in request headers (`x-kvroute-cluster`, debug header)
-            // and metric labels: a control character (CR, LF, NUL...) could split a header.
-            if has_control(&e.id) {
-                return Err(bad("id", "contains a control character"));
-            }
-            if has_control(&e.cluster) {
-                return Err(bad("cluster", "contains a control character"));
-            }
-            if has_control(&e.pool) {
-                return Err(bad("pool", "contains a control character"));
-            }
-            if e.models.iter().any(|m| has_control(m)) {
-                return Err(bad("models", "contains a control character"));
-            }
-            if e.lora_adapters.iter().any(|m| has_control(m)) {
-                return Err(bad("lora_adapters", "contains a control character"));
-            }
-            if e.block_size == Some(0) {
-                return Err(bad("block_size", "is zero"));
-            }
-            if let Some(u) = e.kv_usage {
-                if !u.is_finite() {
-                    return Err(bad("kv_usage", "is not a finite number"));
-                }
-                if u < 0.0 {
-                    return Err(bad("kv_usage", "is negative"));
-                }
-                if u > 1.0 {
-                    return Err(bad("kv_usage", "is greater than 1"));
-                }
+            if let Err((field, reason)) = e.validate() {
+                return Err(SnapshotError::InvalidEndpoint {
+                    index,
+                    id: e.id.clone(),
+                    field,
+                    reason,
+                });
             }
             if !seen.insert(e.id.as_str()) {
                 return Err(SnapshotError::DuplicateId(e.id.clone()));
@@ -181,9 +216,57 @@ impl Snapshot {
     }
 }
 
-/// True when `s` holds an ASCII or Unicode control character (CR, LF, NUL, DEL...).
-fn has_control(s: &str) -> bool {
-    s.chars().any(char::is_control)
+impl EndpointStats {
+    /// Check one endpoint's invariants: non-empty id and address, `host:port` address
+    /// ([`check_address`]), no control character in id, cluster, pool, models or LoRA
+    /// adapters ([`check_label`]), non-zero block size, `kv_usage` finite and in 0..=1.
+    /// The control plane's config and adapters use the same checks.
+    ///
+    /// Errors: the first violation as `(field, reason)`.
+    pub fn validate(&self) -> Result<(), (&'static str, &'static str)> {
+        if self.id.is_empty() {
+            return Err(("id", "is empty"));
+        }
+        if self.address.is_empty() {
+            return Err(("address", "is empty"));
+        }
+        check_address(&self.address).map_err(|r| ("address", r))?;
+        check_label(&self.id).map_err(|r| ("id", r))?;
+        check_label(&self.cluster).map_err(|r| ("cluster", r))?;
+        check_label(&self.pool).map_err(|r| ("pool", r))?;
+        for m in &self.models {
+            check_label(m).map_err(|r| ("models", r))?;
+        }
+        for m in &self.lora_adapters {
+            check_label(m).map_err(|r| ("lora_adapters", r))?;
+        }
+        if self.block_size == Some(0) {
+            return Err(("block_size", "is zero"));
+        }
+        if let Some(u) = self.kv_usage {
+            if !u.is_finite() {
+                return Err(("kv_usage", "is not a finite number"));
+            }
+            if u < 0.0 {
+                return Err(("kv_usage", "is negative"));
+            }
+            if u > 1.0 {
+                return Err(("kv_usage", "is greater than 1"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Check a name that ends up in request headers (`x-kvroute-cluster`, the decision header)
+/// and metric labels: it must not hold a control character (CR, LF, NUL, DEL...), which
+/// could split a header. Returns the reason on failure.
+pub fn check_label(s: &str) -> Result<(), &'static str> {
+    if s.chars().any(char::is_control) {
+        Err("contains a control character")
+    } else {
+        Ok(())
+    }
 }
 
 /// Check a `host:port` address: a non-empty host, IPv6 literals in brackets

@@ -356,3 +356,63 @@ fn escaped_strings_are_decoded() {
     assert_eq!(a.model.as_deref(), Some("m1"));
     assert_eq!(a.prefix_text, "<|user|>\na\nb \"q\"\n");
 }
+
+#[test]
+fn bounded_analysis_keeps_every_result_and_the_prefix_hashes() {
+    use kvroute_core::analysis::analyze_bounded;
+    use kvroute_core::prefix::{block_hashes, PrefixConfig};
+    // ~300 KiB conversation with escapes, multi-byte characters and a 4-byte character
+    // written as a surrogate pair, so the 16 KiB cut can fall inside a character.
+    let turn = "Line one\nsays \"hi\" \\ and é东京 \u{1F600} then \t tabs 12345.\n";
+    let messages: Vec<serde_json::Value> = (0..4000)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            serde_json::json!({"role": role, "content": format!("{i}: {turn}")})
+        })
+        .collect();
+    let mut body =
+        serde_json::json!({"model": "m", "messages": messages, "max_tokens": 7}).to_string();
+    body = body.replacen("\u{1F600}", "\\ud83d\\ude00", 3);
+    let cfg = PrefixConfig::default();
+    let full = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est()).unwrap();
+    assert!(full.prefix_text.len() > 200 * 1024);
+    for limit in [cfg.max_bytes(), cfg.max_bytes() + 1, 1000, 1] {
+        let b = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est(), limit).unwrap();
+        assert!(b.prefix_text.len() >= limit && b.prefix_text.len() < limit + 4);
+        assert!(full.prefix_text.starts_with(&b.prefix_text));
+        let mut rest = b.clone();
+        rest.prefix_text = full.prefix_text.clone();
+        assert_eq!(rest, full, "limit {limit}");
+    }
+    let b = analyze_bounded(
+        ApiKind::ChatCompletions,
+        body.as_bytes(),
+        &est(),
+        cfg.max_bytes(),
+    )
+    .unwrap();
+    let h = |t: &str| block_hashes("m", None, t, &cfg);
+    assert_eq!(h(&b.prefix_text), h(&full.prefix_text));
+    assert_eq!(h(&b.prefix_text).len(), cfg.max_blocks);
+}
+
+#[test]
+fn escapes_decode_exactly_and_bad_ones_are_field_errors() {
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","messages":[{"role":"user","content":"a\"b\\c\/d\b\f\n\r\t\u00e9\ud83d\ude00x"}]}"#,
+    );
+    assert_eq!(
+        a.prefix_text,
+        "<|user|>\na\"b\\c/d\u{8}\u{c}\n\r\té\u{1F600}x\n"
+    );
+    for bad in [r#""\ud83d""#, r#""\ude00x""#, r#""\ud83d\u0041""#] {
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":{bad}}}]}}"#);
+        let e = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est());
+        assert!(
+            matches!(&e, Err(AnalysisError::InvalidField { field, .. }) if field == "messages[0].content")
+                || matches!(&e, Err(AnalysisError::InvalidJson { .. })),
+            "{bad}: {e:?}"
+        );
+    }
+}

@@ -143,3 +143,43 @@ fn fit_char_class_costs() {
         }
     }
 }
+
+/// Long prompts (issue 13): the shared prompts, in file order, joined (blank line between)
+/// into texts just over 64 KiB each, as a long conversation or document would be. The
+/// estimator must stay within the same targets there: its per-class costs do not drift with
+/// length, and the analysis scans the whole text (only the prefix rendering is bounded).
+#[test]
+fn estimator_within_targets_on_prompts_over_64_kib() {
+    let prompts = common::all_prompts();
+    let mut long: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    for (_, p) in &prompts {
+        if !cur.is_empty() {
+            cur.push_str("\n\n");
+        }
+        cur.push_str(p);
+        if cur.len() > 64 * 1024 {
+            long.push(std::mem::take(&mut cur));
+        }
+    }
+    assert!(long.len() >= 10, "only {} long prompts", long.len());
+    let est = Estimator::default();
+    let estimates: Vec<f64> = long.iter().map(|p| est.estimate_text(p) as f64).collect();
+    for (name, bpe) in [
+        ("cl100k_base", tiktoken_rs::cl100k_base().unwrap()),
+        ("o200k_base", tiktoken_rs::o200k_base().unwrap()),
+    ] {
+        let truth: Vec<usize> = long.iter().map(|p| bpe.encode_ordinary(p).len()).collect();
+        let r = errors(&estimates, &truth);
+        println!(
+            "| {name} | over 64 KiB (joined) | {} | {:.1}% | {:.1}% | {:.1}% | {:+.1}% |",
+            r.n,
+            r.median * 100.0,
+            r.p90 * 100.0,
+            r.p99 * 100.0,
+            r.bias * 100.0
+        );
+        assert!(r.median <= 0.10, "{name}: median {:.3} > 0.10", r.median);
+        assert!(r.p90 <= 0.25, "{name}: p90 {:.3} > 0.25", r.p90);
+    }
+}

@@ -161,6 +161,17 @@ proptest! {
     }
 
     #[test]
+    fn json_strings_decode_piecewise_like_serde(text in "(?s).{0,200}", words in "[a-z \"\\\\\n\t/东é😀\u{1}]{0,200}") {
+        let est = Estimator::default();
+        for t in [&text, &words] {
+            let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": t}]}).to_string();
+            let a = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est).unwrap();
+            prop_assert_eq!(&a.prefix_text, &format!("<|user|>\n{t}\n"));
+            prop_assert_eq!(a.prompt_tokens, est.estimate_text(t) + 6);
+        }
+    }
+
+    #[test]
     fn analyser_never_panics_on_bytes(body in prop::collection::vec(any::<u8>(), 0..512)) {
         let est = Estimator::default();
         for api in APIS {

@@ -259,42 +259,32 @@ fn demand_exact_values() {
 }
 
 #[test]
-fn analyze_for_route_chains_the_pipeline() {
+fn router_demand_chains_analysis_profile_and_hashes() {
     use kvroute_core::prefix::PrefixConfig;
-    use kvroute_core::route::analyze_for_route;
-    let profiles = builtin_profiles();
+    use kvroute_core::router::{RequestInfo, Router, RouterConfig};
+    let router = Router::new(RouterConfig::default(), 0).unwrap();
     let est = Estimator::default();
     let cfg = PrefixConfig::default();
     let text = "x".repeat(130);
     let body = format!(
         r#"{{"model":"Qwen/Qwen3-32B","max_tokens":100,"n":2,"messages":[{{"role":"user","content":"{text}"}}]}}"#
     );
-    let r = analyze_for_route(
-        "/v1/chat/completions",
-        body.as_bytes(),
-        &est,
-        &cfg,
-        &profiles,
-    )
-    .unwrap();
-    assert!(r.profiled);
-    assert_eq!(r.output_limit, 100);
+    let a = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est).unwrap();
+    let r = RequestInfo::from_analysis(a, &cfg);
     // "<|user|>\n" (9) + 130 + "\n" = 140 bytes → 2 blocks.
-    assert_eq!(r.hashes.len(), 2);
-    assert_eq!(r.demand.expected_output_tokens, 100);
-    assert_eq!(r.demand.bytes, r.demand.tokens * 262_144);
-    let p = r.pick_request();
+    assert_eq!(r.prefix_hashes.len(), 2);
+    let (limit, d) = router.demand(&r);
+    assert_eq!(limit, 100);
+    assert_eq!(d.expected_output_tokens, 100);
+    assert_eq!(d.bytes, d.tokens * 262_144);
+    // Aliases and case resolve to the built-in profile.
     assert_eq!(
-        (p.model, p.prefix_blocks, p.output_limit, p.demand_tokens),
-        (Some("Qwen/Qwen3-32B"), 2, 100, r.demand.tokens)
+        router.profile(Some("qwen3-32b")).name,
+        "Qwen/Qwen3-32B".to_string()
     );
-    // Unknown model: generic demand, no bytes.
+    // Unknown model: the generic rule (⌈10 × 0.5⌉ output), no bytes.
     let body = br#"{"model":"unknown","prompt":[1,2,3],"max_tokens":10}"#;
-    let r = analyze_for_route("/v1/completions", body, &est, &cfg, &profiles).unwrap();
-    assert!(!r.profiled);
-    assert_eq!(
-        (r.demand.tokens, r.demand.bytes, r.demand.blocks),
-        (3 + 5, 0, 1 + 1)
-    );
-    assert!(analyze_for_route("/v1/completions", b"{}", &est, &cfg, &profiles).is_err());
+    let a = analyze(ApiKind::Completions, body, &est).unwrap();
+    let (_, d) = router.demand(&RequestInfo::from_analysis(a, &cfg));
+    assert_eq!((d.tokens, d.bytes, d.blocks), (3 + 5, 0, 1 + 1));
 }

@@ -34,15 +34,6 @@ pub enum Mode {
     Endpoint,
 }
 
-/// What to do with `Content-Encoding`-compressed request bodies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EncodedBodies {
-    /// Do not inspect; route by load alone (decided at header time, no buffering).
-    #[default]
-    RouteByLoad,
-}
-
 /// Admission control (see `kvroute_core::admission`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -85,9 +76,9 @@ pub struct RawConfig {
     pub endpoint_header: String,
     /// Largest request body inspected, bytes (default 4 MiB). Larger bodies are routed by
     /// load alone; set Envoy's `per_connection_buffer_limit_bytes` to at least this.
+    /// `Content-Encoding`-compressed bodies are never decoded: they are routed by load
+    /// alone, decided at header time without buffering.
     pub max_body_bytes: usize,
-    /// Compressed bodies: `route_by_load` (default).
-    pub encoded_bodies: EncodedBodies,
     /// Ingest path (default `/kvroute/v1/snapshot`).
     pub ingest_path: String,
     /// Bearer token the control plane must send (required for role `ingest`).
@@ -106,7 +97,9 @@ pub struct RawConfig {
     pub estimator: EstimatorConfig,
     /// Prefix hashing (block size in characters, max blocks).
     pub prefix: PrefixConfig,
-    /// Blocks remembered per endpoint by the per-worker prefix index (default 16384).
+    /// Blocks remembered per endpoint by the per-worker prefix index (default
+    /// [`kvroute_core::prefix::DEFAULT_INDEX_CAPACITY`], 31,250: GIE's
+    /// `DefaultLRUCapacityPerServer`).
     pub prefix_index_blocks: usize,
     /// Extra model profiles (added to the built-in ones).
     pub models: Vec<ModelProfile>,
@@ -133,8 +126,7 @@ impl Default for RawConfig {
             cluster_header: "x-kvroute-cluster".into(),
             endpoint_header: crate::names::ENDPOINT_HEADER.into(),
             max_body_bytes: 4 * 1024 * 1024,
-            encoded_bodies: EncodedBodies::RouteByLoad,
-            ingest_path: "/kvroute/v1/snapshot".into(),
+            ingest_path: kvroute_core::snapshot::INGEST_PATH.into(),
             ingest_token: String::new(),
             ingest_max_bytes: 1024 * 1024,
             queue_name: "kvroute.snapshots".into(),
@@ -143,7 +135,7 @@ impl Default for RawConfig {
             picker: PickerConfig::default(),
             estimator: EstimatorConfig::default(),
             prefix: PrefixConfig::default(),
-            prefix_index_blocks: 16_384,
+            prefix_index_blocks: kvroute_core::prefix::DEFAULT_INDEX_CAPACITY,
             models: Vec::new(),
             calibrate: true,
             admission: AdmissionConfig::default(),
@@ -305,7 +297,7 @@ mod tests {
     fn full_config_parses() {
         let c = Config::parse(
             br#"{"role":"ingest","mode":"endpoint","cluster_header":"x-c","endpoint_header":"x-e",
-            "max_body_bytes":1000,"encoded_bodies":"route_by_load","ingest_path":"/in",
+            "max_body_bytes":1000,"ingest_path":"/in",
             "ingest_token":"0123456789abcdef","ingest_max_bytes":10,"queue_name":"q","vm_id":"v",
             "reservation_ttl_ms":5,"picker":{"policy":"least_kv","stale_after_ms":100},
             "estimator":{},"prefix":{"block_chars":32,"max_blocks":8},"prefix_index_blocks":9,

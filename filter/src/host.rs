@@ -80,6 +80,7 @@ pub trait Host {
     fn resume_request(&self);
 }
 
+#[cfg(any(test, feature = "testing"))]
 pub mod mock {
     //! In-memory [`Host`] for native tests, with builder methods.
     use super::*;

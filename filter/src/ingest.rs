@@ -10,8 +10,18 @@
 //! - `400 {"error":"invalid_snapshot","detail":"..."}` — not a valid snapshot;
 //! - `404` / `405` JSON — other paths or methods;
 //! - `503 {"error":"queue_unavailable"}` — the shared queue could not be resolved.
+//!
+//! [`IngestStream`] is the per-request state machine of this role (headers checked at once,
+//! body buffered up to `ingest_max_bytes`, enqueued at end of stream or trailers);
+//! [`consume_snapshots`] is the root context's consumer of the shared queue, which
+//! publishes each snapshot to shared data for the route role's workers.
 
 use crate::config::Config;
+use crate::host::{Host, Level, MetricKind};
+use crate::names::metric;
+use crate::shared;
+use crate::stream::Flow;
+use std::rc::Rc;
 use subtle::ConstantTimeEq;
 
 /// A local reply: status and JSON body.
@@ -37,7 +47,9 @@ fn json(status: u32, error: &str, extra: Option<(&str, serde_json::Value)>) -> R
 
 /// Token check: `Authorization: Bearer <token>`, constant time in the token's content.
 pub fn authorized(config: &Config, authorization: Option<&str>) -> bool {
-    let Some(given) = authorization.and_then(|a| a.strip_prefix("Bearer ")) else {
+    let Some(given) =
+        authorization.and_then(|a| a.strip_prefix(kvroute_core::snapshot::AUTH_SCHEME))
+    else {
         return false;
     };
     let want = config.ingest_token.as_bytes();
@@ -111,10 +123,228 @@ pub fn queue_unavailable() -> Reply {
     json(503, "queue_unavailable", None)
 }
 
+/// One request on the ingest listener: always answered locally, exactly once.
+#[derive(Debug)]
+pub struct IngestStream {
+    config: Rc<Config>,
+    replied: bool,
+    /// Request body bytes buffered so far (read again when trailers end the request).
+    body_len: usize,
+}
+
+impl IngestStream {
+    /// A stream under `config` (role `ingest`).
+    pub fn new(config: Rc<Config>) -> Self {
+        Self {
+            config,
+            replied: false,
+            body_len: 0,
+        }
+    }
+
+    fn reply<H: Host>(&mut self, host: &H, r: &Reply) {
+        if self.replied {
+            return;
+        }
+        self.replied = true;
+        let headers: &[(&str, &str)] = if r.body.is_empty() {
+            &[]
+        } else {
+            &[("content-type", "application/json")]
+        };
+        host.send_local_reply(r.status, headers, r.body.as_bytes());
+    }
+
+    fn reject<H: Host>(&mut self, host: &H, r: &Reply) -> Flow {
+        if !self.replied {
+            host.metric_add(MetricKind::Counter, metric::INGEST_REJECTED, 1);
+        }
+        self.reply(host, r);
+        Flow::Pause
+    }
+
+    /// Request headers arrived: path, method, token and declared length are checked now.
+    pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
+        let path = host.request_header(":path").unwrap_or_default();
+        let reply = check_headers(
+            &self.config,
+            host.request_header(":method").as_deref(),
+            Some(&path),
+            host.request_header("authorization").as_deref(),
+            host.request_header("content-length").as_deref(),
+        );
+        if let Some(r) = reply {
+            return self.reject(host, &r);
+        }
+        if end_of_stream {
+            return self.finish(host, &[]);
+        }
+        Flow::Pause
+    }
+
+    /// A request body chunk arrived; `buffered` is the total buffered size.
+    pub fn on_request_body<H: Host>(
+        &mut self,
+        host: &H,
+        buffered: usize,
+        end_of_stream: bool,
+    ) -> Flow {
+        if self.replied {
+            return Flow::Pause;
+        }
+        self.body_len = buffered;
+        if buffered > self.config.ingest_max_bytes {
+            let r = too_large(&self.config);
+            return self.reject(host, &r);
+        }
+        if !end_of_stream {
+            return Flow::Pause;
+        }
+        let body = host.request_body(buffered).unwrap_or_default();
+        self.finish(host, &body)
+    }
+
+    /// Request trailers arrived: they end the upload (HTTP/2, or chunked with trailers).
+    pub fn on_request_trailers<H: Host>(&mut self, host: &H) -> Flow {
+        if self.replied {
+            return Flow::Pause;
+        }
+        let body = host.request_body(self.body_len).unwrap_or_default();
+        self.finish(host, &body)
+    }
+
+    fn finish<H: Host>(&mut self, host: &H, body: &[u8]) -> Flow {
+        if self.replied {
+            return Flow::Pause;
+        }
+        let r = match check_body(&self.config, body) {
+            Err(r) => return self.reject(host, &r),
+            Ok(()) => match host.enqueue(&self.config.vm_id, &self.config.queue_name, body) {
+                Ok(()) => {
+                    host.metric_add(MetricKind::Counter, metric::INGEST_ACCEPTED, 1);
+                    accepted()
+                }
+                Err(e) => {
+                    host.log(
+                        Level::Error,
+                        &format!("kvroute: ingest enqueue failed: {e}"),
+                    );
+                    queue_unavailable()
+                }
+            },
+        };
+        self.reply(host, &r);
+        Flow::Pause
+    }
+}
+
+/// Drain snapshot bytes dequeued from the shared queue: publish each (newer versions only).
+pub fn consume_snapshots<H: Host>(host: &H, items: Vec<Vec<u8>>) {
+    for bytes in items {
+        match shared::publish_snapshot(host, &bytes) {
+            Ok(shared::Published::Published(v)) => {
+                host.metric_add(MetricKind::Counter, metric::SNAPSHOTS_PUBLISHED, 1);
+                host.log(Level::Debug, &format!("kvroute: snapshot {v} published"));
+            }
+            Ok(shared::Published::Ignored { offered, current }) => {
+                host.metric_add(MetricKind::Counter, metric::SNAPSHOTS_STALE, 1);
+                host.log(
+                    Level::Info,
+                    &format!("kvroute: snapshot {offered} ignored (current {current})"),
+                );
+            }
+            Err(e) => host.log(
+                Level::Warn,
+                &format!("kvroute: snapshot not published: {e}"),
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::mock::MockHost;
     use kvroute_core::snapshot::Snapshot;
+
+    const NOW: u64 = 1_000_000;
+
+    fn setup(cfg: &str) -> (MockHost, Rc<Config>) {
+        (
+            MockHost::new(NOW),
+            Rc::new(Config::parse(cfg.as_bytes()).unwrap()),
+        )
+    }
+
+    #[test]
+    fn ingest_stream_answers_locally() {
+        let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":4096}"#;
+        let (h, c) = setup(cfg);
+        let snap = Snapshot::new(3, NOW, vec![]).encode();
+        let ok = h
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer 0123456789abcdef")
+            .with_body(&snap);
+        let mut s = IngestStream::new(c.clone());
+        assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&ok, snap.len(), true), Flow::Pause);
+        assert_eq!(ok.replies()[0].status, 204);
+        let queued = h
+            .shared
+            .borrow()
+            .queues
+            .get("kvroute.snapshots")
+            .cloned()
+            .unwrap();
+        assert_eq!(queued, vec![snap.clone()]);
+        // The consumer publishes it.
+        consume_snapshots(&h, queued);
+        assert_eq!(shared::current_version(&h).unwrap(), Some(3));
+
+        let bad = h
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer nope");
+        let mut s = IngestStream::new(c.clone());
+        assert_eq!(s.on_request_headers(&bad, false), Flow::Pause);
+        assert_eq!(bad.replies()[0].status, 401);
+        assert_eq!(s.on_request_body(&bad, 10, true), Flow::Pause);
+        assert_eq!(bad.replies().len(), 1, "one reply only");
+
+        let big = ok
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer 0123456789abcdef");
+        let mut s = IngestStream::new(c);
+        s.on_request_headers(&big, false);
+        assert_eq!(s.on_request_body(&big, 5000, false), Flow::Pause);
+        assert_eq!(big.replies()[0].status, 413);
+        assert_eq!(h.metric(metric::INGEST_ACCEPTED), 1);
+        assert_eq!(h.metric(metric::INGEST_REJECTED), 2);
+    }
+
+    /// Trailers end the snapshot upload too (HTTP/2, or HTTP/1 chunked with trailers).
+    #[test]
+    fn trailers_end_the_upload() {
+        let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef"}"#;
+        let (h, c) = setup(cfg);
+        let snap = Snapshot::new(3, NOW, vec![]).encode();
+        let ok = h
+            .sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", "Bearer 0123456789abcdef")
+            .with_body(&snap);
+        let mut s = IngestStream::new(c);
+        assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
+        assert_eq!(s.on_request_body(&ok, snap.len(), false), Flow::Pause);
+        assert_eq!(s.on_request_trailers(&ok), Flow::Pause);
+        assert_eq!(ok.replies()[0].status, 204);
+    }
 
     fn cfg() -> Config {
         Config::parse(

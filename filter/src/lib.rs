@@ -6,12 +6,12 @@
 //! | module | job |
 //! |---|---|
 //! | [`config`] | plugin JSON → validated [`config::Config`] |
-//! | [`host`] | the host seam (trait) and an in-memory mock for native tests |
+//! | [`host`] | the host seam (trait); its in-memory mock only under `cfg(test)` or the `testing` feature |
 //! | [`names`] | every header, shared-data key and metric name |
 //! | [`shared`] | snapshot publication/cache and the in-flight table in shared data (CAS) |
-//! | [`ingest`] | the snapshot ingest route (role `ingest`) |
-//! | [`router`] | per-worker state, the decision, reservations, admission tick, calibration |
-//! | [`stream`] | the per-request state machine (request pause/decide, response usage) |
+//! | [`ingest`] | role `ingest`: the upload checks, its stream type, the shared-queue consumer |
+//! | [`router`] | role `route`: per-worker state, host I/O around `kvroute_core::router::Router`, applying a decision, admission tick |
+//! | [`stream`] | role `route`: the per-request state machine (request pause/decide, response usage) |
 //! | `wasm` | proxy-wasm contexts and the real host (wasm32 only) |
 //!
 //! See `docs/filter.md` for the data flow and the README for configuration.

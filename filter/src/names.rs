@@ -29,6 +29,7 @@ pub mod metric {
             P::LeastKv => "kvroute.decisions.by_policy.least_kv",
             P::PrefixAffinity => "kvroute.decisions.by_policy.prefix_affinity",
             P::Hybrid => "kvroute.decisions.by_policy.hybrid",
+            P::PredictedTtft => "kvroute.decisions.by_policy.predicted_ttft",
         }
     }
     /// Decisions by least-request because no stats were fresh (counter).
@@ -72,4 +73,8 @@ pub mod metric {
     pub const RESERVED: &str = "kvroute.reservations.reserved";
     /// Shared in-flight reservations right now, all workers (gauge).
     pub const INFLIGHT: &str = "kvroute.inflight";
+    /// Linear memory of the Wasm VM that handled the last request, bytes (gauge). Wasm
+    /// memory only grows, so this is the VM's high-water mark; with one worker it is the
+    /// per-worker figure `make bench-overhead` reports.
+    pub const WASM_MEMORY_BYTES: &str = "kvroute.wasm_memory_bytes";
 }

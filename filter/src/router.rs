@@ -1,10 +1,13 @@
-//! Per-worker routing state and the decision glue: snapshot → analysis → demand → prefix
-//! match → picker → header + reservation. Pure over [`Host`]; no proxy-wasm types.
+//! Per-worker state and host I/O around the core routing pipeline
+//! ([`kvroute_core::router::Router`]): read the snapshot and the in-flight table from shared
+//! data, call the router, count and log its decision, and apply it (header, reservation).
+//! No routing logic lives here.
 //!
 //! Decision outcomes:
 //! - a pick sets the routing header (cluster name, or `host:port[,fallback...]`), asks Envoy
-//!   to clear its route cache, and reserves the request's KV demand (tokens) on the chosen
-//!   endpoint in the shared in-flight table;
+//!   to clear its route cache, and reserves the request's KV demand (tokens) and pending
+//!   prefill on the chosen endpoint in the shared in-flight table ([`Worker::apply_route`],
+//!   the one place a decision is applied);
 //! - no endpoint for the model → JSON 503;
 //! - every endpoint saturated → held in the admission queue when enabled, else JSON 429
 //!   with `retry-after`;
@@ -20,28 +23,12 @@ use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER};
 use crate::shared::{self, SnapshotCache};
 use kvroute_core::admission::AdmissionQueue;
-use kvroute_core::analysis::{analyze, ApiKind, RequestAnalysis};
 use kvroute_core::estimate::Estimator;
-use kvroute_core::picker::{InFlight, PickInput, PickOutcome, PickReason, PickRequest, Picker};
-use kvroute_core::prefix::{block_hashes, PrefixIndex};
-use kvroute_core::profile::{builtin, ModelProfile};
+use kvroute_core::picker::PickReason;
+use kvroute_core::router::{Basis, Outcome, Route, Router, RouterConfig};
 use std::collections::BTreeMap;
 
-/// True when `e` serves `model` (base model or LoRA adapter; any model when `None`), as
-/// kvroute-core's picker filters candidates.
-fn serves(e: &kvroute_core::snapshot::EndpointStats, model: Option<&str>) -> bool {
-    model.is_none_or(|m| e.models.iter().any(|x| x == m) || e.lora_adapters.iter().any(|x| x == m))
-}
-
-/// Output limit assumed for a model without a profile and a request without a limit,
-/// tokens (vLLM's and OpenAI's legacy completions default `max_tokens` is 16; chat has none,
-/// so a conservative 256 keeps reservations meaningful).
-pub const UNKNOWN_MODEL_OUTPUT_TOKENS: u64 = 256;
-
-/// Calibration learning rate (EWMA weight of one observation).
-pub const CALIBRATION_ALPHA: f64 = 0.1;
-/// Calibration factor bounds.
-pub const CALIBRATION_RANGE: (f64, f64) = (0.25, 4.0);
+pub use kvroute_core::router::RequestFacts;
 
 /// A reservation held by one stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,39 +44,27 @@ pub struct Held {
     pub prefill_tokens: u64,
 }
 
-/// What the request told us, kept for calibration at response time.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct RequestFacts {
-    /// Model name.
-    pub model: Option<String>,
-    /// Estimated prompt tokens.
-    pub prompt_tokens: u64,
-    /// Exact (token ids)?
-    pub exact: bool,
+/// A routed decision, ready to apply: the core [`Route`] plus what the host does with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// Routing header name (`cluster_header` or `endpoint_header`).
+    pub header: String,
+    /// Its value: the endpoint's cluster, or `host:port[,fallback...]`.
+    pub value: String,
+    /// Decision reason (debug header): `policy:<name>` or `stale_fallback`, then
+    /// `;endpoint=<id>`, `;load_only=<cause>` when the body was not used
+    /// (`body_not_read`, `not_inference`, `unparsable`), `;demand_over_capacity` when re-picked
+    /// by load, e.g. `policy:hybrid;endpoint=pool/e1;load_only=unparsable`.
+    pub reason: String,
+    /// The core decision.
+    pub route: Route,
 }
 
 /// A decision to apply.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
-    /// Route: set `header` to `value`, reserve `tokens` on `endpoint`.
-    Route {
-        /// Header name.
-        header: String,
-        /// Header value.
-        value: String,
-        /// Endpoint id.
-        endpoint: String,
-        /// KV demand, tokens.
-        tokens: u64,
-        /// Pending prefill on `endpoint`, tokens: estimated prompt minus the prefix tokens
-        /// the prefix index expects cached there
-        /// ([`kvroute_core::picker::uncached_prompt_tokens`]).
-        prefill_tokens: u64,
-        /// Reason (debug header): `policy:<name>` or `stale_fallback`.
-        reason: String,
-        /// Facts for calibration.
-        facts: RequestFacts,
-    },
+    /// Route (apply with [`Worker::apply_route`]).
+    Route(Box<Routed>),
     /// No endpoint serves the request.
     NoEndpoints,
     /// Every endpoint is saturated.
@@ -119,79 +94,54 @@ pub struct Parked {
 pub struct Worker {
     /// Configuration.
     pub config: Config,
-    picker: Picker,
-    /// Estimator (with learned calibration).
-    pub estimator: Estimator,
-    prefix: PrefixIndex,
+    router: Router,
     /// Snapshot cache.
     pub cache: SnapshotCache,
-    profiles: BTreeMap<String, ModelProfile>,
     id_prefix: u64,
     seq: u32,
     /// Admission queue.
     pub admission: AdmissionQueue<Parked>,
     /// Reservations made by the tick for parked requests, by context id.
     pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
-    /// Snapshot version the prefix index was last reconciled with, and each endpoint's
-    /// process start time then.
-    seen_version: Option<u64>,
-    process_starts: BTreeMap<String, Option<u64>>,
+}
+
+/// The core router configuration carried by a filter configuration.
+pub fn router_config(config: &Config) -> RouterConfig {
+    RouterConfig {
+        picker: config.picker.clone(),
+        estimator: config.estimator.clone(),
+        prefix: config.prefix,
+        prefix_index_blocks: config.prefix_index_blocks,
+        models: config.models.clone(),
+        calibrate: config.calibrate,
+    }
 }
 
 impl Worker {
     /// Build from a validated config and a seed (time + context id; no OS randomness).
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
-        let picker = Picker::new(config.picker.clone(), seed)?;
-        let estimator = Estimator::new(config.estimator.clone());
-        let prefix = PrefixIndex::new(config.prefix_index_blocks);
-        let profiles = config
-            .models
-            .iter()
-            .map(|m| (m.name.clone(), m.clone()))
-            .collect();
+        let router = Router::new(router_config(&config), seed)?;
         let admission = AdmissionQueue::new(config.admission.max_queue);
         let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Self {
             config,
-            picker,
-            estimator,
-            prefix,
+            router,
             cache: SnapshotCache::default(),
-            profiles,
             id_prefix: rng.u64(..) & 0xFFFF_FFFF_0000_0000,
             seq: 0,
             admission,
             resumed: BTreeMap::new(),
-            seen_version: None,
-            process_starts: BTreeMap::new(),
         })
     }
 
-    fn profile(&self, model: Option<&str>) -> Option<ModelProfile> {
-        let m = model?;
-        self.profiles.get(m).cloned().or_else(|| builtin(m))
-    }
-
-    /// On a new snapshot: forget prefix-affinity state of endpoints that left the fleet or
-    /// restarted (their prefix cache is cold: `process_start_ms` changed).
-    fn reconcile_prefix_index(&mut self, snap: &kvroute_core::snapshot::Snapshot) {
-        let mut starts = BTreeMap::new();
-        for e in &snap.endpoints {
-            if let Some(old) = self.process_starts.get(&e.id) {
-                if old.is_some() && *old != e.process_start_ms {
-                    self.prefix.forget(&e.id);
-                }
-            }
-            starts.insert(e.id.clone(), e.process_start_ms);
-        }
-        self.prefix.retain(|id| starts.contains_key(id));
-        self.process_starts = starts;
-        self.seen_version = Some(snap.version);
+    /// The estimator, with its learned calibration.
+    pub fn estimator(&self) -> &Estimator {
+        self.router.estimator()
     }
 
     /// Blocks remembered for `endpoint_id` in the prefix index.
     pub fn prefix_blocks(&self, endpoint_id: &str) -> usize {
-        self.prefix.len(endpoint_id)
+        self.router.prefix_blocks(endpoint_id)
     }
 
     /// Make reservation ids unique across workers: `worker` (from
@@ -210,7 +160,8 @@ impl Worker {
         self.id_prefix | u64::from(self.seq)
     }
 
-    /// Decide for a request to `path` with `body` (`None`: decided without the body).
+    /// Decide for a request to `path` with `body` (`None`: decided without the body):
+    /// shared-data reads, the core router, decision counters and logs.
     pub fn decide<H: Host>(&mut self, host: &H, path: &str, body: Option<&[u8]>) -> Decision {
         let now = host.now_ms();
         let snap = match self.cache.current(host) {
@@ -218,189 +169,98 @@ impl Worker {
             Ok(None) => return Decision::FailOpen("no snapshot received yet".into()),
             Err(e) => return Decision::FailOpen(format!("snapshot unreadable: {e}")),
         };
-        if self.seen_version != Some(snap.version) {
-            self.reconcile_prefix_index(&snap);
-        }
         host.metric_record(
             MetricKind::Gauge,
             metric::SNAPSHOT_AGE_MS,
             now.saturating_sub(snap.generated_at_ms),
         );
-        let api = ApiKind::from_path(path);
-        let analysis: Option<RequestAnalysis> = match body {
-            Some(b) if api != ApiKind::Other => match analyze(api, b, &self.estimator) {
-                Ok(a) => Some(a),
-                Err(e) => {
-                    host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
-                    host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
-                    None
-                }
-            },
-            _ => None,
-        };
-        if analysis.is_none() {
-            host.metric_add(MetricKind::Counter, metric::DECISIONS_LOAD_ONLY, 1);
-        }
-        let model = analysis.as_ref().and_then(|a| a.model.clone());
-        let (prompt, output_limit, demand) = match &analysis {
-            Some(a) => match self.profile(a.model.as_deref()) {
-                Some(p) => {
-                    let d = p.demand(a);
-                    (a.prompt_tokens, u64::from(p.output_limit(a)), d.tokens)
-                }
-                None => {
-                    let out = a
-                        .max_output_tokens
-                        .map(u64::from)
-                        .unwrap_or(UNKNOWN_MODEL_OUTPUT_TOKENS)
-                        .saturating_mul(u64::from(a.n.max(1)));
-                    (a.prompt_tokens, out, a.prompt_tokens.saturating_add(out))
-                }
-            },
-            None => (0, 0, 0),
-        };
-        let hashes = match &analysis {
-            Some(a) => block_hashes(
-                a.model.as_deref().unwrap_or(""),
-                a.cache_salt.as_deref(),
-                &a.prefix_text,
-                &self.config.prefix,
-            ),
-            None => Vec::new(),
-        };
         let table = match shared::read_inflight(host) {
             Ok(t) => t,
             Err(e) => return Decision::FailOpen(format!("in-flight table unreadable: {e}")),
         };
-        // Only reservations the snapshot cannot show yet (made since each endpoint's scrape).
-        let scraped: std::collections::BTreeMap<&str, u64> = snap
-            .endpoints
-            .iter()
-            .map(|e| (e.id.as_str(), e.scraped_at_ms))
-            .collect();
-        let totals = table.unseen_totals(now, |id| scraped.get(id).copied());
-        let inflight: Vec<InFlight> = snap
-            .endpoints
-            .iter()
-            .map(|e| totals.get(&e.id).copied().unwrap_or_default())
-            .collect();
-        let matches = self.prefix.match_snapshot(&hashes, &snap);
-        let req = PickRequest {
-            model: model.as_deref(),
-            api,
-            prompt_tokens: prompt,
-            output_limit,
-            demand_tokens: demand,
-            prefix_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
-        };
-        let input = PickInput {
-            snapshot: &snap,
-            inflight: &inflight,
-            prefix_match_blocks: &matches,
-            now_ms: now,
-        };
-        let mut outcome = self.picker.pick(&input, &req);
-        let mut reserve = demand;
-        if outcome == PickOutcome::NoCapacity {
-            // Larger than the whole KV cache of every endpoint serving the model: it can never
-            // fit, so a 429 "retry later" would never clear. Route it by load (demand 0 in
-            // the pick) and let the model server answer (vLLM preempts, or 400s an output
-            // limit beyond max_model_len); reserve at most the chosen capacity.
-            let largest = snap
-                .endpoints
-                .iter()
-                .filter(|e| e.healthy && serves(e, model.as_deref()))
-                .filter_map(|e| e.kv_capacity_tokens)
-                .max();
-            if let Some(cap) = largest.filter(|&cap| demand > cap) {
-                host.metric_add(MetricKind::Counter, metric::DEMAND_OVER_CAPACITY, 1);
-                let by_load = PickRequest {
-                    demand_tokens: 0,
-                    ..req
-                };
-                outcome = self.picker.pick(&input, &by_load);
-                reserve = cap;
-            }
+        let d = self.router.route(&snap, &table, path, body, now);
+        if let Some(e) = &d.parse_error {
+            host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
+            host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
         }
-        match outcome {
-            PickOutcome::Picked(p) => {
-                let Some(primary) = snap.endpoints.get(p.primary) else {
-                    return Decision::FailOpen("picker returned an index out of range".into());
+        if matches!(d.basis, Basis::LoadOnly(_)) {
+            host.metric_add(MetricKind::Counter, metric::DECISIONS_LOAD_ONLY, 1);
+        }
+        match d.outcome {
+            Outcome::Route(route) => {
+                let Some(primary) = snap.endpoints.get(route.primary) else {
+                    return Decision::FailOpen("router returned an index out of range".into());
                 };
-                let prefill_tokens = kvroute_core::picker::uncached_prompt_tokens(
-                    prompt,
-                    matches.get(p.primary).copied().unwrap_or(0),
-                    req.prefix_blocks,
-                );
-                self.prefix.record(&primary.id, &hashes);
+                if route.demand_over_capacity {
+                    host.metric_add(MetricKind::Counter, metric::DEMAND_OVER_CAPACITY, 1);
+                }
                 let (header, value) = match self.config.mode {
                     Mode::Cluster => (self.config.cluster_header.clone(), primary.cluster.clone()),
                     Mode::Endpoint => {
                         let mut v = primary.address.clone();
-                        for f in p.fallbacks.iter().filter_map(|i| snap.endpoints.get(*i)) {
+                        for f in route
+                            .fallbacks
+                            .iter()
+                            .filter_map(|i| snap.endpoints.get(*i))
+                        {
                             v.push(',');
                             v.push_str(&f.address);
                         }
                         (self.config.endpoint_header.clone(), v)
                     }
                 };
-                let reason = match p.reason {
+                let mut reason = match route.reason {
                     PickReason::Policy => {
                         host.metric_add(MetricKind::Counter, metric::DECISIONS_POLICY, 1);
                         host.metric_add(
                             MetricKind::Counter,
-                            metric::decisions_by_policy(p.policy),
+                            metric::decisions_by_policy(route.policy),
                             1,
                         );
-                        format!("policy:{}", p.policy.name())
+                        format!("policy:{}", route.policy.name())
                     }
                     PickReason::StaleFallback => {
                         host.metric_add(MetricKind::Counter, metric::DECISIONS_STALE, 1);
                         "stale_fallback".to_owned()
                     }
                 };
-                Decision::Route {
+                // Where it went and what the decision rested on (a load-only pick of an
+                // unparsable body must not read like a body-based one).
+                reason.push_str(";endpoint=");
+                reason.push_str(&route.endpoint);
+                if let Basis::LoadOnly(cause) = d.basis {
+                    reason.push_str(";load_only=");
+                    reason.push_str(cause.name());
+                }
+                if route.demand_over_capacity {
+                    reason.push_str(";demand_over_capacity");
+                }
+                Decision::Route(Box::new(Routed {
                     header,
                     value,
-                    endpoint: primary.id.clone(),
-                    tokens: reserve.min(primary.kv_capacity_tokens.unwrap_or(u64::MAX)),
-                    prefill_tokens,
                     reason,
-                    facts: RequestFacts {
-                        model,
-                        prompt_tokens: prompt,
-                        exact: analysis.as_ref().is_some_and(|a| a.prompt_tokens_exact),
-                    },
-                }
+                    route,
+                }))
             }
-            PickOutcome::NoEndpoints => Decision::NoEndpoints,
-            PickOutcome::NoCapacity => Decision::NoCapacity {
-                priority: analysis.as_ref().map(|a| a.priority).unwrap_or(0),
-                size: demand,
-            },
+            Outcome::NoEndpoints => Decision::NoEndpoints,
+            Outcome::NoCapacity { priority, size } => Decision::NoCapacity { priority, size },
         }
     }
 
-    /// Set the routing header and reserve `tokens` of KV demand and `prefill_tokens` of
-    /// pending prefill. Returns the reservation (none when the shared table could not be
-    /// updated: routing still proceeds, counted as fail-open).
-    #[allow(clippy::too_many_arguments)]
-    pub fn apply_route<H: Host>(
-        &mut self,
-        host: &H,
-        header: &str,
-        value: &str,
-        endpoint: &str,
-        tokens: u64,
-        prefill_tokens: u64,
-        reason: &str,
-    ) -> Option<Held> {
-        host.set_request_header(header, Some(value));
+    /// Apply a routed decision, the one place this happens: set the routing header (and the
+    /// debug header), clear the route cache, and reserve the route's KV demand and pending
+    /// prefill in the shared in-flight table. Returns the reservation (none when the shared
+    /// table could not be updated: routing still proceeds, counted as fail-open).
+    pub fn apply_route<H: Host>(&mut self, host: &H, routed: &Routed) -> Option<Held> {
+        host.set_request_header(&routed.header, Some(&routed.value));
         if self.config.debug_header {
-            host.set_request_header(DECISION_HEADER, Some(reason));
+            host.set_request_header(DECISION_HEADER, Some(&routed.reason));
         }
         host.clear_route_cache();
         let id = self.next_id();
+        let r = &routed.route;
+        let (endpoint, tokens, prefill_tokens) =
+            (r.endpoint.as_str(), r.reserve_tokens, r.prefill_tokens);
         let (now, ttl, max) = (
             host.now_ms(),
             self.config.reservation_ttl_ms,
@@ -468,37 +328,11 @@ impl Worker {
         }
     }
 
-    /// Learn from a response's `usage`: per-model calibration (EWMA of actual / estimated
-    /// prompt tokens) and the estimate-error metric.
+    /// Learn from a response's `usage`: the router's per-model calibration, and the
+    /// estimate-error metric.
     pub fn observe_usage<H: Host>(&mut self, host: &H, facts: &RequestFacts, actual_prompt: u64) {
-        if facts.exact || facts.prompt_tokens == 0 || actual_prompt == 0 {
-            return;
-        }
-        let est = facts.prompt_tokens as f64;
-        let act = actual_prompt as f64;
-        let err_pct = ((act - est).abs() * 100.0 / act).round();
-        if err_pct.is_finite() && err_pct >= 0.0 {
-            host.metric_record(
-                MetricKind::Histogram,
-                metric::ESTIMATE_ERROR_PCT,
-                err_pct as u64,
-            );
-        }
-        if !self.config.calibrate {
-            return;
-        }
-        let Some(model) = facts.model.as_deref() else {
-            return;
-        };
-        let old = self.estimator.calibration(Some(model));
-        let target = old * act / est;
-        let new = (old + CALIBRATION_ALPHA * (target - old))
-            .clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1);
-        if new.is_finite() {
-            self.estimator
-                .config
-                .calibration
-                .insert(model.to_owned(), new);
+        if let Some(err_pct) = self.router.observe_usage(facts, actual_prompt) {
+            host.metric_record(MetricKind::Histogram, metric::ESTIMATE_ERROR_PCT, err_pct);
         }
     }
 }
@@ -536,26 +370,11 @@ impl Worker {
             let body = (!p.body.is_empty()).then_some(p.body.as_slice());
             match self.decide(host, &p.path, body) {
                 Decision::NoCapacity { .. } => break,
-                Decision::Route {
-                    header,
-                    value,
-                    endpoint,
-                    tokens,
-                    prefill_tokens,
-                    reason,
-                    facts,
-                } => {
+                Decision::Route(routed) => {
                     self.admission.pop();
-                    if let Some(held) = self.apply_route(
-                        host,
-                        &header,
-                        &value,
-                        &endpoint,
-                        tokens,
-                        prefill_tokens,
-                        &reason,
-                    ) {
-                        self.resumed.insert(p.context_id, (held, facts, now));
+                    if let Some(held) = self.apply_route(host, &routed) {
+                        self.resumed
+                            .insert(p.context_id, (held, routed.route.facts.clone(), now));
                     }
                     host.resume_request();
                     resumed += 1;
@@ -586,33 +405,11 @@ impl Worker {
     }
 }
 
-/// Drain snapshot bytes dequeued from the shared queue: publish each (newer versions only).
-pub fn consume_snapshots<H: Host>(host: &H, items: Vec<Vec<u8>>) {
-    for bytes in items {
-        match shared::publish_snapshot(host, &bytes) {
-            Ok(shared::Published::Published(v)) => {
-                host.metric_add(MetricKind::Counter, metric::SNAPSHOTS_PUBLISHED, 1);
-                host.log(Level::Debug, &format!("kvroute: snapshot {v} published"));
-            }
-            Ok(shared::Published::Ignored { offered, current }) => {
-                host.metric_add(MetricKind::Counter, metric::SNAPSHOTS_STALE, 1);
-                host.log(
-                    Level::Info,
-                    &format!("kvroute: snapshot {offered} ignored (current {current})"),
-                );
-            }
-            Err(e) => host.log(
-                Level::Warn,
-                &format!("kvroute: snapshot not published: {e}"),
-            ),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::host::mock::MockHost;
+    use kvroute_core::inflight::InFlight;
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
     pub(crate) fn endpoint(i: usize, now: u64) -> EndpointStats {
@@ -652,9 +449,24 @@ mod tests {
     fn reserve_and_release_exactly_once() {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
-        let held = w
-            .apply_route(&h, "x-kvroute-cluster", "c1", "pool/e1", 500, 300, "r")
-            .unwrap();
+        let routed = Routed {
+            header: "x-kvroute-cluster".into(),
+            value: "c1".into(),
+            reason: "r".into(),
+            route: Route {
+                primary: 1,
+                endpoint: "pool/e1".into(),
+                fallbacks: vec![],
+                reserve_tokens: 500,
+                prefill_tokens: 300,
+                policy: kvroute_core::picker::PolicyKind::Hybrid,
+                reason: PickReason::Policy,
+                demand_over_capacity: false,
+                class: None,
+                facts: RequestFacts::default(),
+            },
+        };
+        let held = w.apply_route(&h, &routed).unwrap();
         assert_eq!(h.header("x-kvroute-cluster").as_deref(), Some("c1"));
         assert_eq!(*h.route_clears.borrow(), 1);
         assert_eq!(
@@ -689,16 +501,17 @@ mod tests {
             model: Some("m".into()),
             prompt_tokens: 100,
             exact: false,
+            predicted_work_tokens: 0.0,
         };
         w.observe_usage(&h, &facts, 200);
-        let f = w.estimator.calibration(Some("m"));
+        let f = w.estimator().calibration(Some("m"));
         assert!((f - 1.1).abs() < 1e-9, "{f}");
         let exact = RequestFacts {
             exact: true,
             ..facts
         };
         w.observe_usage(&h, &exact, 10_000);
-        assert!((w.estimator.calibration(Some("m")) - 1.1).abs() < 1e-9);
+        assert!((w.estimator().calibration(Some("m")) - 1.1).abs() < 1e-9);
     }
 
     #[test]
@@ -713,7 +526,7 @@ mod tests {
         for _ in 0..2 {
             assert!(matches!(
                 w.decide(&h, "/v1/completions", Some(body.as_bytes())),
-                Decision::Route { .. }
+                Decision::Route(_)
             ));
         }
         assert_eq!(w.prefix_blocks("pool/e0"), 10);
@@ -733,6 +546,41 @@ mod tests {
     }
 
     #[test]
+    fn decision_reason_names_endpoint_and_load_only_cause() {
+        let h = MockHost::new(1000);
+        let snap = Snapshot::new(1, 1000, vec![endpoint(0, 1000)]);
+        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        let mut w = worker(r#"{"debug_header":true}"#);
+        let reason = |d: Decision| match d {
+            Decision::Route(r) => r.reason,
+            d => panic!("unexpected {d:?}"),
+        };
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(
+            reason(w.decide(&h, "/v1/chat/completions", Some(body))),
+            "policy:hybrid;endpoint=pool/e0"
+        );
+        assert_eq!(
+            reason(w.decide(&h, "/v1/chat/completions", Some(b"{\"model\":"))),
+            "policy:hybrid;endpoint=pool/e0;load_only=unparsable"
+        );
+        assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
+        let r = w.decide(&h, "/v1/chat/completions", None);
+        let Decision::Route(r) = r else {
+            panic!("not routed")
+        };
+        assert_eq!(
+            r.reason,
+            "policy:hybrid;endpoint=pool/e0;load_only=body_not_read"
+        );
+        w.apply_route(&h, &r).unwrap();
+        assert_eq!(
+            h.header(DECISION_HEADER).as_deref(),
+            Some(r.reason.as_str())
+        );
+    }
+
+    #[test]
     fn endpoint_mode_header_lists_fallbacks() {
         let h = MockHost::new(1000);
         let snap = Snapshot::new(1, 1000, (0..3).map(|i| endpoint(i, 1000)).collect());
@@ -740,8 +588,9 @@ mod tests {
         let mut w =
             worker(r#"{"mode":"endpoint","picker":{"policy":"round_robin","max_fallbacks":2}}"#);
         match w.decide(&h, "/v1/models", None) {
-            Decision::Route { header, value, .. } => {
-                assert_eq!(header, "x-gateway-destination-endpoint");
+            Decision::Route(r) => {
+                assert_eq!(r.header, "x-gateway-destination-endpoint");
+                let value = r.value;
                 let parts: Vec<&str> = value.split(',').collect();
                 assert_eq!(parts.len(), 3, "{value}");
                 for p in parts {

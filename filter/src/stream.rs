@@ -16,13 +16,11 @@
 //! estimator. `on_done` releases too, so client resets and upstream errors release; a
 //! reservation is released exactly once ([`Option::take`]).
 //!
-//! Role `ingest`: see [`crate::ingest`]; every request is answered locally.
+//! Role `ingest` has its own stream type: [`crate::ingest::IngestStream`].
 
-use crate::config::Role;
 use crate::host::{Host, Level, MetricKind};
-use crate::ingest;
 use crate::names::{metric, DECISION_HEADER};
-use crate::router::{Decision, Held, Parked, RequestFacts, Worker};
+use crate::router::{Decision, Held, Parked, RequestFacts, Routed, Worker};
 use kvroute_core::usage::{self, SseUsageScanner};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -88,10 +86,6 @@ impl Stream {
         }
     }
 
-    fn role(&self) -> Role {
-        self.worker.borrow().config.role
-    }
-
     fn reply<H: Host>(&mut self, host: &H, status: u32, body: &str, extra: &[(&str, &str)]) {
         if self.replied {
             return;
@@ -108,34 +102,12 @@ impl Stream {
     /// Request headers arrived.
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
         self.path = host.request_header(":path").unwrap_or_default();
-        if self.role() == Role::Ingest {
-            let reply = {
-                let w = self.worker.borrow();
-                ingest::check_headers(
-                    &w.config,
-                    host.request_header(":method").as_deref(),
-                    Some(&self.path),
-                    host.request_header("authorization").as_deref(),
-                    host.request_header("content-length").as_deref(),
-                )
-            };
-            if let Some(r) = reply {
-                host.metric_add(MetricKind::Counter, metric::INGEST_REJECTED, 1);
-                self.reply(host, r.status, &r.body, &[]);
-                return Flow::Pause;
-            }
-            if end_of_stream {
-                return self.finish_ingest(host, &[]);
-            }
-            return Flow::Pause;
-        }
-        let (ch, eh, max, encoded_ok) = {
+        let (ch, eh, max) = {
             let w = self.worker.borrow();
             (
                 w.config.cluster_header.clone(),
                 w.config.endpoint_header.clone(),
                 w.config.max_body_bytes,
-                false,
             )
         };
         // A client must not choose its own backend.
@@ -150,7 +122,7 @@ impl Stream {
             .request_header("content-length")
             .and_then(|l| l.trim().parse::<u64>().ok())
             .is_some_and(|l| l > max as u64);
-        if end_of_stream || upgrade || (encoded && !encoded_ok) || too_big {
+        if end_of_stream || upgrade || encoded || too_big {
             return self.decide(host, None);
         }
         Flow::Pause
@@ -169,20 +141,6 @@ impl Stream {
             return Flow::Pause;
         }
         self.body_len = buffered;
-        if self.role() == Role::Ingest {
-            let max = self.worker.borrow().config.ingest_max_bytes;
-            if buffered > max {
-                let r = ingest::too_large(&self.worker.borrow().config);
-                host.metric_add(MetricKind::Counter, metric::INGEST_REJECTED, 1);
-                self.reply(host, r.status, &r.body, &[]);
-                return Flow::Pause;
-            }
-            if !end_of_stream {
-                return Flow::Pause;
-            }
-            let body = host.request_body(buffered).unwrap_or_default();
-            return self.finish_ingest(host, &body);
-        }
         if self.decided {
             return Flow::Continue;
         }
@@ -207,46 +165,11 @@ impl Stream {
         if self.replied || self.queued {
             return Flow::Pause;
         }
-        let body = host.request_body(self.body_len).unwrap_or_default();
-        if self.role() == Role::Ingest {
-            return self.finish_ingest(host, &body);
-        }
         if self.decided {
             return Flow::Continue;
         }
+        let body = host.request_body(self.body_len).unwrap_or_default();
         self.decide(host, Some(&body))
-    }
-
-    fn finish_ingest<H: Host>(&mut self, host: &H, body: &[u8]) -> Flow {
-        let (check, vm_id, queue) = {
-            let w = self.worker.borrow();
-            (
-                ingest::check_body(&w.config, body),
-                w.config.vm_id.clone(),
-                w.config.queue_name.clone(),
-            )
-        };
-        let r = match check {
-            Err(r) => {
-                host.metric_add(MetricKind::Counter, metric::INGEST_REJECTED, 1);
-                r
-            }
-            Ok(()) => match host.enqueue(&vm_id, &queue, body) {
-                Ok(()) => {
-                    host.metric_add(MetricKind::Counter, metric::INGEST_ACCEPTED, 1);
-                    ingest::accepted()
-                }
-                Err(e) => {
-                    host.log(
-                        Level::Error,
-                        &format!("kvroute: ingest enqueue failed: {e}"),
-                    );
-                    ingest::queue_unavailable()
-                }
-            },
-        };
-        self.reply(host, r.status, &r.body, &[]);
-        Flow::Pause
     }
 
     fn decide<H: Host>(&mut self, host: &H, body: Option<&[u8]>) -> Flow {
@@ -268,25 +191,10 @@ impl Stream {
             (w.config.fail_open, w.config.admission.clone())
         };
         match decision {
-            Decision::Route {
-                header,
-                value,
-                endpoint,
-                tokens,
-                prefill_tokens,
-                reason,
-                facts,
-            } => {
-                self.held = self.worker.borrow_mut().apply_route(
-                    host,
-                    &header,
-                    &value,
-                    &endpoint,
-                    tokens,
-                    prefill_tokens,
-                    &reason,
-                );
-                self.facts = facts;
+            Decision::Route(routed) => {
+                self.held = self.worker.borrow_mut().apply_route(host, &routed);
+                let Routed { reason, route, .. } = *routed;
+                self.facts = route.facts;
                 self.reason = reason;
                 self.decided_at_ms = host.now_ms();
                 Flow::Continue
@@ -341,7 +249,7 @@ impl Stream {
 
     /// Response headers arrived.
     pub fn on_response_headers<H: Host>(&mut self, host: &H) -> Flow {
-        if self.role() == Role::Ingest || self.replied {
+        if self.replied {
             return Flow::Continue;
         }
         self.adopt_resumed(host);
@@ -684,7 +592,7 @@ mod tests {
         *r.resp_chunk.borrow_mut() = b.to_vec();
         s.on_response_body(&r, b.len(), true);
         assert_eq!(held(&h), 0);
-        let f = w.borrow().estimator.calibration(Some("m"));
+        let f = w.borrow().estimator().calibration(Some("m"));
         assert!((f - 1.1).abs() < 1e-9, "calibration {f}");
         assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 1);
         s.on_done(&r);
@@ -705,58 +613,7 @@ mod tests {
         *r.resp_chunk.borrow_mut() = body.clone().into_bytes();
         s.on_response_body(&r, body.len(), true);
         assert_eq!(held(&h), 0);
-        assert!((w.borrow().estimator.calibration(Some("m")) - 1.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn ingest_role_answers_locally() {
-        let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":4096}"#;
-        let (h, w) = setup(cfg, vec![]);
-        let snap = Snapshot::new(3, NOW, vec![ep(0, 0.1)]).encode();
-        let ok = h
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer 0123456789abcdef")
-            .with_body(&snap);
-        let mut s = Stream::new(w.clone(), 2);
-        assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
-        assert_eq!(s.on_request_body(&ok, snap.len(), true), Flow::Pause);
-        assert_eq!(ok.replies()[0].status, 204);
-        let queued = h
-            .shared
-            .borrow()
-            .queues
-            .get("kvroute.snapshots")
-            .cloned()
-            .unwrap();
-        assert_eq!(queued, vec![snap.clone()]);
-        // The consumer publishes it.
-        crate::router::consume_snapshots(&h, queued);
-        assert_eq!(shared::current_version(&h).unwrap(), Some(3));
-
-        let bad = h
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer nope");
-        let mut s = Stream::new(w.clone(), 3);
-        assert_eq!(s.on_request_headers(&bad, false), Flow::Pause);
-        assert_eq!(bad.replies()[0].status, 401);
-        assert_eq!(s.on_request_body(&bad, 10, true), Flow::Pause);
-        assert_eq!(bad.replies().len(), 1, "one reply only");
-
-        let big = ok
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer 0123456789abcdef");
-        let mut s = Stream::new(w, 4);
-        s.on_request_headers(&big, false);
-        assert_eq!(s.on_request_body(&big, 5000, false), Flow::Pause);
-        assert_eq!(big.replies()[0].status, 413);
-        assert_eq!(h.metric(metric::INGEST_ACCEPTED), 1);
-        assert_eq!(h.metric(metric::INGEST_REJECTED), 2);
+        assert!((w.borrow().estimator().calibration(Some("m")) - 1.0).abs() < 1e-9);
     }
 
     #[test]
@@ -875,22 +732,6 @@ mod tests {
         );
         s.on_done(&r);
         assert_eq!(held(&h), 0);
-
-        // Ingest role: trailers end the snapshot upload too.
-        let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef"}"#;
-        let (h, w) = setup(cfg, vec![]);
-        let snap = Snapshot::new(3, NOW, vec![ep(0, 0.1)]).encode();
-        let ok = h
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer 0123456789abcdef")
-            .with_body(&snap);
-        let mut s = Stream::new(w, 3);
-        assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
-        assert_eq!(s.on_request_body(&ok, snap.len(), false), Flow::Pause);
-        assert_eq!(s.on_request_trailers(&ok), Flow::Pause);
-        assert_eq!(ok.replies()[0].status, 204);
     }
 
     /// A request parked in the admission queue after its body passed `max_body_bytes` must

@@ -1,10 +1,13 @@
 //! proxy-wasm glue: the real [`Host`] over the SDK's host calls, and the root and HTTP
-//! contexts that delegate to [`crate::stream::Stream`] and [`crate::router::Worker`].
+//! contexts that delegate to [`crate::stream::Stream`] and [`crate::router::Worker`] (role
+//! `route`) or to [`crate::ingest::IngestStream`] and [`crate::ingest::consume_snapshots`]
+//! (role `ingest`).
 //! Compiled for `wasm32` only; everything it calls is unit-tested natively with the mock.
 
 use crate::config::{Config, Role};
 use crate::host::{Host, HostError, Level, MetricKind};
-use crate::router::{consume_snapshots, Worker};
+use crate::ingest::{consume_snapshots, IngestStream};
+use crate::router::Worker;
 use crate::stream::{Flow, Stream};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -143,11 +146,19 @@ fn action(f: Flow) -> Action {
     }
 }
 
-/// Root context: parses config, owns the worker state, consumes the snapshot queue
-/// (role `ingest`) and runs the admission tick (role `route` with admission on).
+/// What a configured root context serves.
+enum Serving {
+    /// Role `route`: the worker state shared with its HTTP contexts.
+    Route(Rc<RefCell<Worker>>),
+    /// Role `ingest`: the configuration its HTTP contexts check uploads against.
+    Ingest(Rc<Config>),
+}
+
+/// Root context: parses config, owns the worker state (role `route`) and runs its admission
+/// tick, or consumes the snapshot queue (role `ingest`).
 struct Root {
     context_id: u32,
-    worker: Option<Rc<RefCell<Worker>>>,
+    serving: Option<Serving>,
     queue: Option<u32>,
 }
 
@@ -174,11 +185,30 @@ impl RootContext for Root {
                 .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
                 .map(|d| u64::from(d.subsec_nanos()))
                 .unwrap_or(0);
-        let (role, queue, tick) = (
-            config.role,
-            config.queue_name.clone(),
-            config.admission.enabled.then_some(config.admission.tick_ms),
-        );
+        if let Err(e) = crate::shared::ensure_keys(&host) {
+            host.log(
+                Level::Warn,
+                &format!("kvroute: shared keys not created: {e}"),
+            );
+        }
+        if config.role == Role::Ingest {
+            match hostcalls::register_shared_queue(&config.queue_name) {
+                Ok(id) => self.queue = Some(id),
+                Err(e) => {
+                    host.log(
+                        Level::Error,
+                        &format!(
+                            "kvroute: cannot register queue {}: {e:?}",
+                            config.queue_name
+                        ),
+                    );
+                    return false;
+                }
+            }
+            self.serving = Some(Serving::Ingest(Rc::new(config)));
+            return true;
+        }
+        let tick = config.admission.enabled.then_some(config.admission.tick_ms);
         let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
             Err(e) => {
@@ -186,12 +216,6 @@ impl RootContext for Root {
                 return false;
             }
         };
-        if let Err(e) = crate::shared::ensure_keys(&host) {
-            host.log(
-                Level::Warn,
-                &format!("kvroute: shared keys not created: {e}"),
-            );
-        }
         match crate::shared::next_worker_number(&host) {
             Ok(n) => worker.set_worker_number(n),
             Err(e) => host.log(
@@ -199,22 +223,10 @@ impl RootContext for Root {
                 &format!("kvroute: no worker number (random reservation ids): {e}"),
             ),
         }
-        if role == Role::Ingest {
-            match hostcalls::register_shared_queue(&queue) {
-                Ok(id) => self.queue = Some(id),
-                Err(e) => {
-                    host.log(
-                        Level::Error,
-                        &format!("kvroute: cannot register queue {queue}: {e:?}"),
-                    );
-                    return false;
-                }
-            }
-        }
         if let Some(ms) = tick {
             let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
         }
-        self.worker = Some(Rc::new(RefCell::new(worker)));
+        self.serving = Some(Serving::Route(Rc::new(RefCell::new(worker))));
         true
     }
 
@@ -227,16 +239,20 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let Some(w) = &self.worker {
+        if let Some(Serving::Route(w)) = &self.serving {
             w.borrow_mut().tick(&ProxyHost);
         }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let worker = self.worker.clone()?;
-        Some(Box::new(Http {
-            stream: Stream::new(worker, context_id),
-        }))
+        match self.serving.as_ref()? {
+            Serving::Route(w) => Some(Box::new(Http {
+                stream: Stream::new(w.clone(), context_id),
+            })),
+            Serving::Ingest(c) => Some(Box::new(Ingest {
+                stream: IngestStream::new(c.clone()),
+            })),
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -277,6 +293,32 @@ impl HttpContext for Http {
     }
     fn on_log(&mut self) {
         self.stream.on_done(&ProxyHost);
+        // Pages of 64 KiB; one instruction, no host call besides the gauge.
+        let bytes = core::arch::wasm32::memory_size::<0>().saturating_mul(65_536);
+        ProxyHost.metric_record(
+            MetricKind::Gauge,
+            crate::names::metric::WASM_MEMORY_BYTES,
+            u64::try_from(bytes).unwrap_or(u64::MAX),
+        );
+    }
+}
+
+/// HTTP context of the ingest listener: a thin shell over [`IngestStream`].
+struct Ingest {
+    stream: IngestStream,
+}
+
+impl Context for Ingest {}
+
+impl HttpContext for Ingest {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_request_headers(&ProxyHost, end_of_stream))
+    }
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_request_body(&ProxyHost, size, end_of_stream))
+    }
+    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        action(self.stream.on_request_trailers(&ProxyHost))
     }
 }
 
@@ -291,7 +333,7 @@ mod entry {
             );
         }));
         proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-            Box::new(super::Root { context_id, worker: None, queue: None })
+            Box::new(super::Root { context_id, serving: None, queue: None })
         });
     }}
 }

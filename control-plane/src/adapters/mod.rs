@@ -299,7 +299,7 @@ pub fn extract(
     stats.kv_capacity_tokens = stats.kv_capacity_tokens.filter(|c| *c > 0);
     stats
         .lora_adapters
-        .retain(|n| !n.chars().any(char::is_control));
+        .retain(|n| kvroute_core::snapshot::check_label(n).is_ok());
     if stats.process_start_ms.is_none() {
         stats.process_start_ms = expo
             .family(PROCESS_START)

@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+pub mod fake_kube;
+
 /// What the fake model server answers on `/metrics`.
 #[derive(Clone, Debug)]
 pub enum Behavior {
@@ -31,7 +33,7 @@ pub enum Behavior {
     Status(u16),
 }
 
-type Handler =
+pub type Handler =
     Arc<dyn Fn(http::Method, String, Bytes, Option<String>) -> (u16, Bytes) + Send + Sync>;
 
 /// A stoppable hyper server.
@@ -41,7 +43,7 @@ pub struct Server {
 }
 
 impl Server {
-    async fn start_on(
+    pub async fn start_on(
         addr: SocketAddr,
         handler: Handler,
         hang: Arc<Mutex<bool>>,

@@ -29,6 +29,7 @@
 //! (the fallback vector and class name).
 
 use crate::analysis::ApiKind;
+pub use crate::inflight::InFlight;
 use crate::prefill_rate::PrefillRates;
 use crate::snapshot::{EndpointStats, Snapshot};
 
@@ -186,30 +187,6 @@ impl Default for PickerConfig {
             latency: LatencyConfig::default(),
         }
     }
-}
-
-/// Router-local load on one endpoint.
-///
-/// `requests` and `tokens` cover only what the snapshot does not show yet (reservations made
-/// since that endpoint's scrape); `prefill_tokens` covers every in-flight request the router
-/// sent there that has not produced its first token, whatever the scrape age, because no
-/// model-server metric reports queued prompt *tokens*.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-pub struct InFlight {
-    /// Requests sent and not yet finished.
-    pub requests: u32,
-    /// Their reserved KV demand, tokens.
-    pub tokens: u64,
-    /// Pending prefill, tokens: Σ over the router's requests on this endpoint without a first
-    /// token yet of (estimated prompt tokens − prefix tokens expected cached there), as
-    /// recorded by [`crate::inflight::InflightTable::reserve_with_prefill`]. This is the
-    /// prefill half of NVIDIA Dynamo's router-side active-sequence accounting: its
-    /// `ActiveSequences` (`lib/llm/src/kv_router/sequence.rs`) records per request
-    /// `isl − overlap × block_size` prefill tokens at `add_request` and drops them at
-    /// `mark_prefill_completed` or `free` ("Potential New Prefill Blocks" in
-    /// <https://docs.nvidia.com/dynamo/design-docs/router-design>).
-    #[serde(default)]
-    pub prefill_tokens: u64,
 }
 
 /// Prompt tokens of a request that an endpoint is expected to compute, in tokens:

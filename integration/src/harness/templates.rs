@@ -77,3 +77,13 @@ pub fn original_dst_cluster(header: &str) -> String {
         "  - name: pool\n    type: ORIGINAL_DST\n    lb_policy: CLUSTER_PROVIDED\n    connect_timeout: 1s\n    original_dst_lb_config:\n      use_http_header: true\n      http_header_name: {header}\n"
     )
 }
+
+/// Benchmark floor (`make bench-overhead`): the plain listener plus the trivial body-buffering
+/// filter of `bench/floor-filter` (placeholders `LISTEN_PORT`, `BUFFER_LIMIT`, `WASM`,
+/// `DEFAULT_CLUSTER`, `CLUSTERS`).
+pub const FLOOR: &str = include_str!("templates/floor.yaml");
+
+/// Benchmark backend (`make bench-overhead`): Envoy reading each request body whole, then
+/// answering `REPLY` (JSON, no single quotes) itself (placeholders `LISTEN_PORT`,
+/// `BUFFER_LIMIT`, `REPLY`).
+pub const DIRECT_RESPONSE: &str = include_str!("templates/direct_response.yaml");

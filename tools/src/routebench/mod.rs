@@ -25,13 +25,19 @@
 //!   baselines get their own router-local in-flight counts. Each reservation also carries
 //!   the request's pending prefill (prompt tokens minus those the router's own prefix index
 //!   expects cached on the chosen replica), zeroed at the request's first token (the filter
-//!   does this on the first response bytes). Reservations are released on the request's
+//!   does this on the first response bytes), when the router also learns prefill throughput
+//!   from the route's predicted work and the measured TTFT
+//!   ([`kvroute_core::router::Router::observe_first_token`]). Reservations are released on the request's
 //!   last token (stream end).
-//! - kvroute policies go through [`Picker::pick`] with a [`PrefixIndex`] fed exactly as the
-//!   filter feeds it (match before the pick, record for the chosen endpoint); capacity is
-//!   the replica's KV capacity in 512-token blocks. A `NoCapacity` answer (the gateway's
-//!   429) sends the request to the replica with the fewest in-flight requests and counts
-//!   it in [`RouterReport::overflow`], so every router serves every row.
+//! - kvroute policies go through the filter's own pipeline, [`kvroute_core::router::Router`]
+//!   ([`kvroute_router`]): the row becomes a request of `input_length` exact prompt tokens
+//!   and no output limit (a router cannot know the output length), KV demand from the
+//!   router's learned output lengths ([`kvroute_core::router::Router::observe_output`], fed
+//!   with each finished row's usage) or the model's profile until enough were seen, the
+//!   prefix index matched before the pick and recorded for the chosen endpoint;
+//!   the index holds the replica's KV capacity in 512-token blocks. A `NoCapacity` answer
+//!   (the gateway's 429) sends the request to the replica with the fewest in-flight requests
+//!   and counts it in [`RouterReport::overflow`], so every router serves every row.
 //! - Trace `hash_ids` (one per 512-token block) become router block hashes by chaining
 //!   xxh64 ([`chain_ids`]); engines key their prefix cache with
 //!   [`kvroute_sim::api::id_block_hashes`], as `kvroute-sim` does.
@@ -58,12 +64,8 @@ use std::collections::VecDeque;
 
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::inflight::InflightTable;
-use kvroute_core::output_len::OutputLengths;
-use kvroute_core::picker::{
-    uncached_prompt_tokens, InFlight, PickInput, PickOutcome, PickRequest, Picker, PickerConfig,
-    PolicyKind,
-};
-use kvroute_core::prefix::PrefixIndex;
+use kvroute_core::picker::{PickerConfig, PolicyKind};
+use kvroute_core::router::{Outcome, RequestInfo, RouterConfig};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
 use baselines::dynamo::DynamoWorker;
@@ -106,7 +108,8 @@ pub enum RouterKind {
     DynamoKv,
     /// [`baselines::Oracle`].
     Oracle,
-    /// A kvroute picker policy through the real [`Picker`] (`Hybrid` is the default).
+    /// A kvroute picker policy through the filter's pipeline,
+    /// [`kvroute_core::router::Router`] (`Hybrid` is the default).
     Kvroute(PolicyKind),
 }
 
@@ -283,12 +286,7 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 enum Router {
-    Kv {
-        picker: Picker,
-        index: PrefixIndex,
-        /// Learned output lengths (kvroute-core), fed with each finished request's usage.
-        outputs: OutputLengths,
-    },
+    Kv(Box<kvroute_core::router::Router>),
     Rr(RoundRobin),
     Lr(LeastRequest),
     Llmd(LlmdEpp),
@@ -519,41 +517,34 @@ fn cached_blocks(e: &Engine, engine_hashes: &[u64]) -> u32 {
     u32::try_from(e.pool().lookup(engine_hashes).len()).unwrap_or(u32::MAX)
 }
 
-fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> Router {
+/// The core routing pipeline ([`kvroute_core::router::Router`], the filter's) as the
+/// benchmark configures it for `policy`: `cfg.picker` with that policy, default estimator,
+/// prefix hashing and model profiles, and a prefix index holding one replica's KV capacity
+/// in [`TRACE_BLOCK_TOKENS`]-token blocks. An invalid `cfg.picker` falls back to the default
+/// picker configuration; `None` only if that fails too.
+pub fn kvroute_router(
+    policy: PolicyKind,
+    engine: &EngineConfig,
+    cfg: &BenchConfig,
+) -> Option<kvroute_core::router::Router> {
     let cap_tokens = u64::from(engine.num_gpu_blocks) * u64::from(engine.block_size);
+    let config = |picker: PickerConfig| RouterConfig {
+        picker: PickerConfig { policy, ..picker },
+        prefix_index_blocks: usize::try_from(cap_tokens / u64::from(TRACE_BLOCK_TOKENS))
+            .unwrap_or(1),
+        ..RouterConfig::default()
+    };
+    kvroute_core::router::Router::new(config(cfg.picker.clone()), cfg.seed)
+        .or_else(|_| kvroute_core::router::Router::new(config(PickerConfig::default()), cfg.seed))
+        .ok()
+}
+
+fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> Router {
     match kind {
-        RouterKind::Kvroute(policy) => {
-            let pc = PickerConfig {
-                policy,
-                ..cfg.picker.clone()
-            };
-            let index = PrefixIndex::new(
-                usize::try_from(cap_tokens / u64::from(TRACE_BLOCK_TOKENS)).unwrap_or(1),
-            );
-            let outputs = OutputLengths::new();
-            match Picker::new(pc, cfg.seed) {
-                Ok(picker) => Router::Kv {
-                    picker,
-                    index,
-                    outputs,
-                },
-                // An invalid tuning config falls back to the default one rather than panic.
-                Err(_) => match Picker::new(
-                    PickerConfig {
-                        policy,
-                        ..PickerConfig::default()
-                    },
-                    cfg.seed,
-                ) {
-                    Ok(picker) => Router::Kv {
-                        picker,
-                        index,
-                        outputs,
-                    },
-                    Err(_) => Router::Lr(LeastRequest),
-                },
-            }
-        }
+        RouterKind::Kvroute(policy) => match kvroute_router(policy, engine, cfg) {
+            Some(r) => Router::Kv(Box::new(r)),
+            None => Router::Lr(LeastRequest),
+        },
         RouterKind::RoundRobin => Router::Rr(RoundRobin::new()),
         RouterKind::LeastRequest => Router::Lr(LeastRequest),
         RouterKind::LlmdEpp => Router::Llmd(LlmdEpp::new(cfg.seed)),
@@ -571,23 +562,18 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
 fn feed(router: &mut Router, st: &mut State, model: &str, ids: &[String]) {
     let firsts = std::mem::take(&mut st.first_tokens);
     let done = std::mem::take(&mut st.finished_ids);
-    let Router::Kv {
-        picker, outputs, ..
-    } = router
-    else {
+    let Router::Kv(router) = router else {
         return;
     };
     for (id, k, ttft) in firsts {
         let (Some(r), Some(ep)) = (st.reqs.get(id as usize), ids.get(k)) else {
             continue;
         };
-        picker
-            .prefill_rates_mut()
-            .observe(ep, r.predicted_work, ttft);
+        router.observe_first_token(ep, r.predicted_work, ttft);
     }
     for id in done {
         if let Some(r) = st.reqs.get(id as usize) {
-            outputs.observe(
+            router.observe_output(
                 model,
                 ApiKind::Completions,
                 u64::from(r.prompt),
@@ -597,23 +583,8 @@ fn feed(router: &mut Router, st: &mut State, model: &str, ids: &[String]) {
     }
 }
 
-/// KV demand the kvroute router assumes for a request: prompt plus the learned median
-/// output for its prompt length, or the model profile's rule (half of the 1 024-token
-/// default limit) until enough responses were seen.
-fn expected_output(outputs: &OutputLengths, model: &str, prompt: u32) -> u64 {
-    outputs
-        .predict(
-            model,
-            ApiKind::Completions,
-            u64::from(prompt),
-            None,
-            OUTPUT_QUANTILE,
-        )
-        .unwrap_or(PROFILE_EXPECTED_OUTPUT)
-}
-
-/// Output-length quantile kvroute reserves KV for (the median).
-pub const OUTPUT_QUANTILE: f64 = 0.5;
+/// Output-length quantile kvroute reserves KV for (the median; the core router's).
+pub use kvroute_core::router::OUTPUT_QUANTILE;
 /// The model profile's expected output without a limit: ⌈1 024 × 0.5⌉ tokens
 /// (`kvroute_core::profile`).
 pub const PROFILE_EXPECTED_OUTPUT: u64 = 512;
@@ -713,66 +684,43 @@ pub fn run_router(
             })
             .collect();
         let least_loaded = LeastRequest.pick(&views).unwrap_or(0);
-        // kvroute's pending-prefill estimate and predicted work for the chosen replica, and
-        // its KV reservation (set by the Kv arm).
+        // kvroute's reservation for the chosen replica (set by the Kv arm): KV demand and
+        // pending prefill, tokens, and the work its TTFT model predicted ahead of the first
+        // token (fed back with the measured TTFT).
+        let mut reserve = u64::from(prompt) + PROFILE_EXPECTED_OUTPUT;
         let mut prefill_estimate = 0u64;
         let mut predicted_work = 0.0f64;
-        let mut demand = u64::from(prompt) + PROFILE_EXPECTED_OUTPUT;
         // Pending prefill a baseline's router charges to the chosen replica.
         let mut prefill_charge = 0u64;
         let chosen = match &mut router {
-            Router::Kv {
-                picker,
-                index,
-                outputs,
-            } => {
-                let expected = expected_output(outputs, &cfg.model, prompt);
-                demand = u64::from(prompt) + expected;
-                let matches = index.match_snapshot(&hashes, &snap);
-                let unseen_map = st.table.unseen_totals(t_ms, |ep| {
-                    snap.endpoints
-                        .iter()
-                        .find(|e| e.id == ep)
-                        .map(|e| e.scraped_at_ms)
-                });
-                let unseen: Vec<InFlight> = snap
-                    .endpoints
-                    .iter()
-                    .map(|e| unseen_map.get(&e.id).copied().unwrap_or_default())
-                    .collect();
-                let input = PickInput {
-                    snapshot: &snap,
-                    inflight: &unseen,
-                    prefix_match_blocks: &matches,
-                    now_ms: t_ms,
-                };
-                let req = PickRequest {
-                    model: Some(&cfg.model),
+            Router::Kv(router) => {
+                let info = RequestInfo {
                     api: ApiKind::Completions,
+                    model: Some(cfg.model.clone()),
                     prompt_tokens: u64::from(prompt),
-                    output_limit: expected,
-                    demand_tokens: demand,
-                    prefix_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
+                    prompt_tokens_exact: true,
+                    // A trace row carries no output limit (the real output length is what the
+                    // engine generates, unknown to a router): KV demand comes from the learned
+                    // output lengths, or the model profile's rule until enough were seen.
+                    max_output_tokens: None,
+                    n: 1,
+                    priority: 0,
+                    prefix_hashes: hashes.clone(),
                 };
-                let k = match picker.pick(&input, &req) {
-                    PickOutcome::Picked(p) => p.primary,
-                    PickOutcome::NoCapacity | PickOutcome::NoEndpoints => {
+                match router.route_request(&snap, &st.table, &info, t_ms).outcome {
+                    Outcome::Route(r) => {
+                        prefill_estimate = r.prefill_tokens;
+                        reserve = r.reserve_tokens;
+                        predicted_work = r.facts.predicted_work_tokens;
+                        r.primary
+                    }
+                    Outcome::NoCapacity { .. } | Outcome::NoEndpoints => {
                         overflow += 1;
+                        prefill_estimate = u64::from(prompt);
+                        reserve = router.demand(&info).1.tokens;
                         least_loaded
                     }
-                };
-                if let Some(id) = ids.get(k) {
-                    index.record(id, &hashes);
                 }
-                prefill_estimate = uncached_prompt_tokens(
-                    u64::from(prompt),
-                    matches.get(k).copied().unwrap_or(0),
-                    req.prefix_blocks,
-                );
-                predicted_work = picker
-                    .predict_ttft(&input, &req, k)
-                    .map_or(0.0, |p| p.effective_tokens);
-                k
             }
             Router::Rr(p) => p.pick(n).unwrap_or(0),
             Router::Lr(p) => p.pick(&views).unwrap_or(0),
@@ -856,7 +804,7 @@ pub fn run_router(
             st.table.reserve_with_prefill(
                 i as u64,
                 id,
-                demand,
+                reserve,
                 prefill_estimate,
                 t_ms,
                 RESERVATION_TTL_MS,

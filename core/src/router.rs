@@ -1,0 +1,918 @@
+//! The routing pipeline: one [`Router`] turns a snapshot, the in-flight table and a request
+//! into a pure-data [`Decision`]. The filter, the routing benchmark and the core benchmark
+//! all call it; hosts only do I/O around it (shared data, headers, metrics, logs).
+//!
+//! One decision ([`Router::route`], or [`Router::route_request`] for a request already
+//! described, e.g. a trace row):
+//! 1. **Fleet view.** Work that depends only on the snapshot is done once per snapshot
+//!    (keyed by `version` and `generated_at_ms`), not per request: each endpoint's
+//!    `scraped_at_ms`, the largest KV capacity among the healthy endpoints serving each
+//!    model, and the reconciliation of the prefix index (endpoints that left the fleet or
+//!    restarted, i.e. whose `process_start_ms` changed, lose their prefix-affinity state:
+//!    their prefix cache is cold).
+//! 2. **Analysis.** The body is read by [`crate::analysis::analyze_bounded`] (the prefix
+//!    text rendered only as far as the hash chain can reach) into a [`RequestInfo`].
+//!    Without a body (not read by the host, not an inference API, or unparsable) the request
+//!    is routed by load alone ([`Basis::LoadOnly`]): zero prompt tokens, no model, no prefix.
+//! 3. **Demand.** KV demand in tokens from the model's profile
+//!    ([`crate::profile::ModelProfile::demand`]). A model without a profile gets the same
+//!    formula with the router's generic assumptions ([`generic_profile`]): output limit
+//!    [`DEFAULT_MAX_TOKENS`] (1,024) when the request sets none, of which
+//!    [`DEFAULT_EXPECTED_OUTPUT_FRACTION`] (0.5) is expected per choice, times `n`. The 512
+//!    expected tokens sit near the 90th percentile of generated tokens in the shared traces
+//!    (Azure conversation trace, Splitwise ISCA'24: p50 129 / p90 424; Mooncake FAST'25:
+//!    p50 350 / p90 597; see [`crate::profile`]), so known and unknown models share one rule
+//!    and one source.
+//! 4. **Pick.** Prefix blocks are matched in the per-router [`PrefixIndex`], in-flight load
+//!    is the table's [`InflightTable::unseen_totals`] (reservations the snapshot cannot
+//!    show yet, plus all pending prefill), and the configured [`Picker`] policy chooses.
+//! 5. **No capacity.** If no endpoint fits and the demand exceeds the whole KV capacity of
+//!    every healthy endpoint serving the model, the request can never fit: a 429 "retry
+//!    later" would never clear. It is re-picked by load (demand 0 in the pick) and its
+//!    reservation is capped at the chosen endpoint's capacity; the model server gives its
+//!    own answer (vLLM preempts, or rejects an output limit beyond `max_model_len`).
+//!    Otherwise the outcome is [`Outcome::NoCapacity`] (the host queues or answers 429).
+//! 6. **Result.** The chosen endpoint's pending prefill is the request's prompt minus the
+//!    prefix tokens the index expects cached there ([`uncached_prompt_tokens`]); the chain
+//!    is recorded for the chosen endpoint in the prefix index.
+//!
+//! **Calibration** ([`Router::observe_usage`]): the response's `usage.prompt_tokens`
+//! corrects the per-model estimate with an exponentially weighted moving average of
+//! actual / estimated, weight [`CALIBRATION_ALPHA`] (0.1: about the last 10 responses),
+//! clamped to [`CALIBRATION_RANGE`] (0.25..4: a tokenizer differs from the character-class
+//! estimate by well under ×4 on the shared prompts; a wider factor would mean a broken
+//! response, not a tokenizer). Exact counts (token-id prompts) are not calibrated.
+
+use std::collections::BTreeMap;
+
+use crate::analysis::{analyze_bounded, AnalysisError, ApiKind, RequestAnalysis};
+use crate::estimate::{Estimator, EstimatorConfig};
+use crate::inflight::InflightTable;
+use crate::output_len::OutputLengths;
+use crate::picker::{
+    uncached_prompt_tokens, ConfigError, InFlight, PickInput, PickOutcome, PickReason, PickRequest,
+    Picker, PickerConfig, PolicyKind,
+};
+use crate::prefill_rate::PrefillRates;
+use crate::prefix::{block_hashes, PrefixConfig, PrefixIndex, DEFAULT_INDEX_CAPACITY};
+use crate::profile::{
+    builtin_profiles, KvDemand, ModelProfile, ALIASES, DEFAULT_BLOCK_SIZE,
+    DEFAULT_EXPECTED_OUTPUT_FRACTION, DEFAULT_MAX_TOKENS,
+};
+use crate::snapshot::Snapshot;
+
+/// Output-length quantile the KV demand reserves for once output lengths were learned
+/// (the median; [`Router::observe_output`]).
+pub const OUTPUT_QUANTILE: f64 = 0.5;
+
+/// Calibration learning rate: EWMA weight of one observation (see the module doc).
+pub const CALIBRATION_ALPHA: f64 = 0.1;
+/// Calibration factor bounds, inclusive (see the module doc).
+pub const CALIBRATION_RANGE: (f64, f64) = (0.25, 4.0);
+
+/// Everything a [`Router`] is configured with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    /// Endpoint picker (policy, staleness, headroom, weights, classes, fallbacks).
+    pub picker: PickerConfig,
+    /// Token estimator (media allowances, initial per-model calibration).
+    pub estimator: EstimatorConfig,
+    /// Prefix hashing (block size in characters, max blocks).
+    pub prefix: PrefixConfig,
+    /// Blocks remembered per endpoint by the prefix index (default
+    /// [`DEFAULT_INDEX_CAPACITY`], 31,250: GIE's `DefaultLRUCapacityPerServer`).
+    pub prefix_index_blocks: usize,
+    /// Model profiles; they replace built-in profiles of the same name.
+    pub models: Vec<ModelProfile>,
+    /// Learn per-model calibration from response `usage` (default true).
+    pub calibrate: bool,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            picker: PickerConfig::default(),
+            estimator: EstimatorConfig::default(),
+            prefix: PrefixConfig::default(),
+            prefix_index_blocks: DEFAULT_INDEX_CAPACITY,
+            models: Vec::new(),
+            calibrate: true,
+        }
+    }
+}
+
+/// A request described for routing: what [`crate::analysis::analyze`] finds in a body,
+/// or what a trace row says. The default is an empty request of API
+/// [`ApiKind::Other`] with one choice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestInfo {
+    /// API of the request.
+    pub api: ApiKind,
+    /// Requested model (base model or LoRA adapter), if any.
+    pub model: Option<String>,
+    /// Estimated (or exact) prompt tokens.
+    pub prompt_tokens: u64,
+    /// Whether `prompt_tokens` is exact (token ids); exact counts are not calibrated.
+    pub prompt_tokens_exact: bool,
+    /// Output limit the request sets, tokens (per choice).
+    pub max_output_tokens: Option<u32>,
+    /// Choices (`n`; 0 counts as 1).
+    pub n: u32,
+    /// vLLM priority (lower is served first by the admission queue).
+    pub priority: i32,
+    /// Prefix block hashes (see [`crate::prefix`]).
+    pub prefix_hashes: Vec<u64>,
+}
+
+impl Default for RequestInfo {
+    fn default() -> Self {
+        Self {
+            api: ApiKind::Other,
+            model: None,
+            prompt_tokens: 0,
+            prompt_tokens_exact: false,
+            max_output_tokens: None,
+            n: 1,
+            priority: 0,
+            prefix_hashes: Vec::new(),
+        }
+    }
+}
+
+impl RequestInfo {
+    /// From a body analysis, hashing its prefix text with `prefix`.
+    pub fn from_analysis(a: RequestAnalysis, prefix: &PrefixConfig) -> Self {
+        let prefix_hashes = block_hashes(
+            a.model.as_deref().unwrap_or(""),
+            a.cache_salt.as_deref(),
+            &a.prefix_text,
+            prefix,
+        );
+        Self {
+            api: a.api,
+            model: a.model,
+            prompt_tokens: a.prompt_tokens,
+            prompt_tokens_exact: a.prompt_tokens_exact,
+            max_output_tokens: a.max_output_tokens,
+            n: a.n,
+            priority: a.priority,
+            prefix_hashes,
+        }
+    }
+
+    fn load_only(api: ApiKind) -> Self {
+        Self {
+            api,
+            ..Self::default()
+        }
+    }
+}
+
+/// Why a request was routed by load alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadOnlyCause {
+    /// The host did not read the body (none, upgrade, encoded, over the size limit).
+    BodyNotRead,
+    /// The path is not an inference API kvroute reads.
+    NotInference,
+    /// The body could not be analysed (see [`Decision::parse_error`]).
+    Unparsable,
+}
+
+impl LoadOnlyCause {
+    /// Static name (decision records, logs).
+    pub fn name(self) -> &'static str {
+        match self {
+            LoadOnlyCause::BodyNotRead => "body_not_read",
+            LoadOnlyCause::NotInference => "not_inference",
+            LoadOnlyCause::Unparsable => "unparsable",
+        }
+    }
+}
+
+/// What the decision was based on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Basis {
+    /// The request's body (or a trace row's description of it).
+    Body,
+    /// Load alone: zero prompt tokens, no model, no prefix.
+    LoadOnly(LoadOnlyCause),
+}
+
+/// What the request told the router, kept by the host for calibration at response time.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RequestFacts {
+    /// Model name.
+    pub model: Option<String>,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u64,
+    /// Exact (token ids)?
+    pub exact: bool,
+    /// Work the `predicted_ttft` model charged the chosen endpoint ahead of the first token,
+    /// tokens ([`crate::picker::predicted_ttft::TtftPrediction::effective_tokens`]); the host
+    /// hands it back with the measured TTFT to [`Router::observe_first_token`]. 0 when unknown.
+    pub predicted_work_tokens: f64,
+}
+
+/// A request routed to an endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    /// Chosen endpoint, an index into the snapshot's `endpoints`.
+    pub primary: usize,
+    /// Chosen endpoint's id.
+    pub endpoint: String,
+    /// Ordered fallbacks, indices into the snapshot's `endpoints` (distinct, not `primary`).
+    pub fallbacks: Vec<usize>,
+    /// KV demand to reserve on `endpoint`, tokens (capped at its capacity).
+    pub reserve_tokens: u64,
+    /// Pending prefill to record on `endpoint`, tokens ([`uncached_prompt_tokens`]).
+    pub prefill_tokens: u64,
+    /// Policy that ranked the candidates.
+    pub policy: PolicyKind,
+    /// Fresh stats (policy pick) or none fresh (least-request stale fallback).
+    pub reason: PickReason,
+    /// The demand exceeded every serving endpoint's KV capacity: re-picked by load.
+    pub demand_over_capacity: bool,
+    /// Request class matched, if any.
+    pub class: Option<String>,
+    /// Facts for calibration.
+    pub facts: RequestFacts,
+}
+
+/// Outcome of a decision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Send the request to [`Route::endpoint`].
+    Route(Route),
+    /// No endpoint serves the request (the host answers 503).
+    NoEndpoints,
+    /// Every serving endpoint is out of KV headroom (the host queues or answers 429).
+    NoCapacity {
+        /// vLLM priority (lower first).
+        priority: i32,
+        /// KV demand, tokens (the admission queue's job size).
+        size: u64,
+    },
+}
+
+/// One routing decision, pure data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// What to do.
+    pub outcome: Outcome,
+    /// What it was based on.
+    pub basis: Basis,
+    /// Why the body could not be analysed ([`LoadOnlyCause::Unparsable`]).
+    pub parse_error: Option<AnalysisError>,
+}
+
+/// Per-snapshot derived data (see the module doc, step 1).
+#[derive(Debug, Default)]
+struct Fleet {
+    key: Option<(u64, u64)>,
+    scraped_at: BTreeMap<String, u64>,
+    process_start: BTreeMap<String, Option<u64>>,
+    /// model → largest KV capacity among healthy endpoints serving it, tokens.
+    max_capacity: BTreeMap<String, u64>,
+    /// Largest KV capacity among all healthy endpoints (requests without a model), tokens.
+    max_capacity_any: Option<u64>,
+}
+
+/// The profile of a model without one: [`DEFAULT_MAX_TOKENS`] output limit,
+/// [`DEFAULT_EXPECTED_OUTPUT_FRACTION`] of it expected, blocks of [`DEFAULT_BLOCK_SIZE`]
+/// tokens, no architecture (KV bytes 0) and no context cap (see the module doc, step 3).
+pub fn generic_profile(name: &str) -> ModelProfile {
+    ModelProfile {
+        name: name.to_owned(),
+        num_layers: 0,
+        num_kv_heads: 0,
+        head_dim: 0,
+        kv_dtype_bytes: 0,
+        block_size: DEFAULT_BLOCK_SIZE,
+        weight_bytes: 0,
+        max_model_len: 0,
+        default_max_tokens: DEFAULT_MAX_TOKENS,
+        expected_output_fraction: DEFAULT_EXPECTED_OUTPUT_FRACTION,
+        source: "kvroute router assumption (kvroute_core::router module doc)".to_owned(),
+    }
+}
+
+/// The routing pipeline of one router instance (one per Envoy worker, one per benchmark
+/// run). See the module doc.
+#[derive(Debug)]
+pub struct Router {
+    picker: Picker,
+    estimator: Estimator,
+    prefix: PrefixConfig,
+    index: PrefixIndex,
+    profiles: BTreeMap<String, ModelProfile>,
+    /// Lower-cased built-in name or alias → profile name (as [`crate::profile::builtin`]).
+    by_lower: BTreeMap<String, String>,
+    /// Lower-cased built-in name without its `org/` → profile name.
+    by_short: BTreeMap<String, String>,
+    generic: ModelProfile,
+    calibrate: bool,
+    fleet: Fleet,
+    scratch_inflight: Vec<InFlight>,
+    /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
+    outputs: OutputLengths,
+}
+
+impl Router {
+    /// Validate `config` and build a router whose random tie-breaks come from `seed`.
+    ///
+    /// Errors: the picker's [`ConfigError`], naming the field.
+    pub fn new(config: RouterConfig, seed: u64) -> Result<Self, ConfigError> {
+        let picker = Picker::new(config.picker, seed)?;
+        let mut profiles: BTreeMap<String, ModelProfile> = builtin_profiles()
+            .into_iter()
+            .map(|p| (p.name.clone(), p))
+            .collect();
+        let short = |s: &str| s.rsplit('/').next().unwrap_or(s).to_ascii_lowercase();
+        let mut by_lower = BTreeMap::new();
+        let mut by_short = BTreeMap::new();
+        for name in profiles.keys() {
+            by_lower.insert(name.to_ascii_lowercase(), name.clone());
+            by_short.entry(short(name)).or_insert_with(|| name.clone());
+        }
+        for (alias, canonical) in ALIASES {
+            by_lower.insert(alias.to_ascii_lowercase(), (*canonical).to_owned());
+        }
+        for m in config.models {
+            profiles.insert(m.name.clone(), m);
+        }
+        Ok(Self {
+            picker,
+            estimator: Estimator::new(config.estimator),
+            prefix: config.prefix,
+            index: PrefixIndex::new(config.prefix_index_blocks),
+            profiles,
+            by_lower,
+            by_short,
+            generic: generic_profile(""),
+            calibrate: config.calibrate,
+            fleet: Fleet::default(),
+            scratch_inflight: Vec::new(),
+            outputs: OutputLengths::new(),
+        })
+    }
+
+    /// The estimator, with its learned calibration.
+    pub fn estimator(&self) -> &Estimator {
+        &self.estimator
+    }
+
+    /// The picker configuration in force.
+    pub fn picker_config(&self) -> &PickerConfig {
+        self.picker.config()
+    }
+
+    /// Blocks remembered for `endpoint_id` in the prefix index.
+    pub fn prefix_blocks(&self, endpoint_id: &str) -> usize {
+        self.index.len(endpoint_id)
+    }
+
+    /// The profile used for `model`: a configured or built-in one by exact served name, else
+    /// a built-in one by the rules of [`crate::profile::builtin`] (alias, case, no `org/`),
+    /// else [`generic_profile`]. The lookup tables are built once, at construction.
+    pub fn profile(&self, model: Option<&str>) -> &ModelProfile {
+        let Some(m) = model else {
+            return &self.generic;
+        };
+        if let Some(p) = self.profiles.get(m) {
+            return p;
+        }
+        let lower = m.to_ascii_lowercase();
+        let short = lower.rsplit('/').next().unwrap_or(&lower);
+        self.by_lower
+            .get(&lower)
+            .or_else(|| self.by_short.get(short))
+            .and_then(|name| self.profiles.get(name))
+            .unwrap_or(&self.generic)
+    }
+
+    /// KV demand of `req` and its output limit (tokens), by the rule of the module doc; once
+    /// [`crate::output_len::MIN_OBSERVATIONS`] responses of the model and API were observed
+    /// ([`Router::observe_output`]), the expected output per choice is the learned
+    /// [`OUTPUT_QUANTILE`] for the prompt length, capped by the request's own limit.
+    pub fn demand(&self, req: &RequestInfo) -> (u64, KvDemand) {
+        let p = self.profile(req.model.as_deref());
+        let limit = u64::from(req.max_output_tokens.unwrap_or(p.default_max_tokens));
+        let learned = req.model.as_deref().and_then(|m| {
+            self.outputs.predict(
+                m,
+                req.api,
+                req.prompt_tokens,
+                req.max_output_tokens.map(u64::from),
+                OUTPUT_QUANTILE,
+            )
+        });
+        let demand = match learned {
+            Some(out) => p.demand_with_output(req.prompt_tokens, out, req.n),
+            None => p.demand_for(req.prompt_tokens, limit, req.n),
+        };
+        (limit, demand)
+    }
+
+    /// Learned output lengths ([`Router::observe_output`]).
+    pub fn output_lengths(&self) -> &OutputLengths {
+        &self.outputs
+    }
+
+    /// The picker's learned prefill throughput per endpoint ([`Router::observe_first_token`]).
+    pub fn prefill_rates(&self) -> &PrefillRates {
+        self.picker.prefill_rates()
+    }
+
+    /// Learn from a response's first token: the request was routed to `endpoint` with
+    /// [`RequestFacts::predicted_work_tokens`] = `predicted_work_tokens`, and its first token
+    /// came `ttft_s` seconds after the decision. Feeds the `predicted_ttft` policy's prefill
+    /// throughput ([`PrefillRates::observe`]); returns whether the sample was used.
+    pub fn observe_first_token(
+        &mut self,
+        endpoint: &str,
+        predicted_work_tokens: f64,
+        ttft_s: f64,
+    ) -> bool {
+        self.picker
+            .prefill_rates_mut()
+            .observe(endpoint, predicted_work_tokens, ttft_s)
+    }
+
+    /// Learn from a finished response's `usage`: `prompt_tokens` and `completion_tokens` of a
+    /// request to `model` over `api` ([`OutputLengths::observe`]). Later requests without a
+    /// learned-better bound reserve KV for the learned output ([`Router::demand`]).
+    pub fn observe_output(
+        &mut self,
+        model: &str,
+        api: ApiKind,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    ) {
+        self.outputs
+            .observe(model, api, prompt_tokens, completion_tokens);
+    }
+
+    /// Decide for a request to `path` with `body` (`None`: the host did not read it) over
+    /// `snapshot` and the in-flight `table` at `now_ms` (Unix ms). Never panics.
+    pub fn route(
+        &mut self,
+        snapshot: &Snapshot,
+        table: &InflightTable,
+        path: &str,
+        body: Option<&[u8]>,
+        now_ms: u64,
+    ) -> Decision {
+        let api = ApiKind::from_path(path);
+        let (req, basis, parse_error) = match body {
+            None => (
+                RequestInfo::load_only(api),
+                Basis::LoadOnly(LoadOnlyCause::BodyNotRead),
+                None,
+            ),
+            Some(_) if api == ApiKind::Other => (
+                RequestInfo::load_only(api),
+                Basis::LoadOnly(LoadOnlyCause::NotInference),
+                None,
+            ),
+            Some(b) => match analyze_bounded(api, b, &self.estimator, self.prefix.max_bytes()) {
+                Ok(a) => (
+                    RequestInfo::from_analysis(a, &self.prefix),
+                    Basis::Body,
+                    None,
+                ),
+                Err(e) => (
+                    RequestInfo::load_only(api),
+                    Basis::LoadOnly(LoadOnlyCause::Unparsable),
+                    Some(e),
+                ),
+            },
+        };
+        let outcome = self.decide(snapshot, table, &req, now_ms);
+        Decision {
+            outcome,
+            basis,
+            parse_error,
+        }
+    }
+
+    /// Decide for a request already described by `req` (e.g. a trace row). Same pipeline as
+    /// [`Router::route`] from step 3 on; the basis is [`Basis::Body`].
+    pub fn route_request(
+        &mut self,
+        snapshot: &Snapshot,
+        table: &InflightTable,
+        req: &RequestInfo,
+        now_ms: u64,
+    ) -> Decision {
+        Decision {
+            outcome: self.decide(snapshot, table, req, now_ms),
+            basis: Basis::Body,
+            parse_error: None,
+        }
+    }
+
+    fn refresh_fleet(&mut self, snap: &Snapshot) {
+        let key = Some((snap.version, snap.generated_at_ms));
+        if self.fleet.key == key {
+            return;
+        }
+        let mut fleet = Fleet {
+            key,
+            ..Fleet::default()
+        };
+        for e in &snap.endpoints {
+            if let Some(Some(old)) = self.fleet.process_start.get(&e.id) {
+                if Some(*old) != e.process_start_ms {
+                    self.index.forget(&e.id);
+                }
+            }
+            fleet.process_start.insert(e.id.clone(), e.process_start_ms);
+            fleet.scraped_at.insert(e.id.clone(), e.scraped_at_ms);
+            if !e.healthy {
+                continue;
+            }
+            if let Some(cap) = e.kv_capacity_tokens {
+                fleet.max_capacity_any = fleet.max_capacity_any.max(Some(cap));
+                for m in e.models.iter().chain(&e.lora_adapters) {
+                    let slot = fleet.max_capacity.entry(m.clone()).or_insert(0);
+                    *slot = (*slot).max(cap);
+                }
+            }
+        }
+        self.index.retain(|id| fleet.process_start.contains_key(id));
+        self.fleet = fleet;
+    }
+
+    fn decide(
+        &mut self,
+        snap: &Snapshot,
+        table: &InflightTable,
+        req: &RequestInfo,
+        now_ms: u64,
+    ) -> Outcome {
+        self.refresh_fleet(snap);
+        let (output_limit, demand) = self.demand(req);
+        let demand = demand.tokens;
+        let scraped = &self.fleet.scraped_at;
+        let totals = table.unseen_totals(now_ms, |id| scraped.get(id).copied());
+        let mut inflight = std::mem::take(&mut self.scratch_inflight);
+        inflight.clear();
+        inflight.extend(
+            snap.endpoints
+                .iter()
+                .map(|e| totals.get(&e.id).copied().unwrap_or_default()),
+        );
+        let matches = self.index.match_snapshot(&req.prefix_hashes, snap);
+        let pick_req = PickRequest {
+            model: req.model.as_deref(),
+            api: req.api,
+            prompt_tokens: req.prompt_tokens,
+            output_limit,
+            demand_tokens: demand,
+            prefix_blocks: u32::try_from(req.prefix_hashes.len()).unwrap_or(u32::MAX),
+        };
+        let input = PickInput {
+            snapshot: snap,
+            inflight: &inflight,
+            prefix_match_blocks: &matches,
+            now_ms,
+        };
+        let mut outcome = self.picker.pick(&input, &pick_req);
+        let mut reserve = demand;
+        let mut over_capacity = false;
+        if outcome == PickOutcome::NoCapacity {
+            let largest = match req.model.as_deref() {
+                Some(m) => self.fleet.max_capacity.get(m).copied(),
+                None => self.fleet.max_capacity_any,
+            };
+            if let Some(cap) = largest.filter(|&cap| demand > cap) {
+                let by_load = PickRequest {
+                    demand_tokens: 0,
+                    ..pick_req
+                };
+                outcome = self.picker.pick(&input, &by_load);
+                reserve = cap;
+                over_capacity = true;
+            }
+        }
+        let predicted_work_tokens = match &outcome {
+            PickOutcome::Picked(p) => self
+                .picker
+                .predict_ttft(&input, &pick_req, p.primary)
+                .map_or(0.0, |t| t.effective_tokens),
+            _ => 0.0,
+        };
+        self.scratch_inflight = inflight;
+        match outcome {
+            PickOutcome::Picked(p) => {
+                let Some(primary) = snap.endpoints.get(p.primary) else {
+                    // The picker returns indices into the snapshot it was given.
+                    return Outcome::NoEndpoints;
+                };
+                let prefill_tokens = uncached_prompt_tokens(
+                    req.prompt_tokens,
+                    matches.get(p.primary).copied().unwrap_or(0),
+                    pick_req.prefix_blocks,
+                );
+                self.index.record(&primary.id, &req.prefix_hashes);
+                Outcome::Route(Route {
+                    primary: p.primary,
+                    endpoint: primary.id.clone(),
+                    fallbacks: p.fallbacks,
+                    reserve_tokens: reserve.min(primary.kv_capacity_tokens.unwrap_or(u64::MAX)),
+                    prefill_tokens,
+                    policy: p.policy,
+                    reason: p.reason,
+                    demand_over_capacity: over_capacity,
+                    class: p.class,
+                    facts: RequestFacts {
+                        model: req.model.clone(),
+                        prompt_tokens: req.prompt_tokens,
+                        exact: req.prompt_tokens_exact,
+                        predicted_work_tokens,
+                    },
+                })
+            }
+            PickOutcome::NoEndpoints => Outcome::NoEndpoints,
+            PickOutcome::NoCapacity => Outcome::NoCapacity {
+                priority: req.priority,
+                size: demand,
+            },
+        }
+    }
+
+    /// Learn from a response's `usage.prompt_tokens` (`actual_prompt`) for a request routed
+    /// with `facts`: per-model calibration (see the module doc). Returns the estimate's error,
+    /// |actual − estimated| / actual in percent (rounded), when the estimate was not exact.
+    pub fn observe_usage(&mut self, facts: &RequestFacts, actual_prompt: u64) -> Option<u64> {
+        if facts.exact || facts.prompt_tokens == 0 || actual_prompt == 0 {
+            return None;
+        }
+        let est = facts.prompt_tokens as f64;
+        let act = actual_prompt as f64;
+        let err_pct = ((act - est).abs() * 100.0 / act).round();
+        let err = (err_pct.is_finite() && err_pct >= 0.0).then_some(err_pct as u64);
+        if !self.calibrate {
+            return err;
+        }
+        let Some(model) = facts.model.as_deref() else {
+            return err;
+        };
+        let old = self.estimator.calibration(Some(model));
+        let target = old * act / est;
+        let new = (old + CALIBRATION_ALPHA * (target - old))
+            .clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1);
+        if new.is_finite() {
+            self.estimator
+                .config
+                .calibration
+                .insert(model.to_owned(), new);
+        }
+        err
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::EndpointStats;
+
+    const NOW: u64 = 1_000;
+
+    fn ep(i: usize, usage: f64) -> EndpointStats {
+        EndpointStats {
+            id: format!("pool/e{i}"),
+            address: format!("127.0.0.1:{}", 9000 + i),
+            cluster: format!("c{i}"),
+            pool: "pool".into(),
+            models: vec!["m".into()],
+            lora_adapters: vec![],
+            kv_usage: Some(usage),
+            kv_capacity_tokens: Some(100_000),
+            block_size: Some(16),
+            running: 0,
+            waiting: 0,
+            healthy: true,
+            scraped_at_ms: NOW,
+            process_start_ms: None,
+        }
+    }
+
+    fn router(policy: PolicyKind) -> Router {
+        Router::new(
+            RouterConfig {
+                picker: PickerConfig {
+                    policy,
+                    ..PickerConfig::default()
+                },
+                ..RouterConfig::default()
+            },
+            7,
+        )
+        .unwrap()
+    }
+
+    fn route(d: &Decision) -> &Route {
+        match &d.outcome {
+            Outcome::Route(r) => r,
+            o => panic!("not routed: {o:?}"),
+        }
+    }
+
+    #[test]
+    fn one_demand_rule_for_known_and_unknown_models() {
+        let r = router(PolicyKind::Hybrid);
+        // Unknown model: limit 10 → ⌈10 × 0.5⌉ = 5 per choice, no bytes.
+        let req = RequestInfo {
+            model: Some("unknown".into()),
+            prompt_tokens: 3,
+            max_output_tokens: Some(10),
+            n: 1,
+            ..RequestInfo::default()
+        };
+        let (limit, d) = r.demand(&req);
+        assert_eq!((limit, d.tokens, d.bytes, d.blocks), (10, 8, 0, 2));
+        // No limit: 1,024 × 0.5 = 512 per choice, × n = 4.
+        let req = RequestInfo {
+            max_output_tokens: None,
+            n: 4,
+            ..req
+        };
+        assert_eq!(r.demand(&req).1.tokens, 3 + 4 * 512);
+        // Known model (Qwen3-32B): same formula, with its KV bytes per token.
+        let req = RequestInfo {
+            model: Some("Qwen/Qwen3-32B".into()),
+            prompt_tokens: 40,
+            max_output_tokens: Some(100),
+            n: 2,
+            ..RequestInfo::default()
+        };
+        let (limit, d) = r.demand(&req);
+        assert_eq!((limit, d.expected_output_tokens, d.tokens), (100, 100, 140));
+        assert_eq!(d.bytes, 140 * 262_144);
+    }
+
+    #[test]
+    fn body_is_analysed_hashed_and_recorded() {
+        let mut r = router(PolicyKind::RoundRobin);
+        let snap = Snapshot::new(1, NOW, vec![ep(0, 0.1), ep(1, 0.1)]);
+        let table = InflightTable::default();
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
+        let d = r.route(&snap, &table, "/v1/completions", Some(body.as_bytes()), NOW);
+        assert_eq!(d.basis, Basis::Body);
+        let rt = route(&d);
+        assert_eq!(r.prefix_blocks(&rt.endpoint), 10);
+        // Nothing cached before: the whole prompt is pending prefill.
+        assert_eq!(rt.prefill_tokens, rt.facts.prompt_tokens);
+        assert!(rt.facts.prompt_tokens > 100);
+        // Same prefix to the same endpoint again: fully cached, no prefill.
+        let mut lk = Router::new(RouterConfig::default(), 1).unwrap();
+        let a = lk.route(&snap, &table, "/v1/completions", Some(body.as_bytes()), NOW);
+        let b = lk.route(&snap, &table, "/v1/completions", Some(body.as_bytes()), NOW);
+        assert_eq!(route(&a).endpoint, route(&b).endpoint, "prefix affinity");
+        assert_eq!(route(&b).prefill_tokens, 0);
+    }
+
+    #[test]
+    fn load_only_causes() {
+        let mut r = router(PolicyKind::LeastRequest);
+        let snap = Snapshot::new(1, NOW, vec![ep(0, 0.1)]);
+        let t = InflightTable::default();
+        let p = "/v1/chat/completions";
+        let d = r.route(&snap, &t, p, None, NOW);
+        assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::BodyNotRead));
+        assert_eq!(route(&d).facts.prompt_tokens, 0);
+        let d = r.route(&snap, &t, "/v1/models", Some(b"{}"), NOW);
+        assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::NotInference));
+        let d = r.route(&snap, &t, p, Some(b"{not json"), NOW);
+        assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::Unparsable));
+        assert!(d.parse_error.is_some());
+        assert_eq!(route(&d).endpoint, "pool/e0");
+    }
+
+    #[test]
+    fn over_capacity_is_routed_by_load_and_capped() {
+        let mut r = router(PolicyKind::Hybrid);
+        let snap = Snapshot::new(1, NOW, vec![ep(0, 0.0), ep(1, 0.0)]);
+        let t = InflightTable::default();
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":60000,"n":4}"#;
+        let d = r.route(&snap, &t, "/v1/chat/completions", Some(body), NOW);
+        let rt = route(&d);
+        assert!(rt.demand_over_capacity);
+        assert_eq!(rt.reserve_tokens, 100_000);
+        // Fits the capacity but not the headroom: no capacity (429 / queue), size = demand.
+        let snap = Snapshot::new(2, NOW, vec![ep(0, 0.99)]);
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4000,"priority":3}"#;
+        let d = r.route(&snap, &t, "/v1/chat/completions", Some(body), NOW);
+        match d.outcome {
+            Outcome::NoCapacity { priority, size } => {
+                assert_eq!(priority, 3);
+                assert!(size > 2000 && size < 2100, "{size}");
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn restarted_or_removed_endpoints_lose_prefix_state() {
+        let mut r = router(PolicyKind::RoundRobin);
+        let t = InflightTable::default();
+        let mut e = vec![ep(0, 0.1), ep(1, 0.1)];
+        e[0].process_start_ms = Some(1);
+        e[1].process_start_ms = Some(1);
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
+        let snap = Snapshot::new(1, NOW, e.clone());
+        for _ in 0..2 {
+            r.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);
+        }
+        assert_eq!(
+            (r.prefix_blocks("pool/e0"), r.prefix_blocks("pool/e1")),
+            (10, 10)
+        );
+        // Same version again: nothing forgotten.
+        r.route(&snap, &t, "/v1/models", None, NOW);
+        assert_eq!(r.prefix_blocks("pool/e0"), 10);
+        e[0].process_start_ms = Some(2);
+        e.remove(1);
+        r.route(&Snapshot::new(2, NOW, e), &t, "/v1/models", None, NOW);
+        assert_eq!(r.prefix_blocks("pool/e0"), 0, "restarted");
+        assert_eq!(r.prefix_blocks("pool/e1"), 0, "removed");
+    }
+
+    #[test]
+    fn calibration_moves_toward_actual_within_bounds() {
+        let mut r = router(PolicyKind::Hybrid);
+        let facts = RequestFacts {
+            model: Some("m".into()),
+            prompt_tokens: 100,
+            exact: false,
+            predicted_work_tokens: 0.0,
+        };
+        assert_eq!(r.observe_usage(&facts, 200), Some(50));
+        assert!((r.estimator().calibration(Some("m")) - 1.1).abs() < 1e-9);
+        let exact = RequestFacts {
+            exact: true,
+            ..facts.clone()
+        };
+        assert_eq!(r.observe_usage(&exact, 10_000), None);
+        assert!((r.estimator().calibration(Some("m")) - 1.1).abs() < 1e-9);
+        for _ in 0..200 {
+            r.observe_usage(&facts, 100_000);
+        }
+        assert_eq!(r.estimator().calibration(Some("m")), CALIBRATION_RANGE.1);
+    }
+
+    #[test]
+    fn learned_output_lengths_set_the_demand() {
+        let mut r = router(PolicyKind::Hybrid);
+        let req = RequestInfo {
+            api: ApiKind::Completions,
+            model: Some("m".into()),
+            prompt_tokens: 1000,
+            prompt_tokens_exact: true,
+            ..RequestInfo::default()
+        };
+        let profile_rule = generic_profile("m").demand_for(1000, u64::from(DEFAULT_MAX_TOKENS), 1);
+        assert_eq!(r.demand(&req).1, profile_rule);
+        for _ in 0..30 {
+            r.observe_output("m", ApiKind::Completions, 1000, 100);
+        }
+        let learned = r
+            .output_lengths()
+            .predict("m", ApiKind::Completions, 1000, None, OUTPUT_QUANTILE)
+            .expect("30 observations");
+        assert!((90..=110).contains(&learned), "{learned}");
+        let (limit, d) = r.demand(&req);
+        assert_eq!(limit, u64::from(DEFAULT_MAX_TOKENS));
+        assert_eq!(
+            (d.expected_output_tokens, d.tokens),
+            (learned, 1000 + learned)
+        );
+        let capped = RequestInfo {
+            max_output_tokens: Some(40),
+            n: 2,
+            ..req.clone()
+        };
+        assert_eq!(r.demand(&capped).1.expected_output_tokens, 80);
+        let other = RequestInfo {
+            model: Some("other".into()),
+            ..req
+        };
+        assert_eq!(r.demand(&other).1, profile_rule);
+    }
+
+    #[test]
+    fn first_token_feeds_the_prefill_rate_learner() {
+        let mut r = router(PolicyKind::PredictedTtft);
+        assert!(r.prefill_rates().is_empty());
+        assert!(!r.observe_first_token("pool/e1", 0.0, 0.5), "no work");
+        assert!(
+            !r.observe_first_token("pool/e1", 4000.0, f64::NAN),
+            "bad TTFT"
+        );
+        assert!(r.observe_first_token("pool/e1", 4000.0, 0.5));
+        assert_eq!(r.prefill_rates().len(), 1);
+    }
+}

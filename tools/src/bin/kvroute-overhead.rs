@@ -1,0 +1,79 @@
+//! `kvroute-overhead` (`make bench-overhead`): plain Envoy vs a trivial body-buffering Wasm
+//! filter vs kvroute, side by side, alternating repetitions (see
+//! `kvroute_tools::overhead` and `docs/overhead.md`).
+//!
+//! ```text
+//! kvroute-overhead --floor-wasm target/wasm32-wasip1/release/kvroute_floor_filter.wasm
+//! kvroute-overhead --sizes 1024,16384 --reps 1 --duration 2   # a quick look
+//! ```
+//! Prints one progress line per wrk run, then the Markdown tables. Exit code 1 on any setup
+//! error, non-2xx response or Wasm failure.
+
+use clap::Parser;
+use kvroute_integration::harness::{wasm_path, workspace_root};
+use kvroute_tools::overhead::{run, Options};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Data-plane overhead: plain Envoy, floor filter, kvroute.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-overhead", version)]
+struct Args {
+    /// Body sizes in bytes, comma-separated (default 1 KiB, 16 KiB, 256 KiB, 1 MiB).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1024,16384,262144,1048576"
+    )]
+    sizes: Vec<usize>,
+    /// Repetitions per size and proxy (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Seconds per wrk run.
+    #[arg(long, default_value_t = 5)]
+    duration: u64,
+    /// wrk connections.
+    #[arg(long, default_value_t = 8)]
+    connections: u32,
+    /// wrk binary.
+    #[arg(long, env = "WRK", default_value = "wrk")]
+    wrk: PathBuf,
+    /// The floor filter's .wasm (`make wasm-floor`).
+    #[arg(long, env = "KVROUTE_FLOOR_WASM")]
+    floor_wasm: Option<PathBuf>,
+    /// Shared test data (`../shared/data`).
+    #[arg(long, env = "KVROUTE_SHARED_DATA")]
+    data: Option<PathBuf>,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let kvroute_wasm = wasm_path();
+    let floor_wasm = a.floor_wasm.unwrap_or_else(|| {
+        kvroute_wasm
+            .parent()
+            .map(|d| d.join("kvroute_floor_filter.wasm"))
+            .unwrap_or_default()
+    });
+    let opts = Options {
+        sizes: a.sizes,
+        reps: a.reps.max(1),
+        duration: Duration::from_secs(a.duration.max(1)),
+        connections: a.connections.max(1),
+        wrk: a.wrk,
+        floor_wasm,
+        kvroute_wasm,
+        data: a
+            .data
+            .unwrap_or_else(|| workspace_root().join("../shared/data")),
+    };
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average before: {}", load.trim());
+    let report = run(&opts, |line| println!("{line}")).await?;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average after: {}", load.trim());
+    println!();
+    print!("{}", report.markdown());
+    Ok(())
+}
