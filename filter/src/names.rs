@@ -29,6 +29,7 @@ pub mod metric {
             P::LeastKv => "kvroute.decisions.by_policy.least_kv",
             P::PrefixAffinity => "kvroute.decisions.by_policy.prefix_affinity",
             P::Hybrid => "kvroute.decisions.by_policy.hybrid",
+            P::PredictedTtft => "kvroute.decisions.by_policy.predicted_ttft",
         }
     }
     /// Decisions by least-request because no stats were fresh (counter).
