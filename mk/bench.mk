@@ -5,11 +5,11 @@
 
 BENCH_OUT ?= out/bench
 
-bench-routing: ## Full routing benchmark (release): 3 traces x 4/8/16 replicas x 50/70/90/110% load x 7 routers; tables, SVG plots, JSON under $(BENCH_OUT)
+bench-routing: ## Full routing benchmark (release): 3 traces x 4/8/16 replicas x 50/70/90/110% load x 9 routers; tables, SVG plots, JSON under $(BENCH_OUT)
 	$(CARGO) run --release -p kvroute-tools --bin kvroute-bench -- sweep \
 		--data $(KVROUTE_SHARED_DATA) --out $(BENCH_OUT)
 
-test-bench: ## Routing-benchmark smoke test: 2 traces x 4 replicas x 7 routers on short slices, loaders, capacity search, report outputs, baseline unit tests, filter-vs-benchmark pick parity
+test-bench: ## Routing-benchmark smoke test: 2 traces x 4 replicas x 9 routers on short slices, loaders, capacity search, report outputs, baseline unit tests, filter-vs-benchmark pick parity
 	$(CARGO) test -p kvroute-tools --test bench_smoke --test routebench --test pipeline_parity
 	$(CARGO) test -p kvroute-tools --lib routebench::
 

@@ -104,18 +104,26 @@ impl ModelProfile {
     /// KV demand from raw numbers: `prompt_tokens`, output limit in tokens, `n` choices
     /// (0 is treated as 1).
     pub fn demand_for(&self, prompt_tokens: u64, output_limit: u64, n: u32) -> KvDemand {
-        let n = u64::from(n.max(1));
         let frac = if self.expected_output_fraction.is_finite() {
             self.expected_output_fraction.clamp(0.0, 1.0)
         } else {
             1.0
         };
         let expected = (output_limit as f64 * frac).ceil();
-        let mut per_choice = if expected.is_finite() && expected > 0.0 {
+        let per_choice = if expected.is_finite() && expected > 0.0 {
             expected as u64
         } else {
             0
         };
+        self.demand_with_output(prompt_tokens, per_choice, n)
+    }
+
+    /// KV demand when the expected output per choice is known (e.g. learned from responses,
+    /// [`crate::output_len::OutputLengths`]): `prompt_tokens` plus `per_choice` output tokens
+    /// (capped at `max_model_len − prompt_tokens`) for each of `n` choices (0 counts as 1).
+    pub fn demand_with_output(&self, prompt_tokens: u64, per_choice: u64, n: u32) -> KvDemand {
+        let n = u64::from(n.max(1));
+        let mut per_choice = per_choice;
         let room = u64::from(self.max_model_len).saturating_sub(prompt_tokens);
         if self.max_model_len > 0 {
             per_choice = per_choice.min(room);

@@ -48,16 +48,22 @@ use std::collections::BTreeMap;
 use crate::analysis::{analyze_bounded, AnalysisError, ApiKind, RequestAnalysis};
 use crate::estimate::{Estimator, EstimatorConfig};
 use crate::inflight::InflightTable;
+use crate::output_len::OutputLengths;
 use crate::picker::{
     uncached_prompt_tokens, ConfigError, InFlight, PickInput, PickOutcome, PickReason, PickRequest,
     Picker, PickerConfig, PolicyKind,
 };
+use crate::prefill_rate::PrefillRates;
 use crate::prefix::{block_hashes, PrefixConfig, PrefixIndex, DEFAULT_INDEX_CAPACITY};
 use crate::profile::{
     builtin_profiles, KvDemand, ModelProfile, ALIASES, DEFAULT_BLOCK_SIZE,
     DEFAULT_EXPECTED_OUTPUT_FRACTION, DEFAULT_MAX_TOKENS,
 };
 use crate::snapshot::Snapshot;
+
+/// Output-length quantile the KV demand reserves for once output lengths were learned
+/// (the median; [`Router::observe_output`]).
+pub const OUTPUT_QUANTILE: f64 = 0.5;
 
 /// Calibration learning rate: EWMA weight of one observation (see the module doc).
 pub const CALIBRATION_ALPHA: f64 = 0.1;
@@ -203,6 +209,10 @@ pub struct RequestFacts {
     pub prompt_tokens: u64,
     /// Exact (token ids)?
     pub exact: bool,
+    /// Work the `predicted_ttft` model charged the chosen endpoint ahead of the first token,
+    /// tokens ([`crate::picker::predicted_ttft::TtftPrediction::effective_tokens`]); the host
+    /// hands it back with the measured TTFT to [`Router::observe_first_token`]. 0 when unknown.
+    pub predicted_work_tokens: f64,
 }
 
 /// A request routed to an endpoint.
@@ -314,6 +324,8 @@ pub struct Router {
     calibrate: bool,
     fleet: Fleet,
     scratch_inflight: Vec<InFlight>,
+    /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
+    outputs: OutputLengths,
 }
 
 impl Router {
@@ -351,6 +363,7 @@ impl Router {
             calibrate: config.calibrate,
             fleet: Fleet::default(),
             scratch_inflight: Vec::new(),
+            outputs: OutputLengths::new(),
         })
     }
 
@@ -388,11 +401,66 @@ impl Router {
             .unwrap_or(&self.generic)
     }
 
-    /// KV demand of `req` and its output limit (tokens), by the rule of the module doc.
+    /// KV demand of `req` and its output limit (tokens), by the rule of the module doc; once
+    /// [`crate::output_len::MIN_OBSERVATIONS`] responses of the model and API were observed
+    /// ([`Router::observe_output`]), the expected output per choice is the learned
+    /// [`OUTPUT_QUANTILE`] for the prompt length, capped by the request's own limit.
     pub fn demand(&self, req: &RequestInfo) -> (u64, KvDemand) {
         let p = self.profile(req.model.as_deref());
         let limit = u64::from(req.max_output_tokens.unwrap_or(p.default_max_tokens));
-        (limit, p.demand_for(req.prompt_tokens, limit, req.n))
+        let learned = req.model.as_deref().and_then(|m| {
+            self.outputs.predict(
+                m,
+                req.api,
+                req.prompt_tokens,
+                req.max_output_tokens.map(u64::from),
+                OUTPUT_QUANTILE,
+            )
+        });
+        let demand = match learned {
+            Some(out) => p.demand_with_output(req.prompt_tokens, out, req.n),
+            None => p.demand_for(req.prompt_tokens, limit, req.n),
+        };
+        (limit, demand)
+    }
+
+    /// Learned output lengths ([`Router::observe_output`]).
+    pub fn output_lengths(&self) -> &OutputLengths {
+        &self.outputs
+    }
+
+    /// The picker's learned prefill throughput per endpoint ([`Router::observe_first_token`]).
+    pub fn prefill_rates(&self) -> &PrefillRates {
+        self.picker.prefill_rates()
+    }
+
+    /// Learn from a response's first token: the request was routed to `endpoint` with
+    /// [`RequestFacts::predicted_work_tokens`] = `predicted_work_tokens`, and its first token
+    /// came `ttft_s` seconds after the decision. Feeds the `predicted_ttft` policy's prefill
+    /// throughput ([`PrefillRates::observe`]); returns whether the sample was used.
+    pub fn observe_first_token(
+        &mut self,
+        endpoint: &str,
+        predicted_work_tokens: f64,
+        ttft_s: f64,
+    ) -> bool {
+        self.picker
+            .prefill_rates_mut()
+            .observe(endpoint, predicted_work_tokens, ttft_s)
+    }
+
+    /// Learn from a finished response's `usage`: `prompt_tokens` and `completion_tokens` of a
+    /// request to `model` over `api` ([`OutputLengths::observe`]). Later requests without a
+    /// learned-better bound reserve KV for the learned output ([`Router::demand`]).
+    pub fn observe_output(
+        &mut self,
+        model: &str,
+        api: ApiKind,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    ) {
+        self.outputs
+            .observe(model, api, prompt_tokens, completion_tokens);
     }
 
     /// Decide for a request to `path` with `body` (`None`: the host did not read it) over
@@ -541,6 +609,13 @@ impl Router {
                 over_capacity = true;
             }
         }
+        let predicted_work_tokens = match &outcome {
+            PickOutcome::Picked(p) => self
+                .picker
+                .predict_ttft(&input, &pick_req, p.primary)
+                .map_or(0.0, |t| t.effective_tokens),
+            _ => 0.0,
+        };
         self.scratch_inflight = inflight;
         match outcome {
             PickOutcome::Picked(p) => {
@@ -568,6 +643,7 @@ impl Router {
                         model: req.model.clone(),
                         prompt_tokens: req.prompt_tokens,
                         exact: req.prompt_tokens_exact,
+                        predicted_work_tokens,
                     },
                 })
             }
@@ -821,6 +897,7 @@ mod tests {
             model: Some("m".into()),
             prompt_tokens: 100,
             exact: false,
+            predicted_work_tokens: 0.0,
         };
         assert_eq!(r.observe_usage(&facts, 200), Some(50));
         assert!((r.estimator().calibration(Some("m")) - 1.1).abs() < 1e-9);
@@ -834,5 +911,57 @@ mod tests {
             r.observe_usage(&facts, 100_000);
         }
         assert_eq!(r.estimator().calibration(Some("m")), CALIBRATION_RANGE.1);
+    }
+
+    #[test]
+    fn learned_output_lengths_set_the_demand() {
+        let mut r = router(PolicyKind::Hybrid);
+        let req = RequestInfo {
+            api: ApiKind::Completions,
+            model: Some("m".into()),
+            prompt_tokens: 1000,
+            prompt_tokens_exact: true,
+            ..RequestInfo::default()
+        };
+        let profile_rule = generic_profile("m").demand_for(1000, u64::from(DEFAULT_MAX_TOKENS), 1);
+        assert_eq!(r.demand(&req).1, profile_rule);
+        for _ in 0..30 {
+            r.observe_output("m", ApiKind::Completions, 1000, 100);
+        }
+        let learned = r
+            .output_lengths()
+            .predict("m", ApiKind::Completions, 1000, None, OUTPUT_QUANTILE)
+            .expect("30 observations");
+        assert!((90..=110).contains(&learned), "{learned}");
+        let (limit, d) = r.demand(&req);
+        assert_eq!(limit, u64::from(DEFAULT_MAX_TOKENS));
+        assert_eq!(
+            (d.expected_output_tokens, d.tokens),
+            (learned, 1000 + learned)
+        );
+        let capped = RequestInfo {
+            max_output_tokens: Some(40),
+            n: 2,
+            ..req.clone()
+        };
+        assert_eq!(r.demand(&capped).1.expected_output_tokens, 80);
+        let other = RequestInfo {
+            model: Some("other".into()),
+            ..req
+        };
+        assert_eq!(r.demand(&other).1, profile_rule);
+    }
+
+    #[test]
+    fn first_token_feeds_the_prefill_rate_learner() {
+        let mut r = router(PolicyKind::PredictedTtft);
+        assert!(r.prefill_rates().is_empty());
+        assert!(!r.observe_first_token("pool/e1", 0.0, 0.5), "no work");
+        assert!(
+            !r.observe_first_token("pool/e1", 4000.0, f64::NAN),
+            "bad TTFT"
+        );
+        assert!(r.observe_first_token("pool/e1", 4000.0, 0.5));
+        assert_eq!(r.prefill_rates().len(), 1);
     }
 }

@@ -615,3 +615,120 @@ fn ties_break_at_random_within_statistical_bounds() {
         assert!((1800..=2200).contains(&c), "{counts:?}");
     }
 }
+
+fn infl(requests: u32, tokens: u64, prefill_tokens: u64) -> InFlight {
+    InFlight {
+        requests,
+        tokens,
+        prefill_tokens,
+    }
+}
+
+/// 10-block, 8 000-token prompt, 500 expected output tokens.
+fn long_req() -> PickRequest<'static> {
+    PickRequest {
+        model: Some("m"),
+        api: ApiKind::ChatCompletions,
+        prompt_tokens: 8_000,
+        output_limit: 500,
+        demand_tokens: 8_500,
+        prefix_blocks: 10,
+    }
+}
+
+#[test]
+fn predicted_ttft_terms_are_exact() {
+    // Seed 15 928 tokens/s (llm-d default), step budget 8 192.
+    let p = picker(PolicyKind::PredictedTtft);
+    let mut a = ep("a");
+    a.running = 2_048; // B − D = 6 144 → interference 8 192 / 6 144 = 4/3.
+    a.kv_usage = Some(0.9); // free = 100 000 × 0.1 − 1 000 = 9 000 tokens.
+    let s = snap(vec![a]);
+    let inflight = [infl(0, 1_000, 4_000)];
+    let input = PickInput {
+        snapshot: &s,
+        inflight: &inflight,
+        prefix_match_blocks: &[5],
+        now_ms: NOW,
+    };
+    let t = p.predict_ttft(&input, &long_req(), 0).unwrap();
+    // uncached = 8 000 × 5 / 10 = 4 000; need 4 000 + 500 ≤ 9 000 → no shortfall.
+    assert_eq!(t.pending_prefill_tokens, 4_000);
+    assert_eq!(t.uncached_tokens, 4_000);
+    assert_eq!(t.kv_shortfall_tokens, 0);
+    assert!((t.interference - 4.0 / 3.0).abs() < 1e-12);
+    assert_eq!(t.tokens_per_s, 15_928.0);
+    assert!((t.effective_tokens - 8_000.0 * 4.0 / 3.0).abs() < 1e-9);
+    assert!((t.seconds - 8_000.0 * 4.0 / 3.0 / 15_928.0).abs() < 1e-12);
+    // Out of range: None.
+    assert!(p.predict_ttft(&input, &long_req(), 1).is_none());
+    // Full cache: usage 0.999 leaves 100 − 1 000 < 0 → 0 free; shortfall = 4 500.
+    let mut b = ep("b");
+    b.kv_usage = Some(0.999);
+    let s = snap(vec![b]);
+    let input = PickInput {
+        snapshot: &s,
+        inflight: &inflight,
+        prefix_match_blocks: &[5],
+        now_ms: NOW,
+    };
+    let t = p.predict_ttft(&input, &long_req(), 0).unwrap();
+    assert_eq!(t.kv_shortfall_tokens, 4_500);
+    assert!((t.effective_tokens - 12_500.0).abs() < 1e-9);
+}
+
+#[test]
+fn predicted_ttft_is_sticky_until_the_prefix_holder_saturates() {
+    let s = snap(vec![ep("a"), ep("b"), ep("c")]);
+    let mut p = picker(PolicyKind::PredictedTtft);
+    // a holds 9 of 10 blocks: 800 uncached tokens + 6 000 pending = 6 800 < 8 000 on the
+    // idle endpoints → stays on a although it is the busiest.
+    let busy = [infl(3, 0, 6_000), infl(0, 0, 0), infl(0, 0, 0)];
+    let o = pick_with(&mut p, &s, &busy, &[9, 0, 0], &long_req());
+    assert_eq!(primary(&o), 0);
+    // 7 500 pending: 8 300 > 8 000 → an idle endpoint wins (b or c, both 8 000; b has fewer
+    // outstanding requests).
+    let busier = [infl(3, 0, 7_500), infl(0, 0, 0), infl(1, 0, 0)];
+    let o = pick_with(&mut p, &s, &busier, &[9, 0, 0], &long_req());
+    assert_eq!(primary(&o), 1);
+}
+
+#[test]
+fn predicted_ttft_uses_the_learned_rate() {
+    let s = snap(vec![ep("a"), ep("b")]);
+    let mut p = picker(PolicyKind::PredictedTtft);
+    // Equal work, but b was measured at half the seed's throughput: a wins.
+    for _ in 0..200 {
+        p.prefill_rates_mut().observe("b", 8_000.0, 1.0);
+        p.prefill_rates_mut().observe("a", 8_000.0, 0.5);
+    }
+    let load = [infl(0, 0, 4_000), infl(0, 0, 2_000)];
+    // a: (4 000 + 8 000) / 16 000 = 0.75 s; b: (2 000 + 8 000) / 8 000 = 1.25 s.
+    let o = pick_with(&mut p, &s, &load, &[], &long_req());
+    assert_eq!(primary(&o), 0);
+    assert!((p.prefill_rates().tokens_per_s("b") - 8_000.0).abs() < 10.0);
+}
+
+#[test]
+fn predicted_ttft_idle_fleet_degrades_to_least_request() {
+    let mut a = ep("a");
+    a.running = 1;
+    let b = ep("b");
+    let s = snap(vec![a, b]);
+    let mut p = picker(PolicyKind::PredictedTtft);
+    // No pending work anywhere: a's one running decode costs interference 8192/8191; b wins.
+    let o = pick_with(&mut p, &s, &[], &[], &req(100));
+    assert_eq!(primary(&o), 1);
+}
+
+#[test]
+fn latency_config_is_validated() {
+    let mut c = PickerConfig::default();
+    c.latency.step_token_budget = 0;
+    let e = Picker::new(c, 1).unwrap_err();
+    assert_eq!(e.field, "latency.step_token_budget");
+    let mut c = PickerConfig::default();
+    c.latency.seed_prefill_tokens_per_s = f64::NAN;
+    let e = Picker::new(c, 1).unwrap_err();
+    assert_eq!(e.field, "latency.seed_prefill_tokens_per_s");
+}

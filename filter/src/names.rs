@@ -29,6 +29,7 @@ pub mod metric {
             P::LeastKv => "kvroute.decisions.by_policy.least_kv",
             P::PrefixAffinity => "kvroute.decisions.by_policy.prefix_affinity",
             P::Hybrid => "kvroute.decisions.by_policy.hybrid",
+            P::PredictedTtft => "kvroute.decisions.by_policy.predicted_ttft",
         }
     }
     /// Decisions by least-request because no stats were fresh (counter).
@@ -45,6 +46,10 @@ pub mod metric {
     pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
     /// `GET /v1/models` answered from the snapshot (counter).
     pub const MODELS_LISTED: &str = "kvroute.models_listed";
+    /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick).
+    /// Wasm memory only grows, so this is the VM's high-water mark; with one worker it is the
+    /// per-worker figure `make bench-overhead` reports.
+    pub const WASM_MEMORY: &str = "kvroute.wasm_memory_bytes";
     /// Requests answered 429 (saturated, queue full or timed out) (counter).
     pub const REJECTED: &str = "kvroute.outcome.rejected";
     /// Requests whose KV demand exceeds every serving endpoint's whole KV capacity: they can
@@ -80,10 +85,4 @@ pub mod metric {
     pub const RESERVED: &str = "kvroute.reservations.reserved";
     /// Shared in-flight reservations right now, all workers (gauge).
     pub const INFLIGHT: &str = "kvroute.inflight";
-    /// Linear memory of the Wasm VM that last reported, bytes (gauge): refreshed at the end
-    /// of each request and on every root tick (at least once a second, so an idle VM reports
-    /// too). Wasm memory only grows, so this is the VM's high-water mark and a leak shows as
-    /// steady growth; with one worker it is the per-worker figure `make bench-overhead`
-    /// reports.
-    pub const WASM_MEMORY_BYTES: &str = "kvroute.wasm_memory_bytes";
 }

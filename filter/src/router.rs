@@ -522,6 +522,7 @@ mod tests {
             model: Some("m".into()),
             prompt_tokens: 100,
             exact: false,
+            predicted_work_tokens: 0.0,
         };
         w.observe_usage(&h, &facts, 200);
         let f = w.estimator().calibration(Some("m"));

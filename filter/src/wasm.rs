@@ -252,7 +252,9 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        record_wasm_memory();
+        // This VM's linear memory: it only grows, so a leak shows as steady growth.
+        let pages = core::arch::wasm32::memory_size(0) as u64;
+        ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
         if let Some(Serving::Route(w)) = &self.serving {
             if w.borrow().config.admission.enabled {
                 w.borrow_mut().tick(&ProxyHost);
@@ -309,19 +311,7 @@ impl HttpContext for Http {
     }
     fn on_log(&mut self) {
         self.stream.on_done(&ProxyHost);
-        record_wasm_memory();
     }
-}
-
-/// Gauge [`metric::WASM_MEMORY_BYTES`]: this VM's linear memory (pages of 64 KiB; one
-/// instruction, one host call).
-fn record_wasm_memory() {
-    let bytes = core::arch::wasm32::memory_size::<0>().saturating_mul(65_536);
-    ProxyHost.metric_record(
-        MetricKind::Gauge,
-        metric::WASM_MEMORY_BYTES,
-        u64::try_from(bytes).unwrap_or(u64::MAX),
-    );
 }
 
 /// HTTP context of the ingest listener: a thin shell over [`IngestStream`].

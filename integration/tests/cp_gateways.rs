@@ -41,7 +41,7 @@ async fn metrics_server(kv: Arc<Mutex<f64>>) -> SocketAddr {
             let kv = kv.clone();
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(
-                    move |_r: hyper::Request<hyper::body::Incoming>| {
+                    move |_r: ::http::Request<hyper::body::Incoming>| {
                         let v = *kv.lock().unwrap();
                         let body = format!(
                         "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 0.0\n\
@@ -50,7 +50,7 @@ async fn metrics_server(kv: Arc<Mutex<f64>>) -> SocketAddr {
                          vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"10000\"}} 1.0\n"
                     );
                         async move {
-                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                            Ok::<_, std::convert::Infallible>(::http::Response::new(Full::new(
                                 Bytes::from(body),
                             )))
                         }

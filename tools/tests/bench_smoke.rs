@@ -1,5 +1,5 @@
 //! Smoke version of `make bench-routing` (issue 7), small enough for `make test`:
-//! 2 traces (Mooncake, ShareGPT multi-round) × 4 replicas × 1 load × all seven routers on
+//! 2 traces (Mooncake, ShareGPT multi-round) × 4 replicas × 1 load × all nine routers on
 //! short slices of the real shared data, plus the Azure loader, capacity search and the
 //! report outputs.
 
@@ -76,7 +76,9 @@ fn report_of(cells: Vec<Cell>) -> BenchReport {
         seed: SEED,
         kvroute_weights: [1.0, 1.0, 1.0, 2.0],
         capacities: Vec::new(),
-        goal: goal_check(&cells),
+        goal: goal_check(&cells, &[]),
+        ceilings: Vec::new(),
+        output_length_error: Vec::new(),
         cells,
     }
 }
@@ -88,7 +90,7 @@ fn smoke_two_traces_four_replicas_all_routers() {
     let first = run_cells(&slices, &engine);
     let second = run_cells(&slices, &engine);
     assert_eq!(first, second, "same seed must give identical reports");
-    assert_eq!(first.len(), 14);
+    assert_eq!(first.len(), 2 * RouterKind::all().len());
 
     for (kind, rows, _) in &slices {
         let n = rows.len();
@@ -97,7 +99,7 @@ fn smoke_two_traces_four_replicas_all_routers() {
             .filter(|c| c.trace == kind.name())
             .map(|c| &c.report)
             .collect();
-        assert_eq!(group.len(), 7);
+        assert_eq!(group.len(), RouterKind::all().len());
         for r in &group {
             // Every request finished exactly once.
             assert_eq!(r.requests, n, "{}", r.router);

@@ -50,9 +50,11 @@ fn router_names_round_trip() {
             "round_robin",
             "least_request",
             "llmd-epp",
+            "llmd-guide",
             "sglang-cache-aware",
             "dynamo-kv",
             "oracle",
+            "kvroute-predicted_ttft",
             "kvroute-hybrid"
         ]
     );
@@ -62,7 +64,7 @@ fn router_names_round_trip() {
     assert_eq!(RouterKind::from_name("nope"), None);
     assert_eq!(
         RouterKind::all().iter().filter(|k| k.is_baseline()).count(),
-        5
+        6
     );
 }
 

@@ -19,7 +19,7 @@
 //!    chosen while a fresh, healthy one can serve.
 //! 3. **Policy.** The configured [`PolicyKind`] ranks the eligible endpoints (one file per
 //!    policy: `round_robin.rs`, `random.rs`, `least_request.rs`, `least_kv.rs`,
-//!    `prefix_affinity.rs`, `hybrid.rs`; each documents its algorithm). Ranking keys are a
+//!    `prefix_affinity.rs`, `hybrid.rs`, `predicted_ttft.rs`; each documents its algorithm). Ranking keys are a
 //!    primary cost, a secondary cost and a random tie-break drawn from the picker's seeded
 //!    `fastrand::Rng`, so equal endpoints share load evenly.
 //! 4. **Output.** The best endpoint is the primary; the next `max_fallbacks` (default 2) are
@@ -30,11 +30,13 @@
 
 use crate::analysis::ApiKind;
 pub use crate::inflight::InFlight;
+use crate::prefill_rate::PrefillRates;
 use crate::snapshot::{EndpointStats, Snapshot};
 
 mod hybrid;
 mod least_kv;
 mod least_request;
+pub mod predicted_ttft;
 mod prefix_affinity;
 mod random;
 mod round_robin;
@@ -57,6 +59,9 @@ pub enum PolicyKind {
     /// and prefix overlap.
     #[default]
     Hybrid,
+    /// Lowest predicted time to first token, in seconds, from pending prefill, cached prefix,
+    /// KV shortfall, decode interference and a learned per-endpoint prefill throughput.
+    PredictedTtft,
 }
 
 impl PolicyKind {
@@ -69,6 +74,7 @@ impl PolicyKind {
             PolicyKind::LeastKv => "least_kv",
             PolicyKind::PrefixAffinity => "prefix_affinity",
             PolicyKind::Hybrid => "hybrid",
+            PolicyKind::PredictedTtft => "predicted_ttft",
         }
     }
 }
@@ -143,6 +149,30 @@ pub struct PickerConfig {
     pub classes: Vec<RequestClass>,
     /// Number of fallbacks returned after the primary.
     pub max_fallbacks: usize,
+    /// `predicted_ttft` engine model.
+    pub latency: LatencyConfig,
+}
+
+/// Engine model of the `predicted_ttft` policy (see `picker/predicted_ttft.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LatencyConfig {
+    /// Engine step token budget (`max_num_batched_tokens`), tokens (≥ 1); default 8 192,
+    /// vLLM's default for online serving.
+    pub step_token_budget: u32,
+    /// Prefill throughput assumed before any observation, tokens/s (> 0); default 15 928,
+    /// llm-d's `peakPrefillThroughput` (see [`crate::prefill_rate`]). A model profile's
+    /// measured value belongs here.
+    pub seed_prefill_tokens_per_s: f64,
+}
+
+impl Default for LatencyConfig {
+    fn default() -> Self {
+        Self {
+            step_token_budget: predicted_ttft::DEFAULT_STEP_TOKEN_BUDGET,
+            seed_prefill_tokens_per_s: crate::prefill_rate::DEFAULT_PREFILL_TOKENS_PER_S,
+        }
+    }
 }
 
 impl Default for PickerConfig {
@@ -154,6 +184,7 @@ impl Default for PickerConfig {
             weights: HybridWeights::default(),
             classes: Vec::new(),
             max_fallbacks: 2,
+            latency: LatencyConfig::default(),
         }
     }
 }
@@ -259,6 +290,7 @@ pub struct ConfigError {
 #[derive(Debug)]
 pub struct Picker {
     config: PickerConfig,
+    rates: PrefillRates,
     rng: fastrand::Rng,
     cursor: usize,
     scratch: Vec<Candidate>,
@@ -345,6 +377,21 @@ impl PickerConfig {
                 "must be a number in 0..1",
             );
         }
+        if self.latency.step_token_budget == 0 {
+            return err(
+                "latency.step_token_budget".into(),
+                "0".into(),
+                "must be at least 1",
+            );
+        }
+        let seed = self.latency.seed_prefill_tokens_per_s;
+        if !(seed.is_finite() && seed > 0.0) {
+            return err(
+                "latency.seed_prefill_tokens_per_s".into(),
+                seed.to_string(),
+                "must be a finite number > 0",
+            );
+        }
         let w = &self.weights;
         for (name, v) in [
             ("weights.kv_headroom", w.kv_headroom),
@@ -402,6 +449,7 @@ impl Picker {
     pub fn new(config: PickerConfig, seed: u64) -> Result<Self, ConfigError> {
         config.validate()?;
         Ok(Self {
+            rates: PrefillRates::new(config.latency.seed_prefill_tokens_per_s),
             config,
             rng: fastrand::Rng::with_seed(seed),
             cursor: 0,
@@ -412,6 +460,45 @@ impl Picker {
     /// Configuration in force.
     pub fn config(&self) -> &PickerConfig {
         &self.config
+    }
+
+    /// Learned per-endpoint prefill throughput used by `predicted_ttft`.
+    pub fn prefill_rates(&self) -> &PrefillRates {
+        &self.rates
+    }
+
+    /// Mutable access, to feed observations ([`PrefillRates::observe`]) or replace the state
+    /// with one shared by other workers.
+    pub fn prefill_rates_mut(&mut self) -> &mut PrefillRates {
+        &mut self.rates
+    }
+
+    /// Predicted TTFT of `req` on endpoint `index` of `input.snapshot` under the
+    /// `predicted_ttft` model (whatever the policy in force); `None` for an index out of
+    /// range. The caller feeds [`predicted_ttft::TtftPrediction::effective_tokens`] of the
+    /// chosen endpoint back with the measured time to first byte.
+    pub fn predict_ttft(
+        &self,
+        input: &PickInput<'_>,
+        req: &PickRequest<'_>,
+        index: usize,
+    ) -> Option<predicted_ttft::TtftPrediction> {
+        let e = input.snapshot.endpoints.get(index)?;
+        let inflight = input.inflight.get(index).copied().unwrap_or_default();
+        let matched = input
+            .prefix_match_blocks
+            .get(index)
+            .copied()
+            .unwrap_or(0)
+            .min(req.prefix_blocks);
+        Some(predicted_ttft::predict(
+            e,
+            &inflight,
+            matched,
+            req,
+            &self.rates,
+            self.config.latency.step_token_budget,
+        ))
     }
 
     /// The request class `req` falls into, if any (first match wins).
@@ -488,6 +575,13 @@ impl Picker {
                 PolicyKind::LeastKv => least_kv::rank(&mut cands),
                 PolicyKind::PrefixAffinity => prefix_affinity::rank(&mut cands),
                 PolicyKind::Hybrid => hybrid::rank(&mut cands, &self.config.weights, req),
+                PolicyKind::PredictedTtft => predicted_ttft::rank(
+                    &mut cands,
+                    endpoints,
+                    req,
+                    &self.rates,
+                    self.config.latency.step_token_budget,
+                ),
             }
             self.finish(&mut cands, policy, PickReason::Policy, class_name)
         };

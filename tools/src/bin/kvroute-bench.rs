@@ -22,7 +22,8 @@ use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::ReplicaConfig;
 use kvroute_sim::trace::TraceRow;
 use kvroute_tools::routebench::output::{
-    render_goal, render_headline, render_tables, table_row, write_all, TABLE_HEADER,
+    render_goal, render_headline, render_output_error, render_tables, table_row, write_all,
+    TABLE_HEADER,
 };
 use kvroute_tools::routebench::sweep::{
     crosscheck, native_rate, run_sweep, Cell, SweepConfig, Workload,
@@ -111,7 +112,7 @@ struct SweepArgs {
     /// Loads, % of measured capacity.
     #[arg(long, value_delimiter = ',', default_value = "50,70,90,110")]
     loads: Vec<f64>,
-    /// Routers (names as printed); default all seven.
+    /// Routers (names as printed); default all nine.
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Fleet size of the headline table.
@@ -138,7 +139,7 @@ struct SingleArgs {
     /// Divide arrival times by this (×k traffic rate).
     #[arg(long, default_value_t = 2.0)]
     compress: f64,
-    /// Routers (names as printed); default all seven.
+    /// Routers (names as printed); default all nine.
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Also print the reports as JSON.
@@ -243,6 +244,8 @@ fn sweep(a: SweepArgs) -> anyhow::Result<()> {
     );
     println!("\n## Goal\n");
     print!("{}", render_goal(&report));
+    println!("\n## Output-length prediction error\n");
+    print!("{}", render_output_error(&report));
     println!("\n## Tables\n");
     print!("{}", render_tables(&report));
     let paths = write_all(&report, &a.out)?;
@@ -296,7 +299,7 @@ fn single(a: SingleArgs) -> anyhow::Result<()> {
             arrival_rate_rps: rate,
             report: r.clone(),
         };
-        print!("{}", table_row(&c));
+        print!("{}", table_row(&c, 0.0));
     }
     for r in &reports {
         println!(

@@ -25,12 +25,16 @@
 //!   baselines get their own router-local in-flight counts. Each reservation also carries
 //!   the request's pending prefill (prompt tokens minus those the router's own prefix index
 //!   expects cached on the chosen replica), zeroed at the request's first token (the filter
-//!   does this on the first response bytes). Reservations are released on the request's
+//!   does this on the first response bytes), when the router also learns prefill throughput
+//!   from the route's predicted work and the measured TTFT
+//!   ([`kvroute_core::router::Router::observe_first_token`]). Reservations are released on the request's
 //!   last token (stream end).
 //! - kvroute policies go through the filter's own pipeline, [`kvroute_core::router::Router`]
 //!   ([`kvroute_router`]): the row becomes a request of `input_length` exact prompt tokens
-//!   with `max_tokens = output_length` (what the replay sends), KV demand from the model's
-//!   profile, the prefix index matched before the pick and recorded for the chosen endpoint;
+//!   and no output limit (a router cannot know the output length), KV demand from the
+//!   router's learned output lengths ([`kvroute_core::router::Router::observe_output`], fed
+//!   with each finished row's usage) or the model's profile until enough were seen, the
+//!   prefix index matched before the pick and recorded for the chosen endpoint;
 //!   the index holds the replica's KV capacity in 512-token blocks. A `NoCapacity` answer
 //!   (the gateway's 429) sends the request to the replica with the fewest in-flight requests
 //!   and counts it in [`RouterReport::overflow`], so every router serves every row.
@@ -51,6 +55,7 @@
 //! tie-break comes from a seeded `fastrand::Rng`.
 
 pub mod baselines;
+pub mod ceiling;
 pub mod output;
 pub mod sweep;
 pub mod workload;
@@ -66,7 +71,8 @@ use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
 use baselines::dynamo::DynamoWorker;
 use baselines::{
-    DynamoKv, EndpointView, LeastRequest, LlmdEpp, Oracle, OracleView, RoundRobin, SglangCacheAware,
+    DynamoKv, EndpointView, LeastRequest, LlmdEpp, LlmdGuide, Oracle, OracleView, RoundRobin,
+    SglangCacheAware,
 };
 use kvroute_sim::api::{id_block_hashes, DEFAULT_PREFIX_BLOCK_TOKENS};
 use kvroute_sim::engine::{Engine, EngineConfig, EngineEvent, SimRequest};
@@ -95,6 +101,8 @@ pub enum RouterKind {
     LeastRequest,
     /// [`baselines::LlmdEpp`].
     LlmdEpp,
+    /// [`baselines::LlmdGuide`].
+    LlmdGuide,
     /// [`baselines::SglangCacheAware`].
     SglangCacheAware,
     /// [`baselines::DynamoKv`].
@@ -114,6 +122,7 @@ impl RouterKind {
             RouterKind::RoundRobin => "round_robin",
             RouterKind::LeastRequest => "least_request",
             RouterKind::LlmdEpp => "llmd-epp",
+            RouterKind::LlmdGuide => "llmd-guide",
             RouterKind::SglangCacheAware => "sglang-cache-aware",
             RouterKind::DynamoKv => "dynamo-kv",
             RouterKind::Oracle => "oracle",
@@ -124,6 +133,7 @@ impl RouterKind {
                 PolicyKind::LeastKv => "kvroute-least_kv",
                 PolicyKind::PrefixAffinity => "kvroute-prefix_affinity",
                 PolicyKind::Hybrid => "kvroute-hybrid",
+                PolicyKind::PredictedTtft => "kvroute-predicted_ttft",
             },
         }
     }
@@ -133,16 +143,18 @@ impl RouterKind {
         RouterKind::Kvroute(PolicyKind::default())
     }
 
-    /// The benchmark's seven routers, `round_robin` first (the ratio baseline), kvroute's
-    /// default last.
-    pub fn all() -> [RouterKind; 7] {
+    /// The benchmark's nine routers, `round_robin` first (the ratio baseline): six baselines,
+    /// the oracle, kvroute's `predicted_ttft` policy, and kvroute's default (`hybrid`) last.
+    pub fn all() -> [RouterKind; 9] {
         [
             RouterKind::RoundRobin,
             RouterKind::LeastRequest,
             RouterKind::LlmdEpp,
+            RouterKind::LlmdGuide,
             RouterKind::SglangCacheAware,
             RouterKind::DynamoKv,
             RouterKind::Oracle,
+            RouterKind::Kvroute(PolicyKind::PredictedTtft),
             RouterKind::kvroute_default(),
         ]
     }
@@ -161,6 +173,7 @@ impl RouterKind {
             PolicyKind::LeastKv,
             PolicyKind::PrefixAffinity,
             PolicyKind::Hybrid,
+            PolicyKind::PredictedTtft,
         ]
         .map(RouterKind::Kvroute);
         RouterKind::all()
@@ -269,6 +282,7 @@ enum Router {
     Rr(RoundRobin),
     Lr(LeastRequest),
     Llmd(LlmdEpp),
+    LlmdGuide(LlmdGuide),
     Sglang(SglangCacheAware),
     Dynamo(DynamoKv),
     Oracle(Oracle),
@@ -283,6 +297,10 @@ struct Req {
     first: Option<f64>,
     admitted: bool,
     done: bool,
+    /// Router-tracked pending prefill charged at pick time (llm-d guide, Dynamo), tokens.
+    prefill_charge: u64,
+    /// kvroute's predicted effective prefill work at pick time (learner input), tokens.
+    predicted_work: f64,
 }
 
 struct State {
@@ -296,6 +314,13 @@ struct State {
     active_tokens: Vec<u64>,
     /// Requests without a first token yet, per replica (for the oracle).
     prefilling: Vec<Vec<u64>>,
+    /// Router-tracked pending prefill tokens per replica (llm-d guide's in-flight load,
+    /// Dynamo's active prefill tokens): charged at pick, released at the first token.
+    pending_prefill: Vec<u64>,
+    /// (request, replica, TTFT seconds) of first tokens not yet fed to the router.
+    first_tokens: Vec<(u64, usize, f64)>,
+    /// Requests finished and not yet fed to the router.
+    finished_ids: Vec<u64>,
     ttft: Vec<f64>,
     e2e: Vec<f64>,
     tpot_ok: usize,
@@ -346,6 +371,10 @@ impl State {
             if index == 1 {
                 r.first = Some(time);
                 let ttft = time - r.arrival;
+                if let Some(p) = self.pending_prefill.get_mut(k) {
+                    *p = p.saturating_sub(r.prefill_charge);
+                }
+                self.first_tokens.push((id, k, ttft));
                 self.ttft.push(ttft);
                 if ttft <= SLO_TTFT_S {
                     self.ttft_ok += 1;
@@ -366,6 +395,7 @@ impl State {
                 continue;
             }
             r.done = true;
+            self.finished_ids.push(id);
             self.finished += 1;
             self.generated += u64::from(r.output);
             self.last_finish = self.last_finish.max(time);
@@ -510,11 +540,46 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
         RouterKind::RoundRobin => Router::Rr(RoundRobin::new()),
         RouterKind::LeastRequest => Router::Lr(LeastRequest),
         RouterKind::LlmdEpp => Router::Llmd(LlmdEpp::new(cfg.seed)),
+        RouterKind::LlmdGuide => Router::LlmdGuide(LlmdGuide::new(cfg.seed)),
         RouterKind::SglangCacheAware => Router::Sglang(SglangCacheAware::new()),
         RouterKind::DynamoKv => Router::Dynamo(DynamoKv::new(engine.block_size, cfg.seed)),
         RouterKind::Oracle => Router::Oracle(Oracle),
     }
 }
+
+/// Feed what the router would observe from responses since the last call: kvroute's
+/// prefill-rate learner gets (predicted work at pick, TTFT) of each first token, its
+/// output-length model the (prompt, output) usage of each finished request — the filter's
+/// first-byte and `usage` observations.
+fn feed(router: &mut Router, st: &mut State, model: &str, ids: &[String]) {
+    let firsts = std::mem::take(&mut st.first_tokens);
+    let done = std::mem::take(&mut st.finished_ids);
+    let Router::Kv(router) = router else {
+        return;
+    };
+    for (id, k, ttft) in firsts {
+        let (Some(r), Some(ep)) = (st.reqs.get(id as usize), ids.get(k)) else {
+            continue;
+        };
+        router.observe_first_token(ep, r.predicted_work, ttft);
+    }
+    for id in done {
+        if let Some(r) = st.reqs.get(id as usize) {
+            router.observe_output(
+                model,
+                ApiKind::Completions,
+                u64::from(r.prompt),
+                u64::from(r.output),
+            );
+        }
+    }
+}
+
+/// Output-length quantile kvroute reserves KV for (the median; the core router's).
+pub use kvroute_core::router::OUTPUT_QUANTILE;
+/// The model profile's expected output without a limit: ⌈1 024 × 0.5⌉ tokens
+/// (`kvroute_core::profile`).
+pub const PROFILE_EXPECTED_OUTPUT: u64 = 512;
 
 /// Replay `rows` through `cfg.replicas` engines of `engine` with one router. Never panics;
 /// an empty trace gives an all-zero report.
@@ -539,6 +604,9 @@ pub fn run_router(
         table: InflightTable::new(rows.len().max(1)),
         active_tokens: vec![0; n],
         prefilling: vec![Vec::new(); n],
+        pending_prefill: vec![0; n],
+        first_tokens: Vec::new(),
+        finished_ids: Vec::new(),
         ttft: Vec::with_capacity(rows.len()),
         e2e: Vec::with_capacity(rows.len()),
         tpot_ok: 0,
@@ -573,6 +641,7 @@ pub fn run_router(
                 next_scrape_ms = next_scrape_ms.max(last.saturating_sub(interval_ms));
             }
             st.run_to(next_scrape_ms as f64 / 1000.0);
+            feed(&mut router, &mut st, &cfg.model, &ids);
             st.sample_imbalance();
             let s = st.snapshot(&cfg.model, next_scrape_ms, next_scrape_ms / interval_ms);
             in_transit.push_back((next_scrape_ms.saturating_add(cfg.push_delay_ms), s));
@@ -584,6 +653,7 @@ pub fn run_router(
             }
         }
         st.run_to(t);
+        feed(&mut router, &mut st, &cfg.model, &ids);
         let prompt = row.input_length.max(1);
         let output = row.output_length.max(1);
         let hashes = chain_ids(&row.hash_ids);
@@ -607,9 +677,13 @@ pub fn run_router(
             .collect();
         let least_loaded = LeastRequest.pick(&views).unwrap_or(0);
         // kvroute's reservation for the chosen replica (set by the Kv arm): KV demand and
-        // pending prefill, tokens.
-        let mut reserve = u64::from(prompt) + u64::from(output);
+        // pending prefill, tokens, and the work its TTFT model predicted ahead of the first
+        // token (fed back with the measured TTFT).
+        let mut reserve = u64::from(prompt) + PROFILE_EXPECTED_OUTPUT;
         let mut prefill_estimate = 0u64;
+        let mut predicted_work = 0.0f64;
+        // Pending prefill a baseline's router charges to the chosen replica.
+        let mut prefill_charge = 0u64;
         let chosen = match &mut router {
             Router::Kv(router) => {
                 let info = RequestInfo {
@@ -617,7 +691,10 @@ pub fn run_router(
                     model: Some(cfg.model.clone()),
                     prompt_tokens: u64::from(prompt),
                     prompt_tokens_exact: true,
-                    max_output_tokens: Some(output),
+                    // A trace row carries no output limit (the real output length is what the
+                    // engine generates, unknown to a router): KV demand comes from the learned
+                    // output lengths, or the model profile's rule until enough were seen.
+                    max_output_tokens: None,
                     n: 1,
                     priority: 0,
                     prefix_hashes: hashes.clone(),
@@ -626,6 +703,7 @@ pub fn run_router(
                     Outcome::Route(r) => {
                         prefill_estimate = r.prefill_tokens;
                         reserve = r.reserve_tokens;
+                        predicted_work = r.facts.predicted_work_tokens;
                         r.primary
                     }
                     Outcome::NoCapacity { .. }
@@ -641,6 +719,13 @@ pub fn run_router(
             Router::Rr(p) => p.pick(n).unwrap_or(0),
             Router::Lr(p) => p.pick(&views).unwrap_or(0),
             Router::Llmd(p) => p.pick(&ids, &views, &hashes).unwrap_or(least_loaded),
+            Router::LlmdGuide(p) => match p.pick(&ids, &st.pending_prefill, &hashes, prompt) {
+                Some(g) => {
+                    prefill_charge = g.charge_tokens;
+                    g.index
+                }
+                None => least_loaded,
+            },
             Router::Sglang(p) => p
                 .pick(&ids, &views, &hashes, prompt)
                 .unwrap_or(least_loaded),
@@ -649,12 +734,16 @@ pub fn run_router(
                     .engines
                     .iter()
                     .zip(&st.active_tokens)
-                    .map(|(e, &a)| DynamoWorker {
+                    .zip(&st.pending_prefill)
+                    .map(|((e, &a), &pf)| DynamoWorker {
                         overlap_blocks: cached_blocks(e, &engine_hashes),
                         active_tokens: a,
+                        active_prefill_tokens: pf,
                     })
                     .collect();
-                p.pick(&workers, prompt).unwrap_or(least_loaded)
+                let k = p.pick(&workers, prompt).unwrap_or(least_loaded);
+                prefill_charge = workers.get(k).map_or(0, |w| p.new_tokens(w, prompt));
+                k
             }
             Router::Oracle(p) => {
                 let ov: Vec<OracleView> =
@@ -672,6 +761,8 @@ pub fn run_router(
                 first: None,
                 admitted: false,
                 done: false,
+                prefill_charge,
+                predicted_work,
             };
         }
         let req = SimRequest {
@@ -699,6 +790,9 @@ pub fn run_router(
         }
         if let Some(p) = st.prefilling.get_mut(k) {
             p.push(i as u64);
+        }
+        if let Some(p) = st.pending_prefill.get_mut(k) {
+            *p = p.saturating_add(prefill_charge);
         }
         if let Some(id) = ids.get(k) {
             st.table.reserve_with_prefill(

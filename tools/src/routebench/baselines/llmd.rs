@@ -1,4 +1,6 @@
-//! `llmd-epp`: llm-d's endpoint picker (EPP) with its default scheduling profile, built on
+//! `llmd-epp`: llm-d's endpoint picker (EPP) with its no-config default scheduling profile
+//! (what the EPP runs when the operator gives no `EndpointPickerConfig`; the profile llm-d's
+//! v0.10 guides ship instead is [`super::llmd_guide`]), built on
 //! the Gateway API Inference Extension (GIE) scheduler: Filter → Score → Pick
 //! (<https://llm-d.ai/docs/architecture/core/router/epp/scheduling>; GIE
 //! `pkg/epp/scheduling/framework/plugins/`).

@@ -13,6 +13,7 @@
 pub mod dynamo;
 pub mod least_request;
 pub mod llmd;
+pub mod llmd_guide;
 pub mod oracle;
 pub mod round_robin;
 pub mod sglang;
@@ -20,6 +21,7 @@ pub mod sglang;
 pub use dynamo::DynamoKv;
 pub use least_request::LeastRequest;
 pub use llmd::LlmdEpp;
+pub use llmd_guide::LlmdGuide;
 pub use oracle::{Oracle, OracleView};
 pub use round_robin::RoundRobin;
 pub use sglang::SglangCacheAware;

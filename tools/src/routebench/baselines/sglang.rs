@@ -1,18 +1,27 @@
 //! `sglang-cache-aware`: SGLang model gateway (sgl-model-gateway, formerly sgl-router)
-//! `cache_aware` policy (`src/policies/cache_aware.rs`; defaults from its README and
-//! `RouterArgs`: `cache_threshold` 0.3, `balance_abs_threshold` 64,
-//! `balance_rel_threshold` 1.5, `max_tree_size` 2^26 characters).
+//! `cache_aware` policy, as shipped in 2026 (`sgl-model-gateway/src/policies/cache_aware.rs`).
 //!
-//! Algorithm:
-//! - load = router-local in-flight requests per worker;
+//! Defaults, confirmed from the source: the launcher's `CliArgs` (`sgl-model-gateway/src/main.rs`,
+//! the values `smg launch` / `python -m sglang_router.launch_router` run with) set
+//! `--cache-threshold 0.3`, `--balance-abs-threshold 64`, `--balance-rel-threshold 1.5`,
+//! `--eviction-interval 120` s and `--max-tree-size 67108864` (2^26) characters; a gateway log
+//! line of a default launch prints the same `CacheAware { cache_threshold: 0.3,
+//! balance_abs_threshold: 64, balance_rel_threshold: 1.5, … max_tree_size: 67108864 }`. (The
+//! library's `CacheAwareConfig::default()` in `policies/mod.rs` — 0.5 / 32 / 1.1 / 10 000 — is
+//! only used by code that builds the policy without the CLI.)
+//!
+//! Algorithm (`CacheAwarePolicy::select_worker`):
+//! - load = router-local in-flight requests per worker (`Worker::load`, incremented when a
+//!   request is routed, decremented when it completes);
 //! - the system is *imbalanced* when `max_load − min_load > balance_abs_threshold` **and**
 //!   `max_load > min_load × balance_rel_threshold`; then the request goes to the least-loaded
-//!   worker (shortest queue), lowest index on ties;
-//! - otherwise the request is prefix-matched against each worker's approximate radix tree
-//!   (the prefixes the router sent there); `match_rate = matched tokens / input tokens`;
-//!   if `match_rate > cache_threshold` the best-matching worker wins, else the worker with
-//!   the smallest tree (most free cache), lowest index on ties;
-//! - either way the request's prefix is inserted into the chosen worker's tree.
+//!   worker (`select_worker_min_load`), first on ties;
+//! - otherwise the request text is prefix-matched against the per-model approximate radix
+//!   tree (every worker's routed prefixes); `match_rate = matched characters / request
+//!   characters`; if `match_rate > cache_threshold` the best-matching worker wins, **else the
+//!   least-loaded worker** (the 2026 code; earlier sgl-router versions sent a miss to the
+//!   worker with the smallest tree, which the file's header comment still describes);
+//! - either way the request's text is inserted into the tree for the chosen worker.
 //!
 //! The tree here is a [`PrefixIndex`] over 512-token blocks (leading-block match over a
 //! per-worker LRU), which is what an approximate radix tree reduces to at the trace's
@@ -83,7 +92,7 @@ impl SglangCacheAware {
             if rate > SGLANG_CACHE_THRESHOLD {
                 best
             } else {
-                argmin_by_key(ids, |id| self.index.len(id))?
+                argmin_by_key(views, |v| v.inflight)?
             }
         };
         if let Some(id) = ids.get(chosen) {
@@ -99,16 +108,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn threshold_smallest_tree_and_imbalance_fallback() {
+    fn threshold_least_load_and_imbalance_fallback() {
         let ids = test_ids(2);
         let mut p = SglangCacheAware::new();
         let idle = [view(0.0, 0, 0), view(0.0, 0, 0)];
-        // Empty trees: smallest tree, lowest index on ties.
+        // Empty trees: a miss goes to the least-loaded worker, first on ties.
         assert_eq!(p.pick(&ids, &idle, &[1, 2], 1024), Some(0));
         // Full match (2 × 512 / 1024 = 1.0 > 0.3) sticks to replica 0.
         assert_eq!(p.pick(&ids, &idle, &[1, 2], 1024), Some(0));
-        // One of four blocks matched: 512 / 2048 = 0.25 ≤ 0.3 → smallest tree (replica 1).
-        assert_eq!(p.pick(&ids, &idle, &[1, 9, 8, 7], 2048), Some(1));
+        // One of four blocks matched: 512 / 2048 = 0.25 ≤ 0.3 → least load (replica 1 has 2
+        // in flight, replica 0 has 3).
+        let busy0 = [view(0.0, 0, 3), view(0.0, 0, 2)];
+        assert_eq!(p.pick(&ids, &busy0, &[1, 9, 8, 7], 2048), Some(1));
         // Load gap 60 ≤ 64: not imbalanced, cache wins even on the busier replica.
         let gap60 = [view(0.0, 0, 70), view(0.0, 0, 10)];
         assert_eq!(p.pick(&ids, &gap60, &[1, 2], 1024), Some(0));
