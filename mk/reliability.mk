@@ -1,7 +1,7 @@
 # Reliability (issue 14): fault matrix, long streams through the shipped Envoy examples, soak.
 # See docs/reliability.md for what each test breaks and expects, and the figures measured.
 REL_ENV = KVROUTE_WASM="$(FILTER_WASM)" \
-	KVROUTE_ENVOY="$$(ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy | head -n1)"
+	KVROUTE_ENVOY="$(ENVOY)"
 SOAK_SECONDS ?= 600
 SOAK_RPS ?= 10
 
