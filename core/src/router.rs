@@ -693,6 +693,8 @@ impl Router {
 mod tests {
     use super::*;
     use crate::snapshot::EndpointStats;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const NOW: u64 = 1_000;
 
