@@ -152,6 +152,11 @@ impl Worker {
         self.router.estimator()
     }
 
+    /// The worker's core router (read-only: learned state, configuration).
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
     /// Blocks remembered for `endpoint_id` in the prefix index.
     pub fn prefix_blocks(&self, endpoint_id: &str) -> usize {
         self.router.prefix_blocks(endpoint_id)
@@ -338,6 +343,28 @@ impl Worker {
                 None
             }
         }
+    }
+
+    /// A streamed response from `endpoint` produced its first token `ttft_s` seconds after
+    /// the decision: a prefill-throughput sample for the `predicted_ttft` policy
+    /// ([`Router::observe_first_token`]; this worker's learner).
+    pub fn observe_first_token(&mut self, endpoint: &str, predicted_work_tokens: f64, ttft_s: f64) {
+        self.router
+            .observe_first_token(endpoint, predicted_work_tokens, ttft_s);
+    }
+
+    /// A response's `usage` reported `completion_tokens` for a `prompt_tokens` prompt to
+    /// `model` over `api`: learned output lengths set later requests' KV demand
+    /// ([`Router::observe_output`]; this worker's learner).
+    pub fn observe_output(
+        &mut self,
+        model: &str,
+        api: kvroute_core::analysis::ApiKind,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    ) {
+        self.router
+            .observe_output(model, api, prompt_tokens, completion_tokens);
     }
 
     /// The first response bytes of `held`'s stream arrived: its prefill is done, so its
