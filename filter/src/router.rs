@@ -443,22 +443,7 @@ mod tests {
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
     pub(crate) fn endpoint(i: usize, now: u64) -> EndpointStats {
-        EndpointStats {
-            id: format!("pool/e{i}"),
-            address: format!("127.0.0.1:{}", 9000 + i),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
-            kv_usage: Some(0.1),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: now,
-            process_start_ms: None,
-        }
+        EndpointStats::fixture(i, now)
     }
 
     fn worker(json: &str) -> Worker {

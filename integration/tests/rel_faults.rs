@@ -459,15 +459,7 @@ async fn everything_saturated_holds_then_429_nothing_hangs() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.99, now), fleet.endpoint(1, 0.99, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.99, 0.99]).await.unwrap();
     // 3 x max_queue at once on one worker: max_queue held, the rest refused at once.
     let url = fleet.url("/v1/chat/completions");
     let started = Instant::now();
