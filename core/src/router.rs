@@ -333,7 +333,14 @@ pub struct Router {
     scratch_inflight: Vec<InFlight>,
     /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
     outputs: OutputLengths,
+    /// Chains recorded since the last [`Router::take_recorded`], kept only while affinity
+    /// sharing is on ([`Router::share_affinity`]); at most [`MAX_RECORDED`].
+    recorded: Option<Vec<(String, Vec<u64>)>>,
 }
+
+/// Bound on chains kept for [`Router::take_recorded`] between two takes; later ones are not
+/// kept (the host syncs every ~100 ms, so this is thousands of requests per second).
+pub const MAX_RECORDED: usize = 4096;
 
 impl Router {
     /// Validate `config` and build a router whose random tie-breaks come from `seed`.
@@ -371,7 +378,31 @@ impl Router {
             fleet: Fleet::default(),
             scratch_inflight: Vec::new(),
             outputs: OutputLengths::new(),
+            recorded: None,
         })
+    }
+
+    /// Turn affinity sharing on or off: while on, every chain the router records for a chosen
+    /// endpoint is also kept for [`Router::take_recorded`], so a host can hand it to other
+    /// router instances ([`crate::affinity::Journal`]).
+    pub fn share_affinity(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The (endpoint id, chain) pairs recorded since the last call, oldest first; empty when
+    /// sharing is off.
+    pub fn take_recorded(&mut self) -> Vec<(String, Vec<u64>)> {
+        match &mut self.recorded {
+            Some(v) => std::mem::take(v),
+            None => Vec::new(),
+        }
+    }
+
+    /// Learn that another router instance sent a request with chain `hashes` to
+    /// `endpoint_id` (as if this router had routed it). Chains for endpoints this router does
+    /// not know are kept until its next snapshot drops them.
+    pub fn import_affinity(&mut self, endpoint_id: &str, hashes: &[u64]) {
+        self.index.record(endpoint_id, hashes);
     }
 
     /// The estimator, with its learned calibration.
@@ -634,6 +665,11 @@ impl Router {
                 let prefill_tokens =
                     uncached_prompt_tokens(req.prompt_tokens, matched, pick_req.prefix_blocks);
                 self.index.record(&primary.id, &req.prefix_hashes);
+                if let Some(out) = &mut self.recorded {
+                    if out.len() < MAX_RECORDED && !req.prefix_hashes.is_empty() {
+                        out.push((primary.id.clone(), req.prefix_hashes.clone()));
+                    }
+                }
                 Outcome::Route(Route {
                     primary: p.primary,
                     endpoint: primary.id.clone(),
@@ -700,6 +736,8 @@ impl Router {
 mod tests {
     use super::*;
     use crate::snapshot::EndpointStats;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const NOW: u64 = 1_000;
 
@@ -901,6 +939,37 @@ mod tests {
             (route(&d).prefix_blocks, route(&d).prefix_match_blocks),
             (10, 0)
         );
+    }
+
+    #[test]
+    fn shared_affinity_moves_a_prefix_between_router_instances() {
+        // Two workers, four idle endpoints: without sharing, worker B knows nothing of where
+        // worker A sent the prefix; with it, B follows A.
+        let snap = Snapshot::new(1, NOW, (0..4).map(|i| ep(i, 0.1)).collect());
+        let t = InflightTable::default();
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "q".repeat(640));
+        let mut a = router(PolicyKind::Hybrid);
+        a.share_affinity(true);
+        let first = route(&a.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW))
+            .endpoint
+            .clone();
+        let recorded = a.take_recorded();
+        assert_eq!(recorded.len(), 1);
+        assert_eq!(recorded[0].0, first);
+        assert_eq!(recorded[0].1.len(), 10, "640 bytes = 10 blocks of 64");
+        assert!(a.take_recorded().is_empty(), "taken once");
+
+        let mut b = router(PolicyKind::Hybrid);
+        for (id, hashes) in &recorded {
+            b.import_affinity(id, hashes);
+        }
+        assert_eq!(b.prefix_blocks(&first), 10);
+        for _ in 0..3 {
+            let d = b.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);
+            assert_eq!(route(&d).endpoint, first);
+        }
+        // Sharing off: nothing is kept.
+        assert!(b.take_recorded().is_empty());
     }
 
     #[test]

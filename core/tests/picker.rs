@@ -10,6 +10,8 @@
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::picker::*;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const NOW: u64 = 1_000_000;
 

@@ -12,6 +12,8 @@ use kvroute_core::profile::{builtin, builtin_profiles};
 use kvroute_core::snapshot::{
     check_address, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION,
 };
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 fn ep(id: &str) -> EndpointStats {
     EndpointStats {

@@ -107,6 +107,11 @@ pub struct Worker {
     pub admission: AdmissionQueue<Parked>,
     /// Reservations made by the tick for parked requests, by context id.
     pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
+    /// This worker's number among the proxy's workers (writer id in the affinity journal).
+    worker_number: u32,
+    /// Last affinity-journal sequence number seen, and when it was last synced (Unix ms).
+    affinity_seen: u64,
+    affinity_synced_ms: u64,
 }
 
 /// The core router configuration carried by a filter configuration.
@@ -124,7 +129,8 @@ pub fn router_config(config: &Config) -> RouterConfig {
 impl Worker {
     /// Build from a validated config and a seed (time + context id; no OS randomness).
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
-        let router = Router::new(router_config(&config), seed)?;
+        let mut router = Router::new(router_config(&config), seed)?;
+        router.share_affinity(config.share_affinity);
         let admission = AdmissionQueue::new(config.admission.max_queue);
         let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Self {
@@ -135,12 +141,21 @@ impl Worker {
             seq: 0,
             admission,
             resumed: BTreeMap::new(),
+            // Random until `set_worker_number`: two workers then differ with high probability.
+            worker_number: rng.u32(..),
+            affinity_seen: 0,
+            affinity_synced_ms: 0,
         })
     }
 
     /// The estimator, with its learned calibration.
     pub fn estimator(&self) -> &Estimator {
         self.router.estimator()
+    }
+
+    /// The worker's core router (read-only: learned state, configuration).
+    pub fn router(&self) -> &Router {
+        &self.router
     }
 
     /// Blocks remembered for `endpoint_id` in the prefix index.
@@ -155,6 +170,40 @@ impl Worker {
         // the same number (see `shared::ensure_keys`), their ids still differ.
         self.id_prefix =
             (u64::from(worker & 0xFFFF) << 48) | (self.id_prefix & 0x0000_FFFF_0000_0000);
+        self.worker_number = worker;
+    }
+
+    /// The tick: the admission queue when enabled, then the prefix-affinity sync with the
+    /// other workers when `affinity_sync_ms` has passed since the last one.
+    pub fn periodic<H: Host>(&mut self, host: &H) {
+        if self.config.admission.enabled {
+            self.tick(host);
+        }
+        let now = host.now_ms();
+        if self.config.share_affinity
+            && now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms
+        {
+            self.affinity_synced_ms = now;
+            self.sync_affinity(host);
+        }
+    }
+
+    /// Exchange prefix affinity with the other workers now ([`crate::affinity::sync`]);
+    /// failures are logged and counted as fail-open events of the hint, never of a request.
+    pub fn sync_affinity<H: Host>(&mut self, host: &H) -> Option<crate::affinity::Synced> {
+        match crate::affinity::sync(
+            host,
+            &mut self.router,
+            self.worker_number,
+            &mut self.affinity_seen,
+            self.config.affinity_journal_bytes,
+        ) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                host.log(Level::Warn, &format!("kvroute: affinity sync: {e}"));
+                None
+            }
+        }
     }
 
     /// A fresh reservation id: the worker's upper 32 bits (unique per worker once
@@ -303,6 +352,28 @@ impl Worker {
                 None
             }
         }
+    }
+
+    /// A streamed response from `endpoint` produced its first token `ttft_s` seconds after
+    /// the decision: a prefill-throughput sample for the `predicted_ttft` policy
+    /// ([`Router::observe_first_token`]; this worker's learner).
+    pub fn observe_first_token(&mut self, endpoint: &str, predicted_work_tokens: f64, ttft_s: f64) {
+        self.router
+            .observe_first_token(endpoint, predicted_work_tokens, ttft_s);
+    }
+
+    /// A response's `usage` reported `completion_tokens` for a `prompt_tokens` prompt to
+    /// `model` over `api`: learned output lengths set later requests' KV demand
+    /// ([`Router::observe_output`]; this worker's learner).
+    pub fn observe_output(
+        &mut self,
+        model: &str,
+        api: kvroute_core::analysis::ApiKind,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    ) {
+        self.router
+            .observe_output(model, api, prompt_tokens, completion_tokens);
     }
 
     /// The first response bytes of `held`'s stream arrived: its prefill is done, so its
@@ -560,6 +631,58 @@ mod tests {
             )),
             3
         );
+    }
+
+    #[test]
+    fn workers_share_prefix_affinity_through_the_journal() {
+        let h = MockHost::new(1000);
+        let snap = Snapshot::new(1, 1000, (0..4).map(|i| endpoint(i, 1000)).collect());
+        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        shared::ensure_keys(&h).unwrap();
+        let (mut a, mut b) = (worker("{}"), worker("{}"));
+        a.set_worker_number(1);
+        b.set_worker_number(2);
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "s".repeat(640));
+        let chosen = match a.decide(&h, "/v1/completions", Some(body.as_bytes())) {
+            Decision::Route(r) => r.route.endpoint,
+            d => panic!("{d:?}"),
+        };
+        assert_eq!(b.prefix_blocks(&chosen), 0, "not shared yet");
+        let sa = a.sync_affinity(&h).unwrap();
+        assert_eq!((sa.imported, sa.published), (0, 1));
+        let sb = b.sync_affinity(&h).unwrap();
+        assert_eq!((sb.imported, sb.published), (1, 0));
+        assert_eq!(b.prefix_blocks(&chosen), 10);
+        for _ in 0..3 {
+            match b.decide(&h, "/v1/completions", Some(body.as_bytes())) {
+                Decision::Route(r) => assert_eq!(r.route.endpoint, chosen),
+                d => panic!("{d:?}"),
+            }
+        }
+        // B's chains reach A; neither re-imports what it already saw or wrote itself.
+        assert_eq!(
+            b.sync_affinity(&h).unwrap(),
+            crate::affinity::Synced {
+                imported: 0,
+                published: 3
+            }
+        );
+        assert_eq!(a.sync_affinity(&h).unwrap().imported, 3);
+        assert_eq!(a.sync_affinity(&h).unwrap().imported, 0);
+        assert_eq!(h.metric(metric::AFFINITY_IMPORTED), 4);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 4);
+        // A corrupt journal is replaced, not fatal.
+        h.shared_set(crate::names::AFFINITY_KEY, b"garbage", None)
+            .unwrap();
+        let _ = a.decide(&h, "/v1/completions", Some(body.as_bytes()));
+        assert_eq!(a.sync_affinity(&h).unwrap().published, 1);
+        assert_eq!(h.metric(metric::AFFINITY_RESET), 1);
+        assert_eq!(b.sync_affinity(&h).unwrap().imported, 1, "after the reset");
+        // Off: nothing is kept or synced by the tick.
+        let mut off = worker(r#"{"share_affinity":false}"#);
+        let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()));
+        off.periodic(&h);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 5);
     }
 
     #[test]
