@@ -234,6 +234,13 @@ pub struct Route {
     pub reason: PickReason,
     /// The demand exceeded every serving endpoint's KV capacity: re-picked by load.
     pub demand_over_capacity: bool,
+    /// Prefix blocks the request hashed ([`crate::prefix::block_hashes`]; 0 for a load-only
+    /// decision).
+    pub prefix_blocks: u32,
+    /// Of those, the leading blocks this router's [`PrefixIndex`] had recorded for
+    /// `endpoint` before this decision: the prefix-affinity evidence behind the pick (0
+    /// after the endpoint restarted or when it never saw this prefix).
+    pub prefix_match_blocks: u32,
     /// Request class matched, if any.
     pub class: Option<String>,
     /// Facts for calibration.
@@ -701,11 +708,9 @@ impl Router {
                     // The picker returns indices into the snapshot it was given.
                     return Outcome::NoEndpoints;
                 };
-                let prefill_tokens = uncached_prompt_tokens(
-                    req.prompt_tokens,
-                    matches.get(p.primary).copied().unwrap_or(0),
-                    pick_req.prefix_blocks,
-                );
+                let matched = matches.get(p.primary).copied().unwrap_or(0);
+                let prefill_tokens =
+                    uncached_prompt_tokens(req.prompt_tokens, matched, pick_req.prefix_blocks);
                 self.index.record(&primary.id, &req.prefix_hashes);
                 if let Some(out) = &mut self.recorded {
                     if out.len() < MAX_RECORDED && !req.prefix_hashes.is_empty() {
@@ -721,6 +726,8 @@ impl Router {
                     policy: p.policy,
                     reason: p.reason,
                     demand_over_capacity: over_capacity,
+                    prefix_blocks: pick_req.prefix_blocks,
+                    prefix_match_blocks: matched,
                     class: p.class,
                     facts: RequestFacts {
                         model: req.model.clone(),
@@ -784,20 +791,8 @@ mod tests {
 
     fn ep(i: usize, usage: f64) -> EndpointStats {
         EndpointStats {
-            id: format!("pool/e{i}"),
-            address: format!("127.0.0.1:{}", 9000 + i),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
             kv_usage: Some(usage),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: NOW,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, NOW)
         }
     }
 
@@ -874,6 +869,15 @@ mod tests {
         let b = lk.route(&snap, &table, "/v1/completions", Some(body.as_bytes()), NOW);
         assert_eq!(route(&a).endpoint, route(&b).endpoint, "prefix affinity");
         assert_eq!(route(&b).prefill_tokens, 0);
+        // The evidence the decision header shows: none matched first, all 10 the second time.
+        assert_eq!(
+            (route(&a).prefix_blocks, route(&a).prefix_match_blocks),
+            (10, 0)
+        );
+        assert_eq!(
+            (route(&b).prefix_blocks, route(&b).prefix_match_blocks),
+            (10, 10)
+        );
     }
 
     #[test]
@@ -974,6 +978,15 @@ mod tests {
         r.route(&Snapshot::new(2, NOW, e), &t, "/v1/models", None, NOW);
         assert_eq!(r.prefix_blocks("pool/e0"), 0, "restarted");
         assert_eq!(r.prefix_blocks("pool/e1"), 0, "removed");
+        // The next request with that prefix matches nothing on the restarted endpoint.
+        let mut e0 = ep(0, 0.1);
+        e0.process_start_ms = Some(2);
+        let snap = Snapshot::new(3, NOW, vec![e0]);
+        let d = r.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);
+        assert_eq!(
+            (route(&d).prefix_blocks, route(&d).prefix_match_blocks),
+            (10, 0)
+        );
     }
 
     #[test]

@@ -28,6 +28,7 @@ use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::PickReason;
 use kvroute_core::router::{Basis, Outcome, Route, Router, RouterConfig};
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 
 pub use kvroute_core::router::RequestFacts;
 
@@ -311,6 +312,14 @@ impl Worker {
                 // unparsable body must not read like a body-based one).
                 reason.push_str(";endpoint=");
                 reason.push_str(&route.endpoint);
+                if route.prefix_blocks > 0 {
+                    // Prefix blocks matched on the chosen endpoint / hashed.
+                    let _ = write!(
+                        reason,
+                        ";prefix={}/{}",
+                        route.prefix_match_blocks, route.prefix_blocks
+                    );
+                }
                 if let Basis::LoadOnly(cause) = d.basis {
                     reason.push_str(";load_only=");
                     reason.push_str(cause.name());
@@ -542,22 +551,7 @@ mod tests {
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
     pub(crate) fn endpoint(i: usize, now: u64) -> EndpointStats {
-        EndpointStats {
-            id: format!("pool/e{i}"),
-            address: format!("127.0.0.1:{}", 9000 + i),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
-            kv_usage: Some(0.1),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: now,
-            process_start_ms: None,
-        }
+        EndpointStats::fixture(i, now)
     }
 
     fn worker(json: &str) -> Worker {
@@ -591,6 +585,8 @@ mod tests {
                 policy: kvroute_core::picker::PolicyKind::Hybrid,
                 reason: PickReason::Policy,
                 demand_over_capacity: false,
+                prefix_blocks: 0,
+                prefix_match_blocks: 0,
                 class: None,
                 facts: RequestFacts::default(),
                 candidates: vec![],
@@ -747,6 +743,14 @@ mod tests {
             "policy:hybrid;endpoint=pool/e0;load_only=unparsable"
         );
         assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
+        // Prefix blocks matched on the chosen endpoint / hashed: none, then all 10.
+        let long = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
+        for matched in [0, 10] {
+            assert_eq!(
+                reason(w.decide(&h, "/v1/completions", Some(long.as_bytes()))),
+                format!("policy:hybrid;endpoint=pool/e0;prefix={matched}/10")
+            );
+        }
         let r = w.decide(&h, "/v1/chat/completions", None);
         let Decision::Route(r) = r else {
             panic!("not routed")

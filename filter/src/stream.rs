@@ -434,20 +434,9 @@ mod tests {
 
     fn ep(i: usize, kv: f64) -> EndpointStats {
         EndpointStats {
-            id: format!("pool/e{i}"),
             address: format!("10.0.0.{i}:8000"),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
             kv_usage: Some(kv),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: NOW,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, NOW)
         }
     }
 

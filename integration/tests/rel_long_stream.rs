@@ -90,17 +90,8 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
             id: format!("pool/sim-{i}"),
             address: a.clone(),
             cluster: "pool".into(),
-            pool: "pool".into(),
             models: vec![MODEL.into()],
-            lora_adapters: vec![],
-            kv_usage: Some(0.1),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: now,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, now)
         })
         .collect();
     let r = http::request(
