@@ -8,13 +8,16 @@
 //! two workers can pin the same prefix to two different replicas.
 //!
 //! The journal is how workers tell each other what they routed. Each worker appends the
-//! chains it recorded since its last sync ([`Journal::append`]) and replays the chains other
-//! workers appended since it last looked ([`Journal::since`]) into its own index. The filter
+//! chains it recorded since its last sync ([`append`]) and replays the chains other workers
+//! appended since it last looked ([`JournalRef::records`]) into its own index. The filter
 //! keeps the journal in one proxy-wasm shared-data key, updated with compare-and-swap on the
 //! worker's tick (every `affinity_sync_ms`, default 100 ms), so the request path pays
-//! nothing. The journal is bounded in bytes: the oldest records are dropped first, and a
-//! worker that falls further behind than the bound simply misses them (its index is an
-//! approximation of the servers' caches anyway; see [`crate::prefix`]).
+//! nothing. The journal is a transport, not a store: records older than a retention time
+//! (the filter keeps 20 sync periods, 2 s by default) are dropped when a worker next writes
+//! (by [`append`]), and the journal is bounded in bytes, oldest records dropped first.
+//! A worker that falls further behind simply misses them (its index is an approximation of
+//! the servers' caches anyway; see [`crate::prefix`]). So the journal's size follows the
+//! request rate over the retention time, not the number of requests ever routed.
 //!
 //! ## Wire format
 //! Little-endian, no padding:
@@ -25,44 +28,25 @@
 //! | next sequence number | 8 (u64) |
 //! | records, oldest first | see below |
 //!
-//! Each record: sequence number (u64), writer (u32), endpoint-id length (u16), endpoint id
+//! Each record: sequence number (u64), time written (Unix ms, u64), writer (u32),
+//! endpoint-id length (u16), endpoint id
 //! (UTF-8), hash count (u16), then the chain's block hashes (u64 each, in chain order, as
 //! [`crate::prefix::block_hashes`] returns them). Sequence numbers strictly increase.
 
-use std::collections::VecDeque;
-
-/// Magic bytes opening an encoded [`Journal`].
+/// Magic bytes opening an encoded journal.
 pub const JOURNAL_MAGIC: [u8; 4] = *b"KVA1";
 
 /// Default bound on an encoded journal, bytes (256 KiB): about 128 chains of the default
-/// 256-block maximum, or thousands of typical chat prefixes, per sync period.
+/// 256-block maximum, or thousands of typical chat prefixes, within the retention time.
 pub const DEFAULT_JOURNAL_BYTES: usize = 256 * 1024;
 
 /// Header bytes: magic + next sequence number.
 const HEADER: usize = 4 + 8;
-/// Fixed bytes of a record besides its id and hashes: seq + writer + id length + count.
-const RECORD_FIXED: usize = 8 + 4 + 2 + 2;
+/// Fixed bytes of a record besides its id and hashes: seq + time + writer + id length +
+/// count.
+const RECORD_FIXED: usize = 8 + 8 + 4 + 2 + 2;
 
-/// One routed chain: `writer` sent a request whose prefix chain is `hashes` to `endpoint`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AffinityRecord {
-    /// Sequence number in the journal (assigned by [`Journal::append`]).
-    pub seq: u64,
-    /// Which router instance wrote it (the filter uses its per-Envoy worker number).
-    pub writer: u32,
-    /// Endpoint id (`EndpointStats::id`).
-    pub endpoint: String,
-    /// Block hashes of the chain, at most `u16::MAX`.
-    pub hashes: Vec<u64>,
-}
-
-impl AffinityRecord {
-    fn encoded_len(&self) -> usize {
-        RECORD_FIXED + self.endpoint.len() + self.hashes.len() * 8
-    }
-}
-
-/// A journal that cannot be decoded. The caller starts a fresh one (losing only affinity
+/// A journal that cannot be read. The caller starts a fresh one (losing only affinity
 /// hints, never a routing decision).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum JournalError {
@@ -80,130 +64,122 @@ pub enum JournalError {
     BadSequence(usize),
 }
 
-/// The bounded journal of routed prefix chains (see the module doc).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Journal {
-    next_seq: u64,
-    records: VecDeque<AffinityRecord>,
-    /// Encoded size of `records`, bytes (without the header).
-    bytes: usize,
+/// One routed chain, read in place from a journal's bytes: `writer` sent a request whose
+/// prefix chain is [`RecordRef::hashes`] to `endpoint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordRef<'a> {
+    /// Sequence number in the journal.
+    pub seq: u64,
+    /// When it was appended, Unix ms.
+    pub at_ms: u64,
+    /// Which router instance wrote it (the filter uses its per-Envoy worker number).
+    pub writer: u32,
+    /// Endpoint id (`EndpointStats::id`).
+    pub endpoint: &'a str,
+    /// The chain's block hashes, 8 bytes each, little-endian.
+    raw_hashes: &'a [u8],
+    /// Offset of the record in the journal's bytes.
+    offset: usize,
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], JournalError> {
-        let end = self
-            .at
-            .checked_add(n)
-            .ok_or(JournalError::Truncated(self.at))?;
-        let s = self
-            .buf
-            .get(self.at..end)
-            .ok_or(JournalError::Truncated(self.at))?;
-        self.at = end;
-        Ok(s)
-    }
-    fn u64(&mut self) -> Result<u64, JournalError> {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(b))
-    }
-    fn u32(&mut self) -> Result<u32, JournalError> {
-        let mut b = [0u8; 4];
-        b.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(b))
-    }
-    fn u16(&mut self) -> Result<u16, JournalError> {
-        let mut b = [0u8; 2];
-        b.copy_from_slice(self.take(2)?);
-        Ok(u16::from_le_bytes(b))
-    }
-}
-
-impl Journal {
-    /// An empty journal whose first record will get sequence number 1.
-    pub fn new() -> Self {
-        Self {
-            next_seq: 1,
-            records: VecDeque::new(),
-            bytes: 0,
-        }
-    }
-
-    /// Decode [`Journal::encode`]'s bytes. Errors: [`JournalError`], naming the byte offset.
-    pub fn decode(buf: &[u8]) -> Result<Self, JournalError> {
-        let mut r = Reader { buf, at: 0 };
-        if r.take(4).ok() != Some(&JOURNAL_MAGIC[..]) {
-            return Err(JournalError::BadMagic);
-        }
-        let next_seq = r.u64()?;
-        let mut records = VecDeque::new();
-        let mut bytes = 0;
-        let mut last = 0u64;
-        while r.at < buf.len() {
-            let start = r.at;
-            let seq = r.u64()?;
-            if seq <= last || seq >= next_seq {
-                return Err(JournalError::BadSequence(start));
-            }
-            last = seq;
-            let writer = r.u32()?;
-            let id_len = usize::from(r.u16()?);
-            let endpoint = std::str::from_utf8(r.take(id_len)?)
-                .map_err(|_| JournalError::BadId(start))?
-                .to_owned();
-            let n = usize::from(r.u16()?);
-            let raw = r.take(n * 8)?;
-            let hashes = raw
-                .chunks_exact(8)
-                .map(|c| {
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(c);
-                    u64::from_le_bytes(b)
-                })
-                .collect();
-            let rec = AffinityRecord {
-                seq,
-                writer,
-                endpoint,
-                hashes,
-            };
-            bytes += rec.encoded_len();
-            records.push_back(rec);
-        }
-        Ok(Self {
-            next_seq,
-            records,
-            bytes,
+impl<'a> RecordRef<'a> {
+    /// The chain's block hashes, in chain order.
+    pub fn hashes(&self) -> impl Iterator<Item = u64> + 'a {
+        self.raw_hashes.chunks_exact(8).map(|c| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            u64::from_le_bytes(b)
         })
     }
 
-    /// The wire form (see the module doc).
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER + self.bytes);
-        out.extend_from_slice(&JOURNAL_MAGIC);
-        out.extend_from_slice(&self.next_seq.to_le_bytes());
-        for r in &self.records {
-            out.extend_from_slice(&r.seq.to_le_bytes());
-            out.extend_from_slice(&r.writer.to_le_bytes());
-            // Lengths were bounded to u16 by `append`.
-            out.extend_from_slice(&(r.endpoint.len() as u16).to_le_bytes());
-            out.extend_from_slice(r.endpoint.as_bytes());
-            out.extend_from_slice(&(r.hashes.len() as u16).to_le_bytes());
-            for h in &r.hashes {
-                out.extend_from_slice(&h.to_le_bytes());
-            }
-        }
-        out
+    /// Number of block hashes.
+    pub fn hash_count(&self) -> usize {
+        self.raw_hashes.len() / 8
     }
+}
 
-    /// Encoded size, bytes.
-    pub fn encoded_len(&self) -> usize {
-        HEADER + self.bytes
+/// A journal read in place (nothing is copied): the header, then records on demand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalRef<'a> {
+    next_seq: u64,
+    buf: &'a [u8],
+}
+
+/// Iterator over a journal's records, oldest first; yields an error (then stops) at the
+/// first record that cannot be read.
+#[derive(Debug, Clone)]
+pub struct Records<'a> {
+    buf: &'a [u8],
+    at: usize,
+    last: u64,
+    next_seq: u64,
+    failed: bool,
+}
+
+fn take<'a>(buf: &'a [u8], at: &mut usize, n: usize) -> Result<&'a [u8], JournalError> {
+    let end = at.checked_add(n).ok_or(JournalError::Truncated(*at))?;
+    let s = buf.get(*at..end).ok_or(JournalError::Truncated(*at))?;
+    *at = end;
+    Ok(s)
+}
+
+fn le<const N: usize>(buf: &[u8], at: &mut usize) -> Result<[u8; N], JournalError> {
+    let mut b = [0u8; N];
+    b.copy_from_slice(take(buf, at, N)?);
+    Ok(b)
+}
+
+impl<'a> Records<'a> {
+    fn read(&mut self) -> Result<RecordRef<'a>, JournalError> {
+        let offset = self.at;
+        let at = &mut self.at;
+        let seq = u64::from_le_bytes(le(self.buf, at)?);
+        if seq <= self.last || seq >= self.next_seq {
+            return Err(JournalError::BadSequence(offset));
+        }
+        self.last = seq;
+        let at_ms = u64::from_le_bytes(le(self.buf, at)?);
+        let writer = u32::from_le_bytes(le(self.buf, at)?);
+        let id_len = usize::from(u16::from_le_bytes(le(self.buf, at)?));
+        let endpoint = std::str::from_utf8(take(self.buf, at, id_len)?)
+            .map_err(|_| JournalError::BadId(offset))?;
+        let n = usize::from(u16::from_le_bytes(le(self.buf, at)?));
+        let raw_hashes = take(self.buf, at, n * 8)?;
+        Ok(RecordRef {
+            seq,
+            at_ms,
+            writer,
+            endpoint,
+            raw_hashes,
+            offset,
+        })
+    }
+}
+
+impl<'a> Iterator for Records<'a> {
+    type Item = Result<RecordRef<'a>, JournalError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed || self.at >= self.buf.len() {
+            return None;
+        }
+        let r = self.read();
+        self.failed = r.is_err();
+        Some(r)
+    }
+}
+
+impl<'a> JournalRef<'a> {
+    /// Read a journal's header. Errors: [`JournalError::BadMagic`], or
+    /// [`JournalError::Truncated`] for bytes shorter than the header; records are checked
+    /// as [`JournalRef::records`] reaches them.
+    pub fn parse(buf: &'a [u8]) -> Result<Self, JournalError> {
+        if buf.get(..4) != Some(&JOURNAL_MAGIC[..]) {
+            return Err(JournalError::BadMagic);
+        }
+        let mut at = 4;
+        let next_seq = u64::from_le_bytes(le(buf, &mut at)?);
+        Ok(Self { next_seq, buf })
     }
 
     /// The sequence number the next appended record will get; every record already in the
@@ -212,57 +188,107 @@ impl Journal {
         self.next_seq.max(1)
     }
 
-    /// Records with a sequence number above `seq`, oldest first.
-    pub fn since(&self, seq: u64) -> impl Iterator<Item = &AffinityRecord> {
-        self.records.iter().filter(move |r| r.seq > seq)
+    /// The records, oldest first.
+    pub fn records(&self) -> Records<'a> {
+        Records {
+            buf: self.buf,
+            at: HEADER,
+            last: 0,
+            next_seq: self.next_seq,
+            failed: false,
+        }
     }
+}
 
-    /// Number of records held.
-    pub fn len(&self) -> usize {
-        self.records.len()
+/// The bytes of an empty journal whose first record will get sequence number 1.
+pub fn empty() -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER);
+    out.extend_from_slice(&JOURNAL_MAGIC);
+    out.extend_from_slice(&1u64.to_le_bytes());
+    out
+}
+
+/// A new journal: the records of `old` (a journal's bytes; `None` or unreadable bytes start
+/// afresh) appended at or after `now_ms − max_age_ms`, then `chains` (endpoint id, block
+/// hashes) written by `writer` at `now_ms`, with the oldest records dropped until the whole
+/// fits in `max_bytes`. Records are copied as bytes, never decoded. Chains without hashes
+/// or with an endpoint id over `u16::MAX` bytes are skipped; a chain that alone would not
+/// fit is cut to its leading hashes (a chain's prefix is itself a valid chain).
+pub fn append(
+    old: Option<&[u8]>,
+    writer: u32,
+    now_ms: u64,
+    chains: &[(String, Vec<u64>)],
+    max_bytes: usize,
+    max_age_ms: u64,
+) -> Vec<u8> {
+    let room = max_bytes.saturating_sub(HEADER);
+    let cutoff = now_ms.saturating_sub(max_age_ms);
+    // Existing records to keep: offsets of the readable, young-enough ones (a tail).
+    let (mut next_seq, body, mut starts) = match old.map(JournalRef::parse) {
+        Some(Ok(j)) => {
+            let mut starts: Vec<usize> = Vec::new();
+            let mut end = HEADER;
+            for r in j.records() {
+                let Ok(r) = r else { break };
+                if r.at_ms < cutoff {
+                    starts.clear();
+                } else {
+                    starts.push(r.offset);
+                }
+                end = r.offset + RECORD_FIXED + r.endpoint.len() + r.raw_hashes.len();
+            }
+            (j.next_seq(), j.buf.get(..end).unwrap_or_default(), starts)
+        }
+        _ => (1, &[][..], Vec::new()),
+    };
+    // New records, encoded.
+    let mut fresh = Vec::new();
+    let mut fresh_starts = Vec::new();
+    for (endpoint, hashes) in chains {
+        if hashes.is_empty() || endpoint.len() > usize::from(u16::MAX) {
+            continue;
+        }
+        let fixed = RECORD_FIXED + endpoint.len();
+        let n = hashes
+            .len()
+            .min((room.saturating_sub(fixed) / 8).min(usize::from(u16::MAX)));
+        if n == 0 {
+            continue;
+        }
+        fresh_starts.push(fresh.len());
+        fresh.extend_from_slice(&next_seq.to_le_bytes());
+        fresh.extend_from_slice(&now_ms.to_le_bytes());
+        fresh.extend_from_slice(&writer.to_le_bytes());
+        fresh.extend_from_slice(&(endpoint.len() as u16).to_le_bytes());
+        fresh.extend_from_slice(endpoint.as_bytes());
+        fresh.extend_from_slice(&(n as u16).to_le_bytes());
+        for h in hashes.iter().take(n) {
+            fresh.extend_from_slice(&h.to_le_bytes());
+        }
+        next_seq = next_seq.saturating_add(1);
     }
-
-    /// True when no record is held.
-    pub fn is_empty(&self) -> bool {
-        self.records.is_empty()
-    }
-
-    /// Append `chains` (endpoint id, block hashes) written by `writer`, then drop the oldest
-    /// records until the encoded journal fits in `max_bytes`. Chains without hashes are
-    /// skipped; an endpoint id over `u16::MAX` bytes is skipped; a chain that alone would not
-    /// fit is cut to its leading hashes (a chain's prefix is itself a valid chain).
-    pub fn append<I>(&mut self, writer: u32, chains: I, max_bytes: usize)
-    where
-        I: IntoIterator<Item = (String, Vec<u64>)>,
+    // Drop the oldest (kept records first, then fresh ones) until the whole fits.
+    let kept_len = |starts: &[usize]| starts.first().map_or(0, |&s| body.len() - s);
+    let mut f = 0;
+    while kept_len(&starts) + fresh.len() - fresh_starts.get(f).copied().unwrap_or(fresh.len())
+        > room
     {
-        let room = max_bytes.saturating_sub(HEADER);
-        for (endpoint, mut hashes) in chains {
-            if hashes.is_empty() || endpoint.len() > usize::from(u16::MAX) {
-                continue;
-            }
-            let fixed = RECORD_FIXED + endpoint.len();
-            let max_hashes = (room.saturating_sub(fixed) / 8).min(usize::from(u16::MAX));
-            if max_hashes == 0 {
-                continue;
-            }
-            hashes.truncate(max_hashes);
-            let rec = AffinityRecord {
-                seq: self.next_seq(),
-                writer,
-                endpoint,
-                hashes,
-            };
-            self.next_seq = rec.seq.saturating_add(1);
-            self.bytes += rec.encoded_len();
-            self.records.push_back(rec);
-        }
-        while self.bytes > room {
-            match self.records.pop_front() {
-                Some(r) => self.bytes -= r.encoded_len(),
-                None => break,
-            }
+        if starts.is_empty() {
+            f += 1;
+        } else {
+            starts.remove(0);
         }
     }
+    let fresh_from = fresh_starts.get(f).copied().unwrap_or(fresh.len());
+    let mut out = Vec::with_capacity(HEADER + kept_len(&starts) + fresh.len() - fresh_from);
+    out.extend_from_slice(&JOURNAL_MAGIC);
+    out.extend_from_slice(&next_seq.to_le_bytes());
+    if let Some(&s) = starts.first() {
+        out.extend_from_slice(body.get(s..).unwrap_or_default());
+    }
+    out.extend_from_slice(fresh.get(fresh_from..).unwrap_or_default());
+    out
 }
 
 #[cfg(test)]
@@ -276,101 +302,185 @@ mod tests {
         (id.to_owned(), hashes.to_vec())
     }
 
+    /// (seq, at_ms, writer, endpoint, hashes) of every record, or the first error.
+    type Rec = (u64, u64, u32, String, Vec<u64>);
+    fn read(buf: &[u8]) -> Result<(u64, Vec<Rec>), JournalError> {
+        let j = JournalRef::parse(buf)?;
+        let recs = j
+            .records()
+            .map(|r| {
+                r.map(|r| {
+                    (
+                        r.seq,
+                        r.at_ms,
+                        r.writer,
+                        r.endpoint.to_owned(),
+                        r.hashes().collect(),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((j.next_seq(), recs))
+    }
+
+    const BIG: usize = 1 << 20;
+    const FOREVER: u64 = u64::MAX;
+
     #[test]
-    fn round_trip_and_since() {
-        let mut j = Journal::new();
-        j.append(1, [chain("p/a", &[1, 2, 3]), chain("p/b", &[9])], 1 << 20);
-        j.append(2, [chain("p/a", &[1, 2])], 1 << 20);
-        let bytes = j.encode();
-        assert_eq!(bytes.len(), j.encoded_len());
-        // header 12 + (16+3+24) + (16+3+8) + (16+3+16)
-        assert_eq!(bytes.len(), 12 + 43 + 27 + 35);
-        let d = Journal::decode(&bytes).unwrap();
-        assert_eq!(d, j);
-        assert_eq!(d.next_seq(), 4);
-        let seqs: Vec<(u64, u32, &str)> = d
-            .since(1)
-            .map(|r| (r.seq, r.writer, r.endpoint.as_str()))
-            .collect();
-        assert_eq!(seqs, vec![(2, 1, "p/b"), (3, 2, "p/a")]);
+    fn append_and_read_in_place() {
+        let j = append(
+            None,
+            1,
+            5,
+            &[chain("p/a", &[1, 2, 3]), chain("p/b", &[9])],
+            BIG,
+            FOREVER,
+        );
+        let j = append(Some(&j), 2, 6, &[chain("p/a", &[1, 2])], BIG, FOREVER);
+        // header 12 + (24+3+24) + (24+3+8) + (24+3+16)
+        assert_eq!(j.len(), 12 + 51 + 35 + 43);
+        let (next, recs) = read(&j).unwrap();
+        assert_eq!(next, 4);
+        assert_eq!(
+            recs,
+            vec![
+                (1, 5, 1, "p/a".into(), vec![1, 2, 3]),
+                (2, 5, 1, "p/b".into(), vec![9]),
+                (3, 6, 2, "p/a".into(), vec![1, 2]),
+            ]
+        );
+        assert_eq!(read(&empty()).unwrap(), (1, vec![]));
     }
 
     #[test]
     fn bounded_by_dropping_the_oldest() {
-        let mut j = Journal::new();
-        // Each record: 16 + 3 + 8 = 27 bytes; room for 3 within 12 + 81 = 93.
+        // Each record: 24 + 3 + 8 = 35 bytes; room for 3 within 12 + 105 = 117.
+        let mut j = empty();
         for i in 0..5u64 {
-            j.append(1, [chain("p/a", &[i])], 93);
+            j = append(Some(&j), 1, i, &[chain("p/a", &[i])], 117, FOREVER);
         }
-        assert_eq!(j.len(), 3);
-        assert_eq!(j.encoded_len(), 93);
-        let kept: Vec<u64> = j.since(0).map(|r| r.hashes[0]).collect();
+        assert_eq!(j.len(), 117);
+        let (next, recs) = read(&j).unwrap();
+        assert_eq!(next, 6);
+        let kept: Vec<u64> = recs.iter().map(|r| r.4[0]).collect();
         assert_eq!(kept, vec![2, 3, 4]);
-        assert_eq!(j.next_seq(), 6);
+        // One append larger than the room keeps its newest records only.
+        let many: Vec<_> = (10..15u64).map(|i| chain("p/a", &[i])).collect();
+        let j = append(Some(&j), 1, 9, &many, 117, FOREVER);
+        let kept: Vec<u64> = read(&j).unwrap().1.iter().map(|r| r.4[0]).collect();
+        assert_eq!(kept, vec![12, 13, 14]);
+    }
+
+    #[test]
+    fn old_records_expire() {
+        let mut j = empty();
+        for t in [100u64, 200, 300, 400] {
+            j = append(Some(&j), 1, t, &[chain("p/a", &[t])], BIG, 1_000);
+        }
+        let j = append(Some(&j), 1, 450, &[], BIG, 200);
+        let (next, recs) = read(&j).unwrap();
+        assert_eq!(recs.iter().map(|r| r.1).collect::<Vec<_>>(), vec![300, 400]);
+        assert_eq!(next, 5, "sequence numbers never reused");
+        // A clock that stepped back drops nothing.
+        let again = append(Some(&j), 1, 0, &[], BIG, 10);
+        assert_eq!(again, j);
     }
 
     #[test]
     fn oversized_chain_is_cut_to_its_leading_hashes() {
-        let mut j = Journal::new();
-        // room = 64 - 12 = 52; fixed = 16 + 3 = 19; 33 / 8 = 4 hashes fit.
-        j.append(7, [chain("p/a", &[1, 2, 3, 4, 5, 6])], 64);
-        let r = j.since(0).next().unwrap();
-        assert_eq!(r.hashes, vec![1, 2, 3, 4]);
-        assert!(j.encoded_len() <= 64);
+        // room = 72 - 12 = 60; fixed = 24 + 3 = 27; 33 / 8 = 4 hashes fit.
+        let j = append(
+            None,
+            7,
+            0,
+            &[chain("p/a", &[1, 2, 3, 4, 5, 6])],
+            72,
+            FOREVER,
+        );
+        assert_eq!(read(&j).unwrap().1[0].4, vec![1, 2, 3, 4]);
+        assert!(j.len() <= 72);
         // Empty chains and a bound too small for any hash add nothing.
-        j.append(7, [chain("p/a", &[]), chain("p/a", &[1])], 20);
-        assert!(j.is_empty());
+        let j = append(
+            None,
+            7,
+            0,
+            &[chain("p/a", &[]), chain("p/a", &[1])],
+            20,
+            FOREVER,
+        );
+        assert_eq!(read(&j).unwrap(), (1, vec![]));
     }
 
     #[test]
-    fn corrupt_bytes_are_errors() {
-        assert_eq!(Journal::decode(b"nope"), Err(JournalError::BadMagic));
-        let mut j = Journal::new();
-        j.append(1, [chain("p/a", &[1, 2])], 1 << 20);
-        let bytes = j.encode();
+    fn corrupt_bytes_are_errors_and_appends_start_afresh() {
         assert_eq!(
-            Journal::decode(&bytes[..bytes.len() - 1]),
-            Err(JournalError::Truncated(12 + 19))
+            JournalRef::parse(b"nope").unwrap_err(),
+            JournalError::BadMagic
         );
-        let mut bad_seq = bytes.clone();
+        let j = append(None, 1, 0, &[chain("p/a", &[1, 2])], BIG, FOREVER);
+        assert_eq!(
+            read(&j[..j.len() - 1]),
+            Err(JournalError::Truncated(12 + 27))
+        );
+        let mut bad_seq = j.clone();
         bad_seq[4..12].copy_from_slice(&1u64.to_le_bytes()); // next_seq not above the record
+        assert_eq!(read(&bad_seq), Err(JournalError::BadSequence(12)));
+        let mut bad_id = j.clone();
+        bad_id[12 + 22] = 0xff;
+        assert_eq!(read(&bad_id), Err(JournalError::BadId(12)));
+        // Appending after garbage starts a new journal.
+        let fresh = append(Some(b"garbage"), 1, 0, &[chain("p/a", &[7])], BIG, FOREVER);
         assert_eq!(
-            Journal::decode(&bad_seq),
-            Err(JournalError::BadSequence(12))
+            read(&fresh).unwrap(),
+            (2, vec![(1, 0, 1, "p/a".into(), vec![7])])
         );
-        let mut bad_id = bytes;
-        bad_id[12 + 14] = 0xff;
-        assert_eq!(Journal::decode(&bad_id), Err(JournalError::BadId(12)));
     }
 
     proptest! {
         #[test]
-        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let _ = Journal::decode(&bytes);
+        fn reading_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = read(&bytes);
             let mut with_magic = JOURNAL_MAGIC.to_vec();
             with_magic.extend_from_slice(&bytes);
-            let _ = Journal::decode(&with_magic);
+            let _ = read(&with_magic);
+            let _ = append(Some(&with_magic), 1, 1, &[chain("p", &[1])], 4096, 10);
         }
 
         #[test]
-        fn appends_round_trip_within_the_bound(
+        fn appends_keep_the_newest_records_within_the_bounds(
             batches in proptest::collection::vec(
                 proptest::collection::vec(("[a-z/]{0,12}", proptest::collection::vec(any::<u64>(), 0..40)), 0..6),
                 0..8),
             max in 12usize..2048,
+            age in 0u64..5,
         ) {
-            let mut j = Journal::new();
-            let mut appended = 0u64;
-            for (w, b) in batches.into_iter().enumerate() {
-                appended += b.iter().filter(|(_, h)| !h.is_empty()).count() as u64;
-                j.append(w as u32, b, max);
-                prop_assert!(j.encoded_len() <= max.max(12));
-                prop_assert_eq!(j.encode().len(), j.encoded_len());
-                prop_assert_eq!(Journal::decode(&j.encode()).unwrap(), j.clone());
+            let mut j = empty();
+            let mut all: Vec<(u64, String, Vec<u64>)> = Vec::new(); // (time, id, hashes) appended
+            for (t, b) in batches.into_iter().enumerate() {
+                let t = t as u64;
+                j = append(Some(&j), 9, t, &b, max, age);
+                prop_assert!(j.len() <= max.max(12));
+                let (_, recs) = read(&j).unwrap();
+                // Appended: chains with hashes whose id leaves room for at least one hash.
+                let room = max.saturating_sub(12);
+                for (id, h) in b.into_iter().filter(|(id, h)| {
+                    !h.is_empty() && room.saturating_sub(24 + id.len()) >= 8
+                }) {
+                    all.push((t, id, h));
+                }
+                // What is kept is a suffix of what was appended, none older than `age`,
+                // each chain a prefix of the one appended.
+                prop_assert!(recs.len() <= all.len());
+                let tail = &all[all.len() - recs.len()..];
+                for (r, (at, id, h)) in recs.iter().zip(tail) {
+                    prop_assert_eq!(r.1, *at);
+                    prop_assert!(r.1 + age >= t);
+                    prop_assert_eq!(&r.3, id);
+                    prop_assert!(h.starts_with(&r.4));
+                }
+                let seqs: Vec<u64> = recs.iter().map(|r| r.0).collect();
+                prop_assert!(seqs.windows(2).all(|w| w[0] < w[1]));
             }
-            prop_assert!(j.next_seq() <= appended + 1);
-            let seqs: Vec<u64> = j.since(0).map(|r| r.seq).collect();
-            prop_assert!(seqs.windows(2).all(|w| w[0] < w[1]));
         }
     }
 }

@@ -412,7 +412,7 @@ impl Router {
 
     /// Turn affinity sharing on or off: while on, every chain the router records for a chosen
     /// endpoint is also kept for [`Router::take_recorded`], so a host can hand it to other
-    /// router instances ([`crate::affinity::Journal`]).
+    /// router instances ([`crate::affinity`]).
     pub fn share_affinity(&mut self, on: bool) {
         self.recorded = on.then(Vec::new);
     }
@@ -427,10 +427,23 @@ impl Router {
     }
 
     /// Learn that another router instance sent a request with chain `hashes` to
-    /// `endpoint_id` (as if this router had routed it). Chains for endpoints this router does
-    /// not know are kept until its next snapshot drops them.
-    pub fn import_affinity(&mut self, endpoint_id: &str, hashes: &[u64]) {
+    /// `endpoint_id` (as if this router had routed it). Returns false, and keeps nothing, for
+    /// an endpoint not in the last snapshot this router saw ([`Router::observe_snapshot`] or
+    /// a decision): the index only ever holds endpoints of the fleet, so a router that never
+    /// routes (Envoy's main-thread instance) cannot grow without bound.
+    pub fn import_affinity(&mut self, endpoint_id: &str, hashes: &[u64]) -> bool {
+        if !self.fleet.process_start.contains_key(endpoint_id) {
+            return false;
+        }
         self.index.record(endpoint_id, hashes);
+        true
+    }
+
+    /// Take in a snapshot without deciding anything: the once-per-version work of a
+    /// decision's step 1 (fleet view, prefix-index reconciliation). Cheap when the snapshot
+    /// is the one already seen.
+    pub fn observe_snapshot(&mut self, snapshot: &Snapshot) {
+        self.refresh_fleet(snapshot);
     }
 
     /// The estimator, with its learned calibration.
@@ -1053,9 +1066,19 @@ mod tests {
         assert!(a.take_recorded().is_empty(), "taken once");
 
         let mut b = router(PolicyKind::Hybrid);
+        assert!(
+            !b.import_affinity(&first, &recorded[0].1),
+            "no snapshot seen yet"
+        );
+        assert_eq!(b.prefix_blocks(&first), 0);
+        b.observe_snapshot(&snap);
         for (id, hashes) in &recorded {
-            b.import_affinity(id, hashes);
+            assert!(b.import_affinity(id, hashes));
         }
+        assert!(
+            !b.import_affinity("pool/gone", &recorded[0].1),
+            "not in the fleet"
+        );
         assert_eq!(b.prefix_blocks(&first), 10);
         for _ in 0..3 {
             let d = b.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);

@@ -1,33 +1,41 @@
 //! Prefix affinity shared by the Envoy workers of one proxy (host I/O only; the journal is
-//! [`kvroute_core::affinity::Journal`], whose module doc explains why).
+//! [`kvroute_core::affinity`], whose module doc explains why).
 //!
 //! On its tick (every `affinity_sync_ms`, default 100 ms), each worker:
 //! 1. reads the journal from shared data ([`AFFINITY_KEY`]);
 //! 2. replays into its router every record other workers appended since its last sync;
-//! 3. appends the chains its router recorded since then and writes the journal back with
-//!    compare-and-swap, retrying from 1 on a race (at most [`CAS_RETRIES`] times).
+//! 3. drops records older than [`RETENTION_PERIODS`] sync periods, appends the chains its
+//!    router recorded since then and writes the journal back with compare-and-swap,
+//!    retrying from 1 on a race (at most [`CAS_RETRIES`] times).
 //!
-//! Nothing runs on the request path. A journal that cannot be decoded is replaced by a fresh
-//! one (counter `kvroute.affinity.reset`): affinity hints are lost, routing goes on.
+//! Nothing runs on the request path, and nothing is decoded into owned records: the
+//! journal is read in place and appended to as bytes. A journal that cannot be read is
+//! replaced by a fresh one (counter `kvroute.affinity.reset`): affinity hints are lost,
+//! routing goes on.
 
 use crate::host::{Host, HostError, MetricKind};
 use crate::names::{metric, AFFINITY_KEY};
 use crate::shared::{SharedError, CAS_RETRIES};
-use kvroute_core::affinity::Journal;
+use kvroute_core::affinity::{append, JournalRef};
 use kvroute_core::router::Router;
+
+/// Sync periods a journal record is kept: every live worker syncs once per period, so 20
+/// leaves a stalled worker 2 s (at the default 100 ms) before it misses hints.
+pub const RETENTION_PERIODS: u64 = 20;
 
 /// What one [`sync`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Synced {
-    /// Records from other workers replayed into this worker's router.
+    /// Records from other workers replayed into this worker's router (endpoints of its
+    /// current snapshot only).
     pub imported: usize,
     /// Chains this worker published.
     pub published: usize,
 }
 
 /// One sync of `router` (writer number `writer`) with the shared journal: import what others
-/// appended after sequence number `seen`, publish what `router` recorded, and advance `seen`.
-/// `max_bytes` bounds the journal. Errors: host failures and persistent CAS contention (the
+/// appended after sequence number `seen`, publish what `router` recorded (dropping records
+/// older than `retention_ms` first), and advance `seen`. `max_bytes` bounds the journal. Errors: host failures and persistent CAS contention (the
 /// chains taken from the router are then lost; only hints, never a reservation).
 pub fn sync<H: Host>(
     host: &H,
@@ -35,36 +43,59 @@ pub fn sync<H: Host>(
     writer: u32,
     seen: &mut u64,
     max_bytes: usize,
+    retention_ms: u64,
 ) -> Result<Synced, SharedError> {
     let outbox = router.take_recorded();
     let mut done = Synced::default();
+    let mut hashes: Vec<u64> = Vec::new();
     for _ in 0..CAS_RETRIES {
         let (bytes, cas) = host.shared_get(AFFINITY_KEY)?;
-        let mut journal = match bytes.as_deref().map(Journal::decode) {
-            Some(Ok(j)) => j,
-            None => Journal::new(),
+        match bytes.as_deref().map(JournalRef::parse) {
+            Some(Ok(j)) => {
+                // A journal that restarted (reset, or a new Envoy generation) has smaller
+                // numbers than this worker saw.
+                if j.next_seq() <= *seen {
+                    *seen = 0;
+                }
+                for r in j.records() {
+                    let Ok(r) = r else {
+                        host.metric_add(MetricKind::Counter, metric::AFFINITY_RESET, 1);
+                        break;
+                    };
+                    if r.seq <= *seen || r.writer == writer {
+                        continue;
+                    }
+                    hashes.clear();
+                    hashes.extend(r.hashes());
+                    if router.import_affinity(r.endpoint, &hashes) {
+                        done.imported += 1;
+                    }
+                }
+                *seen = j.next_seq().saturating_sub(1);
+            }
             Some(Err(_)) => {
                 host.metric_add(MetricKind::Counter, metric::AFFINITY_RESET, 1);
-                Journal::new()
+                *seen = 0;
             }
-        };
-        // A journal that restarted (reset, or a new Envoy generation) has smaller numbers.
-        if journal.next_seq() <= *seen {
-            *seen = 0;
+            None => {}
         }
-        for r in journal.since(*seen).filter(|r| r.writer != writer) {
-            router.import_affinity(&r.endpoint, &r.hashes);
-            done.imported += 1;
-        }
-        *seen = journal.next_seq().saturating_sub(1);
         if outbox.is_empty() {
             break;
         }
-        journal.append(writer, outbox.iter().cloned(), max_bytes);
-        match host.shared_set(AFFINITY_KEY, &journal.encode(), Some(cas.unwrap_or(0))) {
+        let next = append(
+            bytes.as_deref(),
+            writer,
+            host.now_ms(),
+            &outbox,
+            max_bytes,
+            retention_ms,
+        );
+        match host.shared_set(AFFINITY_KEY, &next, Some(cas.unwrap_or(0))) {
             Ok(()) => {
                 // Our own records are skipped by writer, so `seen` may move past them.
-                *seen = journal.next_seq().saturating_sub(1);
+                if let Ok(j) = JournalRef::parse(&next) {
+                    *seen = j.next_seq().saturating_sub(1);
+                }
                 done.published = outbox.len();
                 break;
             }

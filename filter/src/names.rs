@@ -17,7 +17,7 @@ pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
 /// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
 pub const INFLIGHT_KEY: &str = "kvroute.inflight";
 /// Shared-data key of the prefix-affinity journal shared by the workers
-/// (`kvroute_core::affinity::Journal::encode`, see [`crate::affinity`]).
+/// (`kvroute_core::affinity` wire format, see [`crate::affinity`]).
 pub const AFFINITY_KEY: &str = "kvroute.affinity";
 /// Shared-data key of the worker counter that makes reservation ids unique across workers.
 pub const WORKER_SEQ_KEY: &str = "kvroute.worker.seq";

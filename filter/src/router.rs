@@ -222,12 +222,19 @@ impl Worker {
     /// Exchange prefix affinity with the other workers now ([`crate::affinity::sync`]);
     /// failures are logged and counted as fail-open events of the hint, never of a request.
     pub fn sync_affinity<H: Host>(&mut self, host: &H) -> Option<crate::affinity::Synced> {
+        // Imports are kept only for endpoints of the current snapshot.
+        if let Ok(Some(snap)) = self.cache.current(host) {
+            self.router.observe_snapshot(&snap);
+        }
         match crate::affinity::sync(
             host,
             &mut self.router,
             self.worker_number,
             &mut self.affinity_seen,
             self.config.affinity_journal_bytes,
+            self.config
+                .affinity_sync_ms
+                .saturating_mul(crate::affinity::RETENTION_PERIODS),
         ) {
             Ok(s) => Some(s),
             Err(e) => {

@@ -134,8 +134,7 @@ pub fn ensure_keys<H: Host>(host: &H) -> Result<(), SharedError> {
     }
     let (journal, _) = host.shared_get(AFFINITY_KEY)?;
     if journal.is_none() {
-        let empty = kvroute_core::affinity::Journal::new().encode();
-        host.shared_set(AFFINITY_KEY, &empty, None)?;
+        host.shared_set(AFFINITY_KEY, &kvroute_core::affinity::empty(), None)?;
     }
     Ok(())
 }

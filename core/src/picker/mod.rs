@@ -263,7 +263,7 @@ pub struct Explained {
     /// the projected KV usage (0..1).
     pub score: f64,
     /// `hybrid`'s weighted terms, in order KV headroom, queue, in-flight, prefill work,
-    /// prefix (each weight × a 0..1 term, see [`hybrid`]); `None` for other policies.
+    /// prefix (each weight × a 0..1 term, see the `hybrid` policy module); `None` for other policies.
     pub terms: Option<[f64; 5]>,
     /// Prefix blocks of the request matched there.
     pub prefix_blocks: u32,
