@@ -245,6 +245,27 @@ pub struct Route {
     pub class: Option<String>,
     /// Facts for calibration.
     pub facts: RequestFacts,
+    /// The best-ranked candidates, the chosen one first, with their scores and predicted
+    /// TTFT: only while explaining ([`Router::set_explain`]), empty otherwise.
+    pub candidates: Vec<CandidateRecord>,
+}
+
+/// One candidate of a decision record ([`Router::set_explain`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CandidateRecord {
+    /// Endpoint id.
+    pub endpoint: String,
+    /// Policy score, higher is better ([`crate::picker::Explained::score`]).
+    pub score: f64,
+    /// `hybrid`'s weighted terms: KV headroom, queue, in-flight, prefill work, prefix
+    /// ([`crate::picker::Explained::terms`]); `None` for other policies.
+    pub terms: Option<[f64; 5]>,
+    /// Prefix blocks of the request matched there.
+    pub prefix_blocks: u32,
+    /// Running + waiting + router in-flight requests there.
+    pub load: u64,
+    /// TTFT the `predicted_ttft` model expects there, seconds (whatever the policy).
+    pub predicted_ttft_s: f64,
 }
 
 /// Outcome of a decision.
@@ -380,6 +401,13 @@ impl Router {
             outputs: OutputLengths::new(),
             recorded: None,
         })
+    }
+
+    /// Explain decisions: every [`Route`] then carries its best-ranked candidates with
+    /// their scores, terms and predicted TTFT ([`Route::candidates`]), for a decision
+    /// record. Off by default (it costs a small copy and one TTFT prediction per candidate).
+    pub fn set_explain(&mut self, on: bool) {
+        self.picker.set_explain(on);
     }
 
     /// Turn affinity sharing on or off: while on, every chain the router records for a chosen
@@ -647,6 +675,25 @@ impl Router {
                 over_capacity = true;
             }
         }
+        let candidates: Vec<CandidateRecord> = match &outcome {
+            PickOutcome::Picked(p) => p
+                .top
+                .iter()
+                .filter_map(|x| {
+                    let e = snap.endpoints.get(x.index)?;
+                    let ttft = self.picker.predict_ttft(&input, &pick_req, x.index);
+                    Some(CandidateRecord {
+                        endpoint: e.id.clone(),
+                        score: x.score,
+                        terms: x.terms,
+                        prefix_blocks: x.prefix_blocks,
+                        load: x.load,
+                        predicted_ttft_s: ttft.map_or(0.0, |t| t.seconds),
+                    })
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         let predicted_work_tokens = match &outcome {
             PickOutcome::Picked(p) => self
                 .picker
@@ -688,6 +735,7 @@ impl Router {
                         exact: req.prompt_tokens_exact,
                         predicted_work_tokens,
                     },
+                    candidates,
                 })
             }
             PickOutcome::NoEndpoints => match req.model.as_deref() {
@@ -939,6 +987,51 @@ mod tests {
             (route(&d).prefix_blocks, route(&d).prefix_match_blocks),
             (10, 0)
         );
+    }
+
+    #[test]
+    fn explained_decisions_carry_the_top_candidates_and_their_terms() {
+        let usage = [0.5, 0.1, 0.9, 0.3];
+        let snap = Snapshot::new(1, NOW, (0..4).map(|i| ep(i, usage[i])).collect());
+        let t = InflightTable::default();
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
+        let mut r = router(PolicyKind::Hybrid);
+        let d = r.route(&snap, &t, "/v1/completions", Some(body), NOW);
+        assert!(route(&d).candidates.is_empty(), "off by default");
+        r.set_explain(true);
+        let d = r.route(&snap, &t, "/v1/completions", Some(body), NOW);
+        let rt = route(&d);
+        let demand = r
+            .demand(&RequestInfo {
+                model: Some("m".into()),
+                prompt_tokens: rt.facts.prompt_tokens,
+                max_output_tokens: Some(100),
+                n: 1,
+                api: ApiKind::Completions,
+                ..RequestInfo::default()
+            })
+            .1
+            .tokens as f64;
+        let ids: Vec<&str> = rt.candidates.iter().map(|c| c.endpoint.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["pool/e1", "pool/e3", "pool/e0"],
+            "most headroom first, top 3"
+        );
+        assert_eq!(rt.endpoint, "pool/e1");
+        for (c, u) in rt.candidates.iter().zip([0.1, 0.3, 0.5]) {
+            // Equal queues and in-flight (terms 1 each), equal prefill work with no prefix
+            // anywhere (term 0), no prefix match (0): only the headroom differs.
+            let terms = c.terms.unwrap();
+            assert!(
+                (terms[0] - (1.0 - u - demand / 100_000.0)).abs() < 1e-12,
+                "{terms:?}"
+            );
+            assert_eq!(terms[1..], [1.0, 1.0, 0.0, 0.0]);
+            assert_eq!(c.score, terms.iter().sum::<f64>());
+            assert_eq!((c.prefix_blocks, c.load), (0, 0));
+            assert!(c.predicted_ttft_s > 0.0);
+        }
     }
 
     #[test]

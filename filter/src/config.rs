@@ -116,6 +116,11 @@ pub struct RawConfig {
     /// Bound on the SSE tail kept while scanning a streamed response for `usage`, bytes
     /// (default 16384).
     pub usage_tail_bytes: usize,
+    /// Keep a decision record per routed request (default false): the decision reason
+    /// plus the best 3 candidates with their score, predicted TTFT and each hybrid term, as
+    /// Envoy filter state `wasm.kvroute_decision` for access logs, and in
+    /// `x-kvroute-decision` when `debug_header` is on. Costs one small string per request.
+    pub decision_record: bool,
     /// Share prefix affinity between this Envoy's workers through shared data (default
     /// true; see `kvroute_filter::affinity`). Off, each worker only knows what it routed.
     pub share_affinity: bool,
@@ -151,6 +156,7 @@ impl Default for RawConfig {
             fail_open: true,
             debug_header: false,
             usage_tail_bytes: kvroute_core::usage::DEFAULT_MAX_TAIL,
+            decision_record: false,
             share_affinity: true,
             affinity_sync_ms: 100,
             affinity_journal_bytes: kvroute_core::affinity::DEFAULT_JOURNAL_BYTES,

@@ -5,6 +5,10 @@
 pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
 /// Debug header carrying the decision reason (when `debug_header` is on).
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Property holding the decision record (when `decision_record` is on); Envoy keeps it as
+/// filter state `wasm.kvroute_decision`, read in access logs with
+/// `%FILTER_STATE(wasm.kvroute_decision:PLAIN)%`.
+pub const DECISION_PROPERTY: &str = "kvroute_decision";
 /// Shared-data key of the current snapshot (JSON bytes, `Snapshot::encode`).
 pub const SNAPSHOT_KEY: &str = "kvroute.snapshot";
 /// Shared-data key of the current snapshot version (8 bytes, big-endian u64), written after

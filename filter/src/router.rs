@@ -21,7 +21,7 @@
 
 use crate::config::{Config, Mode};
 use crate::host::{Host, Level, MetricKind};
-use crate::names::{metric, DECISION_HEADER};
+use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY};
 use crate::shared::{self, SnapshotCache};
 use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
@@ -114,6 +114,36 @@ pub struct Worker {
     affinity_synced_ms: u64,
 }
 
+/// Append the decision record's candidates to a decision reason:
+/// `;top=<id>[score=…,ttft_ms=…,kv=…,queue=…,inflight=…,prefill=…,prefix=…,blocks=…,load=…],…`,
+/// best first (the chosen endpoint leads). `score` is the policy's (higher wins), `ttft_ms`
+/// the `predicted_ttft` model's TTFT there, `kv`..`prefix` hybrid's weighted terms (absent
+/// for other policies), `blocks` the prefix blocks matched, `load` running + waiting +
+/// in-flight requests.
+fn write_candidates(out: &mut String, cands: &[kvroute_core::router::CandidateRecord]) {
+    use std::fmt::Write;
+    out.push_str(";top=");
+    for (i, c) in cands.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(
+            out,
+            "{}[score={:.3},ttft_ms={:.1}",
+            c.endpoint,
+            c.score,
+            c.predicted_ttft_s * 1e3
+        );
+        if let Some([kv, queue, inflight, prefill, prefix]) = c.terms {
+            let _ = write!(
+                out,
+                ",kv={kv:.3},queue={queue:.3},inflight={inflight:.3},prefill={prefill:.3},prefix={prefix:.3}"
+            );
+        }
+        let _ = write!(out, ",blocks={},load={}]", c.prefix_blocks, c.load);
+    }
+}
+
 /// The core router configuration carried by a filter configuration.
 pub fn router_config(config: &Config) -> RouterConfig {
     RouterConfig {
@@ -131,6 +161,7 @@ impl Worker {
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
         let mut router = Router::new(router_config(&config), seed)?;
         router.share_affinity(config.share_affinity);
+        router.set_explain(config.decision_record);
         let admission = AdmissionQueue::new(config.admission.max_queue);
         let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Self {
@@ -296,6 +327,9 @@ impl Worker {
                 if route.demand_over_capacity {
                     reason.push_str(";demand_over_capacity");
                 }
+                if !route.candidates.is_empty() {
+                    write_candidates(&mut reason, &route.candidates);
+                }
                 Decision::Route(Box::new(Routed {
                     header,
                     value,
@@ -317,6 +351,9 @@ impl Worker {
         host.set_request_header(&routed.header, Some(&routed.value));
         if self.config.debug_header {
             host.set_request_header(DECISION_HEADER, Some(&routed.reason));
+        }
+        if self.config.decision_record {
+            host.set_property(&[DECISION_PROPERTY], routed.reason.as_bytes());
         }
         host.clear_route_cache();
         let id = self.next_id();
@@ -552,6 +589,7 @@ mod tests {
                 prefix_match_blocks: 0,
                 class: None,
                 facts: RequestFacts::default(),
+                candidates: vec![],
             },
         };
         let held = w.apply_route(&h, &routed).unwrap();
@@ -726,6 +764,58 @@ mod tests {
             h.header(DECISION_HEADER).as_deref(),
             Some(r.reason.as_str())
         );
+    }
+
+    #[test]
+    fn decision_record_lists_the_top_candidates_as_filter_state() {
+        let h = MockHost::new(1000);
+        let mut eps: Vec<EndpointStats> = (0..2).map(|i| endpoint(i, 1000)).collect();
+        eps[1].kv_usage = Some(0.6);
+        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
+        // Off (the default): no record, no property.
+        let mut w = worker("{}");
+        let Decision::Route(r) = w.decide(&h, "/v1/completions", Some(body)) else {
+            panic!("not routed")
+        };
+        assert_eq!(r.reason, "policy:hybrid;endpoint=pool/e0");
+        let held = w.apply_route(&h, &r).unwrap();
+        assert_eq!(h.property(&[DECISION_PROPERTY]), None);
+        w.release(&h, &held);
+        // On: the reason gains the ranked candidates, and becomes filter state.
+        let mut w = worker(r#"{"decision_record":true}"#);
+        let Decision::Route(r) = w.decide(&h, "/v1/completions", Some(body)) else {
+            panic!("not routed")
+        };
+        let demand = w.router().demand(&kvroute_core::router::RequestInfo {
+            model: Some("m".into()),
+            prompt_tokens: r.route.facts.prompt_tokens,
+            max_output_tokens: Some(100),
+            api: kvroute_core::analysis::ApiKind::Completions,
+            n: 1,
+            ..Default::default()
+        });
+        let headroom = |u: f64| 1.0 - u - demand.1.tokens as f64 / 100_000.0;
+        let kv0 = format!("kv={:.3}", headroom(0.1));
+        let kv1 = format!("kv={:.3}", headroom(0.6));
+        let (head, top) = r.reason.split_once(";top=").unwrap();
+        assert_eq!(head, "policy:hybrid;endpoint=pool/e0");
+        let cands: Vec<&str> = top.split("],").collect();
+        assert_eq!(cands.len(), 2, "{top}");
+        assert!(cands[0].starts_with("pool/e0[score="), "{top}");
+        assert!(cands[1].starts_with("pool/e1[score="), "{top}");
+        assert!(cands[0].contains(&kv0) && cands[1].contains(&kv1), "{top}");
+        for c in &cands {
+            assert!(
+                c.contains(
+                    ",queue=1.000,inflight=1.000,prefill=0.000,prefix=0.000,blocks=0,load=0"
+                ),
+                "{c}"
+            );
+            assert!(c.contains(",ttft_ms="), "{c}");
+        }
+        w.apply_route(&h, &r).unwrap();
+        assert_eq!(h.property(&[DECISION_PROPERTY]), Some(r.reason.clone()));
     }
 
     #[test]

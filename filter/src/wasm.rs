@@ -145,6 +145,9 @@ impl Host for ProxyHost {
         let bytes = hostcalls::get_property(path.to_vec()).ok()??;
         String::from_utf8(bytes).ok()
     }
+    fn set_property(&self, path: &[&str], value: &[u8]) {
+        let _ = hostcalls::set_property(path.to_vec(), Some(value));
+    }
 }
 
 fn action(f: Flow) -> Action {
