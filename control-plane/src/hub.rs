@@ -409,6 +409,12 @@ impl Hub {
         lock(&self.fleet).get(id).cloned()
     }
 
+    /// Endpoints the next snapshot sends with `healthy: true` (not marked down; their stats
+    /// may be stale), without building the wire form.
+    pub fn up_count(&self) -> usize {
+        lock(&self.fleet).values().filter(|s| s.healthy).count()
+    }
+
     /// Every endpoint in wire form, sorted by id.
     pub fn wire_endpoints(&self) -> Vec<EndpointStats> {
         lock(&self.fleet)

@@ -9,7 +9,6 @@
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use kvroute_core::profile::builtin;
 use kvroute_core::snapshot::Snapshot;
 use kvroute_cp::adapters::ServerKind;
 use kvroute_cp::{Config, ControlPlane};
@@ -22,8 +21,7 @@ use std::time::{Duration, Instant};
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 async fn fleet(dialect: Dialect, n: usize, time_scale: f64) -> (FleetHandle, ReplicaConfig) {
-    let profile = builtin(MODEL).expect("core ships the Llama-3.1-8B profile");
-    let cfg = ReplicaConfig::for_model(profile, dialect, time_scale, 7).unwrap();
+    let cfg = ReplicaConfig::builtin(MODEL, dialect, time_scale, 7).unwrap();
     (
         spawn_fleet(FleetConfig::local(cfg.clone(), n))
             .await

@@ -67,8 +67,7 @@ fn example(name: &str, listen: u16, ingest: u16, backends: &[String]) -> String 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_longer_than_the_old_route_timeout_completes() {
     // Two replicas slowed so that OUTPUT_TOKENS decode steps take STREAM_SECONDS of wall time.
-    let profile = kvroute_core::profile::builtin(MODEL).unwrap();
-    let mut replica = ReplicaConfig::for_model(profile, Dialect::VllmV1, 1.0, 7).unwrap();
+    let mut replica = ReplicaConfig::builtin(MODEL, Dialect::VllmV1, 1.0, 7).unwrap();
     let step = replica.engine.step.step_time(&BatchShape {
         decode_seqs: 1,
         decode_context_tokens: 200,

@@ -56,7 +56,31 @@ pub struct ReplicaConfig {
     pub seed: u64,
 }
 
+/// Why [`ReplicaConfig::builtin`] has no config.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BuiltinError {
+    /// kvroute-core has no built-in profile of that name (or alias).
+    #[error("no kvroute-core built-in model profile `{0}`")]
+    Unknown(String),
+    /// The model's weights leave no KV room on its GPUs.
+    #[error(transparent)]
+    NoKvRoom(#[from] NoKvRoom),
+}
+
 impl ReplicaConfig {
+    /// [`Self::for_model`] of kvroute-core's built-in profile `name` (an alias works too,
+    /// `kvroute_core::profile::builtin`).
+    pub fn builtin(
+        name: &str,
+        dialect: Dialect,
+        time_scale: f64,
+        seed: u64,
+    ) -> Result<Self, BuiltinError> {
+        let model = kvroute_core::profile::builtin(name)
+            .ok_or_else(|| BuiltinError::Unknown(name.to_owned()))?;
+        Ok(Self::for_model(model, dialect, time_scale, seed)?)
+    }
+
     /// A replica of `model` with vLLM's defaults: KV blocks from [`num_gpu_blocks`] on the
     /// model's [`perf_profile_for`] GPUs at `gpu_memory_utilization` 0.9, 8192 batched tokens,
     /// 1024 sequences, FCFS. Errors when the weights leave no KV room.

@@ -26,8 +26,7 @@ use serde_json::{json, Value};
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 async fn fleet(dialect: Dialect, n: usize) -> FleetHandle {
-    let profile = builtin(MODEL).expect("core ships the Llama-3.1-8B profile");
-    let cfg = ReplicaConfig::for_model(profile, dialect, f64::INFINITY, 7).unwrap();
+    let cfg = ReplicaConfig::builtin(MODEL, dialect, f64::INFINITY, 7).unwrap();
     spawn_fleet(FleetConfig::local(cfg, n)).await.unwrap()
 }
 
@@ -347,7 +346,7 @@ async fn every_dialect_parses_and_has_its_names() {
             assert!(text.contains(s), "{dialect:?}: no `{s}` in\n{text}");
         }
         if matches!(dialect, Dialect::VllmV1 | Dialect::VllmV0) {
-            let blocks = ReplicaConfig::for_model(builtin(MODEL).unwrap(), *dialect, 1.0, 0)
+            let blocks = ReplicaConfig::builtin(MODEL, *dialect, 1.0, 0)
                 .unwrap()
                 .engine
                 .num_gpu_blocks;
@@ -528,4 +527,17 @@ async fn overload_shows_in_metrics() {
     let m = parse_metrics(&metrics_text(addr).await);
     assert_eq!(m[names::VLLM_RUNNING], vec![0.0]);
     assert_eq!(m[names::VLLM_WAITING], vec![0.0]);
+}
+
+#[test]
+fn builtin_replica_config_names_an_unknown_model() {
+    use kvroute_sim::server::BuiltinError;
+    let cfg = ReplicaConfig::builtin(MODEL, Dialect::VllmV1, 1.0, 0).unwrap();
+    let direct =
+        ReplicaConfig::for_model(builtin(MODEL).unwrap(), Dialect::VllmV1, 1.0, 0).unwrap();
+    assert_eq!(cfg.engine.num_gpu_blocks, direct.engine.num_gpu_blocks);
+    assert_eq!(
+        ReplicaConfig::builtin("no/such-model", Dialect::VllmV1, 1.0, 0).unwrap_err(),
+        BuiltinError::Unknown("no/such-model".into())
+    );
 }

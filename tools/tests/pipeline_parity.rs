@@ -22,7 +22,6 @@ use std::path::PathBuf;
 
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::picker::PolicyKind;
-use kvroute_core::profile::builtin;
 use kvroute_core::router::Outcome;
 use kvroute_core::shared_data::dir as shared_data_dir;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
@@ -108,8 +107,7 @@ fn bodies() -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn filter_and_benchmark_pick_identically() {
-    let replica = ReplicaConfig::for_model(builtin(MODEL).unwrap(), Dialect::VllmV1, 1.0, 0)
-        .expect("replica config");
+    let replica = ReplicaConfig::builtin(MODEL, Dialect::VllmV1, 1.0, 0).expect("replica config");
     let engine = replica.engine;
     let cfg = BenchConfig::new(6, 1.0, SEED, MODEL);
     let mut bench = kvroute_router(PolicyKind::Hybrid, &engine, &cfg).expect("bench router");

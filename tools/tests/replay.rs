@@ -20,7 +20,6 @@ use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::percentile::percentile;
 use kvroute_core::prefix::{block_hashes, PrefixConfig};
-use kvroute_core::profile::builtin;
 use kvroute_integration::harness::{RecordingBackend, Reply};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
@@ -339,8 +338,7 @@ fn mooncake_rows_sharing_ids_share_text_and_prefix_hashes() {
 }
 
 async fn sim_fleet(n: usize, time_scale: f64) -> FleetHandle {
-    let profile = builtin(DEFAULT_MODEL).unwrap();
-    let cfg = ReplicaConfig::for_model(profile, Dialect::VllmV1, time_scale, 3).unwrap();
+    let cfg = ReplicaConfig::builtin(DEFAULT_MODEL, Dialect::VllmV1, time_scale, 3).unwrap();
     spawn_fleet(FleetConfig::local(cfg, n)).await.unwrap()
 }
 

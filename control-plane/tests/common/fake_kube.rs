@@ -11,13 +11,9 @@
 //!   the same at once, so the client must list again.
 //!
 //! `labelSelector` (`k=v,...`) and `fieldSelector` (`metadata.name=...`) are applied.
-#![allow(
-    dead_code,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+// Each test crate that includes this module uses part of it; the crates allow the
+// test-only clippy lints (unwrap, expect, panic, indexing) at their root.
+#![allow(dead_code)]
 
 use bytes::Bytes;
 use futures_util::StreamExt;

@@ -1,12 +1,8 @@
 //! Test doubles: a fake model server and a fake Envoy ingest, both hyper servers on
 //! 127.0.0.1:0 that stop (connections included) when told or dropped.
-#![allow(
-    dead_code,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+// Each test crate that includes this module uses part of it; the crates allow the
+// test-only clippy lints (unwrap, expect, panic, indexing) at their root.
+#![allow(dead_code)]
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full};

@@ -59,21 +59,27 @@ pub fn envoy_binary() -> Result<PathBuf, EnvoyError> {
         }
         return Err(EnvoyError::NotFound(p.display().to_string()));
     }
-    let lib = workspace_root().join(".venv").join("lib");
-    if let Ok(dir) = std::fs::read_dir(&lib) {
-        for entry in dir.flatten() {
-            let p = entry
-                .path()
-                .join("site-packages")
-                .join("envoy")
-                .join("_bin")
-                .join("envoy");
-            if p.is_file() {
-                return Ok(p);
-            }
-        }
-    }
-    Err(EnvoyError::NotFound(lib.display().to_string()))
+    venv_file(&["envoy", "_bin", "envoy"])
+        .ok_or_else(|| EnvoyError::NotFound(venv_lib().display().to_string()))
+}
+
+/// `<workspace>/.venv/lib`, where `make` installs Python packages (Envoy, the SmolLM2 wheel).
+pub fn venv_lib() -> PathBuf {
+    workspace_root().join(".venv").join("lib")
+}
+
+/// The first file `<workspace>/.venv/lib/python3.X/site-packages/<parts…>` that exists, for
+/// any installed Python version.
+pub fn venv_file(parts: &[&str]) -> Option<PathBuf> {
+    std::fs::read_dir(venv_lib())
+        .ok()?
+        .flatten()
+        .map(|entry| {
+            parts
+                .iter()
+                .fold(entry.path().join("site-packages"), |p, part| p.join(part))
+        })
+        .find(|p| p.is_file())
 }
 
 /// The built filter: `$KVROUTE_WASM`, else

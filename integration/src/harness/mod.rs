@@ -43,7 +43,7 @@ mod process;
 pub mod templates;
 
 pub use backend::{openai_completion, Recorded, RecordingBackend, Reply};
-pub use envoy::{envoy_binary, wasm_path, workspace_root, Envoy, EnvoyError};
+pub use envoy::{envoy_binary, venv_file, venv_lib, wasm_path, workspace_root, Envoy, EnvoyError};
 pub use process::{free_port, ChildGuard};
 
 /// Replace every `{{NAME}}` in `template` with its value from `vars`.

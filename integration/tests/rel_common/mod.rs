@@ -2,13 +2,9 @@
 //! one can be killed or restarted in place), real Envoy with the filter (endpoint mode with
 //! override_host, or cluster mode) from the harness templates, and kvroute-cp scraping the
 //! replicas and pushing to the filter's ingest listener. Everything on 127.0.0.1.
-#![allow(
-    dead_code,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+// Each test crate that includes this module uses part of it; the crates allow the
+// test-only clippy lints (unwrap, expect, panic, indexing) at their root.
+#![allow(dead_code)]
 
 use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::kvroute::{envoy_config, FleetMode, TEST_TOKEN};
@@ -101,9 +97,7 @@ fn cp_yaml(
 
 impl Stack {
     pub async fn start(opts: StackOptions) -> Self {
-        let profile = kvroute_core::profile::builtin(MODEL).unwrap();
-        let replica =
-            ReplicaConfig::for_model(profile, Dialect::VllmV1, opts.time_scale, 1).unwrap();
+        let replica = ReplicaConfig::builtin(MODEL, Dialect::VllmV1, opts.time_scale, 1).unwrap();
         let mut sims = Vec::new();
         let mut addrs = Vec::new();
         for _ in 0..opts.replicas {
@@ -202,13 +196,7 @@ impl Stack {
     pub async fn wait_healthy(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let healthy = self.cp.as_ref().map_or(0, |cp| {
-                cp.hub()
-                    .wire_endpoints()
-                    .iter()
-                    .filter(|e| e.healthy)
-                    .count()
-            });
+            let healthy = self.cp.as_ref().map_or(0, |cp| cp.hub().up_count());
             let published = self
                 .envoy
                 .stat("wasmcustom.kvroute.snapshots.published")

@@ -298,13 +298,7 @@ impl Gateway {
         let deadline = Instant::now() + SNAPSHOT_DEADLINE;
         loop {
             let published = self.envoy.stat(STAT_PUBLISHED).await?.unwrap_or(0);
-            let healthy = self.cp.as_ref().map_or(0, |cp| {
-                cp.hub()
-                    .wire_endpoints()
-                    .iter()
-                    .filter(|e| e.healthy)
-                    .count()
-            });
+            let healthy = self.cp.as_ref().map_or(0, |cp| cp.hub().up_count());
             if published > 0 && healthy == backends {
                 return Ok(());
             }

