@@ -21,6 +21,7 @@ pub mod admission;
 pub mod analysis;
 pub mod estimate;
 pub mod inflight;
+mod json_scan;
 pub mod output_len;
 pub mod percentile;
 pub mod picker;
