@@ -11,6 +11,9 @@ TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 # Real traces, prompts, metrics and request bodies, read in place (never copied into the repo).
 KVROUTE_SHARED_DATA ?= $(abspath $(CURDIR)/../shared/data)
 export KVROUTE_SHARED_DATA
+# Downloads and builds kept between runs (llama-server, SmolLM2, wasm-bindgen CLI).
+KVROUTE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvroute
+export KVROUTE_CACHE
 # Python venv holding the PyPI Envoy build (see mk/filter.mk).
 VENV ?= $(CURDIR)/.venv
 

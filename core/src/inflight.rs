@@ -475,6 +475,8 @@ impl InFlight {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn reserve_release_exactly_once() {

@@ -18,6 +18,7 @@
 //!    [`snapshot::Snapshot`] plus the in-flight reservations ([`inflight::InflightTable`]).
 
 pub mod admission;
+pub mod affinity;
 pub mod analysis;
 pub mod estimate;
 pub mod inflight;

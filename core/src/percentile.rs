@@ -36,6 +36,8 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)] // test code: fail loudly
     use super::*;
     use proptest::prelude::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn worked_examples() {

@@ -242,6 +242,8 @@ impl PrefillRates {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn unknown_endpoint_gets_the_seed() {

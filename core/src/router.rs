@@ -235,10 +235,38 @@ pub struct Route {
     pub reason: PickReason,
     /// The demand exceeded every serving endpoint's KV capacity: re-picked by load.
     pub demand_over_capacity: bool,
+    /// Prefix blocks the request hashed ([`crate::prefix::block_hashes`]; 0 for a load-only
+    /// decision).
+    pub prefix_blocks: u32,
+    /// Of those, the leading blocks this router's [`PrefixIndex`] had recorded for
+    /// `endpoint` before this decision: the prefix-affinity evidence behind the pick (0
+    /// after the endpoint restarted or when it never saw this prefix).
+    pub prefix_match_blocks: u32,
     /// Request class matched, if any.
     pub class: Option<String>,
     /// Facts for calibration.
     pub facts: RequestFacts,
+    /// The best-ranked candidates, the chosen one first, with their scores and predicted
+    /// TTFT: only while explaining ([`Router::set_explain`]), empty otherwise.
+    pub candidates: Vec<CandidateRecord>,
+}
+
+/// One candidate of a decision record ([`Router::set_explain`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CandidateRecord {
+    /// Endpoint id.
+    pub endpoint: String,
+    /// Policy score, higher is better ([`crate::picker::Explained::score`]).
+    pub score: f64,
+    /// `hybrid`'s weighted terms: KV headroom, queue, in-flight, prefill work, prefix
+    /// ([`crate::picker::Explained::terms`]); `None` for other policies.
+    pub terms: Option<[f64; 5]>,
+    /// Prefix blocks of the request matched there.
+    pub prefix_blocks: u32,
+    /// Running + waiting + router in-flight requests there.
+    pub load: u64,
+    /// TTFT the `predicted_ttft` model expects there, seconds (whatever the policy).
+    pub predicted_ttft_s: f64,
 }
 
 /// Outcome of a decision.
@@ -328,7 +356,14 @@ pub struct Router {
     scratch_inflight: Vec<InFlight>,
     /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
     outputs: OutputLengths,
+    /// Chains recorded since the last [`Router::take_recorded`], kept only while affinity
+    /// sharing is on ([`Router::share_affinity`]); at most [`MAX_RECORDED`].
+    recorded: Option<Vec<(String, Vec<u64>)>>,
 }
+
+/// Bound on chains kept for [`Router::take_recorded`] between two takes; later ones are not
+/// kept (the host syncs every ~100 ms, so this is thousands of requests per second).
+pub const MAX_RECORDED: usize = 4096;
 
 impl Router {
     /// Validate `config` and build a router whose random tie-breaks come from `seed`.
@@ -366,7 +401,38 @@ impl Router {
             fleet: Fleet::default(),
             scratch_inflight: Vec::new(),
             outputs: OutputLengths::new(),
+            recorded: None,
         })
+    }
+
+    /// Explain decisions: every [`Route`] then carries its best-ranked candidates with
+    /// their scores, terms and predicted TTFT ([`Route::candidates`]), for a decision
+    /// record. Off by default (it costs a small copy and one TTFT prediction per candidate).
+    pub fn set_explain(&mut self, on: bool) {
+        self.picker.set_explain(on);
+    }
+
+    /// Turn affinity sharing on or off: while on, every chain the router records for a chosen
+    /// endpoint is also kept for [`Router::take_recorded`], so a host can hand it to other
+    /// router instances ([`crate::affinity::Journal`]).
+    pub fn share_affinity(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The (endpoint id, chain) pairs recorded since the last call, oldest first; empty when
+    /// sharing is off.
+    pub fn take_recorded(&mut self) -> Vec<(String, Vec<u64>)> {
+        match &mut self.recorded {
+            Some(v) => std::mem::take(v),
+            None => Vec::new(),
+        }
+    }
+
+    /// Learn that another router instance sent a request with chain `hashes` to
+    /// `endpoint_id` (as if this router had routed it). Chains for endpoints this router does
+    /// not know are kept until its next snapshot drops them.
+    pub fn import_affinity(&mut self, endpoint_id: &str, hashes: &[u64]) {
+        self.index.record(endpoint_id, hashes);
     }
 
     /// The estimator, with its learned calibration.
@@ -607,6 +673,25 @@ impl Router {
                 over_capacity = true;
             }
         }
+        let candidates: Vec<CandidateRecord> = match &outcome {
+            PickOutcome::Picked(p) => p
+                .top
+                .iter()
+                .filter_map(|x| {
+                    let e = snap.endpoints.get(x.index)?;
+                    let ttft = self.picker.predict_ttft(&input, &pick_req, x.index);
+                    Some(CandidateRecord {
+                        endpoint: e.id.clone(),
+                        score: x.score,
+                        terms: x.terms,
+                        prefix_blocks: x.prefix_blocks,
+                        load: x.load,
+                        predicted_ttft_s: ttft.map_or(0.0, |t| t.seconds),
+                    })
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         let predicted_work_tokens = match &outcome {
             PickOutcome::Picked(p) => self
                 .picker
@@ -621,12 +706,15 @@ impl Router {
                     // The picker returns indices into the snapshot it was given.
                     return Outcome::NoEndpoints;
                 };
-                let prefill_tokens = uncached_prompt_tokens(
-                    req.prompt_tokens,
-                    matches.get(p.primary).copied().unwrap_or(0),
-                    pick_req.prefix_blocks,
-                );
+                let matched = matches.get(p.primary).copied().unwrap_or(0);
+                let prefill_tokens =
+                    uncached_prompt_tokens(req.prompt_tokens, matched, pick_req.prefix_blocks);
                 self.index.record(&primary.id, &req.prefix_hashes);
+                if let Some(out) = &mut self.recorded {
+                    if out.len() < MAX_RECORDED && !req.prefix_hashes.is_empty() {
+                        out.push((primary.id.clone(), req.prefix_hashes.clone()));
+                    }
+                }
                 Outcome::Route(Route {
                     primary: p.primary,
                     endpoint: primary.id.clone(),
@@ -636,6 +724,8 @@ impl Router {
                     policy: p.policy,
                     reason: p.reason,
                     demand_over_capacity: over_capacity,
+                    prefix_blocks: pick_req.prefix_blocks,
+                    prefix_match_blocks: matched,
                     class: p.class,
                     facts: RequestFacts {
                         model: req.model.clone(),
@@ -643,6 +733,7 @@ impl Router {
                         exact: req.prompt_tokens_exact,
                         predicted_work_tokens,
                     },
+                    candidates,
                 })
             }
             PickOutcome::NoEndpoints => match req.model.as_deref() {
@@ -691,25 +782,15 @@ impl Router {
 mod tests {
     use super::*;
     use crate::snapshot::EndpointStats;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const NOW: u64 = 1_000;
 
     fn ep(i: usize, usage: f64) -> EndpointStats {
         EndpointStats {
-            id: format!("pool/e{i}"),
-            address: format!("127.0.0.1:{}", 9000 + i),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
             kv_usage: Some(usage),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: NOW,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, NOW)
         }
     }
 
@@ -786,6 +867,15 @@ mod tests {
         let b = lk.route(&snap, &table, "/v1/completions", Some(body.as_bytes()), NOW);
         assert_eq!(route(&a).endpoint, route(&b).endpoint, "prefix affinity");
         assert_eq!(route(&b).prefill_tokens, 0);
+        // The evidence the decision header shows: none matched first, all 10 the second time.
+        assert_eq!(
+            (route(&a).prefix_blocks, route(&a).prefix_match_blocks),
+            (10, 0)
+        );
+        assert_eq!(
+            (route(&b).prefix_blocks, route(&b).prefix_match_blocks),
+            (10, 10)
+        );
     }
 
     #[test]
@@ -886,6 +976,91 @@ mod tests {
         r.route(&Snapshot::new(2, NOW, e), &t, "/v1/models", None, NOW);
         assert_eq!(r.prefix_blocks("pool/e0"), 0, "restarted");
         assert_eq!(r.prefix_blocks("pool/e1"), 0, "removed");
+        // The next request with that prefix matches nothing on the restarted endpoint.
+        let mut e0 = ep(0, 0.1);
+        e0.process_start_ms = Some(2);
+        let snap = Snapshot::new(3, NOW, vec![e0]);
+        let d = r.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);
+        assert_eq!(
+            (route(&d).prefix_blocks, route(&d).prefix_match_blocks),
+            (10, 0)
+        );
+    }
+
+    #[test]
+    fn explained_decisions_carry_the_top_candidates_and_their_terms() {
+        let usage = [0.5, 0.1, 0.9, 0.3];
+        let snap = Snapshot::new(1, NOW, (0..4).map(|i| ep(i, usage[i])).collect());
+        let t = InflightTable::default();
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
+        let mut r = router(PolicyKind::Hybrid);
+        let d = r.route(&snap, &t, "/v1/completions", Some(body), NOW);
+        assert!(route(&d).candidates.is_empty(), "off by default");
+        r.set_explain(true);
+        let d = r.route(&snap, &t, "/v1/completions", Some(body), NOW);
+        let rt = route(&d);
+        let demand = r
+            .demand(&RequestInfo {
+                model: Some("m".into()),
+                prompt_tokens: rt.facts.prompt_tokens,
+                max_output_tokens: Some(100),
+                n: 1,
+                api: ApiKind::Completions,
+                ..RequestInfo::default()
+            })
+            .1
+            .tokens as f64;
+        let ids: Vec<&str> = rt.candidates.iter().map(|c| c.endpoint.as_str()).collect();
+        assert_eq!(
+            ids,
+            ["pool/e1", "pool/e3", "pool/e0"],
+            "most headroom first, top 3"
+        );
+        assert_eq!(rt.endpoint, "pool/e1");
+        for (c, u) in rt.candidates.iter().zip([0.1, 0.3, 0.5]) {
+            // Equal queues and in-flight (terms 1 each), equal prefill work with no prefix
+            // anywhere (term 0), no prefix match (0): only the headroom differs.
+            let terms = c.terms.unwrap();
+            assert!(
+                (terms[0] - (1.0 - u - demand / 100_000.0)).abs() < 1e-12,
+                "{terms:?}"
+            );
+            assert_eq!(terms[1..], [1.0, 1.0, 0.0, 0.0]);
+            assert_eq!(c.score, terms.iter().sum::<f64>());
+            assert_eq!((c.prefix_blocks, c.load), (0, 0));
+            assert!(c.predicted_ttft_s > 0.0);
+        }
+    }
+
+    #[test]
+    fn shared_affinity_moves_a_prefix_between_router_instances() {
+        // Two workers, four idle endpoints: without sharing, worker B knows nothing of where
+        // worker A sent the prefix; with it, B follows A.
+        let snap = Snapshot::new(1, NOW, (0..4).map(|i| ep(i, 0.1)).collect());
+        let t = InflightTable::default();
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "q".repeat(640));
+        let mut a = router(PolicyKind::Hybrid);
+        a.share_affinity(true);
+        let first = route(&a.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW))
+            .endpoint
+            .clone();
+        let recorded = a.take_recorded();
+        assert_eq!(recorded.len(), 1);
+        assert_eq!(recorded[0].0, first);
+        assert_eq!(recorded[0].1.len(), 10, "640 bytes = 10 blocks of 64");
+        assert!(a.take_recorded().is_empty(), "taken once");
+
+        let mut b = router(PolicyKind::Hybrid);
+        for (id, hashes) in &recorded {
+            b.import_affinity(id, hashes);
+        }
+        assert_eq!(b.prefix_blocks(&first), 10);
+        for _ in 0..3 {
+            let d = b.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);
+            assert_eq!(route(&d).endpoint, first);
+        }
+        // Sharing off: nothing is kept.
+        assert!(b.take_recorded().is_empty());
     }
 
     #[test]

@@ -122,6 +122,32 @@ pub struct EndpointStats {
     pub process_start_ms: Option<u64>,
 }
 
+#[cfg(any(test, feature = "testing"))]
+impl EndpointStats {
+    /// A test endpoint: `pool/e{i}` at `127.0.0.1:{9000 + i}`, cluster `c{i}`, pool `pool`,
+    /// serving model `m`, healthy and idle, KV usage 0.1 of 100,000 tokens in 16-token
+    /// blocks, scraped at `scraped_at_ms`, no process start. Tests change fields with
+    /// struct update syntax. Only with `cfg(test)` or the `testing` feature.
+    pub fn fixture(i: usize, scraped_at_ms: u64) -> Self {
+        Self {
+            id: format!("pool/e{i}"),
+            address: format!("127.0.0.1:{}", 9000 + i),
+            cluster: format!("c{i}"),
+            pool: "pool".into(),
+            models: vec!["m".into()],
+            lora_adapters: vec![],
+            kv_usage: Some(0.1),
+            kv_capacity_tokens: Some(100_000),
+            block_size: Some(16),
+            running: 0,
+            waiting: 0,
+            healthy: true,
+            scraped_at_ms,
+            process_start_ms: None,
+        }
+    }
+}
+
 /// Why a snapshot was rejected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SnapshotError {

@@ -256,6 +256,8 @@ impl SseUsageScanner {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const CHAT: &[u8] = br#"{"id":"x","object":"chat.completion","choices":[],"usage":{"prompt_tokens":17,"completion_tokens":9,"total_tokens":26,"prompt_tokens_details":{"cached_tokens":16}}}"#;
 

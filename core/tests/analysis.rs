@@ -8,6 +8,8 @@
 
 use kvroute_core::analysis::{analyze, AnalysisError, ApiKind, MediaCounts};
 use kvroute_core::estimate::{Estimator, EstimatorConfig};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 fn est() -> Estimator {
     Estimator::default()

@@ -20,6 +20,8 @@ mod common;
 use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::prefix::{block_hashes, PrefixConfig};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 struct Golden {
     file: &'static str,
@@ -81,6 +83,10 @@ fn table() -> Vec<Golden> {
 }
 
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn every_shared_request_has_a_golden_row() {
     let files = common::list("requests");
     let t = table();
@@ -99,6 +105,10 @@ fn every_shared_request_has_a_golden_row() {
 }
 
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn golden_requests_analyse_as_expected() {
     let est = Estimator::default();
     for g in table() {
@@ -130,6 +140,10 @@ fn golden_requests_analyse_as_expected() {
 }
 
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn chat_bodies_sent_to_the_wrong_api_fail_with_the_missing_field() {
     let est = Estimator::default();
     let body = common::read("requests/01_chat_minimal.json");
@@ -143,6 +157,10 @@ fn chat_bodies_sent_to_the_wrong_api_fail_with_the_missing_field() {
 }
 
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn shared_long_system_prompt_pair_shares_leading_blocks() {
     let est = Estimator::default();
     let cfg = PrefixConfig::default();

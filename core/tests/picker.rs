@@ -10,6 +10,8 @@
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::picker::*;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const NOW: u64 = 1_000_000;
 
@@ -19,16 +21,9 @@ fn ep(id: &str) -> EndpointStats {
         address: "10.0.0.1:8000".into(),
         cluster: format!("c-{id}"),
         pool: "default".into(),
-        models: vec!["m".into()],
-        lora_adapters: vec![],
         kv_usage: Some(0.0),
-        kv_capacity_tokens: Some(100_000),
-        block_size: Some(16),
-        running: 0,
-        waiting: 0,
-        healthy: true,
-        scraped_at_ms: NOW,
         process_start_ms: Some(1),
+        ..EndpointStats::fixture(0, NOW)
     }
 }
 

@@ -12,6 +12,8 @@ mod common;
 use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::prefix::{block_hashes, seed_hash, PrefixConfig, PrefixIndex};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 use xxhash_rust::xxh64::xxh64;
 
 /// GIE's `hashPrompt` written the way the Go code does it (append the previous hash to the
@@ -120,6 +122,10 @@ fn multibyte_text_hashes_bytes_not_chars() {
 /// exact prefix (see `../shared/data/README.md`). The hash chain of the longer input must
 /// start with the full chain of the earlier one.
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn multiround_inputs_share_leading_blocks_with_earlier_turns() {
     let cfg = PrefixConfig::default();
     let mut inputs: Vec<String> = Vec::new();
@@ -165,6 +171,10 @@ fn multiround_inputs_share_leading_blocks_with_earlier_turns() {
 /// The same property through chat rendering: a follow-up turn (previous messages +
 /// assistant reply + new user message) shares every full block of the previous turn.
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn chat_follow_up_turn_shares_previous_turn_blocks() {
     let s = String::from_utf8(common::read(
         "prompts/lmbenchmark_sharegpt_multiround_run.json",

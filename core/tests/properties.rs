@@ -14,6 +14,8 @@ use kvroute_core::prefix::{block_hashes, PrefixConfig};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use proptest::prelude::*;
 use serde_json::Value;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const APIS: [ApiKind; 5] = [
     ApiKind::ChatCompletions,

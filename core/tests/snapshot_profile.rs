@@ -12,6 +12,8 @@ use kvroute_core::profile::{builtin, builtin_profiles};
 use kvroute_core::snapshot::{
     check_address, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION,
 };
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 fn ep(id: &str) -> EndpointStats {
     EndpointStats {
@@ -19,16 +21,12 @@ fn ep(id: &str) -> EndpointStats {
         address: "[::1]:8000".into(),
         cluster: "c".into(),
         pool: "p".into(),
-        models: vec!["m".into()],
         lora_adapters: vec!["lora-a".into()],
         kv_usage: Some(0.25),
         kv_capacity_tokens: Some(1000),
-        block_size: Some(16),
         running: 2,
         waiting: 1,
-        healthy: true,
-        scraped_at_ms: 5,
-        process_start_ms: None,
+        ..EndpointStats::fixture(0, 5)
     }
 }
 

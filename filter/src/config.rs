@@ -116,6 +116,20 @@ pub struct RawConfig {
     /// Bound on the SSE tail kept while scanning a streamed response for `usage`, bytes
     /// (default 16384).
     pub usage_tail_bytes: usize,
+    /// Keep a decision record per routed request (default false): the decision reason
+    /// plus the best 3 candidates with their score, predicted TTFT and each hybrid term, as
+    /// Envoy filter state `wasm.kvroute_decision` for access logs, and in
+    /// `x-kvroute-decision` when `debug_header` is on. Costs one small string per request.
+    pub decision_record: bool,
+    /// Share prefix affinity between this Envoy's workers through shared data (default
+    /// true; see `kvroute_filter::affinity`). Off, each worker only knows what it routed.
+    pub share_affinity: bool,
+    /// How often each worker syncs the shared affinity journal, milliseconds (default 100):
+    /// the longest a prefix routed by one worker stays unknown to the others.
+    pub affinity_sync_ms: u64,
+    /// Bound on the shared affinity journal, bytes (default 262144,
+    /// `kvroute_core::affinity::DEFAULT_JOURNAL_BYTES`; at least 1024).
+    pub affinity_journal_bytes: usize,
 }
 
 impl Default for RawConfig {
@@ -142,6 +156,10 @@ impl Default for RawConfig {
             fail_open: true,
             debug_header: false,
             usage_tail_bytes: kvroute_core::usage::DEFAULT_MAX_TAIL,
+            decision_record: false,
+            share_affinity: true,
+            affinity_sync_ms: 100,
+            affinity_journal_bytes: kvroute_core::affinity::DEFAULT_JOURNAL_BYTES,
         }
     }
 }
@@ -242,6 +260,16 @@ impl TryFrom<RawConfig> for Config {
         if raw.admission.tick_ms == 0 {
             return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
         }
+        if raw.share_affinity && raw.affinity_sync_ms == 0 {
+            return Err(invalid("affinity_sync_ms", 0, "must be at least 1"));
+        }
+        if raw.share_affinity && raw.affinity_journal_bytes < 1024 {
+            return Err(invalid(
+                "affinity_journal_bytes",
+                raw.affinity_journal_bytes,
+                "must be at least 1024",
+            ));
+        }
         if raw.prefix.block_chars == 0 {
             return Err(invalid("prefix.block_chars", 0, "must be at least 1"));
         }
@@ -337,6 +365,11 @@ mod tests {
             (
                 r#"{"admission":{"tick_ms":0}}"#,
                 "field `admission.tick_ms`",
+            ),
+            (r#"{"affinity_sync_ms":0}"#, "field `affinity_sync_ms`"),
+            (
+                r#"{"affinity_journal_bytes":100}"#,
+                "field `affinity_journal_bytes`",
             ),
             (
                 r#"{"prefix":{"block_chars":0}}"#,

@@ -84,6 +84,10 @@ pub trait Host {
     fn property(&self, _path: &[&str]) -> Option<String> {
         None
     }
+
+    /// Set a per-request property. Envoy stores it as filter state named `wasm.<path>`,
+    /// which access logs read with `%FILTER_STATE(wasm.<path>:PLAIN)%`.
+    fn set_property(&self, _path: &[&str], _value: &[u8]) {}
 }
 
 #[cfg(any(test, feature = "testing"))]
@@ -233,6 +237,11 @@ pub mod mock {
         }
         fn property(&self, path: &[&str]) -> Option<String> {
             self.properties.borrow().get(&path.join(".")).cloned()
+        }
+        fn set_property(&self, path: &[&str], value: &[u8]) {
+            self.properties
+                .borrow_mut()
+                .insert(path.join("."), String::from_utf8_lossy(value).into_owned());
         }
         fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
             let ctx = *self.effective.borrow();

@@ -17,6 +17,7 @@
 //!
 //! See `docs/filter.md` for the data flow and the README for configuration.
 
+pub mod affinity;
 pub mod config;
 pub mod host;
 pub mod ingest;

@@ -5,6 +5,10 @@
 pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
 /// Debug header carrying the decision reason (when `debug_header` is on).
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Property holding the decision record (when `decision_record` is on); Envoy keeps it as
+/// filter state `wasm.kvroute_decision`, read in access logs with
+/// `%FILTER_STATE(wasm.kvroute_decision:PLAIN)%`.
+pub const DECISION_PROPERTY: &str = "kvroute_decision";
 /// Shared-data key of the current snapshot (JSON bytes, `Snapshot::encode`).
 pub const SNAPSHOT_KEY: &str = "kvroute.snapshot";
 /// Shared-data key of the current snapshot version (8 bytes, big-endian u64), written after
@@ -12,6 +16,9 @@ pub const SNAPSHOT_KEY: &str = "kvroute.snapshot";
 pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
 /// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
 pub const INFLIGHT_KEY: &str = "kvroute.inflight";
+/// Shared-data key of the prefix-affinity journal shared by the workers
+/// (`kvroute_core::affinity::Journal::encode`, see [`crate::affinity`]).
+pub const AFFINITY_KEY: &str = "kvroute.affinity";
 /// Shared-data key of the worker counter that makes reservation ids unique across workers.
 pub const WORKER_SEQ_KEY: &str = "kvroute.worker.seq";
 
@@ -46,6 +53,12 @@ pub mod metric {
     pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
     /// `GET /v1/models` answered from the snapshot (counter).
     pub const MODELS_LISTED: &str = "kvroute.models_listed";
+    /// Prefix chains learned from other workers' routing (counter, [`crate::affinity`]).
+    pub const AFFINITY_IMPORTED: &str = "kvroute.affinity.imported";
+    /// Prefix chains this worker shared with the others (counter).
+    pub const AFFINITY_PUBLISHED: &str = "kvroute.affinity.published";
+    /// Shared affinity journals found corrupt and replaced by an empty one (counter).
+    pub const AFFINITY_RESET: &str = "kvroute.affinity.reset";
     /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick).
     /// Wasm memory only grows, so this is the VM's high-water mark; with one worker it is the
     /// per-worker figure `make bench-overhead` reports.

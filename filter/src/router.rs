@@ -21,13 +21,14 @@
 
 use crate::config::{Config, Mode};
 use crate::host::{Host, Level, MetricKind};
-use crate::names::{metric, DECISION_HEADER};
+use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY};
 use crate::shared::{self, SnapshotCache};
 use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::PickReason;
 use kvroute_core::router::{Basis, Outcome, Route, Router, RouterConfig};
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 
 pub use kvroute_core::router::RequestFacts;
 
@@ -106,6 +107,41 @@ pub struct Worker {
     pub admission: AdmissionQueue<Parked>,
     /// Reservations made by the tick for parked requests, by context id.
     pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
+    /// This worker's number among the proxy's workers (writer id in the affinity journal).
+    worker_number: u32,
+    /// Last affinity-journal sequence number seen, and when it was last synced (Unix ms).
+    affinity_seen: u64,
+    affinity_synced_ms: u64,
+}
+
+/// Append the decision record's candidates to a decision reason:
+/// `;top=<id>[score=…,ttft_ms=…,kv=…,queue=…,inflight=…,prefill=…,prefix=…,blocks=…,load=…],…`,
+/// best first (the chosen endpoint leads). `score` is the policy's (higher wins), `ttft_ms`
+/// the `predicted_ttft` model's TTFT there, `kv`..`prefix` hybrid's weighted terms (absent
+/// for other policies), `blocks` the prefix blocks matched, `load` running + waiting +
+/// in-flight requests.
+fn write_candidates(out: &mut String, cands: &[kvroute_core::router::CandidateRecord]) {
+    use std::fmt::Write;
+    out.push_str(";top=");
+    for (i, c) in cands.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(
+            out,
+            "{}[score={:.3},ttft_ms={:.1}",
+            c.endpoint,
+            c.score,
+            c.predicted_ttft_s * 1e3
+        );
+        if let Some([kv, queue, inflight, prefill, prefix]) = c.terms {
+            let _ = write!(
+                out,
+                ",kv={kv:.3},queue={queue:.3},inflight={inflight:.3},prefill={prefill:.3},prefix={prefix:.3}"
+            );
+        }
+        let _ = write!(out, ",blocks={},load={}]", c.prefix_blocks, c.load);
+    }
 }
 
 /// The core router configuration carried by a filter configuration.
@@ -123,7 +159,9 @@ pub fn router_config(config: &Config) -> RouterConfig {
 impl Worker {
     /// Build from a validated config and a seed (time + context id; no OS randomness).
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
-        let router = Router::new(router_config(&config), seed)?;
+        let mut router = Router::new(router_config(&config), seed)?;
+        router.share_affinity(config.share_affinity);
+        router.set_explain(config.decision_record);
         let admission = AdmissionQueue::new(config.admission.max_queue);
         let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Self {
@@ -134,12 +172,21 @@ impl Worker {
             seq: 0,
             admission,
             resumed: BTreeMap::new(),
+            // Random until `set_worker_number`: two workers then differ with high probability.
+            worker_number: rng.u32(..),
+            affinity_seen: 0,
+            affinity_synced_ms: 0,
         })
     }
 
     /// The estimator, with its learned calibration.
     pub fn estimator(&self) -> &Estimator {
         self.router.estimator()
+    }
+
+    /// The worker's core router (read-only: learned state, configuration).
+    pub fn router(&self) -> &Router {
+        &self.router
     }
 
     /// Blocks remembered for `endpoint_id` in the prefix index.
@@ -154,6 +201,40 @@ impl Worker {
         // the same number (see `shared::ensure_keys`), their ids still differ.
         self.id_prefix =
             (u64::from(worker & 0xFFFF) << 48) | (self.id_prefix & 0x0000_FFFF_0000_0000);
+        self.worker_number = worker;
+    }
+
+    /// The tick: the admission queue when enabled, then the prefix-affinity sync with the
+    /// other workers when `affinity_sync_ms` has passed since the last one.
+    pub fn periodic<H: Host>(&mut self, host: &H) {
+        if self.config.admission.enabled {
+            self.tick(host);
+        }
+        let now = host.now_ms();
+        if self.config.share_affinity
+            && now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms
+        {
+            self.affinity_synced_ms = now;
+            self.sync_affinity(host);
+        }
+    }
+
+    /// Exchange prefix affinity with the other workers now ([`crate::affinity::sync`]);
+    /// failures are logged and counted as fail-open events of the hint, never of a request.
+    pub fn sync_affinity<H: Host>(&mut self, host: &H) -> Option<crate::affinity::Synced> {
+        match crate::affinity::sync(
+            host,
+            &mut self.router,
+            self.worker_number,
+            &mut self.affinity_seen,
+            self.config.affinity_journal_bytes,
+        ) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                host.log(Level::Warn, &format!("kvroute: affinity sync: {e}"));
+                None
+            }
+        }
     }
 
     /// A fresh reservation id: the worker's upper 32 bits (unique per worker once
@@ -231,12 +312,23 @@ impl Worker {
                 // unparsable body must not read like a body-based one).
                 reason.push_str(";endpoint=");
                 reason.push_str(&route.endpoint);
+                if route.prefix_blocks > 0 {
+                    // Prefix blocks matched on the chosen endpoint / hashed.
+                    let _ = write!(
+                        reason,
+                        ";prefix={}/{}",
+                        route.prefix_match_blocks, route.prefix_blocks
+                    );
+                }
                 if let Basis::LoadOnly(cause) = d.basis {
                     reason.push_str(";load_only=");
                     reason.push_str(cause.name());
                 }
                 if route.demand_over_capacity {
                     reason.push_str(";demand_over_capacity");
+                }
+                if !route.candidates.is_empty() {
+                    write_candidates(&mut reason, &route.candidates);
                 }
                 Decision::Route(Box::new(Routed {
                     header,
@@ -259,6 +351,9 @@ impl Worker {
         host.set_request_header(&routed.header, Some(&routed.value));
         if self.config.debug_header {
             host.set_request_header(DECISION_HEADER, Some(&routed.reason));
+        }
+        if self.config.decision_record {
+            host.set_property(&[DECISION_PROPERTY], routed.reason.as_bytes());
         }
         host.clear_route_cache();
         let id = self.next_id();
@@ -294,6 +389,28 @@ impl Worker {
                 None
             }
         }
+    }
+
+    /// A streamed response from `endpoint` produced its first token `ttft_s` seconds after
+    /// the decision: a prefill-throughput sample for the `predicted_ttft` policy
+    /// ([`Router::observe_first_token`]; this worker's learner).
+    pub fn observe_first_token(&mut self, endpoint: &str, predicted_work_tokens: f64, ttft_s: f64) {
+        self.router
+            .observe_first_token(endpoint, predicted_work_tokens, ttft_s);
+    }
+
+    /// A response's `usage` reported `completion_tokens` for a `prompt_tokens` prompt to
+    /// `model` over `api`: learned output lengths set later requests' KV demand
+    /// ([`Router::observe_output`]; this worker's learner).
+    pub fn observe_output(
+        &mut self,
+        model: &str,
+        api: kvroute_core::analysis::ApiKind,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    ) {
+        self.router
+            .observe_output(model, api, prompt_tokens, completion_tokens);
     }
 
     /// The first response bytes of `held`'s stream arrived: its prefill is done, so its
@@ -434,22 +551,7 @@ mod tests {
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
     pub(crate) fn endpoint(i: usize, now: u64) -> EndpointStats {
-        EndpointStats {
-            id: format!("pool/e{i}"),
-            address: format!("127.0.0.1:{}", 9000 + i),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
-            kv_usage: Some(0.1),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: now,
-            process_start_ms: None,
-        }
+        EndpointStats::fixture(i, now)
     }
 
     fn worker(json: &str) -> Worker {
@@ -483,8 +585,11 @@ mod tests {
                 policy: kvroute_core::picker::PolicyKind::Hybrid,
                 reason: PickReason::Policy,
                 demand_over_capacity: false,
+                prefix_blocks: 0,
+                prefix_match_blocks: 0,
                 class: None,
                 facts: RequestFacts::default(),
+                candidates: vec![],
             },
         };
         let held = w.apply_route(&h, &routed).unwrap();
@@ -567,6 +672,58 @@ mod tests {
     }
 
     #[test]
+    fn workers_share_prefix_affinity_through_the_journal() {
+        let h = MockHost::new(1000);
+        let snap = Snapshot::new(1, 1000, (0..4).map(|i| endpoint(i, 1000)).collect());
+        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        shared::ensure_keys(&h).unwrap();
+        let (mut a, mut b) = (worker("{}"), worker("{}"));
+        a.set_worker_number(1);
+        b.set_worker_number(2);
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "s".repeat(640));
+        let chosen = match a.decide(&h, "/v1/completions", Some(body.as_bytes())) {
+            Decision::Route(r) => r.route.endpoint,
+            d => panic!("{d:?}"),
+        };
+        assert_eq!(b.prefix_blocks(&chosen), 0, "not shared yet");
+        let sa = a.sync_affinity(&h).unwrap();
+        assert_eq!((sa.imported, sa.published), (0, 1));
+        let sb = b.sync_affinity(&h).unwrap();
+        assert_eq!((sb.imported, sb.published), (1, 0));
+        assert_eq!(b.prefix_blocks(&chosen), 10);
+        for _ in 0..3 {
+            match b.decide(&h, "/v1/completions", Some(body.as_bytes())) {
+                Decision::Route(r) => assert_eq!(r.route.endpoint, chosen),
+                d => panic!("{d:?}"),
+            }
+        }
+        // B's chains reach A; neither re-imports what it already saw or wrote itself.
+        assert_eq!(
+            b.sync_affinity(&h).unwrap(),
+            crate::affinity::Synced {
+                imported: 0,
+                published: 3
+            }
+        );
+        assert_eq!(a.sync_affinity(&h).unwrap().imported, 3);
+        assert_eq!(a.sync_affinity(&h).unwrap().imported, 0);
+        assert_eq!(h.metric(metric::AFFINITY_IMPORTED), 4);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 4);
+        // A corrupt journal is replaced, not fatal.
+        h.shared_set(crate::names::AFFINITY_KEY, b"garbage", None)
+            .unwrap();
+        let _ = a.decide(&h, "/v1/completions", Some(body.as_bytes()));
+        assert_eq!(a.sync_affinity(&h).unwrap().published, 1);
+        assert_eq!(h.metric(metric::AFFINITY_RESET), 1);
+        assert_eq!(b.sync_affinity(&h).unwrap().imported, 1, "after the reset");
+        // Off: nothing is kept or synced by the tick.
+        let mut off = worker(r#"{"share_affinity":false}"#);
+        let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()));
+        off.periodic(&h);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 5);
+    }
+
+    #[test]
     fn decision_reason_names_endpoint_and_load_only_cause() {
         let h = MockHost::new(1000);
         let snap = Snapshot::new(1, 1000, vec![endpoint(0, 1000)]);
@@ -586,6 +743,14 @@ mod tests {
             "policy:hybrid;endpoint=pool/e0;load_only=unparsable"
         );
         assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
+        // Prefix blocks matched on the chosen endpoint / hashed: none, then all 10.
+        let long = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
+        for matched in [0, 10] {
+            assert_eq!(
+                reason(w.decide(&h, "/v1/completions", Some(long.as_bytes()))),
+                format!("policy:hybrid;endpoint=pool/e0;prefix={matched}/10")
+            );
+        }
         let r = w.decide(&h, "/v1/chat/completions", None);
         let Decision::Route(r) = r else {
             panic!("not routed")
@@ -599,6 +764,58 @@ mod tests {
             h.header(DECISION_HEADER).as_deref(),
             Some(r.reason.as_str())
         );
+    }
+
+    #[test]
+    fn decision_record_lists_the_top_candidates_as_filter_state() {
+        let h = MockHost::new(1000);
+        let mut eps: Vec<EndpointStats> = (0..2).map(|i| endpoint(i, 1000)).collect();
+        eps[1].kv_usage = Some(0.6);
+        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
+        // Off (the default): no record, no property.
+        let mut w = worker("{}");
+        let Decision::Route(r) = w.decide(&h, "/v1/completions", Some(body)) else {
+            panic!("not routed")
+        };
+        assert_eq!(r.reason, "policy:hybrid;endpoint=pool/e0");
+        let held = w.apply_route(&h, &r).unwrap();
+        assert_eq!(h.property(&[DECISION_PROPERTY]), None);
+        w.release(&h, &held);
+        // On: the reason gains the ranked candidates, and becomes filter state.
+        let mut w = worker(r#"{"decision_record":true}"#);
+        let Decision::Route(r) = w.decide(&h, "/v1/completions", Some(body)) else {
+            panic!("not routed")
+        };
+        let demand = w.router().demand(&kvroute_core::router::RequestInfo {
+            model: Some("m".into()),
+            prompt_tokens: r.route.facts.prompt_tokens,
+            max_output_tokens: Some(100),
+            api: kvroute_core::analysis::ApiKind::Completions,
+            n: 1,
+            ..Default::default()
+        });
+        let headroom = |u: f64| 1.0 - u - demand.1.tokens as f64 / 100_000.0;
+        let kv0 = format!("kv={:.3}", headroom(0.1));
+        let kv1 = format!("kv={:.3}", headroom(0.6));
+        let (head, top) = r.reason.split_once(";top=").unwrap();
+        assert_eq!(head, "policy:hybrid;endpoint=pool/e0");
+        let cands: Vec<&str> = top.split("],").collect();
+        assert_eq!(cands.len(), 2, "{top}");
+        assert!(cands[0].starts_with("pool/e0[score="), "{top}");
+        assert!(cands[1].starts_with("pool/e1[score="), "{top}");
+        assert!(cands[0].contains(&kv0) && cands[1].contains(&kv1), "{top}");
+        for c in &cands {
+            assert!(
+                c.contains(
+                    ",queue=1.000,inflight=1.000,prefill=0.000,prefix=0.000,blocks=0,load=0"
+                ),
+                "{c}"
+            );
+            assert!(c.contains(",ttft_ms="), "{c}");
+        }
+        w.apply_route(&h, &r).unwrap();
+        assert_eq!(h.property(&[DECISION_PROPERTY]), Some(r.reason.clone()));
     }
 
     #[test]

@@ -18,7 +18,9 @@
 //! publisher is never taken over; a dead one is replaced within the window.
 
 use crate::host::{Host, HostError};
-use crate::names::{INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY};
+use crate::names::{
+    AFFINITY_KEY, INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY,
+};
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::snapshot::{Snapshot, SnapshotError};
 use std::rc::Rc;
@@ -129,6 +131,11 @@ pub fn ensure_keys<H: Host>(host: &H) -> Result<(), SharedError> {
     let (seq, _) = host.shared_get(WORKER_SEQ_KEY)?;
     if seq.is_none() {
         host.shared_set(WORKER_SEQ_KEY, &0u64.to_be_bytes(), None)?;
+    }
+    let (journal, _) = host.shared_get(AFFINITY_KEY)?;
+    if journal.is_none() {
+        let empty = kvroute_core::affinity::Journal::new().encode();
+        host.shared_set(AFFINITY_KEY, &empty, None)?;
     }
     Ok(())
 }

@@ -326,6 +326,17 @@ impl Stream {
             if let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) {
                 self.worker.borrow_mut().prefill_done(host, h);
                 h.prefill_tokens = 0;
+                // A streamed response's first event is its first token: time since the
+                // decision is this endpoint's TTFT, a prefill-throughput sample. (A JSON
+                // response's first bytes come after the whole generation: not a sample.)
+                if matches!(self.resp, Resp::Sse(_)) && self.decided_at_ms > 0 {
+                    let ttft_s = host.now_ms().saturating_sub(self.decided_at_ms) as f64 / 1e3;
+                    self.worker.borrow_mut().observe_first_token(
+                        &h.endpoint,
+                        self.facts.predicted_work_tokens,
+                        ttft_s,
+                    );
+                }
             }
         }
         if size > 0 {
@@ -361,9 +372,12 @@ impl Stream {
             };
             if let Some(u) = u {
                 let facts = self.facts.clone();
-                self.worker
-                    .borrow_mut()
-                    .observe_usage(host, &facts, u.prompt_tokens);
+                let mut w = self.worker.borrow_mut();
+                w.observe_usage(host, &facts, u.prompt_tokens);
+                if let Some(model) = facts.model.as_deref() {
+                    let api = kvroute_core::analysis::ApiKind::from_path(&self.path);
+                    w.observe_output(model, api, u.prompt_tokens, u.completion_tokens);
+                }
             }
             self.release(host);
         }
@@ -420,20 +434,9 @@ mod tests {
 
     fn ep(i: usize, kv: f64) -> EndpointStats {
         EndpointStats {
-            id: format!("pool/e{i}"),
             address: format!("10.0.0.{i}:8000"),
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
             kv_usage: Some(kv),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: NOW,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, NOW)
         }
     }
 
@@ -706,11 +709,28 @@ mod tests {
         );
         let (a, b) = stream.as_bytes().split_at(40);
         *r.resp_chunk.borrow_mut() = a.to_vec();
+        // The first event 250 ms after the decision: one TTFT sample for this endpoint.
+        *h.now.borrow_mut() = NOW + 250;
+        assert!(w.borrow().router().prefill_rates().is_empty());
         s.on_response_body(&r, a.len(), false);
+        assert_eq!(w.borrow().router().prefill_rates().len(), 1);
         assert!(held(&h) > 0, "held until the response ends");
         *r.resp_chunk.borrow_mut() = b.to_vec();
+        assert_eq!(
+            *w.borrow().router().output_lengths(),
+            kvroute_core::output_len::OutputLengths::new()
+        );
         s.on_response_body(&r, b.len(), true);
         assert_eq!(held(&h), 0);
+        // usage.completion_tokens (3) was learned for (m, chat completions).
+        let mut expected = kvroute_core::output_len::OutputLengths::new();
+        expected.observe(
+            "m",
+            kvroute_core::analysis::ApiKind::ChatCompletions,
+            est * 2,
+            3,
+        );
+        assert_eq!(*w.borrow().router().output_lengths(), expected);
         let f = w.borrow().estimator().calibration(Some("m"));
         assert!((f - 1.1).abs() < 1e-9, "calibration {f}");
         assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 1);
@@ -729,10 +749,21 @@ mod tests {
         s.on_response_headers(&r);
         let body =
             format!(r#"{{"choices":[],"usage":{{"prompt_tokens":{est},"completion_tokens":1}}}}"#);
-        *r.resp_chunk.borrow_mut() = body.clone().into_bytes();
-        s.on_response_body(&r, body.len(), true);
+        // Two chunks, 250 ms after the decision: the first bytes of a JSON body come after
+        // the whole generation, so they are no TTFT sample; its usage still counts.
+        let (a, b) = body.as_bytes().split_at(10);
+        *h.now.borrow_mut() = NOW + 250;
+        *r.resp_chunk.borrow_mut() = a.to_vec();
+        s.on_response_body(&r, a.len(), false);
+        *r.resp_chunk.borrow_mut() = b.to_vec();
+        s.on_response_body(&r, b.len(), true);
         assert_eq!(held(&h), 0);
         assert!((w.borrow().estimator().calibration(Some("m")) - 1.0).abs() < 1e-9);
+        assert!(w.borrow().router().prefill_rates().is_empty());
+        assert_ne!(
+            *w.borrow().router().output_lengths(),
+            kvroute_core::output_len::OutputLengths::new()
+        );
     }
 
     #[test]

@@ -145,6 +145,9 @@ impl Host for ProxyHost {
         let bytes = hostcalls::get_property(path.to_vec()).ok()??;
         String::from_utf8(bytes).ok()
     }
+    fn set_property(&self, path: &[&str], value: &[u8]) {
+        let _ = hostcalls::set_property(path.to_vec(), Some(value));
+    }
 }
 
 fn action(f: Flow) -> Action {
@@ -218,12 +221,15 @@ impl RootContext for Root {
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
-        // Without admission the tick only refreshes the Wasm memory gauge.
-        let tick = if config.admission.enabled {
-            config.admission.tick_ms
-        } else {
-            MEMORY_GAUGE_PERIOD_MS
-        };
+        // The tick refreshes the Wasm memory gauge, runs admission and syncs affinity: as
+        // often as the most frequent of them needs.
+        let mut tick = MEMORY_GAUGE_PERIOD_MS;
+        if config.admission.enabled {
+            tick = tick.min(config.admission.tick_ms);
+        }
+        if config.share_affinity {
+            tick = tick.min(config.affinity_sync_ms);
+        }
         let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
             Err(e) => {
@@ -256,9 +262,7 @@ impl RootContext for Root {
         let pages = core::arch::wasm32::memory_size(0) as u64;
         ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
         if let Some(Serving::Route(w)) = &self.serving {
-            if w.borrow().config.admission.enabled {
-                w.borrow_mut().tick(&ProxyHost);
-            }
+            w.borrow_mut().periodic(&ProxyHost);
         }
     }
 

@@ -14,56 +14,17 @@
 #[path = "../../control-plane/tests/common/fake_kube.rs"]
 mod fake_kube;
 
-use bytes::Bytes;
 use fake_kube::{pods_path, FakeKube};
-use http_body_util::Full;
 use kvroute_cp::{Config, ControlPlane};
-use kvroute_integration::harness::kvroute::{chat, ingest_plugin_config, TEST_TOKEN};
-use kvroute_integration::harness::{
-    free_port, http, render, templates, wasm_path, Envoy, RecordingBackend, Reply,
+use kvroute_integration::harness::kvroute::{
+    envoy_config, vllm_metrics_server, wait_routed, FleetMode, TEST_TOKEN,
 };
+use kvroute_integration::harness::{free_port, Envoy, RecordingBackend, Reply};
 use serde_json::json;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const INGESTED: &str = "wasmcustom.kvroute.ingest.accepted";
-
-/// A `/metrics` server answering vLLM V1 with the current KV usage.
-async fn metrics_server(kv: Arc<Mutex<f64>>) -> SocketAddr {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = l.accept().await else {
-                continue;
-            };
-            let kv = kv.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    move |_r: ::http::Request<hyper::body::Incoming>| {
-                        let v = *kv.lock().unwrap();
-                        let body = format!(
-                        "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 0.0\n\
-                         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 0.0\n\
-                         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {v}\n\
-                         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"10000\"}} 1.0\n"
-                    );
-                        async move {
-                            Ok::<_, std::convert::Infallible>(::http::Response::new(Full::new(
-                                Bytes::from(body),
-                            )))
-                        }
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                    .await;
-            });
-        }
-    });
-    addr
-}
 
 struct Gateway {
     envoy: Envoy,
@@ -74,28 +35,13 @@ struct Gateway {
 /// `ingest_ip:ingest_port`.
 async fn gateway(backends: &[String], ingest_ip: &str, ingest_port: u16) -> Gateway {
     let port = free_port().unwrap();
-    let mut clusters: String = backends
-        .iter()
-        .enumerate()
-        .map(|(i, a)| templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a)))
-        .collect();
-    clusters.push_str(&templates::static_cluster("default", backends));
-    let yaml = render(
-        templates::CLUSTER_MODE,
-        &[
-            ("LISTEN_PORT", port.to_string()),
-            ("INGEST_PORT", ingest_port.to_string()),
-            ("BUFFER_LIMIT", (4 << 20).to_string()),
-            (
-                "PLUGIN_CONFIG",
-                r#"{"mode":"cluster","picker":{"policy":"least_kv"}}"#.into(),
-            ),
-            ("INGEST_CONFIG", ingest_plugin_config()),
-            ("WASM", wasm_path().display().to_string()),
-            ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-            ("DEFAULT_CLUSTER", "default".into()),
-            ("CLUSTERS", clusters),
-        ],
+    let yaml = envoy_config(
+        FleetMode::Cluster,
+        backends,
+        r#""picker":{"policy":"least_kv"}"#,
+        port,
+        ingest_port,
+        4 << 20,
     )
     .unwrap();
     let from = format!("address: 127.0.0.1, port_value: {ingest_port}");
@@ -110,39 +56,6 @@ async fn gateway(backends: &[String], ingest_ip: &str, ingest_port: u16) -> Gate
     Gateway {
         envoy: Envoy::start(&yaml, 2).await.unwrap(),
         port,
-    }
-}
-
-async fn routed_to(g: &Gateway) -> String {
-    let r = http::request(
-        "POST",
-        &format!("http://127.0.0.1:{}/v1/chat/completions", g.port),
-        &[("content-type", "application/json")],
-        &chat("route me by KV"),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.header("x-backend").unwrap_or("").to_owned()
-}
-
-/// Until 5 requests in a row on `g` go to `want` (every worker has a snapshot showing it).
-async fn wait_routed(g: &Gateway, want: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut in_a_row = 0;
-    while in_a_row < 5 {
-        let got = routed_to(g).await;
-        if got == want {
-            in_a_row += 1;
-            continue;
-        }
-        in_a_row = 0;
-        assert!(
-            Instant::now() < deadline,
-            "still routed to {got}, want {want}\n{}",
-            g.envoy.log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -186,8 +99,8 @@ async fn two_gateway_pods_both_fresh_and_a_deleted_one_dropped() {
     let g2 = gateway(&addrs, "127.0.0.8", ingest_port).await;
     let (kv0, kv1) = (Arc::new(Mutex::new(0.8)), Arc::new(Mutex::new(0.1)));
     let (m0, m1) = (
-        metrics_server(kv0.clone()).await,
-        metrics_server(kv1.clone()).await,
+        vllm_metrics_server(kv0.clone()).await.unwrap(),
+        vllm_metrics_server(kv1.clone()).await.unwrap(),
     );
 
     let api = FakeKube::start().await;
@@ -213,12 +126,12 @@ async fn two_gateway_pods_both_fresh_and_a_deleted_one_dropped() {
         .unwrap();
 
     // Both gateways route to the less-loaded backend, then both follow the change.
-    wait_routed(&g1, "b1").await;
-    wait_routed(&g2, "b1").await;
+    wait_routed(&g1.envoy, g1.port, "b1").await.unwrap();
+    wait_routed(&g2.envoy, g2.port, "b1").await.unwrap();
     *kv0.lock().unwrap() = 0.05;
     *kv1.lock().unwrap() = 0.9;
-    wait_routed(&g1, "b0").await;
-    wait_routed(&g2, "b0").await;
+    wait_routed(&g1.envoy, g1.port, "b0").await.unwrap();
+    wait_routed(&g2.envoy, g2.port, "b0").await.unwrap();
     for g in [&g1, &g2] {
         assert!(g.envoy.stat(INGESTED).await.unwrap().unwrap_or(0) >= 2);
         assert!(g.envoy.wasm_failures().await.unwrap().is_empty());

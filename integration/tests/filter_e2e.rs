@@ -322,15 +322,7 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.95, now), fleet.endpoint(1, 0.97, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.95, 0.97]).await.unwrap();
     let url = fleet.url("/v1/chat/completions");
     let held = tokio::spawn(async move {
         kvroute_integration::harness::http::request(
@@ -346,26 +338,12 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
         .await
         .unwrap();
     assert_eq!(fleet.counts(), vec![0, 0], "held, not forwarded");
-    fleet
-        .push(&Snapshot::new(
-            2,
-            now,
-            vec![fleet.endpoint(0, 0.95, now), fleet.endpoint(1, 0.1, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(2, &[0.95, 0.1]).await.unwrap();
     let r = held.await.unwrap().unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-backend"), Some("b1"));
 
-    fleet
-        .push(&Snapshot::new(
-            3,
-            now,
-            vec![fleet.endpoint(0, 0.95, now), fleet.endpoint(1, 0.97, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(3, &[0.95, 0.97]).await.unwrap();
     let started = std::time::Instant::now();
     let r = fleet
         .post("/v1/chat/completions", &chat("give up"))

@@ -75,6 +75,59 @@ async fn herd_of_identical_requests_is_spread() {
     assert_no_leak(&fleet).await.unwrap();
 }
 
+/// Prefix affinity learned by one Envoy worker reaches the others through the shared
+/// journal (`share_affinity`, synced every 100 ms): follow-up turns arriving on new
+/// connections, and so on any of the 4 workers, land on the replica the first turn went to.
+/// All replicas look equally loaded, so a worker that did not know the prefix would pick
+/// among them at random: without sharing, 8 follow-ups all landing home has probability
+/// about (1/4 + 3/4 × 1/4)^8 ≈ 0.1% per conversation.
+#[tokio::test]
+async fn prefix_affinity_is_shared_by_all_workers() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 4,
+        concurrency: 4,
+        route_config: r#""picker":{"stale_after_ms":600000},"debug_header":true"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let eps = (0..4).map(|i| fleet.endpoint(i, 0.2, now)).collect();
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    let endpoint_of = |r: &kvroute_integration::harness::http::Response| -> String {
+        let reason = r.header("x-kvroute-decision").unwrap_or_default();
+        reason
+            .split(';')
+            .find_map(|p| p.strip_prefix("endpoint="))
+            .unwrap_or_else(|| panic!("no endpoint in decision {reason:?}"))
+            .to_owned()
+    };
+    let url = fleet.url("/v1/chat/completions");
+    let json = [("content-type", "application/json")];
+    for conversation in 0..3 {
+        let body = chat(&format!(
+            "conversation {conversation}: {}",
+            "a long shared system prompt that every turn repeats verbatim. ".repeat(40)
+        ));
+        let first = request("POST", &url, &json, &body).await.unwrap();
+        assert_eq!(first.status, 200, "{}", first.text());
+        let home = endpoint_of(&first);
+        // Longer than one sync period on every worker.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        for turn in 0..8 {
+            let r = request("POST", &url, &json, &body).await.unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(
+                endpoint_of(&r),
+                home,
+                "conversation {conversation}, follow-up {turn} left its replica"
+            );
+        }
+    }
+    assert!(fleet.custom("kvroute.affinity.published").await.unwrap() >= 3);
+    assert!(fleet.custom("kvroute.affinity.imported").await.unwrap() >= 3);
+}
+
 #[tokio::test]
 async fn client_aborts_leave_no_reservation() {
     let fleet = Fleet::start(FleetOptions {

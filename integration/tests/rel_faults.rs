@@ -5,7 +5,7 @@
 //! |---|---|
 //! | backend killed under load | a request in flight on it is retried exactly once, to the fallback, with its body; after two scrape intervals (+ push) no request is sent to it; every request answers 200 |
 //! | control plane killed, restarted | the filter keeps the last snapshot and routes on it; once it is older than `stale_after_ms` every decision is a least-request fallback; all 200; after the restart decisions are by policy again |
-//! | backend restarted in place | its prefix affinity is dropped: the next turn of a conversation it served matches 0 prefix blocks there |
+//! | backend restarted in place | kvroute-cp publishes its new start within two scrape intervals, the filter has it one push later; the next turn of a conversation it served matches 0 prefix blocks anywhere, another replica's affinity is kept; every request answers 200 |
 //! | everything saturated | admission holds up to `max_queue` requests per worker and answers the rest 429 at once; the held ones get 429 after `timeout_ms`; nothing hangs |
 //! | ingest flood | 100 pushes/s for 5 s, then 20 snapshots at the ingest size limit (1 MiB): every push is accepted and handled, routing answers 200 throughout; one byte over the limit gets 413 |
 //! | endpoint churn | 2,000 new addresses over time: the in-flight table drains to 0 and the Wasm memory stops growing |
@@ -192,6 +192,257 @@ async fn control_plane_killed_then_restarted() {
     assert_eq!(stack.stat(POLICY).await - policy1, 10);
 }
 
+/// The filter's `x-kvroute-decision` of a response: (endpoint id, prefix blocks matched on
+/// it, prefix blocks hashed).
+fn decision(r: &http::Response) -> (String, u32, u32) {
+    let h = r.header("x-kvroute-decision").unwrap_or_default();
+    let field = |key: &str| {
+        h.split(';')
+            .find_map(|f| f.strip_prefix(key))
+            .unwrap_or_else(|| panic!("no `{key}` in decision `{h}`"))
+    };
+    let (matched, hashed) = field("prefix=").split_once('/').unwrap();
+    (
+        field("endpoint=").to_owned(),
+        matched.parse().unwrap(),
+        hashed.parse().unwrap(),
+    )
+}
+
+/// The prefix block hashes the filter computes for `body` (its default prefix config).
+fn prefix_hashes(body: &[u8]) -> Vec<u64> {
+    use kvroute_core::analysis::{analyze, ApiKind};
+    use kvroute_core::estimate::{Estimator, EstimatorConfig};
+    let a = analyze(
+        ApiKind::from_path("/v1/chat/completions"),
+        body,
+        &Estimator::new(EstimatorConfig::default()),
+    )
+    .unwrap();
+    kvroute_core::router::RequestInfo::from_analysis(
+        a,
+        &kvroute_core::prefix::PrefixConfig::default(),
+    )
+    .prefix_hashes
+}
+
+/// Blocks of `turn` the prefix index holds after `earlier` were routed to one endpoint: the
+/// longest leading run shared with any of them (block hashes are chained).
+fn expected_match(turn: &[u64], earlier: &[Vec<u64>]) -> u32 {
+    earlier
+        .iter()
+        .map(|e| turn.iter().zip(e).take_while(|(a, b)| a == b).count())
+        .max()
+        .unwrap_or(0) as u32
+}
+
+/// The newest snapshot version the filter's queue consumer has published (its debug log).
+fn filter_version(stack: &Stack) -> u64 {
+    stack
+        .envoy
+        .log()
+        .lines()
+        .filter_map(|l| {
+            let rest = &l[l.find("kvroute: snapshot ")? + "kvroute: snapshot ".len()..];
+            rest.strip_suffix(" published")?.parse::<u64>().ok()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// One conversation's turns sent one after another through Envoy, with the hashes of each.
+struct Conversation {
+    id: u64,
+    sent: Vec<Vec<u64>>,
+}
+
+impl Conversation {
+    /// Send the next turn; 200, routed by prefix affinity. Returns (endpoint, matched,
+    /// blocks of all turns so far routed to that endpoint matched as expected).
+    async fn next(&mut self, stack: &Stack) -> (String, u32, u32) {
+        let body = rel_common::chat(self.id, self.sent.len() as u64, 4, false);
+        let r = stack.post("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (endpoint, matched, hashed) = decision(&r);
+        let hashes = prefix_hashes(&body);
+        assert_eq!(hashed as usize, hashes.len(), "conversation {}", self.id);
+        self.sent.push(hashes);
+        (endpoint, matched, hashed)
+    }
+
+    /// What the last turn must have matched if all earlier turns went to its endpoint.
+    fn expected(&self) -> u32 {
+        let (last, earlier) = self.sent.split_last().unwrap();
+        expected_match(last, earlier)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_restarted_in_place_loses_its_prefix_affinity() {
+    // `prefix_affinity`: a request goes where most of its prefix blocks were routed, and by
+    // least-request when no endpoint has any, so each decision shows the affinity alone.
+    let mut stack = Stack::start(StackOptions {
+        plugin: r#""debug_header":true,"picker":{"policy":"prefix_affinity"}"#.into(),
+        ..StackOptions::default()
+    })
+    .await;
+    let scrape = Duration::from_millis(stack.opts.scrape_ms);
+    let began = Instant::now();
+
+    // Conversation A gains affinity to one replica X: its first turn matches nothing, each
+    // later turn goes to X matching the shared system prompt's blocks.
+    let mut a = Conversation {
+        id: 1,
+        sent: vec![],
+    };
+    let (x, matched, _) = a.next(&stack).await;
+    assert_eq!(matched, 0);
+    for _ in 0..3 {
+        let (e, matched, _) = a.next(&stack).await;
+        assert_eq!((e.as_str(), matched), (x.as_str(), a.expected()));
+        assert!(matched >= 10, "{matched}");
+    }
+    // Conversation B gains affinity to another replica Z (new conversations land by
+    // least-request, ties at random, so try a few).
+    let mut found = None;
+    for id in 100..130 {
+        let mut c = Conversation { id, sent: vec![] };
+        let (e, _, _) = c.next(&stack).await;
+        if e != x {
+            found = Some((c, e));
+            break;
+        }
+    }
+    let (mut conv_b, z) = found.expect("30 new conversations all landed on X");
+    let (e, matched, _) = conv_b.next(&stack).await;
+    assert_eq!((e.as_str(), matched), (z.as_str(), conv_b.expected()));
+
+    // Load from other conversations (one request every 20 ms) before, during and after the
+    // restart: all must succeed.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let port = stack.port;
+    let load = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            let mut n = 1000;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let sent = Instant::now();
+                let r = http::request(
+                    "POST",
+                    &format!("http://127.0.0.1:{port}/v1/chat/completions"),
+                    &[("content-type", "application/json")],
+                    &rel_common::chat(n, 0, 4, false),
+                )
+                .await
+                .unwrap();
+                statuses.push((sent, r.status, r.text()));
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            statuses
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Restart X in place: same address, new process (new start time, counters from 0).
+    let xi: usize = x.strip_prefix("pool/sim-").unwrap().parse().unwrap();
+    let hub = stack.cp.as_ref().unwrap().hub().clone();
+    let start_of = |id: &str, snap: &Snapshot| {
+        snap.endpoints
+            .iter()
+            .find(|e| e.id == id)
+            .and_then(|e| e.process_start_ms)
+    };
+    let before = start_of(&x, &hub.latest().unwrap().snapshot().unwrap()).unwrap();
+    let restart_began = Instant::now();
+    stack.restart(xi).await;
+    let restarted = Instant::now();
+
+    // kvroute-cp publishes X's new start within two scrape intervals, and the filter has
+    // that snapshot one push later.
+    let version = loop {
+        let p = hub.latest().unwrap();
+        if start_of(&x, &p.snapshot().unwrap()).is_some_and(|s| s > before) {
+            break p.version;
+        }
+        assert!(hub.endpoint(&x).unwrap().healthy, "{x} marked down");
+        assert!(
+            restarted.elapsed() < 2 * scrape,
+            "kvroute-cp did not publish the restart within {:?}",
+            2 * scrape
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let detected = restarted.elapsed();
+    while filter_version(&stack) < version {
+        assert!(
+            restarted.elapsed() < 3 * scrape,
+            "the filter did not publish snapshot {version} within {:?}",
+            3 * scrape
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let known = Instant::now();
+    eprintln!(
+        "restart of {x}: published by kvroute-cp after {detected:?}, by the filter after {:?}",
+        known - restarted
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // The next turn of A matches no block anywhere (X forgot it; no other replica has
+    // it): a least-request decision.
+    let (a_to, matched, hashed) = a.next(&stack).await;
+    assert_eq!(
+        matched, 0,
+        "A still matched {matched}/{hashed} blocks on {a_to}"
+    );
+    // Z's affinity is untouched.
+    let (e, matched, _) = conv_b.next(&stack).await;
+    assert_eq!((e.as_str(), matched), (z.as_str(), conv_b.expected()));
+    // A builds a new affinity where its last turn went.
+    let (e, matched, _) = a.next(&stack).await;
+    let (last, earlier) = a.sent.split_last().unwrap();
+    assert_eq!(
+        (e.as_str(), matched),
+        (
+            a_to.as_str(),
+            expected_match(last, &earlier[earlier.len() - 1..])
+        )
+    );
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses = load.await.unwrap();
+    for (_, status, body) in &statuses {
+        assert_eq!(*status, 200, "{body}");
+    }
+    let sent_between = |from: Instant, to: Instant| {
+        statuses
+            .iter()
+            .filter(|(t, _, _)| *t >= from && *t < to)
+            .count()
+    };
+    let end = Instant::now();
+    let phases = [
+        sent_between(began, restart_began),
+        sent_between(restart_began, known),
+        sent_between(known, end),
+    ];
+    assert!(
+        phases.iter().all(|n| *n > 0),
+        "requests before, during, after: {phases:?}"
+    );
+    // Exactly one restart, of X; every replica up.
+    for i in 0..stack.addrs.len() {
+        let id = format!("pool/sim-{i}");
+        let ep = hub.endpoint(&id).unwrap();
+        assert_eq!(ep.restart.restarts, u64::from(i == xi), "{id}");
+        assert!(ep.healthy, "{id}");
+    }
+    let failures = stack.envoy.wasm_failures().await.unwrap();
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn everything_saturated_holds_then_429_nothing_hangs() {
     const MAX_QUEUE: usize = 8;
@@ -208,15 +459,7 @@ async fn everything_saturated_holds_then_429_nothing_hangs() {
     })
     .await
     .unwrap();
-    let now = now_ms();
-    fleet
-        .push(&Snapshot::new(
-            1,
-            now,
-            vec![fleet.endpoint(0, 0.99, now), fleet.endpoint(1, 0.99, now)],
-        ))
-        .await
-        .unwrap();
+    fleet.push_usages(1, &[0.99, 0.99]).await.unwrap();
     // 3 x max_queue at once on one worker: max_queue held, the rest refused at once.
     let url = fleet.url("/v1/chat/completions");
     let started = Instant::now();

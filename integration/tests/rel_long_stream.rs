@@ -90,17 +90,8 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
             id: format!("pool/sim-{i}"),
             address: a.clone(),
             cluster: "pool".into(),
-            pool: "pool".into(),
             models: vec![MODEL.into()],
-            lora_adapters: vec![],
-            kv_usage: Some(0.1),
-            kv_capacity_tokens: Some(100_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms: now,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, now)
         })
         .collect();
     let r = http::request(
@@ -178,5 +169,30 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
     // the old timeout would have cut at, and some after it.
     assert!(arrivals.iter().any(|t| *t < 25.0), "{arrivals:?}");
     assert!(arrivals.iter().any(|t| *t > 30.0), "{arrivals:?}");
+    // The example's access log line carries the decision record (filter state
+    // `wasm.kvroute_decision`): reason, chosen endpoint, then both replicas ranked, the
+    // chosen one first. Envoy flushes access logs on a timer, so poll.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let line = loop {
+        let log = envoy.log();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("\"POST /v1/chat/completions\" 200"))
+        {
+            break l.to_owned();
+        }
+        assert!(Instant::now() < deadline, "no access log line:\n{log}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!("access log: {line}");
+    let record = line.split_once(" kvroute=").unwrap().1;
+    let (head, top) = record.split_once(";top=").unwrap();
+    let chosen = head
+        .strip_prefix("policy:hybrid;endpoint=")
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(chosen.starts_with("pool/sim-"), "{line}");
+    assert!(top.starts_with(&format!("{chosen}[score=")), "{line}");
+    assert_eq!(top.matches("[score=").count(), 2, "{line}");
+    assert_eq!(top.matches(",kv=").count(), 2, "{line}");
     assert!(envoy.wasm_failures().await.unwrap().is_empty());
 }

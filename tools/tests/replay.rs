@@ -167,7 +167,10 @@ fn bad_options_and_files_are_typed_errors() {
         })
     ));
     let w = WorkloadOptions::new(TraceSource::AzureCsv("/nonexistent/x.csv".into()));
-    assert!(matches!(load_workload(&w), Err(ReplayError::Io { .. })));
+    assert!(matches!(
+        load_workload(&w),
+        Err(ReplayError::File(TraceError::Io { .. }))
+    ));
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(
@@ -177,7 +180,7 @@ fn bad_options_and_files_are_typed_errors() {
     .unwrap();
     let w = WorkloadOptions::new(TraceSource::Mooncake(bad));
     match load_workload(&w) {
-        Err(ReplayError::Parse { line, .. }) => assert_eq!(line, 2),
+        Err(ReplayError::File(TraceError::Parse { line, .. })) => assert_eq!(line, 2),
         other => panic!("want a parse error on line 2, got {other:?}"),
     }
     let csv = dir.path().join("bad.csv");
@@ -187,7 +190,7 @@ fn bad_options_and_files_are_typed_errors() {
     )
     .unwrap();
     match load_workload(&WorkloadOptions::new(TraceSource::AzureCsv(csv))) {
-        Err(ReplayError::Parse { line, message, .. }) => {
+        Err(ReplayError::File(TraceError::Parse { line, message, .. })) => {
             assert_eq!(line, 2);
             assert!(message.contains("bad TIMESTAMP"), "{message}");
         }
@@ -820,7 +823,7 @@ fn report_round_trips_and_plots_are_svg() {
     check_svg(&f.plots[1], &["no KV samples"], 0);
     assert!(matches!(
         read_report(&dir.path().join("missing.json")),
-        Err(ReplayError::Io { .. })
+        Err(ReplayError::File(TraceError::Io { .. }))
     ));
 }
 

@@ -50,7 +50,7 @@ struct NextToken {
 /// llama.cpp exports one series per gauge from one process: any repeated series is a copy.
 pub const LABELS: LabelRules = LabelRules {
     kind: ServerKind::Llamacpp,
-    rank: None,
+    rank: &[],
     copies: &[],
     known: &[],
 };

@@ -28,7 +28,7 @@
 //! | `sglang` | `dp_rank` | `tp_rank`, `pp_rank`, `pid` (every TP/PP rank of one DP rank reports the same scheduler state) | `model_name`, `engine_type` |
 //! | `tgi` | none | every label (one router per server) | none |
 //! | `llamacpp` | none | every label (one server process) | none |
-//! | `trtllm` | none: the first series of each quantity is read (one TensorRT-LLM model per endpoint) | not applicable | not checked |
+//! | `trtllm` | `model` + `version` (each TensorRT-LLM model and loaded version has its own executor and KV pool) | none | `kv_cache_block_type`, `request_type` |
 //!
 //! A label no rule names is treated as a copy label (never multiplies a count) and logged
 //! once per process at `warn` ([`LabelRules::unexpected`]), so a new upstream label shows
@@ -41,7 +41,7 @@ pub mod tgi;
 pub mod trtllm;
 pub mod vllm;
 
-use crate::expo::Exposition;
+use crate::expo::{Exposition, Sample};
 use serde::{Deserialize, Serialize};
 
 /// Standard process-collector gauge: process start, Unix seconds
@@ -172,8 +172,9 @@ pub fn is_relevant(name: &str) -> bool {
 pub struct LabelRules {
     /// Adapter, for the warning.
     pub kind: ServerKind,
-    /// Label naming a distinct engine or rank; `None`: the server has one.
-    pub rank: Option<&'static str>,
+    /// Labels that together name a distinct engine or rank (vLLM's `engine`, SGLang's
+    /// `dp_rank`, Triton's `model` + `version`); empty: the server has one.
+    pub rank: &'static [&'static str],
     /// Labels that only tell copies of one engine's series apart.
     pub copies: &'static [&'static str],
     /// Other labels the adapter knows and ignores.
@@ -190,7 +191,7 @@ impl LabelRules {
             .family(name)
             .flat_map(|s| s.labels.iter().map(|(k, _)| k.as_str()))
             .filter(|k| {
-                self.rank != Some(*k) && !self.copies.contains(k) && !self.known.contains(k)
+                !self.rank.contains(k) && !self.copies.contains(k) && !self.known.contains(k)
             })
             .map(str::to_owned)
             .collect();
@@ -217,16 +218,34 @@ impl LabelRules {
         }
     }
 
+    /// The rank series `s` belongs to: its values of the [`Self::rank`] labels, in that
+    /// order (`""` for a missing one).
+    pub fn rank_key<'a>(&self, s: &'a Sample) -> RankKey<'a> {
+        self.rank.iter().map(|r| s.label(r).unwrap_or("")).collect()
+    }
+
     /// One value per distinct rank of family `name`, in first-seen order: the maximum
     /// finite value among its copies. Ranks whose every copy is non-finite are left out.
-    pub fn per_rank<'a>(&self, expo: &'a Exposition, name: &'a str) -> Vec<(&'a str, f64)> {
+    pub fn per_rank<'a>(&self, expo: &'a Exposition, name: &'a str) -> Vec<(RankKey<'a>, f64)> {
+        self.per_rank_where(expo, name, None)
+    }
+
+    /// [`Self::per_rank`] over the series of `name` whose label `select.0` equals
+    /// `select.1` (families such as TensorRT-LLM's that carry several quantities under one
+    /// name, told apart by a label); `None`: every series.
+    pub fn per_rank_where<'a>(
+        &self,
+        expo: &'a Exposition,
+        name: &'a str,
+        select: Option<(&str, &str)>,
+    ) -> Vec<(RankKey<'a>, f64)> {
         self.warn_unexpected(expo, name);
-        let mut out: Vec<(&'a str, f64)> = Vec::new();
+        let mut out: Vec<(RankKey<'a>, f64)> = Vec::new();
         for s in expo.family(name) {
-            if !s.value.is_finite() {
+            if !s.value.is_finite() || select.is_some_and(|(k, v)| s.label(k) != Some(v)) {
                 continue;
             }
-            let rank = self.rank.and_then(|r| s.label(r)).unwrap_or("");
+            let rank = self.rank_key(s);
             match out.iter_mut().find(|(r, _)| *r == rank) {
                 Some((_, v)) => *v = v.max(s.value),
                 None => out.push((rank, s.value)),
@@ -238,12 +257,31 @@ impl LabelRules {
     /// Σ over distinct ranks of [`Self::per_rank`]; `None` when the family is absent
     /// (present but all non-finite: 0).
     pub fn sum(&self, expo: &Exposition, name: &str) -> Option<f64> {
-        if !expo.has(name) {
-            return None;
-        }
-        Some(self.per_rank(expo, name).iter().map(|(_, v)| v).sum())
+        self.sum_where(expo, name, None)
+    }
+
+    /// Σ over distinct ranks of [`Self::per_rank_where`]; `None` when no series of `name`
+    /// matches `select` (matching but all non-finite: 0).
+    pub fn sum_where(
+        &self,
+        expo: &Exposition,
+        name: &str,
+        select: Option<(&str, &str)>,
+    ) -> Option<f64> {
+        let present = expo
+            .family(name)
+            .any(|s| select.is_none_or(|(k, v)| s.label(k) == Some(v)));
+        present.then(|| {
+            self.per_rank_where(expo, name, select)
+                .iter()
+                .map(|(_, v)| v)
+                .sum()
+        })
     }
 }
+
+/// Values of a series' rank labels ([`LabelRules::rank_key`]).
+pub type RankKey<'a> = Vec<&'a str>;
 
 /// Detect the kind from exposed names. Order matters: llm-d-inference-sim exports vLLM names
 /// plus `vllm:max_num_generation_tokens` (its own spelling; vLLM's is

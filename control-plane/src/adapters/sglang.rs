@@ -32,7 +32,7 @@ pub const GENERATION_TOKENS: &str = "sglang:generation_tokens_total";
 /// How SGLang labels its series (`python/sglang/srt/metrics/collector.py`).
 pub const LABELS: LabelRules = LabelRules {
     kind: ServerKind::Sglang,
-    rank: Some("dp_rank"),
+    rank: &["dp_rank"],
     copies: &["tp_rank", "pp_rank", "pid"],
     known: &["model_name", "engine_type"],
 };

@@ -29,7 +29,7 @@ pub const REQUEST_COUNT: &str = "tgi_request_count";
 /// TGI exports one series per gauge from one process: any repeated series is a copy.
 pub const LABELS: LabelRules = LabelRules {
     kind: ServerKind::Tgi,
-    rank: None,
+    rank: &[],
     copies: &[],
     known: &[],
 };

@@ -48,7 +48,7 @@ pub const PROMPT_TOKENS_CREATED: &str = "vllm:prompt_tokens_created";
 /// How vLLM labels its series (module docs of [`super`]).
 pub const LABELS: LabelRules = LabelRules {
     kind: ServerKind::Vllm,
-    rank: Some("engine"),
+    rank: &["engine"],
     copies: &["pid"],
     known: &["model_name"],
 };
@@ -66,16 +66,18 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
             expected: RUNNING,
         });
     }
-    // engine label ("" when absent) -> capacity tokens, block size
-    let mut capacity: BTreeMap<String, (u64, u32)> = BTreeMap::new();
+    // engine (rank key) -> capacity tokens, block size
+    let mut capacity: BTreeMap<super::RankKey, (u64, u32)> = BTreeMap::new();
     for s in expo.family(CACHE_CONFIG) {
         let bs = s.label("block_size").and_then(|v| v.parse::<u32>().ok());
         let blocks = s
             .label("num_gpu_blocks")
             .and_then(|v| v.parse::<u64>().ok());
         if let (Some(bs), Some(blocks)) = (bs, blocks) {
-            let engine = s.label("engine").unwrap_or("").to_owned();
-            capacity.insert(engine, (blocks.saturating_mul(u64::from(bs)), bs));
+            capacity.insert(
+                LABELS.rank_key(s),
+                (blocks.saturating_mul(u64::from(bs)), bs),
+            );
         }
     }
     let usage_name = if expo.has(KV_USAGE_V1) {
@@ -90,7 +92,7 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
     for (engine, value) in LABELS.per_rank(expo, usage_name) {
         let Some(u) = ratio(value) else { continue };
         plain.push(u);
-        match capacity.get(engine) {
+        match capacity.get(&engine) {
             Some(&(cap, _)) if cap > 0 => {
                 weighted += u * cap as f64;
                 weight += cap as f64;

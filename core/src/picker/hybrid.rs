@@ -115,12 +115,16 @@ pub(super) fn rank(cands: &mut [Candidate], w: &HybridWeights, req: &PickRequest
         } else {
             0.0
         };
-        let score = w.kv_headroom * headroom
-            + w.queue * (1.0 - q)
-            + w.inflight * (1.0 - i)
-            + w.prefill * (1.0 - f)
-            + w.prefix * p;
+        let terms = [
+            w.kv_headroom * headroom,
+            w.queue * (1.0 - q),
+            w.inflight * (1.0 - i),
+            w.prefill * (1.0 - f),
+            w.prefix * p,
+        ];
+        let score = terms.iter().sum::<f64>();
         c.cost = -score;
+        c.terms = Some(terms);
         c.cost2 = c.load as f64;
     }
 }

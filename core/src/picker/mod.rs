@@ -248,8 +248,31 @@ pub enum PickReason {
     StaleFallback,
 }
 
+/// Candidates kept in a decision record when explaining ([`Picker::set_explain`]).
+pub const EXPLAIN_TOP: usize = 3;
+
+/// One of the best-ranked candidates of a decision, for the decision record
+/// ([`Picker::set_explain`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Explained {
+    /// Index into `snapshot.endpoints`.
+    pub index: usize,
+    /// The policy's score, higher is better: the negated ranking cost. For `hybrid` the sum
+    /// of `terms` (0..8 with the default weights); for `predicted_ttft` minus the predicted
+    /// TTFT in seconds; for `least_request` minus the load in requests; for `least_kv` minus
+    /// the projected KV usage (0..1).
+    pub score: f64,
+    /// `hybrid`'s weighted terms, in order KV headroom, queue, in-flight, prefill work,
+    /// prefix (each weight × a 0..1 term, see [`hybrid`]); `None` for other policies.
+    pub terms: Option<[f64; 5]>,
+    /// Prefix blocks of the request matched there.
+    pub prefix_blocks: u32,
+    /// Running + waiting + router in-flight requests there.
+    pub load: u64,
+}
+
 /// A successful decision. Indices point into `snapshot.endpoints`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pick {
     /// Chosen endpoint.
     pub primary: usize,
@@ -261,10 +284,13 @@ pub struct Pick {
     pub reason: PickReason,
     /// Request class matched, if any.
     pub class: Option<String>,
+    /// The best [`EXPLAIN_TOP`] candidates in rank order (the primary first), only while
+    /// explaining ([`Picker::set_explain`]); empty otherwise.
+    pub top: Vec<Explained>,
 }
 
 /// Result of a decision.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum PickOutcome {
     /// Route to `primary`, then the fallbacks.
     Picked(Pick),
@@ -294,6 +320,7 @@ pub struct Picker {
     rng: fastrand::Rng,
     cursor: usize,
     scratch: Vec<Candidate>,
+    explain: bool,
 }
 
 /// One eligible endpoint during a decision, with its ranking keys.
@@ -319,6 +346,8 @@ pub(crate) struct Candidate {
     pub cost2: f64,
     /// Random tie-break.
     pub tie: u64,
+    /// `hybrid`'s weighted terms (see [`Explained::terms`]).
+    pub terms: Option<[f64; 5]>,
 }
 
 fn rank_cmp(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
@@ -454,7 +483,15 @@ impl Picker {
             rng: fastrand::Rng::with_seed(seed),
             cursor: 0,
             scratch: Vec::new(),
+            explain: false,
         })
+    }
+
+    /// Keep the best [`EXPLAIN_TOP`] candidates with their scores in every [`Pick`]
+    /// ([`Pick::top`]), for decision records. Off by default: it costs a small copy per
+    /// decision.
+    pub fn set_explain(&mut self, on: bool) {
+        self.explain = on;
     }
 
     /// Configuration in force.
@@ -600,12 +637,32 @@ impl Picker {
         if k == 0 {
             return PickOutcome::NoEndpoints;
         }
-        if k < cands.len() {
-            cands.select_nth_unstable_by(k - 1, rank_cmp);
+        let keep = if self.explain {
+            k.max(EXPLAIN_TOP).min(cands.len())
+        } else {
+            k
+        };
+        if keep < cands.len() {
+            cands.select_nth_unstable_by(keep - 1, rank_cmp);
         }
-        let top = cands.get_mut(..k).unwrap_or_default();
-        top.sort_unstable_by(rank_cmp);
-        let mut it = top.iter().map(|c| c.index);
+        let ranked = cands.get_mut(..keep).unwrap_or_default();
+        ranked.sort_unstable_by(rank_cmp);
+        let top = if self.explain {
+            ranked
+                .iter()
+                .take(EXPLAIN_TOP)
+                .map(|c| Explained {
+                    index: c.index,
+                    score: -c.cost,
+                    terms: c.terms,
+                    prefix_blocks: c.prefix_blocks,
+                    load: c.load,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut it = ranked.iter().take(k).map(|c| c.index);
         let Some(primary) = it.next() else {
             return PickOutcome::NoEndpoints;
         };
@@ -615,6 +672,7 @@ impl Picker {
             policy,
             reason,
             class,
+            top,
         })
     }
 }
@@ -660,6 +718,7 @@ fn candidate(
         cost: 0.0,
         cost2: 0.0,
         tie: 0,
+        terms: None,
     }
 }
 

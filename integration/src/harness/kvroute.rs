@@ -29,6 +29,61 @@ pub enum FleetMode {
     OriginalDst,
 }
 
+/// Envoy's config for the filter in front of `addrs` (`host:port`, endpoint `i` is
+/// `addrs[i]`): main listener on `port`, ingest listener on `ingest_port` (token
+/// [`TEST_TOKEN`]), `per_connection_buffer_limit_bytes` `buffer_limit`, and the route
+/// plugin config `{"mode": …, <route_config>}` (`route_config`: JSON object members without
+/// braces, may be empty). Cluster mode has clusters `c0`, `c1`, ... and `default` over all
+/// of them; the endpoint modes one cluster `pool`. Errors: a template placeholder left
+/// without a value.
+pub fn envoy_config(
+    mode: FleetMode,
+    addrs: &[String],
+    route_config: &str,
+    port: u16,
+    ingest_port: u16,
+    buffer_limit: usize,
+) -> anyhow::Result<String> {
+    let sep = if route_config.is_empty() { "" } else { "," };
+    let name = match mode {
+        FleetMode::Cluster => "cluster",
+        FleetMode::OverrideHost | FleetMode::OriginalDst => "endpoint",
+    };
+    let mut vars = vec![
+        ("LISTEN_PORT", port.to_string()),
+        ("INGEST_PORT", ingest_port.to_string()),
+        ("BUFFER_LIMIT", buffer_limit.to_string()),
+        (
+            "PLUGIN_CONFIG",
+            format!(r#"{{"mode":"{name}"{sep}{route_config}}}"#),
+        ),
+        ("INGEST_CONFIG", ingest_plugin_config()),
+        ("WASM", wasm_path().display().to_string()),
+    ];
+    let template = match mode {
+        FleetMode::Cluster => {
+            let mut clusters = templates::per_endpoint_clusters(addrs);
+            clusters.push_str(&templates::static_cluster("default", addrs));
+            vars.push(("CLUSTER_HEADER", "x-kvroute-cluster".into()));
+            vars.push(("DEFAULT_CLUSTER", "default".into()));
+            vars.push(("CLUSTERS", clusters));
+            templates::CLUSTER_MODE
+        }
+        FleetMode::OverrideHost | FleetMode::OriginalDst => {
+            let header = "x-gateway-destination-endpoint";
+            let clusters = if mode == FleetMode::OverrideHost {
+                templates::override_host_cluster(header, addrs)
+            } else {
+                templates::original_dst_cluster(header)
+            };
+            vars.push(("POOL_TYPE", format!("{mode:?}")));
+            vars.push(("CLUSTERS", clusters));
+            templates::ENDPOINT_MODE
+        }
+    };
+    render(template, &vars)
+}
+
 /// Backends + Envoy with the filter.
 #[derive(Debug)]
 pub struct Fleet {
@@ -93,62 +148,14 @@ impl Fleet {
         }
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
         let (port, ingest_port) = (free_port()?, free_port()?);
-        let mode = match opts.mode {
-            FleetMode::Cluster => "cluster",
-            _ => "endpoint",
-        };
-        let sep = if opts.route_config.is_empty() {
-            ""
-        } else {
-            ","
-        };
-        let route_cfg = format!(r#"{{"mode":"{mode}"{sep}{}}}"#, opts.route_config);
-        let yaml = match opts.mode {
-            FleetMode::Cluster => {
-                let mut clusters: String = addrs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, a)| {
-                        templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a))
-                    })
-                    .collect();
-                clusters.push_str(&templates::static_cluster("default", &addrs));
-                render(
-                    templates::CLUSTER_MODE,
-                    &[
-                        ("LISTEN_PORT", port.to_string()),
-                        ("INGEST_PORT", ingest_port.to_string()),
-                        ("BUFFER_LIMIT", opts.buffer_limit.to_string()),
-                        ("PLUGIN_CONFIG", route_cfg.clone()),
-                        ("INGEST_CONFIG", ingest_plugin_config()),
-                        ("WASM", wasm_path().display().to_string()),
-                        ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-                        ("DEFAULT_CLUSTER", "default".into()),
-                        ("CLUSTERS", clusters),
-                    ],
-                )?
-            }
-            FleetMode::OverrideHost | FleetMode::OriginalDst => {
-                let clusters = if opts.mode == FleetMode::OverrideHost {
-                    templates::override_host_cluster("x-gateway-destination-endpoint", &addrs)
-                } else {
-                    templates::original_dst_cluster("x-gateway-destination-endpoint")
-                };
-                render(
-                    templates::ENDPOINT_MODE,
-                    &[
-                        ("LISTEN_PORT", port.to_string()),
-                        ("INGEST_PORT", ingest_port.to_string()),
-                        ("BUFFER_LIMIT", opts.buffer_limit.to_string()),
-                        ("PLUGIN_CONFIG", route_cfg.clone()),
-                        ("INGEST_CONFIG", ingest_plugin_config()),
-                        ("WASM", wasm_path().display().to_string()),
-                        ("POOL_TYPE", format!("{:?}", opts.mode)),
-                        ("CLUSTERS", clusters),
-                    ],
-                )?
-            }
-        };
+        let yaml = envoy_config(
+            opts.mode,
+            &addrs,
+            &opts.route_config,
+            port,
+            ingest_port,
+            opts.buffer_limit,
+        )?;
         let envoy = Envoy::start(&yaml, opts.concurrency).await?;
         Ok(Self {
             backends,
@@ -182,20 +189,10 @@ impl Fleet {
             .map(|b| b.address())
             .unwrap_or_default();
         EndpointStats {
-            id: format!("pool/e{i}"),
             address: addr,
-            cluster: format!("c{i}"),
-            pool: "pool".into(),
-            models: vec!["m".into()],
-            lora_adapters: vec![],
             kv_usage: Some(kv_usage),
             kv_capacity_tokens: Some(1_000_000),
-            block_size: Some(16),
-            running: 0,
-            waiting: 0,
-            healthy: true,
-            scraped_at_ms,
-            process_start_ms: None,
+            ..EndpointStats::fixture(i, scraped_at_ms)
         }
     }
 
@@ -311,4 +308,88 @@ pub fn chat(text: &str) -> Vec<u8> {
     })
     .to_string()
     .into_bytes()
+}
+
+/// A `/metrics` server on 127.0.0.1 (OS-chosen port) answering a vLLM V1 exposition of one
+/// idle engine with 10,000 blocks of 16 tokens whose `vllm:kv_cache_usage_perc` is the
+/// current value of `kv` (0..1): a model server whose KV load a test moves. It serves until
+/// the test's runtime ends.
+pub async fn vllm_metrics_server(
+    kv: std::sync::Arc<std::sync::Mutex<f64>>,
+) -> anyhow::Result<std::net::SocketAddr> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = l.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let kv = kv.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    move |_req: ::http::Request<hyper::body::Incoming>| {
+                        let v = *kv.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        let body = format!(
+                            "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 0.0\n\
+                             vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 0.0\n\
+                             vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {v}\n\
+                             vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"10000\"}} 1.0\n"
+                        );
+                        async move {
+                            Ok::<_, std::convert::Infallible>(::http::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from(body)),
+                            ))
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// The backend (`x-backend` of a [`super::RecordingBackend`]) that served a chat request
+/// sent to Envoy's main listener on `port`. Errors: the request failed or was not 200.
+pub async fn routed_to(port: u16) -> anyhow::Result<String> {
+    let r = http::request(
+        "POST",
+        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        &chat("route me by KV"),
+    )
+    .await?;
+    anyhow::ensure!(r.status == 200, "HTTP {}: {}", r.status, r.text());
+    Ok(r.header("x-backend").unwrap_or("").to_owned())
+}
+
+/// Wait (deadline 20 s) until 5 requests in a row to `envoy`'s main listener `port` go to
+/// backend `want`: every Envoy worker has consumed a snapshot that makes `want` the choice.
+/// Errors: the deadline passed (with Envoy's log tail) or a request failed.
+pub async fn wait_routed(envoy: &Envoy, port: u16, want: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut in_a_row = 0;
+    while in_a_row < 5 {
+        let got = routed_to(port).await?;
+        if got == want {
+            in_a_row += 1;
+            continue;
+        }
+        in_a_row = 0;
+        if Instant::now() > deadline {
+            let log = envoy.log();
+            let lines: Vec<&str> = log.lines().collect();
+            anyhow::bail!(
+                "still routed to {got}, want {want}\n{}",
+                lines
+                    .get(lines.len().saturating_sub(30)..)
+                    .unwrap_or(&[])
+                    .join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }

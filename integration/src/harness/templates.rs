@@ -39,6 +39,16 @@ pub fn static_cluster(name: &str, addrs: &[String]) -> String {
     )
 }
 
+/// Cluster mode's clusters: `c0`, `c1`, ... one per address of `addrs`, in order (the
+/// clusters kvroute-cp's endpoints name), each a [`static_cluster`].
+pub fn per_endpoint_clusters(addrs: &[String]) -> String {
+    addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| static_cluster(&format!("c{i}"), std::slice::from_ref(a)))
+        .collect()
+}
+
 /// A STATIC cluster `pool` whose load-balancing policy is
 /// `envoy.load_balancing_policies.override_host` reading `header` (an ordered host list),
 /// falling back to round robin when the header is absent or names no known host.

@@ -11,8 +11,8 @@
 )]
 
 use kvroute_cp::{Config, ControlPlane};
-use kvroute_integration::harness::kvroute::{ingest_plugin_config, TEST_TOKEN};
-use kvroute_integration::harness::{free_port, http, render, templates, wasm_path, Envoy};
+use kvroute_integration::harness::kvroute::{envoy_config, FleetMode, TEST_TOKEN};
+use kvroute_integration::harness::{free_port, http, Envoy};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
 use std::net::SocketAddr;
@@ -115,46 +115,19 @@ impl Stack {
         }
         let strs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
         let (port, ingest_port) = (free_port().unwrap(), free_port().unwrap());
-        let sep = if opts.plugin.is_empty() { "" } else { "," };
-        let common = |mode: &str| {
-            vec![
-                ("LISTEN_PORT", port.to_string()),
-                ("INGEST_PORT", ingest_port.to_string()),
-                ("BUFFER_LIMIT", (4 * 1024 * 1024).to_string()),
-                (
-                    "PLUGIN_CONFIG",
-                    format!(r#"{{"mode":"{mode}"{sep}{}}}"#, opts.plugin),
-                ),
-                ("INGEST_CONFIG", ingest_plugin_config()),
-                ("WASM", wasm_path().display().to_string()),
-            ]
+        let mode = match opts.mode {
+            Mode::Endpoint => FleetMode::OverrideHost,
+            Mode::Cluster => FleetMode::Cluster,
         };
-        let yaml = match opts.mode {
-            Mode::Endpoint => {
-                let mut v = common("endpoint");
-                v.push(("POOL_TYPE", "OverrideHost".into()));
-                v.push((
-                    "CLUSTERS",
-                    templates::override_host_cluster("x-gateway-destination-endpoint", &strs),
-                ));
-                render(templates::ENDPOINT_MODE, &v).unwrap()
-            }
-            Mode::Cluster => {
-                let mut clusters: String = strs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, a)| {
-                        templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a))
-                    })
-                    .collect();
-                clusters.push_str(&templates::static_cluster("default", &strs));
-                let mut v = common("cluster");
-                v.push(("CLUSTER_HEADER", "x-kvroute-cluster".into()));
-                v.push(("DEFAULT_CLUSTER", "default".into()));
-                v.push(("CLUSTERS", clusters));
-                render(templates::CLUSTER_MODE, &v).unwrap()
-            }
-        };
+        let yaml = envoy_config(
+            mode,
+            &strs,
+            &opts.plugin,
+            port,
+            ingest_port,
+            4 * 1024 * 1024,
+        )
+        .unwrap();
         let envoy = Envoy::start(&yaml, opts.concurrency).await.unwrap();
         let token_file = std::env::temp_dir().join(format!(
             "kvroute-rel-{}-{ingest_port}.token",

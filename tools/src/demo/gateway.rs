@@ -236,13 +236,7 @@ impl Gateway {
             Routing::Kvroute(policy) => {
                 let ingest_port = any_port(opts.ports.ingest)?;
                 let token = token();
-                let mut clusters: String = addrs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, a)| {
-                        templates::static_cluster(&format!("c{i}"), std::slice::from_ref(a))
-                    })
-                    .collect();
+                let mut clusters = templates::per_endpoint_clusters(&addrs);
                 clusters.push_str(&all);
                 let route_cfg = serde_json::json!({
                     "mode": "cluster",

@@ -34,6 +34,7 @@ pub mod workload;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+pub use kvroute_sim::trace::TraceError;
 use serde::{Deserialize, Serialize};
 
 pub use client::run;
@@ -45,24 +46,10 @@ pub use workload::load_workload;
 /// [`RequestRecord::error`] and never abort a run.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// A trace or prompt file is malformed.
-    #[error("{path}:{line}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// 1-based line (JSONL / CSV row; 0 when the whole file is one JSON document).
-        line: usize,
-        /// What is wrong.
-        message: String,
-    },
+    /// A trace, prompt or report file could not be read or written
+    /// ([`TraceError::Io`]), or is malformed ([`TraceError::Parse`]).
+    #[error(transparent)]
+    File(#[from] TraceError),
     /// An option is out of range (names the option and the value).
     #[error("invalid option {option}={value}: {reason}")]
     Option {
@@ -81,24 +68,6 @@ pub enum ReplayError {
         /// The cause.
         message: String,
     },
-}
-
-impl From<kvroute_sim::trace::TraceError> for ReplayError {
-    fn from(e: kvroute_sim::trace::TraceError) -> Self {
-        use kvroute_sim::trace::TraceError;
-        match e {
-            TraceError::Io { path, source } => ReplayError::Io { path, source },
-            TraceError::Parse {
-                path,
-                line,
-                message,
-            } => ReplayError::Parse {
-                path,
-                line,
-                message,
-            },
-        }
-    }
 }
 
 /// A trace file and its format (see `../shared/data/README.md`).

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use kvroute_core::percentile::percentile;
 use serde::{Deserialize, Serialize};
 
-use super::{ReplayError, ReportFiles, RunReport, Summary};
+use super::{ReplayError, ReportFiles, RunReport, Summary, TraceError};
 
 /// Name of the JSON report inside the output directory.
 pub const REPORT_JSON: &str = "report.json";
@@ -182,17 +182,17 @@ pub struct ReportJson {
 }
 
 /// Read a report written by [`write_report`].
-/// Errors: unreadable file ([`ReplayError::Io`]) or not a report ([`ReplayError::Parse`]).
+/// Errors: unreadable file or not a report ([`ReplayError::File`]).
 pub fn read_report(path: &Path) -> Result<ReportJson, ReplayError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ReplayError::Io {
+    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
         path: path.to_owned(),
         source,
     })?;
-    serde_json::from_str(&text).map_err(|e| ReplayError::Parse {
+    Ok(serde_json::from_str(&text).map_err(|e| TraceError::Parse {
         path: path.to_owned(),
         line: e.line(),
         message: e.to_string(),
-    })
+    })?)
 }
 
 /// `label` as a file-name part: ASCII letters, digits, `-` and `_` kept, the rest `_`.
@@ -217,12 +217,12 @@ pub fn file_stem(label: &str) -> String {
 /// Write [`REPORT_JSON`] and the SVG plots of `runs` into `dir` (created if missing):
 /// `ttft_cdf.svg` (all runs) and `kv_<label>.svg` per run ([`super::plot`]).
 ///
-/// Errors: the directory or a file cannot be written ([`ReplayError::Io`]), a plot cannot
+/// Errors: the directory or a file cannot be written ([`ReplayError::File`]), a plot cannot
 /// be drawn ([`ReplayError::Render`]).
 pub fn write_report(dir: &Path, runs: &[RunReport]) -> Result<ReportFiles, ReplayError> {
     let io = |path: &Path| {
         let path = path.to_owned();
-        move |source| ReplayError::Io { path, source }
+        move |source| ReplayError::from(TraceError::Io { path, source })
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let report = ReportJson {

@@ -219,8 +219,7 @@ fn body(
 /// Load `opts.source` and build the requests of the configured slice, in send order
 /// (see the module doc for text synthesis, slicing and scaling).
 ///
-/// Errors: unreadable file ([`ReplayError::Io`]), malformed row ([`ReplayError::Parse`],
-/// with its line), non-positive or non-finite scale/rate/slice options or an empty model
+/// Errors: unreadable file or malformed row, with its line ([`ReplayError::File`]), non-positive or non-finite scale/rate/slice options or an empty model
 /// ([`ReplayError::Option`]). An empty slice is not an error (no requests).
 pub fn load_workload(opts: &WorkloadOptions) -> Result<Vec<ReplayRequest>, ReplayError> {
     validate(opts)?;
