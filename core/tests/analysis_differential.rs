@@ -22,6 +22,8 @@ mod oracle;
 use kvroute_core::analysis::{analyze_bounded, AnalysisError, ApiKind};
 use kvroute_core::estimate::Estimator;
 use proptest::prelude::*;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const APIS: [ApiKind; 5] = [
     ApiKind::ChatCompletions,
@@ -388,6 +390,10 @@ proptest! {
 }
 
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn shared_request_bodies_agree() {
     let files = common::list("requests");
     assert!(files.len() >= 30, "{files:?}");
@@ -406,6 +412,10 @@ fn shared_request_bodies_agree() {
 }
 
 #[test]
+#[cfg_attr(
+    all(target_arch = "wasm32", target_os = "unknown"),
+    ignore = "reads ../shared/data: no file system on wasm32-unknown-unknown"
+)]
 fn shared_prompts_as_chat_agree() {
     let prompts = common::all_prompts();
     assert!(prompts.len() > 1000, "{}", prompts.len());
