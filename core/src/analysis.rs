@@ -4,18 +4,21 @@
 //! endpoint: the model, `stream`, `n`, the explicit output-token limit, an estimate of the
 //! prompt tokens, the text hashed for prefix affinity, vLLM's `cache_salt` and `priority`.
 //!
-//! ## Parsing without a JSON tree
-//! The body is parsed once with typed serde structs whose fields are borrowed
-//! [`serde_json::value::RawValue`] slices of the input. Unknown fields (OpenAI bodies carry
-//! dozens: `temperature`, `response_format`, `logit_bias`...) are skipped by serde without
-//! being materialised. Each field the router needs is then decoded on its own, so an error
-//! names the exact JSON path (`messages[2].content`) and no `serde_json::Value` tree is ever
-//! built. Prompt strings are never copied whole: their escapes are decoded piece by piece
-//! while the unescaped stretches between them are borrowed from the body, and each piece
-//! goes straight to the token tally ([`crate::estimate::Tally`]) and, while the prefix
-//! text is under its limit ([`analyze_bounded`]), to the prefix rendering. Small fields
-//! (`model`, roles, types) are borrowed where they contain no escapes (`Cow<str>`).
-//! serde_json's recursion limit (128) bounds nesting, so no input can overflow the stack.
+//! ## One pass, no JSON tree
+//! The body is scanned once by `json_scan::Scanner` (a crate-private JSON scanner that builds
+//! nothing; why it is hand-written, with measurements: `docs/core.md`). The API's prompt
+//! field (`messages`, `prompt`, `input`) is read in place as the scan meets it: each prompt
+//! string goes piece by piece (unescaped stretches borrowed from the body, escapes decoded)
+//! straight to the token tally ([`crate::estimate::Tally`]) and, while the prefix text is
+//! under its limit ([`analyze_bounded`]), to the prefix rendering. A message whose
+//! `content` comes before its `role` is still read once: its rendering waits aside until the
+//! role marker is written. Unknown fields (OpenAI bodies carry dozens: `temperature`,
+//! `response_format`, `logit_bias`...) are validated and skipped; the other top-level fields
+//! the router reads are kept as raw slices and decoded after the scan (small scalars with
+//! serde_json), in a fixed order, so an error names the exact JSON path
+//! (`messages[2].content`). Nesting is tracked on a heap stack, never by recursion, so no
+//! input can overflow the stack. The results equal those of the serde_json-based analyser
+//! this replaced on every input of `core/tests/analysis_differential.rs`.
 //!
 //! ## APIs
 //! | API | prompt fields | output limit |
