@@ -15,6 +15,6 @@ lint-core: ## clippy for kvroute-core, native (all targets) and wasm32-wasip1, w
 	$(CARGO) clippy -p kvroute-core --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
 
-bench-core: ## criterion: decision time (8..4096 endpoints) and request analysis (1 KiB..256 KiB)
+bench-core: ## criterion: decision time (8..4096 endpoints) and request analysis vs the serde analyser (1 KiB..1 MiB)
 	$(CARGO) bench -p kvroute-core --bench decision -- --warm-up-time 1 --measurement-time 3
 	$(CARGO) bench -p kvroute-core --bench analysis -- --warm-up-time 1 --measurement-time 3

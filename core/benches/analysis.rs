@@ -1,6 +1,8 @@
-//! Criterion benchmark: request analysis ([`analyze`]) of chat bodies of 1 KiB, 16 KiB and
-//! 256 KiB, built from real ShareGPT prompts (`../shared/data/prompts/`) as alternating
-//! user/assistant turns, plus prefix hashing of the rendered text.
+//! Criterion benchmark: request analysis ([`analyze`]) of chat bodies of 1 KiB, 16 KiB,
+//! 256 KiB and 1 MiB, built from real ShareGPT prompts (`../shared/data/prompts/`) as
+//! alternating user/assistant turns, side by side with the serde_json-based analyser it
+//! replaced (`analyze_serde`, `core/tests/oracle/`), plus its parts on their own: the token
+//! tally of the rendered text (`estimate_text`) and prefix hashing (`block_hashes`).
 //!
 //! Run: `make bench-core` (or `cargo bench -p kvroute-core --bench analysis`).
 #![allow(
@@ -22,6 +24,10 @@ fn main() {
         .configure_from_args()
         .final_summary();
 }
+
+#[cfg(not(target_family = "wasm"))]
+#[path = "../tests/oracle/mod.rs"]
+mod oracle;
 
 #[cfg(not(target_family = "wasm"))]
 mod native {
@@ -73,12 +79,23 @@ mod native {
             ("1KiB", 1024usize),
             ("16KiB", 16 * 1024),
             ("256KiB", 256 * 1024),
+            ("1MiB", 1024 * 1024),
         ] {
             let b = body(size, &prompts);
             g.throughput(Throughput::Bytes(b.len() as u64));
             g.bench_with_input(BenchmarkId::new("analyze", label), &b, |bench, b| {
                 bench.iter(|| {
                     black_box(analyze(
+                        ApiKind::ChatCompletions,
+                        black_box(b.as_bytes()),
+                        &est,
+                    ))
+                })
+            });
+            // The serde_json-based analyser this one replaced (the differential test's oracle).
+            g.bench_with_input(BenchmarkId::new("analyze_serde", label), &b, |bench, b| {
+                bench.iter(|| {
+                    black_box(super::oracle::oracle_analyze(
                         ApiKind::ChatCompletions,
                         black_box(b.as_bytes()),
                         &est,

@@ -4,18 +4,21 @@
 //! endpoint: the model, `stream`, `n`, the explicit output-token limit, an estimate of the
 //! prompt tokens, the text hashed for prefix affinity, vLLM's `cache_salt` and `priority`.
 //!
-//! ## Parsing without a JSON tree
-//! The body is parsed once with typed serde structs whose fields are borrowed
-//! [`serde_json::value::RawValue`] slices of the input. Unknown fields (OpenAI bodies carry
-//! dozens: `temperature`, `response_format`, `logit_bias`...) are skipped by serde without
-//! being materialised. Each field the router needs is then decoded on its own, so an error
-//! names the exact JSON path (`messages[2].content`) and no `serde_json::Value` tree is ever
-//! built. Prompt strings are never copied whole: their escapes are decoded piece by piece
-//! while the unescaped stretches between them are borrowed from the body, and each piece
-//! goes straight to the token tally ([`crate::estimate::Tally`]) and, while the prefix
-//! text is under its limit ([`analyze_bounded`]), to the prefix rendering. Small fields
-//! (`model`, roles, types) are borrowed where they contain no escapes (`Cow<str>`).
-//! serde_json's recursion limit (128) bounds nesting, so no input can overflow the stack.
+//! ## One pass, no JSON tree
+//! The body is scanned once by `json_scan::Scanner` (a crate-private JSON scanner that builds
+//! nothing; why it is hand-written, with measurements: `docs/core.md`). The API's prompt
+//! field (`messages`, `prompt`, `input`) is read in place as the scan meets it: each prompt
+//! string goes piece by piece (unescaped stretches borrowed from the body, escapes decoded)
+//! straight to the token tally ([`crate::estimate::Tally`]) and, while the prefix text is
+//! under its limit ([`analyze_bounded`]), to the prefix rendering. A message whose
+//! `content` comes before its `role` is still read once: its rendering waits aside until the
+//! role marker is written. Unknown fields (OpenAI bodies carry dozens: `temperature`,
+//! `response_format`, `logit_bias`...) are validated and skipped; the other top-level fields
+//! the router reads are kept as raw slices and decoded after the scan (small scalars with
+//! serde_json), in a fixed order, so an error names the exact JSON path
+//! (`messages[2].content`). Nesting is tracked on a heap stack, never by recursion, so no
+//! input can overflow the stack. The results equal those of the serde_json-based analyser
+//! this replaced on every input of `core/tests/analysis_differential.rs`.
 //!
 //! ## APIs
 //! | API | prompt fields | output limit |
@@ -45,10 +48,8 @@
 
 use std::borrow::Cow;
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
-
 use crate::estimate::{CharClassCosts, Estimator, Tally};
+use crate::json_scan::{decode_escape, decode_str, BadString, Scanner, Syn, SyntaxError};
 
 /// Which OpenAI-compatible API a request targets, derived from the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -158,112 +159,9 @@ pub const TOKENS_PER_MESSAGE: u64 = 3;
 /// Tokens priming the assistant reply (OpenAI cookbook, see the module doc).
 pub const TOKENS_REPLY_PRIMING: u64 = 3;
 
-type Raw<'a> = Option<&'a RawValue>;
-
-/// Top-level fields read from any body; everything else is skipped unparsed.
-#[derive(Deserialize)]
-struct Body<'a> {
-    #[serde(borrow, default)]
-    model: Raw<'a>,
-    #[serde(borrow, default)]
-    messages: Raw<'a>,
-    #[serde(borrow, default)]
-    tools: Raw<'a>,
-    #[serde(borrow, default)]
-    prompt: Raw<'a>,
-    #[serde(borrow, default)]
-    input: Raw<'a>,
-    #[serde(borrow, default)]
-    instructions: Raw<'a>,
-    #[serde(borrow, default)]
-    stream: Raw<'a>,
-    #[serde(borrow, default)]
-    n: Raw<'a>,
-    #[serde(borrow, default)]
-    max_tokens: Raw<'a>,
-    #[serde(borrow, default)]
-    max_completion_tokens: Raw<'a>,
-    #[serde(borrow, default)]
-    max_output_tokens: Raw<'a>,
-    #[serde(borrow, default)]
-    cache_salt: Raw<'a>,
-    #[serde(borrow, default)]
-    priority: Raw<'a>,
-    // TGI native `/generate`.
-    #[serde(borrow, default)]
-    inputs: Raw<'a>,
-    #[serde(borrow, default)]
-    parameters: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Raw<'a>,
-    #[serde(borrow, default)]
-    content: Raw<'a>,
-    #[serde(borrow, default)]
-    tool_calls: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Raw<'a>,
-    #[serde(borrow, default)]
-    text: Raw<'a>,
-    #[serde(borrow, default)]
-    image_url: Raw<'a>,
-    #[serde(borrow, default)]
-    input_audio: Raw<'a>,
-    #[serde(borrow, default)]
-    video_url: Raw<'a>,
-    #[serde(borrow, default)]
-    refusal: Raw<'a>,
-    #[serde(borrow, default)]
-    file_data: Raw<'a>,
-    #[serde(borrow, default)]
-    file_id: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct ToolCall<'a> {
-    #[serde(borrow, default)]
-    function: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct Function<'a> {
-    #[serde(borrow, default)]
-    name: Raw<'a>,
-    #[serde(borrow, default)]
-    arguments: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct Item<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Raw<'a>,
-    #[serde(borrow, default)]
-    role: Raw<'a>,
-    #[serde(borrow, default)]
-    content: Raw<'a>,
-    #[serde(borrow, default)]
-    name: Raw<'a>,
-    #[serde(borrow, default)]
-    arguments: Raw<'a>,
-    #[serde(borrow, default)]
-    output: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct TgiParameters<'a> {
-    #[serde(borrow, default)]
-    max_new_tokens: Raw<'a>,
-}
-
-#[derive(Deserialize)]
-struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
+/// Semantic outcome of reading one field: the first error in the order the fields are
+/// checked (see [`analyze_bounded`]).
+type Sem = Result<(), AnalysisError>;
 
 /// Accumulates the rendered prefix text (up to `prefix_limit` bytes) and the token tally.
 struct Acc<'e> {
@@ -275,6 +173,8 @@ struct Acc<'e> {
     exact_tokens: u64,
     exact: bool,
     media: MediaCounts,
+    /// Prefix rendering set aside while a message's `content` is read before its `role`.
+    aside: String,
 }
 
 impl<'e> Acc<'e> {
@@ -288,12 +188,38 @@ impl<'e> Acc<'e> {
             exact_tokens: 0,
             exact: false,
             media: MediaCounts::default(),
+            aside: String::new(),
         }
+    }
+
+    /// Render into [`Self::aside`] instead of the prefix (for content read before its
+    /// role), bounded by the room the prefix has left; [`Self::end_aside`] switches back.
+    /// Returns the limit to restore.
+    fn begin_aside(&mut self) -> usize {
+        let limit = self.prefix_limit;
+        self.prefix_limit = limit.saturating_sub(self.prefix.len());
+        self.aside.clear();
+        std::mem::swap(&mut self.prefix, &mut self.aside);
+        limit
+    }
+
+    fn end_aside(&mut self, limit: usize) {
+        std::mem::swap(&mut self.prefix, &mut self.aside);
+        self.prefix_limit = limit;
+    }
+
+    /// Append what was rendered aside (after the role marker it waited for).
+    fn push_aside(&mut self) {
+        let aside = std::mem::take(&mut self.aside);
+        self.push_prefix(&aside);
+        self.aside = aside;
+        self.aside.clear();
     }
 
     /// Append to the prefix text while it is shorter than the limit; the last piece is
     /// kept up to the first character boundary at or past the limit, so the first
     /// `prefix_limit` bytes are exactly those of the unbounded rendering.
+    #[inline]
     fn push_prefix(&mut self, s: &str) {
         let room = self.prefix_limit.saturating_sub(self.prefix.len());
         if room == 0 {
@@ -317,25 +243,42 @@ impl<'e> Acc<'e> {
         self.tally.end_text();
     }
 
-    /// Append a JSON string (the raw token, quotes included) that is both hashed and
-    /// counted, decoding its escapes as it goes: unescaped stretches are borrowed from the
-    /// body, so no copy of the string is made.
-    fn json_text(
-        &mut self,
-        raw: &RawValue,
-        field: &dyn Fn() -> String,
-    ) -> Result<(), AnalysisError> {
-        let inner = raw
-            .get()
-            .strip_prefix('"')
-            .and_then(|r| r.strip_suffix('"'))
-            .ok_or_else(|| invalid(field(), "a string"))?;
-        let ok = for_each_piece(inner, |piece| {
-            self.push_prefix(piece);
-            self.tally.feed(piece.as_bytes());
-        });
+    /// At a JSON string: read it, hashing and counting its decoded text. The unescaped
+    /// stretches are borrowed from the body; the string is always consumed, and a lone
+    /// surrogate escape makes it a [`BadString`] (the rest is only checked for syntax).
+    fn string(&mut self, sc: &mut Scanner<'_>) -> Syn<Result<(), BadString>> {
+        sc.open_quote()?;
+        let mut ok = Ok(());
+        loop {
+            let n = sc.string_stretch();
+            if ok.is_ok() && n > 0 {
+                let piece = sc.ahead(n);
+                self.push_prefix(piece);
+                self.tally.feed(piece.as_bytes());
+            }
+            sc.advance(n);
+            let Some((esc, _)) = sc.escape()? else {
+                break;
+            };
+            if ok.is_err() {
+                continue;
+            }
+            match decode_escape(esc) {
+                Ok((ch, used)) => {
+                    if used > 5 {
+                        // A surrogate pair: its second escape is part of this character.
+                        sc.escape()?;
+                    }
+                    let mut buf = [0u8; 4];
+                    let s = ch.encode_utf8(&mut buf);
+                    self.push_prefix(s);
+                    self.tally.feed(s.as_bytes());
+                }
+                Err(BadString) => ok = Err(BadString),
+            }
+        }
         self.tally.end_text();
-        ok.map_err(|()| invalid(field(), "a string"))
+        Ok(ok)
     }
 
     /// Append a structural marker that is hashed but not counted (template overhead is
@@ -379,17 +322,30 @@ impl<'e> Acc<'e> {
         }
     }
 
-    fn token_ids(&mut self, ids: &[u32]) {
-        for (i, id) in ids.iter().enumerate() {
-            if self.prefix.len() >= self.prefix_limit {
-                break;
-            }
-            if i > 0 {
+    /// One id of a token-id prompt: counted exactly, rendered as decimal numbers separated
+    /// by single spaces (`first` starts a new array).
+    fn token_id(&mut self, first: bool, id: u32) {
+        if self.prefix.len() < self.prefix_limit {
+            if !first {
                 self.push_prefix(" ");
             }
-            self.push_prefix(&id.to_string());
+            let mut buf = [0u8; 10];
+            let mut at = buf.len();
+            let mut v = id;
+            loop {
+                at -= 1;
+                if let Some(d) = buf.get_mut(at) {
+                    *d = b'0' + (v % 10) as u8;
+                }
+                v /= 10;
+                if v == 0 || at == 0 {
+                    break;
+                }
+            }
+            let digits = buf.get(at..).unwrap_or(&[]);
+            self.push_prefix(std::str::from_utf8(digits).unwrap_or(""));
         }
-        self.exact_tokens = self.exact_tokens.saturating_add(ids.len() as u64);
+        self.exact_tokens = self.exact_tokens.saturating_add(1);
     }
 
     fn prompt_tokens(&self, model: Option<&str>) -> u64 {
@@ -410,74 +366,12 @@ impl<'e> Acc<'e> {
     }
 }
 
-/// Decode the inside of a JSON string (between its quotes) piece by piece: each unescaped
-/// stretch is passed as a borrowed `&str`, each escape as its decoded character. Errors on a
-/// malformed escape or a lone UTF-16 surrogate (as serde_json does when it decodes a string).
-fn for_each_piece(inner: &str, mut f: impl FnMut(&str)) -> Result<(), ()> {
-    let mut rest = inner;
-    while let Some(at) = rest.find('\\') {
-        if at > 0 {
-            f(rest.get(..at).ok_or(())?);
-        }
-        let esc = rest.get(at + 1..).ok_or(())?;
-        let (ch, used) = match esc.as_bytes().first().copied().ok_or(())? {
-            b'"' => ('"', 1),
-            b'\\' => ('\\', 1),
-            b'/' => ('/', 1),
-            b'b' => ('\u{8}', 1),
-            b'f' => ('\u{c}', 1),
-            b'n' => ('\n', 1),
-            b'r' => ('\r', 1),
-            b't' => ('\t', 1),
-            b'u' => {
-                let hi = hex4(esc.get(1..5).ok_or(())?)?;
-                match hi {
-                    0xD800..=0xDBFF => {
-                        let lo = esc
-                            .get(5..7)
-                            .filter(|p| *p == "\\u")
-                            .and_then(|_| esc.get(7..11))
-                            .ok_or(())
-                            .and_then(hex4)?;
-                        if !(0xDC00..=0xDFFF).contains(&lo) {
-                            return Err(());
-                        }
-                        let cp = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
-                        (char::from_u32(cp).ok_or(())?, 11)
-                    }
-                    0xDC00..=0xDFFF => return Err(()),
-                    _ => (char::from_u32(hi).ok_or(())?, 5),
-                }
-            }
-            _ => return Err(()),
-        };
-        let mut buf = [0u8; 4];
-        f(ch.encode_utf8(&mut buf));
-        rest = esc.get(used..).ok_or(())?;
-    }
-    if !rest.is_empty() {
-        f(rest);
-    }
-    Ok(())
-}
-
-fn hex4(s: &str) -> Result<u32, ()> {
-    if s.len() != 4 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(());
-    }
-    u32::from_str_radix(s, 16).map_err(|_| ())
-}
-
 fn push_hex(out: &mut String, v: u64) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     for shift in (0..16).rev() {
         let nibble = ((v >> (shift * 4)) & 0xf) as usize;
         out.push(char::from(HEX.get(nibble).copied().unwrap_or(b'0')));
     }
-}
-
-fn first_byte(raw: &RawValue) -> u8 {
-    raw.get().as_bytes().first().copied().unwrap_or(b' ')
 }
 
 fn invalid(field: impl Into<String>, expected: &'static str) -> AnalysisError {
@@ -493,51 +387,39 @@ fn missing(field: impl Into<String>) -> AnalysisError {
     }
 }
 
-fn de_str<'a>(
-    raw: &'a RawValue,
-    field: &dyn Fn() -> String,
-) -> Result<Cow<'a, str>, AnalysisError> {
-    if first_byte(raw) != b'"' {
+fn first_byte(token: &str) -> u8 {
+    token.as_bytes().first().copied().unwrap_or(b' ')
+}
+
+/// A string field (the raw token) decoded: borrowed unless it has escapes.
+fn de_str<'a>(token: &'a str, field: &dyn Fn() -> String) -> Result<Cow<'a, str>, AnalysisError> {
+    if first_byte(token) != b'"' {
         return Err(invalid(field(), "a string"));
     }
-    serde_json::from_str::<Str<'a>>(raw.get())
-        .map(|s| s.0)
-        .map_err(|_| invalid(field(), "a string"))
+    decode_str(token).map_err(|_| invalid(field(), "a string"))
 }
 
-fn de_array<'a>(
-    raw: &'a RawValue,
-    field: &dyn Fn() -> String,
-    expected: &'static str,
-) -> Result<Vec<&'a RawValue>, AnalysisError> {
-    if first_byte(raw) != b'[' {
-        return Err(invalid(field(), expected));
-    }
-    serde_json::from_str::<Vec<&'a RawValue>>(raw.get()).map_err(|_| invalid(field(), expected))
-}
-
-fn de_object<'a, T: Deserialize<'a>>(
-    raw: &'a RawValue,
-    field: &dyn Fn() -> String,
-    expected: &'static str,
-) -> Result<T, AnalysisError> {
-    if first_byte(raw) != b'{' {
-        return Err(invalid(field(), expected));
-    }
-    serde_json::from_str::<T>(raw.get()).map_err(|_| invalid(field(), expected))
-}
-
-fn de_u64(raw: Raw<'_>, field: &str) -> Result<Option<u64>, AnalysisError> {
-    match raw {
+fn de_u64(token: Option<&str>, field: &str) -> Result<Option<u64>, AnalysisError> {
+    match token {
         None => Ok(None),
-        Some(r) => serde_json::from_str::<u64>(r.get())
+        Some(t) => serde_json::from_str::<u64>(t)
             .map(Some)
             .map_err(|_| invalid(field, "a non-negative integer")),
     }
 }
 
-fn de_limit(raw: Raw<'_>, field: &str) -> Result<Option<u32>, AnalysisError> {
-    Ok(de_u64(raw, field)?.map(|v| u32::try_from(v).unwrap_or(u32::MAX)))
+fn de_limit(token: Option<&str>, field: &str) -> Result<Option<u32>, AnalysisError> {
+    Ok(de_u64(token, field)?.map(|v| u32::try_from(v).unwrap_or(u32::MAX)))
+}
+
+/// A token id as serde_json reads a `u32` (plain digits on the fast path).
+fn token_id(token: &str) -> Option<u32> {
+    let b = token.as_bytes();
+    if !b.is_empty() && b.len() <= 10 && b.iter().all(u8::is_ascii_digit) {
+        let v = b.iter().fold(0u64, |v, &d| v * 10 + u64::from(d - b'0'));
+        return u32::try_from(v).ok();
+    }
+    serde_json::from_str::<u32>(token).ok()
 }
 
 fn byte_position(body: &[u8], offset: usize) -> (usize, usize) {
@@ -545,6 +427,110 @@ fn byte_position(body: &[u8], offset: usize) -> (usize, usize) {
     let line = 1 + head.iter().filter(|&&b| b == b'\n').count();
     let column = 1 + head.iter().rev().take_while(|&&b| b != b'\n').count();
     (line, column)
+}
+
+fn syntax(body: &[u8], e: SyntaxError) -> AnalysisError {
+    let (line, column) = byte_position(body, e.pos);
+    AnalysisError::InvalidJson {
+        line,
+        column,
+        message: format!("{} at line {line} column {column}", e.message),
+    }
+}
+
+/// Run `f` on a value already validated by the top-level scan (a field kept as its raw
+/// token). It cannot meet a syntax error; one would be reported as the field's error.
+fn on_token<'a>(
+    token: &'a str,
+    field: &dyn Fn() -> String,
+    f: impl FnOnce(&mut Scanner<'a>) -> Syn<Sem>,
+) -> Sem {
+    let mut sc = Scanner::new(token);
+    f(&mut sc).unwrap_or_else(|_| Err(invalid(field(), "valid JSON")))
+}
+
+/// At an object (after its `{`): the raw tokens of the fields named in `names` (`None`
+/// when absent or `null`), other fields skipped. `Ok(Err(()))` when a name repeats or a
+/// key is not a valid string: serde's derived structs refuse both.
+fn fields<'a, const N: usize>(
+    sc: &mut Scanner<'a>,
+    names: [&str; N],
+) -> Syn<Result<[Option<&'a str>; N], ()>> {
+    let mut out = [None; N];
+    let mut seen = [false; N];
+    let mut bad = false;
+    if sc.empty(b'}') {
+        return Ok(Ok(out));
+    }
+    loop {
+        let k = sc.key()?;
+        match decode_str(k) {
+            Err(BadString) => {
+                bad = true;
+                sc.skip_value()?;
+            }
+            Ok(name) => match names.iter().position(|n| *n == name) {
+                Some(i) => {
+                    if let Some(s) = seen.get_mut(i) {
+                        bad |= *s;
+                        *s = true;
+                    }
+                    if !sc.null()? {
+                        let t = sc.skip_value()?;
+                        if let Some(o) = out.get_mut(i) {
+                            *o = Some(t);
+                        }
+                    }
+                }
+                None => {
+                    sc.skip_value()?;
+                }
+            },
+        }
+        if !sc.comma_or_close(b'}')? {
+            break;
+        }
+    }
+    Ok(if bad { Err(()) } else { Ok(out) })
+}
+
+/// The top-level fields read from any body; everything else is skipped unbuilt.
+const TOP: [&str; 15] = [
+    "model",
+    "messages",
+    "tools",
+    "prompt",
+    "input",
+    "instructions",
+    "stream",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "cache_salt",
+    "priority",
+    "inputs",     // TGI native `/generate`
+    "parameters", // TGI native `/generate`
+];
+
+/// The prompt field an API's body is read around, as the scan meets it.
+fn main_field(api: ApiKind) -> Option<&'static str> {
+    match api {
+        ApiKind::ChatCompletions => Some("messages"),
+        ApiKind::Completions => Some("prompt"),
+        ApiKind::Responses | ApiKind::Embeddings => Some("input"),
+        ApiKind::Other => None,
+    }
+}
+
+/// What reading the main prompt field found.
+enum Main {
+    /// Absent or `null`.
+    Absent,
+    /// Chat `messages` that is not an array (checked before `tools`).
+    Shape(AnalysisError),
+    /// Read; the first error of its elements, if any.
+    Read(Sem),
 }
 
 /// Analyse one request body of the given API.
@@ -570,6 +556,11 @@ pub fn analyze(
 /// [`crate::prefix::block_hashes`] with `max_blocks × block_chars ≤ prefix_bytes` gives the
 /// same hashes. The rest of the body is still read, validated and estimated, but nothing of
 /// it is copied: on a 1 MiB conversation only the first blocks are rendered.
+///
+/// Order of checks (the first failing one is reported): JSON syntax of the whole body
+/// (and no repeated top-level field), then `model`, `stream`, `n`, `cache_salt`,
+/// `priority`, then the API's fields in the order of the table in the module doc, the
+/// prompt's elements in array order.
 pub fn analyze_bounded(
     api: ApiKind,
     body: &[u8],
@@ -584,32 +575,14 @@ pub fn analyze_bounded(
             message: "body is not valid UTF-8".into(),
         }
     })?;
-    let start = text.trim_start_matches([' ', '\t', '\n', '\r']);
-    if !start.starts_with('{') {
-        // Deserialising a struct from a JSON array would read fields by position; refuse it.
-        let probe = serde_json::from_str::<serde::de::IgnoredAny>(text);
-        return Err(match probe {
-            Err(e) => AnalysisError::InvalidJson {
-                line: e.line(),
-                column: e.column(),
-                message: e.to_string(),
-            },
-            Ok(_) => AnalysisError::InvalidJson {
-                line: 1,
-                column: 1 + text.len() - start.len(),
-                message: "the body must be a JSON object".into(),
-            },
-        });
-    }
-    let b: Body<'_> = serde_json::from_str(text).map_err(|e| AnalysisError::InvalidJson {
-        line: e.line(),
-        column: e.column(),
-        message: e.to_string(),
-    })?;
+    let mut acc = Acc::new(estimator, prefix_limit);
+    let (f, main) = scan_top(api, text, &mut acc).map_err(|e| syntax(body, e))?;
+    let [model, _messages, tools_tok, prompt, input, instructions, stream, n, max_tokens, max_completion_tokens, max_output_tokens, cache_salt, priority, inputs, parameters] =
+        f;
 
-    let model = match b.model {
-        Some(raw) => {
-            let m = de_str(raw, &|| "model".into())?;
+    let model = match model {
+        Some(t) => {
+            let m = de_str(t, &|| "model".into())?;
             if m.is_empty() {
                 return Err(invalid("model", "a non-empty string"));
             }
@@ -618,52 +591,89 @@ pub fn analyze_bounded(
         None if api == ApiKind::Other => None,
         None => return Err(missing("model")),
     };
-    let stream = match b.stream {
+    let stream = match stream {
         None => false,
-        Some(r) => {
-            serde_json::from_str::<bool>(r.get()).map_err(|_| invalid("stream", "a boolean"))?
-        }
+        Some("true") => true,
+        Some("false") => false,
+        Some(_) => return Err(invalid("stream", "a boolean")),
     };
-    let n = match de_u64(b.n, "n")? {
+    let n = match de_u64(n, "n")? {
         None => 1,
         Some(0) => return Err(invalid("n", "an integer of at least 1")),
         Some(v) => u32::try_from(v).map_err(|_| invalid("n", "an integer of at most 2^32-1"))?,
     };
-    let cache_salt = match b.cache_salt {
+    let cache_salt = match cache_salt {
         None => None,
-        Some(r) => Some(de_str(r, &|| "cache_salt".into())?.into_owned()),
+        Some(t) => Some(de_str(t, &|| "cache_salt".into())?.into_owned()),
     };
-    let priority = match b.priority {
+    let priority = match priority {
         None => 0,
-        Some(r) => serde_json::from_str::<i32>(r.get())
-            .map_err(|_| invalid("priority", "a 32-bit integer"))?,
+        Some(t) => {
+            serde_json::from_str::<i32>(t).map_err(|_| invalid("priority", "a 32-bit integer"))?
+        }
     };
 
-    let mut acc = Acc::new(estimator, prefix_limit);
+    // The main field was rendered during the scan; what precedes it in the rendering
+    // (tool definitions, instructions) is rendered now, and the two are joined below.
+    let main_text = std::mem::take(&mut acc.prefix);
+    let main_result = |main: Main, field: &str| match main {
+        Main::Absent => Err(missing(field)),
+        Main::Shape(e) => Err(e),
+        Main::Read(r) => r,
+    };
     let max_output_tokens = match api {
         ApiKind::ChatCompletions => {
-            let mct = de_limit(b.max_completion_tokens, "max_completion_tokens")?;
-            let mt = de_limit(b.max_tokens, "max_tokens")?;
-            chat(&mut acc, b.tools, b.messages)?;
+            let mct = de_limit(max_completion_tokens, "max_completion_tokens")?;
+            let mt = de_limit(max_tokens, "max_tokens")?;
+            match main {
+                Main::Absent => return Err(missing("messages")),
+                Main::Shape(e) => return Err(e),
+                Main::Read(r) => {
+                    tools(&mut acc, tools_tok)?;
+                    r?;
+                }
+            }
+            acc.overhead_tokens = acc.overhead_tokens.saturating_add(TOKENS_REPLY_PRIMING);
             mct.or(mt)
         }
         ApiKind::Completions => {
-            let raw = b.prompt.ok_or_else(|| missing("prompt"))?;
-            prompt_like(&mut acc, raw, "prompt")?;
-            let mct = de_limit(b.max_completion_tokens, "max_completion_tokens")?;
-            mct.or(de_limit(b.max_tokens, "max_tokens")?)
+            main_result(main, "prompt")?;
+            let mct = de_limit(max_completion_tokens, "max_completion_tokens")?;
+            mct.or(de_limit(max_tokens, "max_tokens")?)
         }
         ApiKind::Responses => {
-            responses(&mut acc, b.instructions, b.tools, b.input)?;
-            de_limit(b.max_output_tokens, "max_output_tokens")?
+            tools(&mut acc, tools_tok)?;
+            if let Some(ins) = instructions {
+                if first_byte(ins) != b'"' {
+                    return Err(invalid("instructions", "a string"));
+                }
+                acc.role("system");
+                on_token(ins, &|| "instructions".into(), |sc| {
+                    Ok(acc
+                        .string(sc)?
+                        .map_err(|_| invalid("instructions", "a string")))
+                })?;
+                acc.marker("\n");
+            }
+            main_result(main, "input")?;
+            acc.overhead_tokens = acc.overhead_tokens.saturating_add(TOKENS_REPLY_PRIMING);
+            de_limit(max_output_tokens, "max_output_tokens")?
         }
         ApiKind::Embeddings => {
-            let raw = b.input.ok_or_else(|| missing("input"))?;
-            prompt_like(&mut acc, raw, "input")?;
+            main_result(main, "input")?;
             Some(0)
         }
-        ApiKind::Other => other(&mut acc, &b)?,
+        ApiKind::Other => other(
+            &mut acc,
+            inputs,
+            prompt,
+            parameters,
+            max_tokens,
+            max_completion_tokens,
+        )?,
     };
+    let _ = input;
+    acc.push_prefix(&main_text);
 
     Ok(RequestAnalysis {
         api,
@@ -680,237 +690,582 @@ pub fn analyze_bounded(
     })
 }
 
-fn tools(acc: &mut Acc<'_>, raw: Raw<'_>) -> Result<(), AnalysisError> {
-    if let Some(t) = raw {
+/// The one pass over the body: syntax of everything, the raw tokens of the top-level fields
+/// in [`TOP`], and the API's main prompt field read in place into `acc`.
+fn scan_top<'a>(
+    api: ApiKind,
+    text: &'a str,
+    acc: &mut Acc<'_>,
+) -> Syn<([Option<&'a str>; 15], Main)> {
+    let mut sc = Scanner::new(text);
+    if sc.peek() != Some(b'{') {
+        let start = sc.pos();
+        sc.skip_value()?;
+        sc.end()?;
+        return Err(SyntaxError {
+            pos: start,
+            message: "the body must be a JSON object".into(),
+        });
+    }
+    sc.advance(1);
+    let main_key = main_field(api);
+    let mut out = [None; 15];
+    let mut seen = [false; 15];
+    let mut main = Main::Absent;
+    if !sc.empty(b'}') {
+        loop {
+            let at = sc.pos();
+            let k = sc.key()?;
+            let name = decode_str(k).map_err(|_| SyntaxError {
+                pos: at,
+                message: "invalid unicode code point in a key".into(),
+            })?;
+            match TOP.iter().position(|n| *n == name) {
+                Some(i) => {
+                    if let Some(s) = seen.get_mut(i) {
+                        if *s {
+                            return sc.error(format!("duplicate field `{name}`"));
+                        }
+                        *s = true;
+                    }
+                    if sc.null()? {
+                    } else if main_key == Some(&*name) {
+                        main = match api {
+                            ApiKind::ChatCompletions => messages(acc, &mut sc)?,
+                            ApiKind::Responses => Main::Read(responses_input(acc, &mut sc)?),
+                            _ => Main::Read(prompt_like(acc, &mut sc, main_key.unwrap_or(""))?),
+                        };
+                    } else {
+                        let t = sc.skip_value()?;
+                        if let Some(o) = out.get_mut(i) {
+                            *o = Some(t);
+                        }
+                    }
+                }
+                None => {
+                    sc.skip_value()?;
+                }
+            }
+            if !sc.comma_or_close(b'}')? {
+                break;
+            }
+        }
+    }
+    sc.end()?;
+    Ok((out, main))
+}
+
+fn tools(acc: &mut Acc<'_>, token: Option<&str>) -> Sem {
+    if let Some(t) = token {
         if first_byte(t) != b'[' {
             return Err(invalid("tools", "an array of tool definitions"));
         }
         acc.role("tools");
-        acc.text(t.get());
+        acc.text(t);
         acc.marker("\n");
     }
     Ok(())
 }
 
-fn chat(acc: &mut Acc<'_>, tools_raw: Raw<'_>, messages: Raw<'_>) -> Result<(), AnalysisError> {
-    let messages = messages.ok_or_else(|| missing("messages"))?;
-    let list = de_array(messages, &|| "messages".into(), "an array of messages")?;
-    tools(acc, tools_raw)?;
-    for (i, raw) in list.into_iter().enumerate() {
-        let path = |suffix: &str| format!("messages[{i}]{suffix}");
-        let m: Message<'_> = de_object(raw, &|| path(""), "a message object")?;
-        let role_raw = m.role.ok_or_else(|| missing(path(".role")))?;
-        let role = de_str(role_raw, &|| path(".role"))?;
-        acc.role(&role);
-        if let Some(c) = m.content {
-            content(acc, c, &path(".content"))?;
+/// Chat `messages`, read in place.
+fn messages(acc: &mut Acc<'_>, sc: &mut Scanner<'_>) -> Syn<Main> {
+    if sc.peek() != Some(b'[') {
+        sc.skip_value()?;
+        return Ok(Main::Shape(invalid("messages", "an array of messages")));
+    }
+    sc.advance(1);
+    let mut res = Ok(());
+    if !sc.empty(b']') {
+        let mut i = 0usize;
+        loop {
+            if res.is_ok() {
+                res = message(acc, sc, i)?;
+            } else {
+                sc.skip_value()?;
+            }
+            i += 1;
+            if !sc.comma_or_close(b']')? {
+                break;
+            }
         }
-        if let Some(tc) = m.tool_calls {
-            tool_calls(acc, tc, &path(".tool_calls"))?;
+    }
+    Ok(Main::Read(res))
+}
+
+/// One chat message, read in place. `content` is rendered after the role marker; when it
+/// comes before `role` (serde_json's sorted keys do that) its rendering waits aside until
+/// the role is read. `tool_calls` is kept raw and read after the object.
+fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
+    let path = |suffix: &str| format!("messages[{i}]{suffix}");
+    if sc.peek() != Some(b'{') {
+        sc.skip_value()?;
+        return Ok(Err(invalid(path(""), "a message object")));
+    }
+    sc.advance(1);
+    let mut bad_object = false;
+    let (mut role_seen, mut content_seen, mut calls_seen) = (false, false, false);
+    let mut role_ok = false;
+    let mut role_err = None;
+    let mut content_read: Option<Sem> = None;
+    let mut aside = false;
+    let mut calls_tok = None;
+    if !sc.empty(b'}') {
+        loop {
+            let k = sc.key()?;
+            let Ok(name) = decode_str(k) else {
+                bad_object = true;
+                sc.skip_value()?;
+                if !sc.comma_or_close(b'}')? {
+                    break;
+                }
+                continue;
+            };
+            match &*name {
+                "role" => {
+                    bad_object |= role_seen;
+                    role_seen = true;
+                    if !sc.null()? {
+                        let t = sc.skip_value()?;
+                        match de_str(t, &|| path(".role")) {
+                            Ok(role) if !bad_object => {
+                                acc.role(&role);
+                                role_ok = true;
+                                if aside {
+                                    acc.push_aside();
+                                    aside = false;
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(e) => role_err = Some(e),
+                        }
+                    }
+                }
+                "content" => {
+                    bad_object |= content_seen;
+                    content_seen = true;
+                    if !sc.null()? {
+                        if bad_object {
+                            sc.skip_value()?;
+                        } else if role_ok {
+                            content_read = Some(content(acc, sc, &|| path(".content"))?);
+                        } else {
+                            let limit = acc.begin_aside();
+                            let r = content(acc, sc, &|| path(".content"));
+                            acc.end_aside(limit);
+                            content_read = Some(r?);
+                            aside = true;
+                        }
+                    }
+                }
+                "tool_calls" => {
+                    bad_object |= calls_seen;
+                    calls_seen = true;
+                    if !sc.null()? {
+                        calls_tok = Some(sc.skip_value()?);
+                    }
+                }
+                _ => {
+                    sc.skip_value()?;
+                }
+            }
+            if !sc.comma_or_close(b'}')? {
+                break;
+            }
+        }
+    }
+    Ok((|| {
+        if bad_object {
+            return Err(invalid(path(""), "a message object"));
+        }
+        if let Some(e) = role_err {
+            return Err(e);
+        }
+        if !role_ok {
+            return Err(missing(path(".role")));
+        }
+        if let Some(r) = content_read {
+            r?;
+        }
+        if let Some(t) = calls_tok {
+            tool_calls(acc, t, &path(".tool_calls"))?;
         }
         acc.marker("\n");
-    }
-    acc.overhead_tokens = acc.overhead_tokens.saturating_add(TOKENS_REPLY_PRIMING);
-    Ok(())
+        Ok(())
+    })())
 }
 
 /// Message content: string, null, or an array of parts.
-fn content(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisError> {
-    match first_byte(raw) {
-        b'"' => {
-            acc.json_text(raw, &|| path.to_string())?;
-            Ok(())
+fn content(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> Syn<Sem> {
+    match sc.peek() {
+        Some(b'"') => Ok(acc.string(sc)?.map_err(|_| invalid(path(), "a string"))),
+        Some(b'n') if sc.null()? => Ok(Ok(())),
+        Some(b'[') => {
+            sc.advance(1);
+            let mut res = Ok(());
+            if !sc.empty(b']') {
+                let mut j = 0usize;
+                loop {
+                    if res.is_ok() {
+                        res = part(acc, sc, &|| format!("{}[{j}]", path()))?;
+                    } else {
+                        sc.skip_value()?;
+                    }
+                    j += 1;
+                    if !sc.comma_or_close(b']')? {
+                        break;
+                    }
+                }
+            }
+            Ok(res)
         }
-        b'n' if raw.get() == "null" => Ok(()),
-        b'[' => {
-            let parts = de_array(
-                raw,
-                &|| path.to_string(),
+        _ => {
+            sc.skip_value()?;
+            Ok(Err(invalid(
+                path(),
                 "a string or an array of content parts",
-            )?;
-            for (j, p) in parts.into_iter().enumerate() {
-                let pp = format!("{path}[{j}]");
-                part(acc, p, &pp)?;
-            }
-            Ok(())
+            )))
         }
-        _ => Err(invalid(path, "a string or an array of content parts")),
     }
 }
 
-fn part(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisError> {
-    let p: Part<'_> = de_object(raw, &|| path.to_string(), "a content part object")?;
-    let kind_raw = p.kind.ok_or_else(|| missing(format!("{path}.type")))?;
-    let kind = de_str(kind_raw, &|| format!("{path}.type"))?;
-    match kind.as_ref() {
-        "text" | "input_text" | "output_text" => {
-            let t = p.text.ok_or_else(|| missing(format!("{path}.text")))?;
-            acc.json_text(t, &|| format!("{path}.text"))?;
-        }
-        "refusal" => {
-            if let Some(t) = p.refusal {
-                acc.json_text(t, &|| format!("{path}.refusal"))?;
-            }
-        }
-        "image_url" | "input_image" => {
-            // Chat: {"image_url": {"url": ...}}; Responses: {"image_url": "..."} or file_id.
-            let data = p.image_url.or(p.file_id).map(|r| r.get()).unwrap_or("");
-            acc.media("image", data);
-        }
-        "input_audio" => {
-            let data = p.input_audio.map(|r| r.get()).unwrap_or("");
-            acc.media("audio", data);
-        }
-        "video_url" | "input_video" => {
-            let data = p.video_url.map(|r| r.get()).unwrap_or("");
-            acc.media("video", data);
-        }
-        "file" | "input_file" => {
-            // Documents are opaque to the router; hash their identity, count nothing.
-            let data = p.file_data.or(p.file_id).map(|r| r.get()).unwrap_or("");
-            acc.file(data);
-        }
-        // Unknown part types are hashed by their JSON but not counted.
-        _ => acc.marker(raw.get()),
-    }
-    Ok(())
+const PART: [&str; 8] = [
+    "type",
+    "text",
+    "image_url",
+    "input_audio",
+    "video_url",
+    "refusal",
+    "file_data",
+    "file_id",
+];
+
+fn is_text_part(kind: &str) -> bool {
+    matches!(kind, "text" | "input_text" | "output_text")
 }
 
-fn tool_calls(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisError> {
-    if raw.get() == "null" {
+/// One content part. The `text` of a text part is read in place when `type` came first.
+fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> Syn<Sem> {
+    if sc.peek() != Some(b'{') {
+        sc.skip_value()?;
+        return Ok(Err(invalid(path(), "a content part object")));
+    }
+    let start = sc.pos();
+    sc.advance(1);
+    let mut tok: [Option<&str>; 8] = [None; 8];
+    let mut seen = [false; 8];
+    let mut bad = false;
+    let mut text_read: Option<Sem> = None;
+    if !sc.empty(b'}') {
+        loop {
+            let k = sc.key()?;
+            let name = match decode_str(k) {
+                Ok(n) => Some(n),
+                Err(BadString) => {
+                    bad = true;
+                    None
+                }
+            };
+            match name.and_then(|n| PART.iter().position(|p| *p == n)) {
+                Some(i) => {
+                    if let Some(s) = seen.get_mut(i) {
+                        bad |= *s;
+                        *s = true;
+                    }
+                    let text_kind = tok[0].is_some_and(|t| {
+                        first_byte(t) == b'"' && decode_str(t).is_ok_and(|k| is_text_part(&k))
+                    });
+                    if sc.null()? {
+                    } else if i == 1 && text_kind && !bad && sc.peek() == Some(b'"') {
+                        text_read = Some(
+                            acc.string(sc)?
+                                .map_err(|_| invalid(format!("{}.text", path()), "a string")),
+                        );
+                    } else {
+                        let t = sc.skip_value()?;
+                        if let Some(o) = tok.get_mut(i) {
+                            *o = Some(t);
+                        }
+                    }
+                }
+                None => {
+                    sc.skip_value()?;
+                }
+            }
+            if !sc.comma_or_close(b'}')? {
+                break;
+            }
+        }
+    }
+    let raw = sc.since(start);
+    if bad {
+        return Ok(Err(invalid(path(), "a content part object")));
+    }
+    let [kind, text, image_url, input_audio, video_url, refusal, file_data, file_id] = tok;
+    Ok((|| {
+        let kind_tok = kind.ok_or_else(|| missing(format!("{}.type", path())))?;
+        let kind = de_str(kind_tok, &|| format!("{}.type", path()))?;
+        let text_of = |acc: &mut Acc<'_>, t: &str, field: &str| {
+            let f = || format!("{}.{field}", path());
+            on_token(t, &f, |sc| {
+                if sc.peek() != Some(b'"') {
+                    sc.skip_value()?;
+                    return Ok(Err(invalid(f(), "a string")));
+                }
+                Ok(acc.string(sc)?.map_err(|_| invalid(f(), "a string")))
+            })
+        };
+        match kind.as_ref() {
+            "text" | "input_text" | "output_text" => match (text_read, text) {
+                (Some(r), _) => r?,
+                (None, Some(t)) => text_of(acc, t, "text")?,
+                (None, None) => return Err(missing(format!("{}.text", path()))),
+            },
+            "refusal" => {
+                if let Some(t) = refusal {
+                    text_of(acc, t, "refusal")?;
+                }
+            }
+            "image_url" | "input_image" => {
+                // Chat: {"image_url": {"url": ...}}; Responses: {"image_url": "..."} or file_id.
+                acc.media("image", image_url.or(file_id).unwrap_or(""));
+            }
+            "input_audio" => acc.media("audio", input_audio.unwrap_or("")),
+            "video_url" | "input_video" => acc.media("video", video_url.unwrap_or("")),
+            "file" | "input_file" => {
+                // Documents are opaque to the router; hash their identity, count nothing.
+                acc.file(file_data.or(file_id).unwrap_or(""));
+            }
+            // Unknown part types are hashed by their JSON but not counted.
+            _ => acc.marker(raw),
+        }
+        Ok(())
+    })())
+}
+
+/// A string field read from its raw token, both hashed and counted.
+fn json_text(acc: &mut Acc<'_>, token: &str, field: &dyn Fn() -> String) -> Sem {
+    on_token(token, field, |sc| {
+        if sc.peek() != Some(b'"') {
+            sc.skip_value()?;
+            return Ok(Err(invalid(field(), "a string")));
+        }
+        Ok(acc.string(sc)?.map_err(|_| invalid(field(), "a string")))
+    })
+}
+
+/// An object's fields from its raw token, or `Err(())` when it is not an object serde's
+/// derived struct accepts (repeated field, bad key).
+fn object_fields<'a, const N: usize>(
+    token: &'a str,
+    names: [&str; N],
+) -> Result<[Option<&'a str>; N], ()> {
+    let mut sc = Scanner::new(token);
+    if sc.peek() != Some(b'{') {
+        return Err(());
+    }
+    sc.advance(1);
+    fields(&mut sc, names).unwrap_or(Err(()))
+}
+
+fn tool_calls(acc: &mut Acc<'_>, token: &str, path: &str) -> Sem {
+    let mut sc = Scanner::new(token);
+    if sc.peek() != Some(b'[') {
+        return Err(invalid(path, "an array of tool calls"));
+    }
+    sc.advance(1);
+    if sc.empty(b']') {
         return Ok(());
     }
-    let calls = de_array(raw, &|| path.to_string(), "an array of tool calls")?;
-    for (k, c) in calls.into_iter().enumerate() {
+    let mut k = 0usize;
+    loop {
+        let c = sc
+            .skip_value()
+            .map_err(|_| invalid(path, "an array of tool calls"))?;
         let cp = format!("{path}[{k}]");
-        let call: ToolCall<'_> = de_object(c, &|| cp.clone(), "a tool call object")?;
+        let [function] = object_fields(c, ["function"])
+            .map_err(|()| invalid(cp.clone(), "a tool call object"))?;
         let fp = format!("{cp}.function");
-        let f_raw = call.function.ok_or_else(|| missing(fp.clone()))?;
-        let f: Function<'_> = de_object(f_raw, &|| fp.clone(), "a function object")?;
-        function_call(acc, f.name, f.arguments, &fp)?;
+        let f = function.ok_or_else(|| missing(fp.clone()))?;
+        let [name, arguments] = object_fields(f, ["name", "arguments"])
+            .map_err(|()| invalid(fp.clone(), "a function object"))?;
+        function_call(acc, name, arguments, &fp)?;
+        k += 1;
+        match sc.comma_or_close(b']') {
+            Ok(true) => {}
+            _ => break,
+        }
     }
     Ok(())
 }
 
 fn function_call(
     acc: &mut Acc<'_>,
-    name: Raw<'_>,
-    arguments: Raw<'_>,
+    name: Option<&str>,
+    arguments: Option<&str>,
     path: &str,
-) -> Result<(), AnalysisError> {
+) -> Sem {
     acc.marker("<|tool_call|>");
     if let Some(n) = name {
-        acc.json_text(n, &|| format!("{path}.name"))?;
+        json_text(acc, n, &|| format!("{path}.name"))?;
     }
     if let Some(a) = arguments {
-        acc.json_text(a, &|| format!("{path}.arguments"))?;
+        json_text(acc, a, &|| format!("{path}.arguments"))?;
     }
     acc.marker("\n");
     Ok(())
 }
 
+/// At an array of token ids: count and render them; `Err(())` if one is not a `u32`.
+fn id_array(acc: &mut Acc<'_>, sc: &mut Scanner<'_>) -> Syn<Result<(), ()>> {
+    sc.advance(1);
+    if sc.empty(b']') {
+        return Ok(Ok(()));
+    }
+    let mut ok = Ok(());
+    let mut first = true;
+    loop {
+        let t = sc.skip_value()?;
+        if ok.is_ok() {
+            match token_id(t) {
+                Some(id) => acc.token_id(first, id),
+                None => ok = Err(()),
+            }
+        }
+        first = false;
+        if !sc.comma_or_close(b']')? {
+            break;
+        }
+    }
+    Ok(ok)
+}
+
 /// `prompt` (completions) or `input` (embeddings): a string, an array of strings, an array
 /// of token ids, or an array of token-id arrays.
-fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), AnalysisError> {
+fn prompt_like(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, field: &str) -> Syn<Sem> {
     const EXPECTED: &str =
         "a string, an array of strings, an array of token ids, or an array of token-id arrays";
-    match first_byte(raw) {
-        b'"' => {
-            acc.json_text(raw, &|| field.to_string())?;
-            Ok(())
-        }
-        b'[' => {
-            let items = de_array(raw, &|| field.to_string(), EXPECTED)?;
-            let Some(first) = items.first() else {
-                return Err(invalid(field, "a non-empty prompt"));
-            };
-            match first_byte(first) {
-                b'"' => {
-                    for (i, it) in items.iter().enumerate() {
-                        if i > 0 {
-                            acc.marker("\n");
+    match sc.peek() {
+        Some(b'"') => Ok(acc.string(sc)?.map_err(|_| invalid(field, "a string"))),
+        Some(b'[') => {
+            sc.advance(1);
+            if sc.empty(b']') {
+                return Ok(Err(invalid(field, "a non-empty prompt")));
+            }
+            let mode = sc.peek();
+            let mut res = Ok(());
+            let mut i = 0usize;
+            loop {
+                if res.is_err() {
+                    sc.skip_value()?;
+                } else {
+                    match mode {
+                        Some(b'"') => {
+                            if i > 0 {
+                                acc.marker("\n");
+                            }
+                            let item = if sc.peek() == Some(b'"') {
+                                acc.string(sc)?
+                            } else {
+                                sc.skip_value()?;
+                                Err(BadString)
+                            };
+                            res = item.map_err(|_| invalid(format!("{field}[{i}]"), "a string"));
                         }
-                        acc.json_text(it, &|| format!("{field}[{i}]"))?;
+                        Some(b'[') => {
+                            if i > 0 {
+                                acc.marker("\n");
+                            }
+                            let ids = if sc.peek() == Some(b'[') {
+                                id_array(acc, sc)?
+                            } else {
+                                sc.skip_value()?;
+                                Err(())
+                            };
+                            res = ids.map_err(|()| {
+                                invalid(format!("{field}[{i}]"), "an array of token ids")
+                            });
+                        }
+                        _ => {
+                            let t = sc.skip_value()?;
+                            match token_id(t) {
+                                Some(id) => acc.token_id(i == 0, id),
+                                None => {
+                                    res = Err(invalid(
+                                        field,
+                                        "an array of token ids (non-negative integers)",
+                                    ))
+                                }
+                            }
+                        }
                     }
                 }
-                b'[' => {
-                    for (i, it) in items.iter().enumerate() {
-                        if i > 0 {
-                            acc.marker("\n");
-                        }
-                        let ids = serde_json::from_str::<Vec<u32>>(it.get()).map_err(|_| {
-                            invalid(format!("{field}[{i}]"), "an array of token ids")
-                        })?;
-                        acc.token_ids(&ids);
-                    }
-                    acc.exact = true;
-                }
-                _ => {
-                    let ids = serde_json::from_str::<Vec<u32>>(raw.get()).map_err(|_| {
-                        invalid(field, "an array of token ids (non-negative integers)")
-                    })?;
-                    acc.token_ids(&ids);
-                    acc.exact = true;
+                i += 1;
+                if !sc.comma_or_close(b']')? {
+                    break;
                 }
             }
-            Ok(())
+            if res.is_ok() && mode != Some(b'"') {
+                acc.exact = true;
+            }
+            Ok(res)
         }
-        _ => Err(invalid(field, EXPECTED)),
+        _ => {
+            sc.skip_value()?;
+            Ok(Err(invalid(field, EXPECTED)))
+        }
     }
 }
 
-fn responses(
-    acc: &mut Acc<'_>,
-    instructions: Raw<'_>,
-    tools_raw: Raw<'_>,
-    input: Raw<'_>,
-) -> Result<(), AnalysisError> {
-    tools(acc, tools_raw)?;
-    if let Some(ins) = instructions {
-        if ins.get() != "null" {
-            if first_byte(ins) != b'"' {
-                return Err(invalid("instructions", "a string"));
-            }
-            acc.role("system");
-            acc.json_text(ins, &|| "instructions".into())?;
-            acc.marker("\n");
-        }
-    }
-    let input = input.ok_or_else(|| missing("input"))?;
-    match first_byte(input) {
-        b'"' => {
+/// Responses `input`, read in place: a string or an array of input items.
+fn responses_input(acc: &mut Acc<'_>, sc: &mut Scanner<'_>) -> Syn<Sem> {
+    match sc.peek() {
+        Some(b'"') => {
             acc.role("user");
-            acc.json_text(input, &|| "input".into())?;
+            let r = acc.string(sc)?.map_err(|_| invalid("input", "a string"));
             acc.marker("\n");
+            Ok(r)
         }
-        b'[' => {
-            let items = de_array(
-                input,
-                &|| "input".into(),
-                "a string or an array of input items",
-            )?;
-            for (i, raw) in items.into_iter().enumerate() {
-                let path = format!("input[{i}]");
-                response_item(acc, raw, &path)?;
+        Some(b'[') => {
+            sc.advance(1);
+            let mut res = Ok(());
+            if !sc.empty(b']') {
+                let mut i = 0usize;
+                loop {
+                    let t = sc.skip_value()?;
+                    if res.is_ok() {
+                        res = response_item(acc, t, &format!("input[{i}]"));
+                    }
+                    i += 1;
+                    if !sc.comma_or_close(b']')? {
+                        break;
+                    }
+                }
             }
+            Ok(res)
         }
-        _ => return Err(invalid("input", "a string or an array of input items")),
+        _ => {
+            sc.skip_value()?;
+            Ok(Err(invalid("input", "a string or an array of input items")))
+        }
     }
-    acc.overhead_tokens = acc.overhead_tokens.saturating_add(TOKENS_REPLY_PRIMING);
-    Ok(())
 }
 
-fn response_item(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), AnalysisError> {
-    let it: Item<'_> = de_object(raw, &|| path.to_string(), "an input item object")?;
-    let kind = match it.kind {
+fn response_item(acc: &mut Acc<'_>, raw: &str, path: &str) -> Sem {
+    let [kind, role, content_tok, name, arguments, output] = object_fields(
+        raw,
+        ["type", "role", "content", "name", "arguments", "output"],
+    )
+    .map_err(|()| invalid(path, "an input item object"))?;
+    let kind = match kind {
         Some(k) => Some(de_str(k, &|| format!("{path}.type"))?),
         None => None,
     };
-    if let Some(role) = it.role {
+    if let Some(role) = role {
         let role = de_str(role, &|| format!("{path}.role"))?;
         acc.role(&role);
-        if let Some(c) = it.content {
-            content(acc, c, &format!("{path}.content"))?;
+        if let Some(c) = content_tok {
+            let field = || format!("{path}.content");
+            on_token(c, &field, |sc| content(acc, sc, &field))?;
         }
         acc.marker("\n");
         return Ok(());
@@ -918,22 +1273,22 @@ fn response_item(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), An
     match kind.as_deref() {
         Some("function_call") => {
             acc.role("function_call");
-            function_call(acc, it.name, it.arguments, path)?;
+            function_call(acc, name, arguments, path)?;
         }
         Some("function_call_output") => {
             acc.role("function_call_output");
-            match it.output {
+            match output {
                 Some(o) if first_byte(o) == b'"' => {
-                    acc.json_text(o, &|| format!("{path}.output"))?;
+                    json_text(acc, o, &|| format!("{path}.output"))?;
                 }
-                Some(o) => acc.text(o.get()),
+                Some(o) => acc.text(o),
                 None => {}
             }
             acc.marker("\n");
         }
         Some(other) => {
             acc.role(other);
-            acc.text(raw.get());
+            acc.text(raw);
             acc.marker("\n");
         }
         None => return Err(missing(format!("{path}.type"))),
@@ -943,20 +1298,25 @@ fn response_item(acc: &mut Acc<'_>, raw: &RawValue, path: &str) -> Result<(), An
 
 /// Non-OpenAI bodies: TGI `{"inputs": "...", "parameters": {"max_new_tokens": N}}` is read;
 /// anything else contributes no prompt text.
-fn other(acc: &mut Acc<'_>, b: &Body<'_>) -> Result<Option<u32>, AnalysisError> {
-    if let Some(inputs) = b.inputs {
-        acc.json_text(inputs, &|| "inputs".into())?;
-    } else if let Some(p) = b.prompt {
-        prompt_like(acc, p, "prompt")?;
+fn other(
+    acc: &mut Acc<'_>,
+    inputs: Option<&str>,
+    prompt: Option<&str>,
+    parameters: Option<&str>,
+    max_tokens: Option<&str>,
+    max_completion_tokens: Option<&str>,
+) -> Result<Option<u32>, AnalysisError> {
+    if let Some(t) = inputs {
+        json_text(acc, t, &|| "inputs".into())?;
+    } else if let Some(p) = prompt {
+        on_token(p, &|| "prompt".into(), |sc| prompt_like(acc, sc, "prompt"))?;
     }
-    let mut limit = de_limit(b.max_completion_tokens, "max_completion_tokens")?
-        .or(de_limit(b.max_tokens, "max_tokens")?);
-    if let Some(params) = b.parameters {
-        if params.get() != "null" {
-            let p: TgiParameters<'_> =
-                de_object(params, &|| "parameters".into(), "a parameters object")?;
-            limit = limit.or(de_limit(p.max_new_tokens, "parameters.max_new_tokens")?);
-        }
+    let mut limit = de_limit(max_completion_tokens, "max_completion_tokens")?
+        .or(de_limit(max_tokens, "max_tokens")?);
+    if let Some(params) = parameters {
+        let [max_new_tokens] = object_fields(params, ["max_new_tokens"])
+            .map_err(|()| invalid("parameters", "a parameters object"))?;
+        limit = limit.or(de_limit(max_new_tokens, "parameters.max_new_tokens")?);
     }
     Ok(limit)
 }

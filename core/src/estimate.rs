@@ -151,23 +151,40 @@ impl Estimator {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Class {
+    /// No open run: after a control or multi-byte character, or at the start of a text.
     None,
     Word,
     Digit,
     Punct,
     Newline,
     Space,
+    // Byte kinds of [`BYTE_CLASS`] that never form runs.
+    Control,
+    /// Leading byte of a 2-, 3- or 4-byte UTF-8 character.
+    Lead2,
+    Lead3,
+    Lead4,
+    /// UTF-8 continuation byte.
+    Cont,
 }
 
-/// Class of each ASCII byte, as a table so the hot loop has no per-byte compare chain.
+/// Class of every byte value, as a table so the hot loop has no per-byte compare chain.
 // Evaluated at compile time: an out-of-range index would be a build error, not a panic.
 #[allow(clippy::indexing_slicing)]
-const ASCII_CLASS: [Class; 128] = {
-    let mut t = [Class::None; 128]; // control characters
+const BYTE_CLASS: [Class; 256] = {
+    let mut t = [Class::Control; 256];
     let mut b = 0;
-    while b < 128 {
+    while b < 256 {
         let c = b as u8;
-        t[b] = if c.is_ascii_alphabetic() {
+        t[b] = if c >= 0xF0 {
+            Class::Lead4
+        } else if c >= 0xE0 {
+            Class::Lead3
+        } else if c >= 0xC0 {
+            Class::Lead2
+        } else if c >= 0x80 {
+            Class::Cont
+        } else if c.is_ascii_alphabetic() {
             Class::Word
         } else if c.is_ascii_digit() {
             Class::Digit
@@ -178,51 +195,42 @@ const ASCII_CLASS: [Class; 128] = {
         } else if c.is_ascii_punctuation() {
             Class::Punct
         } else {
-            Class::None
+            Class::Control
         };
         b += 1;
     }
     t
 };
 
-#[inline]
-fn ascii_class(b: u8) -> Class {
-    ASCII_CLASS
-        .get(usize::from(b))
-        .copied()
-        .unwrap_or(Class::None)
-}
-
-/// Run lengths tallied one by one; longer runs are rare and kept in a short list.
+/// Run lengths counted one by one per class; longer runs are rare and kept in a short list.
 const RUN_BINS: usize = 64;
+/// Classes with a run histogram: the five run classes, controls, and `None` (a slot for the
+/// empty "run" closed at a class change after a multi-byte character, never read).
+const HIST_CLASSES: usize = 7;
 
 /// Streaming form of the heuristic: feed text in pieces (e.g. the segments of a JSON
 /// string between escapes), end a text with [`Tally::end_text`], read the estimate with
 /// [`Tally::tokens`].
 ///
-/// The scan does integer work only: it counts runs per class and length (words and digit
-/// runs in a histogram, since their cost depends on the length) and characters per class.
+/// The scan does integer work only, and per byte only a table lookup and a compare: at a
+/// class change the finished run is counted in its class's histogram of run lengths (one
+/// indexed increment, no branch on the class); multi-byte characters take a separate path.
 /// The per-class costs ([`CharClassCosts`], floating point) are applied once, in
-/// [`Tally::tokens`], so the per-byte loop has no floating point. Texts ended with
-/// `end_text` never join runs across their boundary, so the tally of several texts equals
-/// the sum of their separate estimates.
+/// [`Tally::tokens`]. Texts ended with `end_text` never join runs across their boundary, so
+/// the tally of several texts equals the sum of their separate estimates.
 #[derive(Debug, Clone)]
 pub struct Tally {
     class: Class,
     run: u32,
-    // Multi-byte character being decoded: code point so far, bytes still expected, width.
+    // Multi-byte character split across calls: code point so far, bytes still expected,
+    // width.
     cp: u32,
     pending: u32,
     width: u32,
-    words: [u32; RUN_BINS],
-    digits: [u32; RUN_BINS],
-    long_words: Vec<u32>,
-    long_digits: Vec<u32>,
-    punct_runs: u64,
-    punct_chars: u64,
-    newline_runs: u64,
-    space_runs: u64,
-    controls: u64,
+    /// Runs per class (index `Class as usize`) and length (< `RUN_BINS`).
+    hist: [[u32; RUN_BINS]; HIST_CLASSES],
+    /// Runs of `RUN_BINS` bytes or more: (class, length).
+    long: Vec<(Class, u32)>,
     cjk: u64,
     other_bytes: u64,
 }
@@ -236,6 +244,9 @@ impl std::fmt::Debug for Class {
             Class::Punct => "punct",
             Class::Newline => "newline",
             Class::Space => "space",
+            Class::Control => "control",
+            Class::Lead2 | Class::Lead3 | Class::Lead4 => "lead",
+            Class::Cont => "continuation",
         };
         f.write_str(s)
     }
@@ -249,25 +260,11 @@ impl Default for Tally {
             cp: 0,
             pending: 0,
             width: 0,
-            words: [0; RUN_BINS],
-            digits: [0; RUN_BINS],
-            long_words: Vec::new(),
-            long_digits: Vec::new(),
-            punct_runs: 0,
-            punct_chars: 0,
-            newline_runs: 0,
-            space_runs: 0,
-            controls: 0,
+            hist: [[0; RUN_BINS]; HIST_CLASSES],
+            long: Vec::new(),
             cjk: 0,
             other_bytes: 0,
         }
-    }
-}
-
-fn bump(bins: &mut [u32; RUN_BINS], long: &mut Vec<u32>, run: u32) {
-    match bins.get_mut(run as usize) {
-        Some(n) => *n = n.saturating_add(1),
-        None => long.push(run),
     }
 }
 
@@ -277,19 +274,23 @@ impl Tally {
         Self::default()
     }
 
-    /// Record the finished run.
-    #[inline]
-    fn close_run(&mut self) {
-        match self.class {
-            Class::Word => bump(&mut self.words, &mut self.long_words, self.run),
-            Class::Digit => bump(&mut self.digits, &mut self.long_digits, self.run),
-            Class::Punct => {
-                self.punct_runs += 1;
-                self.punct_chars += u64::from(self.run);
-            }
-            Class::Newline => self.newline_runs += 1,
-            Class::Space if self.run >= 2 => self.space_runs += 1,
-            _ => {}
+    /// Record the finished run of `class` and length `run`.
+    #[inline(always)]
+    fn close(&mut self, class: Class, run: u32) {
+        let bins = self.hist.get_mut(class as usize);
+        match bins.and_then(|b| b.get_mut(run as usize)) {
+            Some(n) => *n = n.wrapping_add(1),
+            None => self.long.push((class, run)),
+        }
+    }
+
+    /// A whole multi-byte character with code point `cp` and `width` bytes.
+    #[inline(always)]
+    fn wide_char(&mut self, cp: u32, width: u32) {
+        if is_cjk_cp(cp) {
+            self.cjk += 1;
+        } else {
+            self.other_bytes += u64::from(width);
         }
     }
 
@@ -297,54 +298,103 @@ impl Tally {
     /// sequence (a `&str`, or the encoding of decoded characters); a multi-byte character
     /// ends the current ASCII run.
     pub fn feed(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            if b < 0x80 {
-                let next = ascii_class(b);
-                if next == self.class && next != Class::None {
-                    self.run = self.run.saturating_add(1);
-                } else {
-                    self.close_run();
-                    if next == Class::None {
-                        self.controls += 1;
-                    }
-                    self.class = next;
-                    self.run = 1;
-                }
-                continue;
-            }
-            if b & 0xC0 == 0x80 {
-                // Continuation byte.
-                self.cp = (self.cp << 6) | u32::from(b & 0x3F);
-                self.pending = self.pending.saturating_sub(1);
-                if self.pending == 0 {
-                    if is_cjk_cp(self.cp) {
-                        self.cjk += 1;
-                    } else {
-                        self.other_bytes += u64::from(self.width);
-                    }
-                }
-                continue;
-            }
-            // Leading byte of a multi-byte character: ends the current ASCII run.
-            self.close_run();
-            self.class = Class::None;
-            self.run = 0;
-            (self.cp, self.pending, self.width) = if b >= 0xF0 {
-                (u32::from(b & 0x07), 3, 4)
-            } else if b >= 0xE0 {
-                (u32::from(b & 0x0F), 2, 3)
-            } else {
-                (u32::from(b & 0x1F), 1, 2)
+        let mut i = 0;
+        // The rest of a character split across calls (not expected for whole characters).
+        while self.pending > 0 {
+            let Some(&b) = bytes.get(i) else {
+                return;
             };
+            if b & 0xC0 != 0x80 {
+                self.pending = 0;
+                break;
+            }
+            self.cp = (self.cp << 6) | u32::from(b & 0x3F);
+            self.pending -= 1;
+            if self.pending == 0 {
+                self.wide_char(self.cp, self.width);
+            }
+            i += 1;
         }
+        let mut class = self.class;
+        let mut run = self.run;
+        while let Some(&b) = bytes.get(i) {
+            let c = BYTE_CLASS
+                .get(usize::from(b))
+                .copied()
+                .unwrap_or(Class::Control);
+            i += 1;
+            if c == class {
+                run = run.wrapping_add(1);
+                continue;
+            }
+            self.close(class, run);
+            if (c as u8) < (Class::Lead2 as u8) {
+                // An ASCII class (controls count as runs of their own class).
+                class = c;
+                run = 1;
+                continue;
+            }
+            class = Class::None;
+            run = 0;
+            let (width, lead) = match c {
+                Class::Lead2 => (2, u32::from(b & 0x1F)),
+                Class::Lead3 => (3, u32::from(b & 0x0F)),
+                Class::Lead4 => (4, u32::from(b & 0x07)),
+                _ => {
+                    // A stray continuation byte (not valid UTF-8): one byte of "other".
+                    self.other_bytes += 1;
+                    continue;
+                }
+            };
+            match bytes.get(i..i + width - 1) {
+                Some(tail) => {
+                    let cp = tail
+                        .iter()
+                        .fold(lead, |cp, &t| (cp << 6) | u32::from(t & 0x3F));
+                    self.wide_char(cp, width as u32);
+                    i += width - 1;
+                }
+                None => {
+                    // Split across calls: finish it at the start of the next one.
+                    (self.cp, self.width) = (lead, width as u32);
+                    self.pending = width as u32 - 1;
+                    while let Some(&t) = bytes.get(i) {
+                        self.cp = (self.cp << 6) | u32::from(t & 0x3F);
+                        self.pending -= 1;
+                        i += 1;
+                    }
+                }
+            }
+        }
+        self.class = class;
+        self.run = run;
     }
 
     /// End the current text: its last run is closed, and the next fed byte starts a new one.
     pub fn end_text(&mut self) {
-        self.close_run();
+        self.close(self.class, self.run);
         self.class = Class::None;
         self.run = 0;
         self.pending = 0;
+    }
+
+    /// Runs of `class` and their total length.
+    fn runs(&self, class: Class) -> (u64, u64) {
+        let mut runs = 0u64;
+        let mut chars = 0u64;
+        if let Some(bins) = self.hist.get(class as usize) {
+            for (len, &n) in (0u64..).zip(bins.iter()) {
+                runs += u64::from(n);
+                chars += len * u64::from(n);
+            }
+        }
+        for &(c, len) in &self.long {
+            if c == class {
+                runs += 1;
+                chars += u64::from(len);
+            }
+        }
+        (runs, chars)
     }
 
     /// Unrounded tokens of every text tallied so far, under costs `c` (call after
@@ -359,8 +409,12 @@ impl Tally {
             }
         };
         let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
+        let no_bins = [0u32; RUN_BINS];
+        let words = self.hist.get(Class::Word as usize).unwrap_or(&no_bins);
+        let digits = self.hist.get(Class::Digit as usize).unwrap_or(&no_bins);
         let mut total = 0.0;
-        for (len, (&w, &d)) in (0u32..).zip(self.words.iter().zip(self.digits.iter())) {
+        // Runs of length 0 are the empty run closed at a text's start: not counted.
+        for (len, (&w, &d)) in (0u32..).zip(words.iter().zip(digits.iter())).skip(1) {
             if w > 0 {
                 total += f64::from(w) * word(len);
             }
@@ -368,16 +422,34 @@ impl Tally {
                 total += f64::from(d) * digit(len);
             }
         }
-        total += self.long_words.iter().map(|&l| word(l)).sum::<f64>();
-        total += self.long_digits.iter().map(|&l| digit(l)).sum::<f64>();
-        let more = self.punct_chars.saturating_sub(self.punct_runs);
-        total += self.punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
-        total += self.newline_runs as f64 * c.newline_run;
-        total += self.space_runs as f64 * c.space_run;
-        total += self.controls as f64;
+        let long = |class: Class| self.long.iter().filter(move |(k, _)| *k == class);
+        total += long(Class::Word).map(|&(_, l)| word(l)).sum::<f64>();
+        total += long(Class::Digit).map(|&(_, l)| digit(l)).sum::<f64>();
+        let (punct_runs, punct_chars) = self.runs(Class::Punct);
+        let punct_runs = punct_runs - self.zero_runs(Class::Punct);
+        let more = punct_chars.saturating_sub(punct_runs);
+        total += punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
+        let newline_runs = self.runs(Class::Newline).0 - self.zero_runs(Class::Newline);
+        total += newline_runs as f64 * c.newline_run;
+        let (space_all, _) = self.runs(Class::Space);
+        let short = self.zero_runs(Class::Space) + self.bin(Class::Space, 1);
+        total += space_all.saturating_sub(short) as f64 * c.space_run;
+        let (_, controls) = self.runs(Class::Control);
+        total += controls as f64;
         total += self.cjk as f64 * c.cjk_char;
         total += self.other_bytes as f64 * c.other_byte;
         total
+    }
+
+    fn bin(&self, class: Class, len: usize) -> u64 {
+        self.hist
+            .get(class as usize)
+            .and_then(|b| b.get(len))
+            .map_or(0, |&n| u64::from(n))
+    }
+
+    fn zero_runs(&self, class: Class) -> u64 {
+        self.bin(class, 0)
     }
 }
 

@@ -255,19 +255,48 @@ impl InflightTable {
         F: Fn(&str) -> Option<u64>,
     {
         let mut out: BTreeMap<String, InFlight> = BTreeMap::new();
-        for r in self.entries.values().filter(|r| r.expires_at_ms > now_ms) {
-            let seen = scraped_at_ms(&r.endpoint).is_some_and(|t| r.reserved_at_ms < t);
-            if seen && r.prefill_tokens == 0 {
-                continue;
-            }
-            let e = out.entry(r.endpoint.clone()).or_default();
-            e.prefill_tokens = e.prefill_tokens.saturating_add(r.prefill_tokens);
-            if !seen {
-                e.requests = e.requests.saturating_add(1);
-                e.tokens = e.tokens.saturating_add(r.tokens);
-            }
+        for (endpoint, add) in self.unseen(now_ms, scraped_at_ms) {
+            out.entry(endpoint.to_owned()).or_default().add(&add);
         }
         out
+    }
+
+    /// [`Self::unseen_totals`] added into `out` by position instead of collected in a map
+    /// (the router's per-decision form: no allocation). `slot(endpoint)` gives the
+    /// endpoint's index in `out` and its scrape time; reservations of endpoints without a
+    /// slot (not in the snapshot: nothing to pick) are skipped.
+    pub fn add_unseen<F>(&self, now_ms: u64, slot: F, out: &mut [InFlight])
+    where
+        F: Fn(&str) -> Option<(usize, u64)>,
+    {
+        for r in self.entries.values().filter(|r| r.expires_at_ms > now_ms) {
+            let Some((i, scraped)) = slot(&r.endpoint) else {
+                continue;
+            };
+            if let (Some(add), Some(o)) = (unseen_load(r, Some(scraped)), out.get_mut(i)) {
+                o.add(&add);
+            }
+        }
+    }
+
+    /// Each unexpired reservation's load the snapshot has not seen: (endpoint, load).
+    fn unseen<'a, F>(
+        &'a self,
+        now_ms: u64,
+        scraped_at_ms: F,
+    ) -> impl Iterator<Item = (&'a str, InFlight)> + 'a
+    where
+        F: Fn(&str) -> Option<u64> + 'a,
+    {
+        self.entries
+            .values()
+            .filter(move |r| r.expires_at_ms > now_ms)
+            .filter_map(move |r| {
+                Some((
+                    r.endpoint.as_str(),
+                    unseen_load(r, scraped_at_ms(&r.endpoint))?,
+                ))
+            })
     }
 
     /// Encode for shared data: the compact binary layout of the module doc ([`WIRE_MAGIC`]).
@@ -415,6 +444,30 @@ impl<'a> Reader<'a> {
         let mut a = [0u8; 8];
         a.copy_from_slice(self.take(8)?);
         Ok(u64::from_le_bytes(a))
+    }
+}
+
+/// What reservation `r` adds to its endpoint's unseen load, given the endpoint's scrape
+/// time: its pending prefill always (the snapshot has no per-request prefill), its request
+/// and tokens only when reserved after the scrape; `None` when it adds nothing.
+fn unseen_load(r: &Reservation, scraped_at_ms: Option<u64>) -> Option<InFlight> {
+    let seen = scraped_at_ms.is_some_and(|t| r.reserved_at_ms < t);
+    if seen && r.prefill_tokens == 0 {
+        return None;
+    }
+    Some(InFlight {
+        requests: u32::from(!seen),
+        tokens: if seen { 0 } else { r.tokens },
+        prefill_tokens: r.prefill_tokens,
+    })
+}
+
+impl InFlight {
+    /// Add `o` field by field (saturating).
+    fn add(&mut self, o: &InFlight) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.tokens = self.tokens.saturating_add(o.tokens);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
     }
 }
 

@@ -22,6 +22,7 @@ pub mod affinity;
 pub mod analysis;
 pub mod estimate;
 pub mod inflight;
+mod json_scan;
 pub mod output_len;
 pub mod percentile;
 pub mod picker;

@@ -24,7 +24,8 @@
 //!    p50 350 / p90 597; see [`crate::profile`]), so known and unknown models share one rule
 //!    and one source.
 //! 4. **Pick.** Prefix blocks are matched in the per-router [`PrefixIndex`], in-flight load
-//!    is the table's [`InflightTable::unseen_totals`] (reservations the snapshot cannot
+//!    is the table's unseen load ([`InflightTable::add_unseen`], by snapshot position through a
+//!    map built once per snapshot version; reservations the snapshot cannot
 //!    show yet, plus all pending prefill), and the configured [`Picker`] policy chooses.
 //! 5. **No capacity.** If no endpoint fits and the demand exceeds the whole KV capacity of
 //!    every healthy endpoint serving the model, the request can never fit: a 429 "retry
@@ -306,7 +307,8 @@ pub struct Decision {
 #[derive(Debug, Default)]
 struct Fleet {
     key: Option<(u64, u64)>,
-    scraped_at: BTreeMap<String, u64>,
+    /// Endpoint id → (index in the snapshot, `scraped_at_ms`).
+    slots: BTreeMap<String, (usize, u64)>,
     process_start: BTreeMap<String, Option<u64>>,
     /// model → largest KV capacity among healthy endpoints serving it, tokens.
     max_capacity: BTreeMap<String, u64>,
@@ -610,14 +612,14 @@ impl Router {
             key,
             ..Fleet::default()
         };
-        for e in &snap.endpoints {
+        for (i, e) in snap.endpoints.iter().enumerate() {
             if let Some(Some(old)) = self.fleet.process_start.get(&e.id) {
                 if Some(*old) != e.process_start_ms {
                     self.index.forget(&e.id);
                 }
             }
             fleet.process_start.insert(e.id.clone(), e.process_start_ms);
-            fleet.scraped_at.insert(e.id.clone(), e.scraped_at_ms);
+            fleet.slots.insert(e.id.clone(), (i, e.scraped_at_ms));
             fleet
                 .models
                 .extend(e.models.iter().chain(&e.lora_adapters).cloned());
@@ -646,15 +648,11 @@ impl Router {
         self.refresh_fleet(snap);
         let (output_limit, demand) = self.demand(req);
         let demand = demand.tokens;
-        let scraped = &self.fleet.scraped_at;
-        let totals = table.unseen_totals(now_ms, |id| scraped.get(id).copied());
+        let slots = &self.fleet.slots;
         let mut inflight = std::mem::take(&mut self.scratch_inflight);
         inflight.clear();
-        inflight.extend(
-            snap.endpoints
-                .iter()
-                .map(|e| totals.get(&e.id).copied().unwrap_or_default()),
-        );
+        inflight.resize(snap.endpoints.len(), InFlight::default());
+        table.add_unseen(now_ms, |id| slots.get(id).copied(), &mut inflight);
         let matches = self.index.match_snapshot(&req.prefix_hashes, snap);
         let pick_req = PickRequest {
             model: req.model.as_deref(),

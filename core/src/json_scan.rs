@@ -1,0 +1,573 @@
+//! A byte scanner for JSON (RFC 8259), the primitives of the single-pass request analysis
+//! ([`crate::analysis`]).
+//!
+//! The analysis reads a handful of fields out of bodies that are mostly one large string
+//! array, so the scanner builds nothing: [`Scanner::skip_value`] validates and steps over a
+//! value, [`Scanner::key`] reads an object key (borrowed unless it has escapes), and the
+//! caller reads the strings it needs piece by piece through [`Scanner::string_stretch`] and
+//! [`Scanner::escape`]. Strings are searched for their end eight bytes at a time (SWAR on a
+//! `u64`, which wasm32 executes natively).
+//!
+//! What it accepts is exactly what `serde_json` 1.0 accepts when it skips a value
+//! (`Deserializer::ignore_value`): the same number grammar (one leading zero, digits after
+//! `.` and `e`), escapes checked for their letter and four hex digits (surrogates are checked
+//! only where a string is decoded, [`decode_escape`]), control characters rejected inside
+//! strings, and no limit on nesting: containers are tracked on a heap stack, never by
+//! recursion, so no input can overflow the call stack. `core/tests/analysis_differential.rs`
+//! holds the two to the same results.
+
+use std::borrow::Cow;
+
+/// A syntax error: byte offset of the offending byte and what was expected there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SyntaxError {
+    /// Byte offset into the scanned text.
+    pub pos: usize,
+    /// What went wrong (serde_json's wording where there is one).
+    pub message: Cow<'static, str>,
+}
+
+pub(crate) type Syn<T> = Result<T, SyntaxError>;
+
+/// Outcome of decoding a string's escapes where the string is syntactically valid but holds
+/// a lone UTF-16 surrogate (`"\ud800"`): serde_json refuses such a string as `str`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BadString;
+
+/// Cursor over a JSON text.
+pub(crate) struct Scanner<'a> {
+    text: &'a str,
+    pos: usize,
+    /// Open containers of [`Self::skip_value`] (`[` or `{`); reused across calls.
+    stack: Vec<u8>,
+}
+
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+
+/// Bytes of `w` (little-endian) that are `"`, `\` or below 0x20 get their high bit set.
+#[inline(always)]
+fn special_mask(w: u64) -> u64 {
+    let quote = w ^ (LO * u64::from(b'"'));
+    let slash = w ^ (LO * u64::from(b'\\'));
+    let zero_quote = quote.wrapping_sub(LO) & !quote;
+    let zero_slash = slash.wrapping_sub(LO) & !slash;
+    // Bytes below 0x20 (the subtraction borrows only out of bytes that are below it); bytes
+    // at or above 0x80 are masked out by `!w` (none of the three is non-ASCII).
+    let ctrl = w.wrapping_sub(LO * 0x20);
+    (zero_quote | zero_slash | ctrl) & !w & HI
+}
+
+/// Length of the stretch of `b` before its first `"`, `\` or control character (or
+/// `b.len()` when there is none).
+#[inline]
+pub(crate) fn plain_len(b: &[u8]) -> usize {
+    let mut i = 0;
+    while let Some(chunk) = b.get(i..i + 8) {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(chunk);
+        let m = special_mask(u64::from_le_bytes(w));
+        if m != 0 {
+            // A borrow can flag a byte after the first special one, never before it.
+            return i + (m.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while let Some(&c) = b.get(i) {
+        if c == b'"' || c == b'\\' || c < 0x20 {
+            return i;
+        }
+        i += 1;
+    }
+    i
+}
+
+fn err<T>(pos: usize, message: impl Into<Cow<'static, str>>) -> Syn<T> {
+    Err(SyntaxError {
+        pos,
+        message: message.into(),
+    })
+}
+
+fn hex_val(b: u8) -> Option<u32> {
+    match b {
+        b'0'..=b'9' => Some(u32::from(b - b'0')),
+        b'a'..=b'f' => Some(u32::from(b - b'a' + 10)),
+        b'A'..=b'F' => Some(u32::from(b - b'A' + 10)),
+        _ => None,
+    }
+}
+
+fn hex4(b: &[u8]) -> Option<u32> {
+    let q = b.get(..4)?;
+    q.iter()
+        .try_fold(0u32, |acc, &c| Some((acc << 4) | hex_val(c)?))
+}
+
+/// Decode the escape at the start of `esc` (the bytes after a backslash) as serde_json
+/// decodes a string: returns the character and the bytes used, or [`BadString`] for a lone
+/// or mismatched surrogate. `esc` must be a syntactically valid escape (the scanner checked
+/// it).
+pub(crate) fn decode_escape(esc: &[u8]) -> Result<(char, usize), BadString> {
+    let ch = match esc.first().copied().ok_or(BadString)? {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        b'u' => {
+            let hi = hex4(esc.get(1..).ok_or(BadString)?).ok_or(BadString)?;
+            return match hi {
+                0xD800..=0xDBFF => {
+                    let lo = match esc.get(5..7) {
+                        Some(b"\\u") => esc.get(7..).and_then(hex4).ok_or(BadString)?,
+                        _ => return Err(BadString),
+                    };
+                    if !(0xDC00..=0xDFFF).contains(&lo) {
+                        return Err(BadString);
+                    }
+                    let cp = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+                    Ok((char::from_u32(cp).ok_or(BadString)?, 11))
+                }
+                0xDC00..=0xDFFF => Err(BadString),
+                _ => Ok((char::from_u32(hi).ok_or(BadString)?, 5)),
+            };
+        }
+        _ => return Err(BadString),
+    };
+    Ok((ch, 1))
+}
+
+/// Decode the inside of a valid JSON string token (between its quotes) piece by piece:
+/// unescaped stretches are passed borrowed, each escape as its decoded character.
+pub(crate) fn for_each_piece(inner: &str, mut f: impl FnMut(&str)) -> Result<(), BadString> {
+    let mut rest = inner;
+    while let Some(at) = rest.find('\\') {
+        if at > 0 {
+            f(rest.get(..at).ok_or(BadString)?);
+        }
+        let esc = rest.get(at + 1..).ok_or(BadString)?;
+        let (ch, used) = decode_escape(esc.as_bytes())?;
+        let mut buf = [0u8; 4];
+        f(ch.encode_utf8(&mut buf));
+        rest = esc.get(used..).ok_or(BadString)?;
+    }
+    if !rest.is_empty() {
+        f(rest);
+    }
+    Ok(())
+}
+
+/// Decode a valid JSON string token (quotes included): borrowed when it has no escapes.
+pub(crate) fn decode_str(token: &str) -> Result<Cow<'_, str>, BadString> {
+    let inner = token
+        .strip_prefix('"')
+        .and_then(|r| r.strip_suffix('"'))
+        .ok_or(BadString)?;
+    if !inner.contains('\\') {
+        return Ok(Cow::Borrowed(inner));
+    }
+    let mut out = String::with_capacity(inner.len());
+    for_each_piece(inner, |p| out.push_str(p))?;
+    Ok(Cow::Owned(out))
+}
+
+impl<'a> Scanner<'a> {
+    /// A scanner at the start of `text`.
+    pub(crate) fn new(text: &'a str) -> Self {
+        Self {
+            text,
+            pos: 0,
+            stack: Vec::new(),
+        }
+    }
+
+    /// Current byte offset.
+    #[inline]
+    pub(crate) fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// The text from `start` to the current position.
+    #[inline]
+    pub(crate) fn since(&self, start: usize) -> &'a str {
+        self.text.get(start..self.pos).unwrap_or("")
+    }
+
+    /// The bytes from the current position on.
+    #[inline]
+    pub(crate) fn rest(&self) -> &'a [u8] {
+        self.text.as_bytes().get(self.pos..).unwrap_or(&[])
+    }
+
+    /// The text of `len` bytes from the current position (a `&str` when it ends on a
+    /// character boundary, which it does before an ASCII delimiter).
+    #[inline]
+    pub(crate) fn ahead(&self, len: usize) -> &'a str {
+        self.text.get(self.pos..self.pos + len).unwrap_or("")
+    }
+
+    /// Move forward `n` bytes.
+    #[inline]
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.pos += n;
+    }
+
+    /// Skip JSON whitespace and return the next byte, if any.
+    #[inline]
+    pub(crate) fn peek(&mut self) -> Option<u8> {
+        let b = self.text.as_bytes();
+        while let Some(&c) = b.get(self.pos) {
+            if !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
+                return Some(c);
+            }
+            self.pos += 1;
+        }
+        None
+    }
+
+    /// Error at the current position.
+    pub(crate) fn error<T>(&self, message: impl Into<Cow<'static, str>>) -> Syn<T> {
+        err(self.pos, message)
+    }
+
+    /// Consume `b` (after whitespace) or fail with `message`.
+    #[inline]
+    pub(crate) fn expect(&mut self, b: u8, message: &'static str) -> Syn<()> {
+        match self.peek() {
+            Some(c) if c == b => {
+                self.pos += 1;
+                Ok(())
+            }
+            Some(_) => self.error(message),
+            None => self.error(eof_message(b)),
+        }
+    }
+
+    /// After a member or element: consume `,` (true) or the closing `close` (false).
+    #[inline]
+    pub(crate) fn comma_or_close(&mut self, close: u8) -> Syn<bool> {
+        match self.peek() {
+            Some(b',') => {
+                self.pos += 1;
+                Ok(true)
+            }
+            Some(c) if c == close => {
+                self.pos += 1;
+                Ok(false)
+            }
+            Some(_) if close == b']' => self.error("expected `,` or `]`"),
+            Some(_) => self.error("expected `,` or `}`"),
+            None => self.error(eof_message(close)),
+        }
+    }
+
+    /// After an opening `[` or `{`: consume the closing byte if the container is empty.
+    #[inline]
+    pub(crate) fn empty(&mut self, close: u8) -> bool {
+        if self.peek() == Some(close) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// At a string's opening quote: consume it.
+    #[inline]
+    pub(crate) fn open_quote(&mut self) -> Syn<()> {
+        match self.peek() {
+            Some(b'"') => {
+                self.pos += 1;
+                Ok(())
+            }
+            Some(_) => self.error("key must be a string"),
+            None => self.error("EOF while parsing an object"),
+        }
+    }
+
+    /// Inside a string, after [`Self::open_quote`]: the length of the stretch before the
+    /// next `"`, `\` or control character.
+    #[inline]
+    pub(crate) fn string_stretch(&self) -> usize {
+        plain_len(self.rest())
+    }
+
+    /// Inside a string, at a byte that ended a stretch: `Ok(None)` at the closing quote
+    /// (consumed), `Ok(Some(bytes))` at an escape, whose text starts after the backslash
+    /// and has `bytes` bytes (consumed), or a syntax error (control character, bad escape,
+    /// end of input).
+    #[inline]
+    pub(crate) fn escape(&mut self) -> Syn<Option<(&'a [u8], usize)>> {
+        let b = self.rest();
+        match b.first() {
+            Some(b'"') => {
+                self.pos += 1;
+                Ok(None)
+            }
+            Some(b'\\') => {
+                let esc = b.get(1..).unwrap_or(&[]);
+                let used = match esc.first() {
+                    Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => 1,
+                    Some(b'u') => {
+                        for k in 1..5 {
+                            match esc.get(k) {
+                                Some(&h) if hex_val(h).is_some() => {}
+                                Some(_) => {
+                                    return err(self.pos + 1 + k, "invalid escape");
+                                }
+                                None => return err(self.pos + 1 + k, "EOF while parsing a string"),
+                            }
+                        }
+                        5
+                    }
+                    Some(_) => return err(self.pos + 1, "invalid escape"),
+                    None => return err(self.pos + 1, "EOF while parsing a string"),
+                };
+                self.pos += 1 + used;
+                Ok(Some((esc, used)))
+            }
+            Some(_) => {
+                self.error("control character (\\u0000-\\u001F) found while parsing a string")
+            }
+            None => self.error("EOF while parsing a string"),
+        }
+    }
+
+    /// Inside a string, after its opening quote: skip to after its closing quote.
+    pub(crate) fn skip_string_rest(&mut self) -> Syn<()> {
+        loop {
+            let n = self.string_stretch();
+            self.pos += n;
+            if self.escape()?.is_none() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// At a string: skip it and return its token (quotes included).
+    pub(crate) fn string_token(&mut self) -> Syn<&'a str> {
+        let start = self.pos;
+        self.open_quote()?;
+        self.skip_string_rest()?;
+        Ok(self.since(start))
+    }
+
+    /// At an object key (after `{` or `,`): read it and the `:` after it. The key is the
+    /// raw token (quotes included); decode it with [`decode_str`] when it has a backslash.
+    pub(crate) fn key(&mut self) -> Syn<&'a str> {
+        self.peek();
+        let k = self.string_token()?;
+        self.expect(b':', "expected `:`")?;
+        Ok(k)
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Syn<()> {
+        for &w in word {
+            match self.text.as_bytes().get(self.pos) {
+                Some(&c) if c == w => self.pos += 1,
+                Some(_) => return self.error("expected ident"),
+                None => return self.error("EOF while parsing a value"),
+            }
+        }
+        Ok(())
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while let Some(b'0'..=b'9') = self.text.as_bytes().get(self.pos) {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    fn number(&mut self) -> Syn<()> {
+        let b = self.text.as_bytes();
+        if b.get(self.pos) == Some(&b'-') {
+            self.pos += 1;
+        }
+        match b.get(self.pos) {
+            Some(b'0') => {
+                self.pos += 1;
+                if let Some(b'0'..=b'9') = b.get(self.pos) {
+                    return self.error("invalid number");
+                }
+            }
+            Some(b'1'..=b'9') => {
+                self.digits();
+            }
+            _ => return self.error("invalid number"),
+        }
+        if b.get(self.pos) == Some(&b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return self.error("invalid number");
+            }
+        }
+        if let Some(b'e' | b'E') = b.get(self.pos) {
+            self.pos += 1;
+            if let Some(b'+' | b'-') = b.get(self.pos) {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return self.error("invalid number");
+            }
+        }
+        Ok(())
+    }
+
+    /// At a value's `null`: consume it and return true; else leave the position unchanged.
+    pub(crate) fn null(&mut self) -> Syn<bool> {
+        if self.peek() == Some(b'n') {
+            self.literal(b"null")?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Validate and skip one value (after whitespace); returns its text.
+    pub(crate) fn skip_value(&mut self) -> Syn<&'a str> {
+        self.peek();
+        let start = self.pos;
+        let base = self.stack.len();
+        loop {
+            // A value.
+            match self.peek() {
+                Some(b'"') => {
+                    self.pos += 1;
+                    self.skip_string_rest()?;
+                }
+                Some(b'n') => self.literal(b"null")?,
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'-' | b'0'..=b'9') => self.number()?,
+                Some(open @ (b'[' | b'{')) => {
+                    self.pos += 1;
+                    let close = if open == b'[' { b']' } else { b'}' };
+                    if !self.empty(close) {
+                        self.stack.push(open);
+                        if open == b'{' {
+                            self.key()?;
+                        }
+                        continue;
+                    }
+                }
+                Some(_) => return self.error("expected value"),
+                None => return self.error("EOF while parsing a value"),
+            }
+            // After a value: close what ends here, up to the next value.
+            loop {
+                if self.stack.len() <= base {
+                    return Ok(self.since(start));
+                }
+                let open = self.stack.last().copied().unwrap_or(b'[');
+                let close = if open == b'[' { b']' } else { b'}' };
+                if self.comma_or_close(close)? {
+                    if open == b'{' {
+                        self.key()?;
+                    }
+                    break;
+                }
+                self.stack.pop();
+            }
+        }
+    }
+
+    /// After the top-level value: only whitespace may follow.
+    pub(crate) fn end(&mut self) -> Syn<()> {
+        match self.peek() {
+            None => Ok(()),
+            Some(_) => self.error("trailing characters"),
+        }
+    }
+}
+
+fn eof_message(b: u8) -> &'static str {
+    match b {
+        b']' => "EOF while parsing a list",
+        b'}' | b':' => "EOF while parsing an object",
+        _ => "EOF while parsing a value",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_len_finds_the_first_special_byte() {
+        for s in [
+            "",
+            "abc",
+            "abcdefgh\"",
+            "abcdefghijklmno\\x",
+            "é东京\u{1F600}abcdefgh\n",
+            "\"",
+            "a\u{1f}",
+            "0123456789abcdef0123456789",
+        ] {
+            let want = s
+                .bytes()
+                .position(|c| c == b'"' || c == b'\\' || c < 0x20)
+                .unwrap_or(s.len());
+            assert_eq!(plain_len(s.as_bytes()), want, "{s:?}");
+        }
+        // Every byte value at every position of a word.
+        for c in 0..=255u8 {
+            for at in 0..12 {
+                let mut b = vec![b'x'; 12];
+                b[at] = c;
+                let special = c == b'"' || c == b'\\' || c < 0x20;
+                assert_eq!(plain_len(&b), if special { at } else { 12 }, "{c} at {at}");
+            }
+        }
+    }
+
+    #[test]
+    fn skip_value_accepts_json_and_rejects_the_rest() {
+        for ok in [
+            "0",
+            "-0",
+            "1.5e-3",
+            "[]",
+            "{}",
+            "[1,[2,{}],{\"a\":[null,true,false]}]",
+            "\"a\\u00e9\\ud800\"",
+            " [ 1 , 2 ] ",
+        ] {
+            let mut s = Scanner::new(ok);
+            assert_eq!(
+                s.skip_value().map(|_| ()).and_then(|_| s.end()),
+                Ok(()),
+                "{ok}"
+            );
+        }
+        for bad in [
+            "",
+            "01",
+            "1.",
+            "1e",
+            "-",
+            "[1,]",
+            "{,}",
+            "{\"a\"}",
+            "{\"a\":1,}",
+            "[1 2]",
+            "\"a\\x\"",
+            "\"a\\u12\"",
+            "\"a\u{1}\"",
+            "nul",
+            "[",
+            "{\"a\":",
+            "\"abc",
+        ] {
+            let mut s = Scanner::new(bad);
+            assert!(s.skip_value().and_then(|_| s.end()).is_err(), "{bad}");
+        }
+        let deep = format!("{}{}", "[".repeat(200_000), "]".repeat(200_000));
+        assert_eq!(Scanner::new(&deep).skip_value().map(str::len), Ok(400_000));
+    }
+}
