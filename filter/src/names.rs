@@ -82,7 +82,7 @@ pub mod metric {
     pub const SNAPSHOTS_PUBLISHED: &str = "kvroute.snapshots.published";
     /// Snapshots dropped by the consumer because not newer than the current one (counter).
     pub const SNAPSHOTS_STALE: &str = "kvroute.snapshots.ignored_old";
-    /// Age of the snapshot used by the last decision, milliseconds (gauge).
+    /// Age of the snapshot in force, milliseconds (gauge, refreshed on each worker's tick).
     pub const SNAPSHOT_AGE_MS: &str = "kvroute.snapshot_age_ms";
     /// Decision time, microseconds (histogram).
     pub const DECISION_US: &str = "kvroute.decision_us";
@@ -96,6 +96,7 @@ pub mod metric {
     pub const RELEASED: &str = "kvroute.reservations.released";
     /// Reservations made (counter).
     pub const RESERVED: &str = "kvroute.reservations.reserved";
-    /// Shared in-flight reservations right now, all workers (gauge).
+    /// Live shared in-flight reservations, all workers (gauge, refreshed on each worker's
+    /// tick, not per request).
     pub const INFLIGHT: &str = "kvroute.inflight";
 }
