@@ -320,16 +320,18 @@ impl Stream {
             return Flow::Continue;
         }
         let cap = self.worker.borrow().config.usage_tail_bytes;
-        if size > 0 && !end_of_stream {
+        // Only a streamed response's first bytes mark the end of prefill while the request
+        // is still running; a JSON body's first bytes come after the whole generation, just
+        // before the release that clears the prefill anyway (two shared-data calls saved).
+        if size > 0 && !end_of_stream && matches!(self.resp, Resp::Sse(_)) {
             // First response bytes: the model server has produced its first token, so the
             // request's prefill is over (release at the end clears it otherwise).
             if let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) {
                 self.worker.borrow_mut().prefill_done(host, h);
                 h.prefill_tokens = 0;
                 // A streamed response's first event is its first token: time since the
-                // decision is this endpoint's TTFT, a prefill-throughput sample. (A JSON
-                // response's first bytes come after the whole generation: not a sample.)
-                if matches!(self.resp, Resp::Sse(_)) && self.decided_at_ms > 0 {
+                // decision is this endpoint's TTFT, a prefill-throughput sample.
+                if self.decided_at_ms > 0 {
                     let ttft_s = host.now_ms().saturating_sub(self.decided_at_ms) as f64 / 1e3;
                     self.worker.borrow_mut().observe_first_token(
                         &h.endpoint,
