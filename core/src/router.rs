@@ -35,7 +35,8 @@
 //!    Otherwise the outcome is [`Outcome::NoCapacity`] (the host queues or answers 429).
 //! 6. **Result.** The chosen endpoint's pending prefill is the request's prompt minus the
 //!    prefix tokens the index expects cached there ([`uncached_prompt_tokens`]); the chain
-//!    is recorded for the chosen endpoint in the prefix index.
+//!    is recorded for the chosen endpoint in the prefix index (and, with
+//!    [`Router::share_affinity`], kept for the host to share with other instances).
 //!
 //! **Calibration** ([`Router::observe_usage`]): the response's `usage.prompt_tokens`
 //! corrects the per-model estimate with an exponentially weighted moving average of
@@ -51,8 +52,8 @@ use crate::estimate::{Estimator, EstimatorConfig};
 use crate::inflight::InflightTable;
 use crate::output_len::OutputLengths;
 use crate::picker::{
-    uncached_prompt_tokens, ConfigError, InFlight, PickInput, PickOutcome, PickReason, PickRequest,
-    Picker, PickerConfig, PolicyKind,
+    uncached_prompt_tokens, ConfigError, Explained, InFlight, PickInput, PickOutcome, PickReason,
+    PickRequest, Picker, PickerConfig, PolicyKind,
 };
 use crate::prefill_rate::PrefillRates;
 use crate::prefix::{block_hashes, PrefixConfig, PrefixIndex, DEFAULT_INDEX_CAPACITY};
@@ -251,20 +252,14 @@ pub struct Route {
     pub candidates: Vec<CandidateRecord>,
 }
 
-/// One candidate of a decision record ([`Router::set_explain`]).
+/// One candidate of a decision record ([`Router::set_explain`]): the picker's ranking of it
+/// plus what the router adds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CandidateRecord {
     /// Endpoint id.
     pub endpoint: String,
-    /// Policy score, higher is better ([`crate::picker::Explained::score`]).
-    pub score: f64,
-    /// `hybrid`'s weighted terms: KV headroom, queue, in-flight, prefill work, prefix
-    /// ([`crate::picker::Explained::terms`]); `None` for other policies.
-    pub terms: Option<[f64; 5]>,
-    /// Prefix blocks of the request matched there.
-    pub prefix_blocks: u32,
-    /// Running + waiting + router in-flight requests there.
-    pub load: u64,
+    /// The picker's score, terms, prefix blocks and load there.
+    pub pick: Explained,
     /// TTFT the `predicted_ttft` model expects there, seconds (whatever the policy).
     pub predicted_ttft_s: f64,
 }
@@ -580,10 +575,23 @@ impl Router {
             },
         };
         let outcome = self.decide(snapshot, table, &req, now_ms);
+        if let Outcome::Route(r) = &outcome {
+            // The request is done with: its chain moves into the outbox, no copy.
+            self.keep_recorded(&r.endpoint, req.prefix_hashes);
+        }
         Decision {
             outcome,
             basis,
             parse_error,
+        }
+    }
+
+    /// Keep a chain routed to `endpoint` for [`Router::take_recorded`] while sharing is on.
+    fn keep_recorded(&mut self, endpoint: &str, hashes: Vec<u64>) {
+        if let Some(out) = &mut self.recorded {
+            if out.len() < MAX_RECORDED && !hashes.is_empty() {
+                out.push((endpoint.to_owned(), hashes));
+            }
         }
     }
 
@@ -596,8 +604,14 @@ impl Router {
         req: &RequestInfo,
         now_ms: u64,
     ) -> Decision {
+        let outcome = self.decide(snapshot, table, req, now_ms);
+        if let Outcome::Route(r) = &outcome {
+            if self.recorded.is_some() {
+                self.keep_recorded(&r.endpoint, req.prefix_hashes.clone());
+            }
+        }
         Decision {
-            outcome: self.decide(snapshot, table, req, now_ms),
+            outcome,
             basis: Basis::Body,
             parse_error: None,
         }
@@ -695,10 +709,7 @@ impl Router {
                     let ttft = self.picker.predict_ttft(&input, &pick_req, x.index);
                     Some(CandidateRecord {
                         endpoint: e.id.clone(),
-                        score: x.score,
-                        terms: x.terms,
-                        prefix_blocks: x.prefix_blocks,
-                        load: x.load,
+                        pick: *x,
                         predicted_ttft_s: ttft.map_or(0.0, |t| t.seconds),
                     })
                 })
@@ -723,11 +734,6 @@ impl Router {
                 let prefill_tokens =
                     uncached_prompt_tokens(req.prompt_tokens, matched, pick_req.prefix_blocks);
                 self.index.record(&primary.id, &req.prefix_hashes);
-                if let Some(out) = &mut self.recorded {
-                    if out.len() < MAX_RECORDED && !req.prefix_hashes.is_empty() {
-                        out.push((primary.id.clone(), req.prefix_hashes.clone()));
-                    }
-                }
                 Outcome::Route(Route {
                     primary: p.primary,
                     endpoint: primary.id.clone(),
@@ -1033,14 +1039,14 @@ mod tests {
         for (c, u) in rt.candidates.iter().zip([0.1, 0.3, 0.5]) {
             // Equal queues and in-flight (terms 1 each), equal prefill work with no prefix
             // anywhere (term 0), no prefix match (0): only the headroom differs.
-            let terms = c.terms.unwrap();
+            let terms = c.pick.terms.unwrap();
             assert!(
                 (terms[0] - (1.0 - u - demand / 100_000.0)).abs() < 1e-12,
                 "{terms:?}"
             );
             assert_eq!(terms[1..], [1.0, 1.0, 0.0, 0.0]);
-            assert_eq!(c.score, terms.iter().sum::<f64>());
-            assert_eq!((c.prefix_blocks, c.load), (0, 0));
+            assert_eq!(c.pick.score, terms.iter().sum::<f64>());
+            assert_eq!((c.pick.prefix_blocks, c.pick.load), (0, 0));
             assert!(c.predicted_ttft_s > 0.0);
         }
     }

@@ -243,17 +243,20 @@ mod tests {
         )
     }
 
+    /// An upload to the ingest path from `h`'s shared state with bearer `token`.
+    fn upload(h: &MockHost, token: &str) -> MockHost {
+        h.sibling()
+            .with_header(":path", "/kvroute/v1/snapshot")
+            .with_header(":method", "POST")
+            .with_header("authorization", &format!("Bearer {token}"))
+    }
+
     #[test]
     fn ingest_stream_answers_locally() {
         let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":4096}"#;
         let (h, c) = setup(cfg);
         let snap = Snapshot::new(3, NOW, vec![]).encode();
-        let ok = h
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer 0123456789abcdef")
-            .with_body(&snap);
+        let ok = upload(&h, "0123456789abcdef").with_body(&snap);
         let mut s = IngestStream::new(c.clone());
         assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
         assert_eq!(s.on_request_body(&ok, snap.len(), true), Flow::Pause);
@@ -270,22 +273,14 @@ mod tests {
         consume_snapshots(&h, queued);
         assert_eq!(shared::current_version(&h).unwrap(), Some(3));
 
-        let bad = h
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer nope");
+        let bad = upload(&h, "nope");
         let mut s = IngestStream::new(c.clone());
         assert_eq!(s.on_request_headers(&bad, false), Flow::Pause);
         assert_eq!(bad.replies()[0].status, 401);
         assert_eq!(s.on_request_body(&bad, 10, true), Flow::Pause);
         assert_eq!(bad.replies().len(), 1, "one reply only");
 
-        let big = ok
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer 0123456789abcdef");
+        let big = upload(&ok, "0123456789abcdef");
         let mut s = IngestStream::new(c);
         s.on_request_headers(&big, false);
         assert_eq!(s.on_request_body(&big, 5000, false), Flow::Pause);
@@ -300,12 +295,7 @@ mod tests {
         let cfg = r#"{"role":"ingest","ingest_token":"0123456789abcdef"}"#;
         let (h, c) = setup(cfg);
         let snap = Snapshot::new(3, NOW, vec![]).encode();
-        let ok = h
-            .sibling()
-            .with_header(":path", "/kvroute/v1/snapshot")
-            .with_header(":method", "POST")
-            .with_header("authorization", "Bearer 0123456789abcdef")
-            .with_body(&snap);
+        let ok = upload(&h, "0123456789abcdef").with_body(&snap);
         let mut s = IngestStream::new(c);
         assert_eq!(s.on_request_headers(&ok, false), Flow::Pause);
         assert_eq!(s.on_request_body(&ok, snap.len(), false), Flow::Pause);

@@ -27,6 +27,7 @@ use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::PickReason;
 use kvroute_core::router::{Basis, Outcome, Route, Router, RouterConfig};
+use kvroute_core::snapshot::Snapshot;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -131,16 +132,20 @@ fn write_candidates(out: &mut String, cands: &[kvroute_core::router::CandidateRe
             out,
             "{}[score={:.3},ttft_ms={:.1}",
             c.endpoint,
-            c.score,
+            c.pick.score,
             c.predicted_ttft_s * 1e3
         );
-        if let Some([kv, queue, inflight, prefill, prefix]) = c.terms {
+        if let Some([kv, queue, inflight, prefill, prefix]) = c.pick.terms {
             let _ = write!(
                 out,
                 ",kv={kv:.3},queue={queue:.3},inflight={inflight:.3},prefill={prefill:.3},prefix={prefix:.3}"
             );
         }
-        let _ = write!(out, ",blocks={},load={}]", c.prefix_blocks, c.load);
+        let _ = write!(
+            out,
+            ",blocks={},load={}]",
+            c.pick.prefix_blocks, c.pick.load
+        );
     }
 }
 
@@ -211,12 +216,14 @@ impl Worker {
             self.tick(host);
         }
         let now = host.now_ms();
-        self.record_gauges(host, now);
+        // One read of the snapshot version for the whole tick.
+        let snap = self.cache.current(host).ok().flatten();
+        self.gauges_with(host, now, snap.as_deref());
         if self.config.share_affinity
             && now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms
         {
             self.affinity_synced_ms = now;
-            self.sync_affinity(host);
+            self.sync_affinity_with(host, snap.as_deref());
         }
     }
 
@@ -224,11 +231,16 @@ impl Worker {
     /// (two host calls fewer per request): live reservations in the shared table (all
     /// workers) and the age of the snapshot in force.
     pub fn record_gauges<H: Host>(&mut self, host: &H, now: u64) {
+        let snap = self.cache.current(host).ok().flatten();
+        self.gauges_with(host, now, snap.as_deref());
+    }
+
+    fn gauges_with<H: Host>(&self, host: &H, now: u64, snap: Option<&Snapshot>) {
         if let Ok(mut t) = shared::read_inflight(host) {
             t.purge_expired(now);
             host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.len() as u64);
         }
-        if let Ok(Some(snap)) = self.cache.current(host) {
+        if let Some(snap) = snap {
             host.metric_record(
                 MetricKind::Gauge,
                 metric::SNAPSHOT_AGE_MS,
@@ -240,9 +252,18 @@ impl Worker {
     /// Exchange prefix affinity with the other workers now ([`crate::affinity::sync`]);
     /// failures are logged and counted as fail-open events of the hint, never of a request.
     pub fn sync_affinity<H: Host>(&mut self, host: &H) -> Option<crate::affinity::Synced> {
+        let snap = self.cache.current(host).ok().flatten();
+        self.sync_affinity_with(host, snap.as_deref())
+    }
+
+    fn sync_affinity_with<H: Host>(
+        &mut self,
+        host: &H,
+        snap: Option<&Snapshot>,
+    ) -> Option<crate::affinity::Synced> {
         // Imports are kept only for endpoints of the current snapshot.
-        if let Ok(Some(snap)) = self.cache.current(host) {
-            self.router.observe_snapshot(&snap);
+        if let Some(snap) = snap {
+            self.router.observe_snapshot(snap);
         }
         match crate::affinity::sync(
             host,
