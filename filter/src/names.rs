@@ -59,9 +59,10 @@ pub mod metric {
     pub const AFFINITY_PUBLISHED: &str = "kvroute.affinity.published";
     /// Shared affinity journals found corrupt and replaced by an empty one (counter).
     pub const AFFINITY_RESET: &str = "kvroute.affinity.reset";
-    /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick).
-    /// Wasm memory only grows, so this is the VM's high-water mark; with one worker it is the
-    /// per-worker figure `make bench-overhead` reports.
+    /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick
+    /// by each VM that has routed a request; the ingest VM and Envoy's main-thread instance
+    /// do not report). Wasm memory only grows, so this is the VM's high-water mark; with one
+    /// worker it is the per-worker figure `make bench-overhead` reports.
     pub const WASM_MEMORY: &str = "kvroute.wasm_memory_bytes";
     /// Requests answered 429 (saturated, queue full or timed out) (counter).
     pub const REJECTED: &str = "kvroute.outcome.rejected";

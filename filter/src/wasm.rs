@@ -13,7 +13,7 @@ use crate::stream::{Flow, Stream};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -171,6 +171,10 @@ struct Root {
     context_id: u32,
     serving: Option<Serving>,
     queue: Option<u32>,
+    /// Whether this VM has routed a request: only such VMs report `kvroute.wasm_memory_bytes`
+    /// (a single Envoy gauge), so the ingest VM and Envoy's main-thread instance, which
+    /// route nothing, do not overwrite the figure with their own smaller memory.
+    routed: Cell<bool>,
 }
 
 impl Context for Root {}
@@ -216,8 +220,7 @@ impl RootContext for Root {
                     return false;
                 }
             }
-            // The tick only refreshes the Wasm memory gauge here.
-            let _ = hostcalls::set_tick_period(Duration::from_millis(MEMORY_GAUGE_PERIOD_MS));
+            // No tick: the ingest VM routes nothing and reports no memory gauge.
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
@@ -259,8 +262,10 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         // This VM's linear memory: it only grows, so a leak shows as steady growth.
-        let pages = core::arch::wasm32::memory_size(0) as u64;
-        ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
+        if self.routed.get() {
+            let pages = core::arch::wasm32::memory_size(0) as u64;
+            ProxyHost.metric_record(MetricKind::Gauge, metric::WASM_MEMORY, pages * 65_536);
+        }
         if let Some(Serving::Route(w)) = &self.serving {
             w.borrow_mut().periodic(&ProxyHost);
         }
@@ -268,9 +273,12 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         match self.serving.as_ref()? {
-            Serving::Route(w) => Some(Box::new(Http {
-                stream: Stream::new(w.clone(), context_id),
-            })),
+            Serving::Route(w) => {
+                self.routed.set(true);
+                Some(Box::new(Http {
+                    stream: Stream::new(w.clone(), context_id),
+                }))
+            }
             Serving::Ingest(c) => Some(Box::new(Ingest {
                 stream: IngestStream::new(c.clone()),
             })),
@@ -348,7 +356,12 @@ mod entry {
             );
         }));
         proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-            Box::new(super::Root { context_id, serving: None, queue: None })
+            Box::new(super::Root {
+                context_id,
+                serving: None,
+                queue: None,
+                routed: std::cell::Cell::new(false),
+            })
         });
     }}
 }
