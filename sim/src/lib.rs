@@ -6,6 +6,7 @@
 //!   prefill, FCFS or priority queue, preemption by recompute).
 //! - [`metrics`]: `/metrics` in the vLLM V1, vLLM V0, SGLang and llama.cpp dialects.
 //! - [`api`]: OpenAI request parsing (incl. the `kvroute_sim` extension) and response bodies.
+//! - [`body`]: a streamed response body fed through a channel that never drops its last frame.
 //! - [`server`]: hyper HTTP server; [`server::spawn_fleet`] runs N replicas in-process.
 //! - [`trace`]: Mooncake trace loading and offline replay through the engine.
 //!
@@ -13,6 +14,7 @@
 //! from real vLLM.
 
 pub mod api;
+pub mod body;
 pub mod engine;
 pub mod kv;
 pub mod metrics;

@@ -563,7 +563,7 @@ async fn generate(replica: Arc<Replica>, api: ApiKind, req: Request<Incoming>) -
             &json!({"object": "error", "message": "request aborted", "type": "InternalServerError", "param": null, "code": 500}),
         );
     }
-    let (mut tx, chan) = http_body_util::channel::Channel::<Bytes, Infallible>::new(64);
+    let (tx, body) = crate::body::frame_channel(64);
     tokio::spawn(async move {
         // Own the whole guard (not just the field) so its Drop runs when this task ends.
         let mut guard = guard;
@@ -571,7 +571,7 @@ async fn generate(replica: Arc<Replica>, api: ApiKind, req: Request<Incoming>) -
         let mut admitted = false;
         if api == ApiKind::ChatCompletions {
             let first = api::sse_event(&api::stream_chunk(&meta, 0, None));
-            if tx.send_data(Bytes::from(first)).await.is_err() {
+            if tx.send(Frame::data(Bytes::from(first))).await.is_err() {
                 return;
             }
         }
@@ -593,16 +593,16 @@ async fn generate(replica: Arc<Replica>, api: ApiKind, req: Request<Incoming>) -
                         }
                         out.push_str(api::SSE_DONE);
                     }
-                    if tx.send_data(Bytes::from(out)).await.is_err() || last {
+                    if tx.send(Frame::data(Bytes::from(out))).await.is_err() || last {
                         return; // client gone (guard aborts) or finished
                     }
                 }
                 _ => {}
             }
         }
-        let _ = tx.send(Frame::data(Bytes::new())).await;
+        // The engine dropped the request (aborted): end the body without `[DONE]`.
     });
-    let mut r = Response::new(chan.boxed());
+    let mut r = Response::new(body);
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         http::HeaderValue::from_static("text/event-stream; charset=utf-8"),

@@ -193,13 +193,17 @@ async fn serve(
             .body(Full::new(Bytes::from(body.clone())).boxed()),
         Reply::Sse { chunks, gap } => {
             let (chunks, gap) = (chunks.clone(), *gap);
-            let (mut tx, body) = http_body_util::channel::Channel::<Bytes, Infallible>::new(4);
+            let (tx, body) = kvroute_sim::body::frame_channel(4);
             tokio::spawn(async move {
                 for (i, c) in chunks.into_iter().enumerate() {
                     if i > 0 {
                         tokio::time::sleep(gap).await;
                     }
-                    if tx.send_data(Bytes::from(c)).await.is_err() {
+                    if tx
+                        .send(hyper::body::Frame::data(Bytes::from(c)))
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                 }
@@ -207,7 +211,7 @@ async fn serve(
             builder
                 .status(200)
                 .header("content-type", "text/event-stream")
-                .body(body.boxed())
+                .body(body)
         }
     };
     Ok(resp.unwrap_or_else(|_| hyper::Response::new(Full::new(Bytes::new()).boxed())))

@@ -156,7 +156,7 @@ pub async fn h2_post_with_trailers(
         tokio::spawn(async move {
             let _ = conn.await;
         });
-        let (mut tx, rx) = http_body_util::channel::Channel::<Bytes, hyper::Error>::new(4);
+        let (tx, rx) = kvroute_sim::body::frame_channel(4);
         let mut builder = hyper::Request::builder()
             .method("POST")
             .uri(format!("http://127.0.0.1:{port}{path}"));
@@ -169,8 +169,8 @@ pub async fn h2_post_with_trailers(
         }
         let data = Bytes::copy_from_slice(body);
         let send = tokio::spawn(async move {
-            let _ = tx.send_data(data).await;
-            let _ = tx.send_trailers(tmap).await;
+            let _ = tx.send(hyper::body::Frame::data(data)).await;
+            let _ = tx.send(hyper::body::Frame::trailers(tmap)).await;
         });
         let resp = sender.send_request(builder.body(rx)?).await?;
         let _ = send.await;
