@@ -72,8 +72,10 @@ pub const CALIBRATION_ALPHA: f64 = 0.1;
 /// Calibration factor bounds, inclusive (see the module doc).
 pub const CALIBRATION_RANGE: (f64, f64) = (0.25, 4.0);
 
-/// Everything a [`Router`] is configured with.
-#[derive(Debug, Clone, PartialEq)]
+/// Everything a [`Router`] is configured with. Deserializes from JSON with every field
+/// defaulted (the filter's plugin configuration embeds these keys at its top level).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(default)]
 pub struct RouterConfig {
     /// Endpoint picker (policy, staleness, headroom, weights, classes, fallbacks).
     pub picker: PickerConfig,

@@ -3,12 +3,10 @@
 //! `TryFrom<RawConfig>`. A bad config makes `on_configure` return false with one log line
 //! naming the field (see [`ConfigError`]).
 //!
-//! Every field, its default and unit is listed in the README's "Plugin configuration" table.
+//! Every field, its default and unit is listed in docs/filter.md's configuration table.
 
-use kvroute_core::estimate::EstimatorConfig;
-use kvroute_core::picker::{Picker, PickerConfig};
-use kvroute_core::prefix::PrefixConfig;
-use kvroute_core::profile::ModelProfile;
+use kvroute_core::picker::Picker;
+use kvroute_core::router::RouterConfig;
 use serde::Deserialize;
 
 /// Which job this plugin instance does.
@@ -91,20 +89,14 @@ pub struct RawConfig {
     pub vm_id: String,
     /// Reservation lifetime, milliseconds (default 600000).
     pub reservation_ttl_ms: u64,
-    /// Endpoint picker (policy, `stale_after_ms`, headroom, weights, classes, fallbacks).
-    pub picker: PickerConfig,
-    /// Token estimator (media allowances, per-model calibration).
-    pub estimator: EstimatorConfig,
-    /// Prefix hashing (block size in characters, max blocks).
-    pub prefix: PrefixConfig,
-    /// Blocks remembered per endpoint by the per-worker prefix index (default
-    /// [`kvroute_core::prefix::DEFAULT_INDEX_CAPACITY`], 31,250: GIE's
-    /// `DefaultLRUCapacityPerServer`).
-    pub prefix_index_blocks: usize,
-    /// Extra model profiles (added to the built-in ones).
-    pub models: Vec<ModelProfile>,
-    /// Learn per-model calibration from response `usage` (default true).
-    pub calibrate: bool,
+    /// The router's own keys, at the top level of the JSON: `picker` (policy,
+    /// `stale_after_ms`, headroom, weights, classes, fallbacks), `estimator` (media
+    /// allowances, per-model calibration), `prefix` (block size in characters, max blocks),
+    /// `prefix_index_blocks` (per-worker prefix index capacity), `models` (extra model
+    /// profiles, added to the built-in ones) and `calibrate` (learn calibration from
+    /// response `usage`). See [`RouterConfig`] for units and defaults.
+    #[serde(flatten)]
+    pub router: RouterConfig,
     /// Admission control.
     pub admission: AdmissionConfig,
     /// Internal errors let Envoy route by its default route (default true). When false,
@@ -146,12 +138,7 @@ impl Default for RawConfig {
             queue_name: "kvroute.snapshots".into(),
             vm_id: "kvroute".into(),
             reservation_ttl_ms: kvroute_core::inflight::DEFAULT_TTL_MS,
-            picker: PickerConfig::default(),
-            estimator: EstimatorConfig::default(),
-            prefix: PrefixConfig::default(),
-            prefix_index_blocks: kvroute_core::prefix::DEFAULT_INDEX_CAPACITY,
-            models: Vec::new(),
-            calibrate: true,
+            router: RouterConfig::default(),
             admission: AdmissionConfig::default(),
             fail_open: true,
             debug_header: false,
@@ -270,10 +257,10 @@ impl TryFrom<RawConfig> for Config {
                 "must be at least 1024",
             ));
         }
-        if raw.prefix.block_chars == 0 {
+        if raw.router.prefix.block_chars == 0 {
             return Err(invalid("prefix.block_chars", 0, "must be at least 1"));
         }
-        for (i, m) in raw.models.iter().enumerate() {
+        for (i, m) in raw.router.models.iter().enumerate() {
             if m.name.is_empty() {
                 return Err(invalid(
                     &format!("models[{i}].name"),
@@ -282,7 +269,7 @@ impl TryFrom<RawConfig> for Config {
                 ));
             }
         }
-        if let Err(e) = Picker::new(raw.picker.clone(), 0) {
+        if let Err(e) = Picker::new(raw.router.picker.clone(), 0) {
             return Err(ConfigError::Invalid {
                 field: format!("picker.{}", e.field),
                 value: e.value,
@@ -336,9 +323,12 @@ mod tests {
         .unwrap();
         assert_eq!(c.role, Role::Ingest);
         assert_eq!(c.mode, Mode::Endpoint);
-        assert_eq!(c.picker.stale_after_ms, 100);
+        assert_eq!(c.router.picker.stale_after_ms, 100);
         assert_eq!(c.admission.max_queue, 2);
-        assert_eq!(c.prefix.block_chars, 32);
+        assert_eq!(c.router.prefix.block_chars, 32);
+        assert_eq!(c.router.prefix.max_blocks, 8);
+        assert_eq!(c.router.prefix_index_blocks, 9);
+        assert!(!c.router.calibrate);
         assert!(c.debug_header);
     }
 
@@ -346,6 +336,9 @@ mod tests {
     fn one_invalid_case_per_field() {
         let cases: &[(&str, &str)] = &[
             (r#"{"bogus":1}"#, "unknown field `bogus`"),
+            (r#"{"picker":{"bogus":1}}"#, "unknown field `bogus`"),
+            (r#"{"calibrate":"yes"}"#, "invalid type: string \"yes\", expected a boolean"),
+            (r#"{"prefix_index_blocks":-3}"#, "invalid value: integer `-3`"),
             (r#"{"mode":"nope"}"#, "unknown variant `nope`"),
             (r#"{"cluster_header":"X Bad"}"#, "field `cluster_header`"),
             (r#"{"endpoint_header":""}"#, "field `endpoint_header`"),

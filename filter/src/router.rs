@@ -26,7 +26,7 @@ use crate::shared::{self, SnapshotCache};
 use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::PickReason;
-use kvroute_core::router::{Basis, Outcome, Route, Router, RouterConfig};
+use kvroute_core::router::{Basis, Outcome, Route, Router};
 use kvroute_core::snapshot::Snapshot;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -149,22 +149,10 @@ fn write_candidates(out: &mut String, cands: &[kvroute_core::router::CandidateRe
     }
 }
 
-/// The core router configuration carried by a filter configuration.
-pub fn router_config(config: &Config) -> RouterConfig {
-    RouterConfig {
-        picker: config.picker.clone(),
-        estimator: config.estimator.clone(),
-        prefix: config.prefix,
-        prefix_index_blocks: config.prefix_index_blocks,
-        models: config.models.clone(),
-        calibrate: config.calibrate,
-    }
-}
-
 impl Worker {
     /// Build from a validated config and a seed (time + context id; no OS randomness).
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
-        let mut router = Router::new(router_config(&config), seed)?;
+        let mut router = Router::new(config.router.clone(), seed)?;
         router.share_affinity(config.share_affinity);
         router.set_explain(config.decision_record);
         let admission = AdmissionQueue::new(config.admission.max_queue);
