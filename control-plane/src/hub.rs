@@ -202,6 +202,8 @@ impl EndpointState {
             healthy: self.healthy,
             scraped_at_ms: self.scraped_at_ms,
             process_start_ms: self.restart.process_start_ms(),
+            peer_inflight_requests: 0,
+            peer_inflight_tokens: 0,
         }
     }
 }

@@ -56,6 +56,8 @@ mod native {
                 healthy: rng.u32(0..50) != 0,
                 scraped_at_ms: NOW - u64::from(rng.u32(0..1500)),
                 process_start_ms: Some(1),
+                peer_inflight_requests: 0,
+                peer_inflight_tokens: 0,
             })
             .collect();
         let inflight = (0..n)

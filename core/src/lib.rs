@@ -24,6 +24,7 @@ pub mod estimate;
 pub mod inflight;
 mod json_scan;
 pub mod output_len;
+pub mod peer;
 pub mod percentile;
 pub mod picker;
 pub mod prefill_rate;

@@ -26,7 +26,9 @@
 //! 4. **Pick.** Prefix blocks are matched in the per-router [`PrefixIndex`], in-flight load
 //!    is the table's unseen load ([`InflightTable::add_unseen`], by snapshot position through a
 //!    map built once per snapshot version; reservations the snapshot cannot
-//!    show yet, plus all pending prefill), and the configured [`Picker`] policy chooses.
+//!    show yet, plus all pending prefill) plus the other gateway replicas' unseen load that
+//!    the control plane merged into the snapshot ([`crate::peer::add_peer_load`]), and the
+//!    configured [`Picker`] policy chooses.
 //! 5. **No capacity.** If no endpoint fits and the demand exceeds the whole KV capacity of
 //!    every healthy endpoint serving the model, the request can never fit: a 429 "retry
 //!    later" would never clear. It is re-picked by load (demand 0 in the pick) and its
@@ -669,6 +671,7 @@ impl Router {
         inflight.clear();
         inflight.resize(snap.endpoints.len(), InFlight::default());
         table.add_unseen(now_ms, |id| slots.get(id).copied(), &mut inflight);
+        crate::peer::add_peer_load(snap, &mut inflight);
         let matches = self.index.match_snapshot(&req.prefix_hashes, snap);
         let pick_req = PickRequest {
             model: req.model.as_deref(),

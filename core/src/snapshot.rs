@@ -120,6 +120,24 @@ pub struct EndpointStats {
     /// Model-server process start time, Unix milliseconds; a change means a restart
     /// (its prefix cache is cold).
     pub process_start_ms: Option<u64>,
+    /// Requests the *other* gateway replicas sent here that this endpoint's scrape does not
+    /// show yet (their unseen in-flight load, merged by the control plane:
+    /// [`crate::peer`]). The picker counts them like its own in-flight requests. 0 (and
+    /// left off the wire) when gateways do not share load.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub peer_inflight_requests: u32,
+    /// KV demand of those requests, tokens (their reservations); counted like the picker's
+    /// own reserved tokens against KV headroom. 0 (and left off the wire) when not shared.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub peer_inflight_tokens: u64,
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 #[cfg(any(test, feature = "testing"))]
@@ -144,6 +162,8 @@ impl EndpointStats {
             healthy: true,
             scraped_at_ms,
             process_start_ms: None,
+            peer_inflight_requests: 0,
+            peer_inflight_tokens: 0,
         }
     }
 }

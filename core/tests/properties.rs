@@ -256,6 +256,8 @@ fn endpoint() -> impl Strategy<Value = EndpointStats> {
                 healthy,
                 scraped_at_ms: NOW - age,
                 process_start_ms: None,
+                peer_inflight_requests: 0,
+                peer_inflight_tokens: 0,
             },
         )
 }

@@ -71,6 +71,9 @@ pub trait Host {
     fn metric_add(&self, kind: MetricKind, name: &'static str, delta: i64);
     /// Record a histogram value or set a gauge.
     fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64);
+    /// Set a gauge whose name is built at run time (one per endpoint: the names are
+    /// bounded by the endpoints ever seen, and defined once each).
+    fn gauge_set_named(&self, name: &str, value: u64);
     /// Log one line.
     fn log(&self, level: Level, msg: &str);
     /// Make HTTP context `context_id` the target of the next stream calls (from a root
@@ -140,6 +143,8 @@ pub mod mock {
         pub replies: Rc<RefCell<Vec<LocalReply>>>,
         /// Metric values by name.
         pub metrics: Rc<RefCell<BTreeMap<&'static str, i64>>>,
+        /// Gauges with run-time names ([`Host::gauge_set_named`]).
+        pub named_gauges: Rc<RefCell<BTreeMap<String, u64>>>,
         /// Log lines.
         pub logs: Rc<RefCell<Vec<String>>>,
         /// Route cache clears.
@@ -166,6 +171,7 @@ pub mod mock {
                 shared: self.shared.clone(),
                 now: self.now.clone(),
                 metrics: self.metrics.clone(),
+                named_gauges: self.named_gauges.clone(),
                 logs: self.logs.clone(),
                 ..Self::default()
             }
@@ -302,6 +308,9 @@ pub mod mock {
                     m.insert(name, v);
                 }
             }
+        }
+        fn gauge_set_named(&self, name: &str, value: u64) {
+            self.named_gauges.borrow_mut().insert(name.to_owned(), value);
         }
         fn log(&self, _level: Level, msg: &str) {
             self.logs.borrow_mut().push(msg.into());

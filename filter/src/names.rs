@@ -100,4 +100,12 @@ pub mod metric {
     /// Live shared in-flight reservations, all workers (gauge, refreshed on each worker's
     /// tick, not per request).
     pub const INFLIGHT: &str = "kvroute.inflight";
+    /// Prefix of the per-endpoint gauge of in-flight requests this Envoy routed to an
+    /// endpoint since that endpoint's scrape in the snapshot in force (all workers: read
+    /// from the shared table), e.g. `kvroute.inflight_unseen.requests.pool/e0`
+    /// (`kvroute_inflight_unseen_requests_pool_e0` in `/stats/prometheus`). The control
+    /// plane reads it to share load between gateway replicas (`kvroute_core::peer`).
+    pub const INFLIGHT_UNSEEN_REQUESTS: &str = "kvroute.inflight_unseen.requests.";
+    /// Prefix of the per-endpoint gauge of those requests' reserved KV demand, tokens.
+    pub const INFLIGHT_UNSEEN_TOKENS: &str = "kvroute.inflight_unseen.tokens.";
 }

@@ -332,6 +332,8 @@ mod tests {
             healthy,
             scraped_at_ms: 1,
             process_start_ms: None,
+            peer_inflight_requests: 0,
+            peer_inflight_tokens: 0,
         }
     }
 

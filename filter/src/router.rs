@@ -113,6 +113,9 @@ pub struct Worker {
     /// Last affinity-journal sequence number seen, and when it was last synced (Unix ms).
     affinity_seen: u64,
     affinity_synced_ms: u64,
+    /// Endpoints whose per-endpoint in-flight gauges this worker last set above zero (set
+    /// back to 0 once their load is gone).
+    exported_unseen: std::collections::BTreeSet<String>,
 }
 
 /// Append the decision record's candidates to a decision reason:
@@ -169,6 +172,7 @@ impl Worker {
             worker_number: rng.u32(..),
             affinity_seen: 0,
             affinity_synced_ms: 0,
+            exported_unseen: std::collections::BTreeSet::new(),
         })
     }
 
@@ -223,10 +227,52 @@ impl Worker {
         self.gauges_with(host, now, snap.as_deref());
     }
 
-    fn gauges_with<H: Host>(&self, host: &H, now: u64, snap: Option<&Snapshot>) {
+    /// The tick's gauges. Besides the totals, each endpoint with load the snapshot in force
+    /// does not show yet gets two gauges ([`metric::INFLIGHT_UNSEEN_REQUESTS`],
+    /// [`metric::INFLIGHT_UNSEEN_TOKENS`] + endpoint id): the requests and reserved tokens
+    /// of the shared table (every worker of this Envoy) made since that endpoint's
+    /// `scraped_at_ms`, the rule the picker applies to its own reservations. Every worker
+    /// computes them from the same shared table, so whichever writes last writes this
+    /// Envoy's total; no per-worker sum is needed. A gauge whose load is gone is set to 0
+    /// by the worker that last set it. Endpoints without load cost nothing.
+    fn gauges_with<H: Host>(&mut self, host: &H, now: u64, snap: Option<&Snapshot>) {
         if let Ok(mut t) = shared::read_inflight(host) {
             t.purge_expired(now);
             host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.len() as u64);
+            if let Some(snap) = snap {
+                let scraped: BTreeMap<&str, u64> = snap
+                    .endpoints
+                    .iter()
+                    .map(|e| (e.id.as_str(), e.scraped_at_ms))
+                    .collect();
+                let unseen = t.unseen_totals(now, |id| scraped.get(id).copied());
+                let mut name = String::new();
+                let mut set = |prefix: &str, id: &str, v: u64| {
+                    name.clear();
+                    name.push_str(prefix);
+                    name.push_str(id);
+                    host.gauge_set_named(&name, v);
+                };
+                for (id, l) in unseen.iter().filter(|(_, l)| l.requests > 0) {
+                    set(
+                        metric::INFLIGHT_UNSEEN_REQUESTS,
+                        id,
+                        u64::from(l.requests),
+                    );
+                    set(metric::INFLIGHT_UNSEEN_TOKENS, id, l.tokens);
+                }
+                for id in &self.exported_unseen {
+                    if unseen.get(id).is_none_or(|l| l.requests == 0) {
+                        set(metric::INFLIGHT_UNSEEN_REQUESTS, id, 0);
+                        set(metric::INFLIGHT_UNSEEN_TOKENS, id, 0);
+                    }
+                }
+                self.exported_unseen = unseen
+                    .into_iter()
+                    .filter(|(_, l)| l.requests > 0)
+                    .map(|(id, _)| id)
+                    .collect();
+            }
         }
         if let Some(snap) = snap {
             host.metric_record(
@@ -582,6 +628,45 @@ mod tests {
 
     fn worker(json: &str) -> Worker {
         Worker::new(Config::parse(json.as_bytes()).unwrap(), 7).unwrap()
+    }
+
+    #[test]
+    fn unseen_inflight_gauges_per_endpoint_follow_the_shared_table() {
+        let h = MockHost::new(1_000);
+        let other_worker = h.sibling();
+        // e0 scraped at 900, e1 at 1,500 (after the reservations below are made).
+        let mut eps = vec![endpoint(0, 900), endpoint(1, 900)];
+        eps[1].scraped_at_ms = 1_500;
+        shared::publish_snapshot(&h, &Snapshot::new(1, 900, eps).encode()).unwrap();
+        shared::update_inflight(&h, 16, |t| {
+            t.reserve(1, "pool/e0", 100, 1_000, 60_000);
+            t.reserve(2, "pool/e0", 50, 1_000, 60_000);
+            t.reserve(3, "pool/e1", 70, 1_000, 60_000);
+        })
+        .unwrap();
+        let mut w = worker("{}");
+        let g = |name: &str| h.named_gauges.borrow().get(name).copied();
+        w.record_gauges(&h, 1_000);
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(2));
+        assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(150));
+        // e1's reservation predates its scrape: the snapshot shows it, no gauge.
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e1"), None);
+        assert_eq!(h.named_gauges.borrow().len(), 2);
+        // Another worker releases one: any worker's tick writes the Envoy-wide figure.
+        shared::update_inflight(&other_worker, 16, |t| t.release(1)).unwrap();
+        let mut w2 = worker("{}");
+        w2.record_gauges(&other_worker, 1_000);
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(1));
+        assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(50));
+        // All gone: the worker that set the gauges sets them back to 0.
+        shared::update_inflight(&h, 16, |t| t.release(2)).unwrap();
+        w.record_gauges(&h, 1_000);
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(0));
+        assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(0));
+        // Nothing is written for endpoints that never had load.
+        *h.named_gauges.borrow_mut() = BTreeMap::new();
+        w.record_gauges(&h, 1_000);
+        assert!(h.named_gauges.borrow().is_empty());
     }
 
     #[test]

@@ -23,6 +23,7 @@ const MEMORY_GAUGE_PERIOD_MS: u64 = 1_000;
 
 thread_local! {
     static METRICS: RefCell<BTreeMap<&'static str, u32>> = const { RefCell::new(BTreeMap::new()) };
+    static NAMED_GAUGES: RefCell<BTreeMap<String, u32>> = const { RefCell::new(BTreeMap::new()) };
 }
 
 /// The real host: stateless wrappers over `proxy_wasm::hostcalls`.
@@ -123,6 +124,19 @@ impl Host for ProxyHost {
     }
     fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64) {
         if let Some(id) = metric_id(kind, name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+    fn gauge_set_named(&self, name: &str, value: u64) {
+        let id = NAMED_GAUGES.with(|m| {
+            if let Some(id) = m.borrow().get(name) {
+                return Some(*id);
+            }
+            let id = hostcalls::define_metric(MetricType::Gauge, name).ok()?;
+            m.borrow_mut().insert(name.to_owned(), id);
+            Some(id)
+        });
+        if let Some(id) = id {
             let _ = hostcalls::record_metric(id, value);
         }
     }

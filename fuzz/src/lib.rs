@@ -176,6 +176,8 @@ fn wire(stats: &ServerStats) -> EndpointStats {
         healthy: true,
         scraped_at_ms: 1,
         process_start_ms: stats.process_start_ms,
+        peer_inflight_requests: 0,
+        peer_inflight_tokens: 0,
     }
 }
 

@@ -514,6 +514,8 @@ fn padded(fleet: &Fleet, version: u64, filler: usize, seed: usize) -> Snapshot {
             healthy: true,
             scraped_at_ms: now,
             process_start_ms: Some(1_700_000_000_000 + n as u64),
+            peer_inflight_requests: 0,
+            peer_inflight_tokens: 0,
         });
     }
     Snapshot::new(version, now, eps)

@@ -248,6 +248,8 @@ pub fn snapshot(version: u64, backend: &str) -> Snapshot {
             healthy: true,
             scraped_at_ms: now,
             process_start_ms: None,
+            peer_inflight_requests: 0,
+            peer_inflight_tokens: 0,
         })
         .collect();
     Snapshot::new(version, now, eps)

@@ -62,6 +62,8 @@ fn fleet(version: u64, now: u64, rng: &mut fastrand::Rng) -> Snapshot {
                 now.saturating_sub(u64::from(rng.u32(0..500)))
             },
             process_start_ms: Some(if i == 2 && version >= 8 { 2 } else { 1 }),
+            peer_inflight_requests: 0,
+            peer_inflight_tokens: 0,
         })
         .collect();
     Snapshot::new(version, now, eps)

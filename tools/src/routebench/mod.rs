@@ -470,6 +470,8 @@ impl State {
                     healthy: true,
                     scraped_at_ms: now_ms,
                     process_start_ms: Some(0),
+                    peer_inflight_requests: 0,
+                    peer_inflight_tokens: 0,
                 }
             })
             .collect();
