@@ -151,6 +151,32 @@ pub struct RawPush {
     pub token_env: Option<String>,
     /// TLS for `https://` ingest URLs.
     pub tls: RawTls,
+    /// Reading each gateway's in-flight stats to share load between gateways.
+    pub peer_load: RawPeerLoad,
+}
+
+/// `push.peer_load:` section: how often each gateway's Envoy stats are read, and how long a
+/// reading counts ([`crate::peers`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPeerLoad {
+    /// Time between two reads of one gateway's stats, ms (default 200, 10..=60000).
+    pub interval_ms: u64,
+    /// One read, connect to last byte, ms (default 500, 1..=60000).
+    pub timeout_ms: u64,
+    /// A gateway's last reading is dropped this long after it was taken, ms (default 2000,
+    /// at least `interval_ms`).
+    pub stale_after_ms: u64,
+}
+
+impl Default for RawPeerLoad {
+    fn default() -> Self {
+        Self {
+            interval_ms: 200,
+            timeout_ms: 500,
+            stale_after_ms: 2000,
+        }
+    }
 }
 
 impl Default for RawPush {
@@ -164,6 +190,7 @@ impl Default for RawPush {
             token_file: None,
             token_env: None,
             tls: RawTls::default(),
+            peer_load: RawPeerLoad::default(),
         }
     }
 }
@@ -176,6 +203,12 @@ pub struct RawTarget {
     pub name: String,
     /// Full ingest URL, `http://host:port/kvroute/v1/snapshot`.
     pub url: String,
+    /// Envoy stats URL of this gateway in the Prometheus text format, e.g.
+    /// `http://host:9901/stats/prometheus` (admin) or `http://host:15090/stats/prometheus`
+    /// (Istio). Unset: this gateway's in-flight load is not read (it still receives the
+    /// other gateways' load).
+    #[serde(default)]
+    pub stats_url: Option<String>,
 }
 
 /// `kubernetes:` section. Empty by default (no Kubernetes API access at all).
@@ -247,6 +280,28 @@ pub struct RawGateways {
     /// `http` or `https` (default `http`).
     #[serde(default = "default_scheme")]
     pub scheme: String,
+    /// Read each pod's in-flight load from its Envoy stats (default true).
+    #[serde(default = "default_true")]
+    pub share_load: bool,
+    /// Port of each pod's Envoy stats in the Prometheus format (default 15090, Istio's
+    /// `/stats/prometheus` listener on the pod IP; Envoy's admin port elsewhere).
+    #[serde(default = "default_stats_port")]
+    pub stats_port: u16,
+    /// Path of the stats (default `/stats/prometheus`).
+    #[serde(default = "default_stats_path")]
+    pub stats_path: String,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_stats_port() -> u16 {
+    15090
+}
+
+fn default_stats_path() -> String {
+    "/stats/prometheus".into()
 }
 
 /// One pool (InferencePool).
@@ -356,6 +411,8 @@ pub struct GatewayWatch {
     pub path: String,
     /// `http` or `https`.
     pub scheme: String,
+    /// Stats port and path of each pod (same scheme), when load is shared.
+    pub stats: Option<(u16, String)>,
 }
 
 /// Validated scrape settings.
@@ -392,6 +449,19 @@ pub struct PushSettings {
     pub token_env: String,
     /// TLS files for `https://`.
     pub tls: TlsSettings,
+    /// Reading the gateways' in-flight stats.
+    pub peer_load: PeerLoadSettings,
+}
+
+/// Validated `push.peer_load` settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerLoadSettings {
+    /// Time between two reads of one gateway's stats.
+    pub interval: Duration,
+    /// One read.
+    pub timeout: Duration,
+    /// Age after which a gateway's last reading is dropped.
+    pub stale_after: Duration,
 }
 
 /// A validated ingest target.
@@ -401,6 +471,9 @@ pub struct Target {
     pub name: String,
     /// Ingest URL.
     pub url: http::Uri,
+    /// Envoy stats URL (Prometheus text) whose in-flight gauges are shared with the other
+    /// gateways; `None`: not read.
+    pub stats_url: Option<http::Uri>,
 }
 
 /// A validated endpoint (what discovery yields).
@@ -570,6 +643,15 @@ impl RawConfig {
                 return Err(invalid("push.token_env", env, "must not be empty"));
             }
         }
+        let pl = &p.peer_load;
+        let peer_interval = in_range("push.peer_load.interval_ms", pl.interval_ms, 10, 60_000)?;
+        let peer_timeout = in_range("push.peer_load.timeout_ms", pl.timeout_ms, 1, 60_000)?;
+        let peer_stale = in_range(
+            "push.peer_load.stale_after_ms",
+            pl.stale_after_ms,
+            pl.interval_ms,
+            600_000,
+        )?;
         let mut names = BTreeSet::new();
         let mut targets = Vec::new();
         for (i, t) in self.targets.iter().enumerate() {
@@ -588,9 +670,14 @@ impl RawConfig {
                 ));
             }
             let url = http_url(&format!("targets[{i}].url"), &t.url)?;
+            let stats_url = match &t.stats_url {
+                Some(s) => Some(http_url(&format!("targets[{i}].stats_url"), s)?),
+                None => None,
+            };
             targets.push(Target {
                 name: t.name.clone(),
                 url,
+                stats_url,
             });
         }
         let mut pools = BTreeSet::new();
@@ -721,6 +808,11 @@ impl RawConfig {
                     .clone()
                     .unwrap_or_else(|| DEFAULT_TOKEN_ENV.into()),
                 tls: p.tls.validate("push.tls")?,
+                peer_load: PeerLoadSettings {
+                    interval: peer_interval,
+                    timeout: peer_timeout,
+                    stale_after: peer_stale,
+                },
             },
             targets,
             endpoints,
@@ -841,6 +933,10 @@ impl RawKubernetes {
             if g.port == 0 {
                 return Err(invalid(at("port"), 0, "must be in 1..=65535"));
             }
+            if g.share_load && g.stats_port == 0 {
+                return Err(invalid(at("stats_port"), 0, "must be in 1..=65535"));
+            }
+            let stats_path = url_path(&at("stats_path"), &g.stats_path)?;
             gateways.push(GatewayWatch {
                 name: g.name.clone(),
                 namespace: k8s_name(&at("namespace"), &g.namespace)?,
@@ -848,6 +944,7 @@ impl RawKubernetes {
                 port: g.port,
                 path: url_path(&at("path"), &g.path)?,
                 scheme: scheme(&at("scheme"), &g.scheme)?,
+                stats: g.share_load.then(|| (g.stats_port, stats_path)),
             });
         }
         Ok(KubernetesSettings {

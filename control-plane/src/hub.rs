@@ -42,6 +42,7 @@ use crate::restart::RestartTracker;
 use crate::scrape::FailureClass;
 use crate::telemetry::{EndpointLabel, StateLabel, Telemetry};
 use bytes::Bytes;
+use kvroute_core::peer::{peer_load_for, write_peer_fields, GatewayReport};
 use kvroute_core::snapshot::{
     encode_endpoint, write_envelope, EndpointStats, Snapshot, SnapshotError,
 };
@@ -233,6 +234,20 @@ pub struct Published {
     /// When the earliest scrape folded into it finished (`None` for heartbeats without a
     /// change); the push tasks measure scrape-to-push latency from it.
     pub changed_at: Option<Instant>,
+    /// The gateways' in-flight reports at build time (empty when no gateway is read), and
+    /// where each endpoint's fragment lies in [`Self::body`]: [`Self::body_for`] builds
+    /// each gateway's own body from them.
+    peers: Arc<BTreeMap<String, GatewayReport>>,
+    fragments: Vec<FragmentAt>,
+}
+
+/// One endpoint's fragment within a published body.
+#[derive(Debug, Clone)]
+struct FragmentAt {
+    id: String,
+    scraped_at_ms: u64,
+    start: usize,
+    end: usize,
 }
 
 impl Published {
@@ -240,6 +255,46 @@ impl Published {
     /// the bytes). Errors: [`SnapshotError`] only if the body were not a valid snapshot.
     pub fn snapshot(&self) -> Result<Snapshot, SnapshotError> {
         Snapshot::decode(&self.body)
+    }
+
+    /// The body for gateway `target`: [`Self::body`] with the *other* gateways' in-flight
+    /// load ([`kvroute_core::peer::peer_load_for`], reports older than `stale_after` at build
+    /// time left out) set as each endpoint's `peer_inflight_requests` /
+    /// `peer_inflight_tokens`. The same bytes as `body` when there is no such load.
+    pub fn body_for(&self, target: &str, stale_after: Duration) -> Bytes {
+        if self.peers.is_empty() {
+            return self.body.clone();
+        }
+        let scraped: BTreeMap<&str, u64> = self
+            .fragments
+            .iter()
+            .map(|f| (f.id.as_str(), f.scraped_at_ms))
+            .collect();
+        let load = peer_load_for(
+            &self.peers,
+            target,
+            self.generated_at_ms,
+            u64::try_from(stale_after.as_millis()).unwrap_or(u64::MAX),
+            |id| scraped.get(id).copied(),
+        );
+        if load.is_empty() {
+            return self.body.clone();
+        }
+        let mut out = Vec::with_capacity(self.body.len() + 48 * load.len());
+        let mut at = 0;
+        for f in &self.fragments {
+            let Some(l) = load.get(&f.id) else { continue };
+            let (Some(before), Some(frag)) =
+                (self.body.get(at..f.start), self.body.get(f.start..f.end))
+            else {
+                return self.body.clone();
+            };
+            out.extend_from_slice(before);
+            write_peer_fields(frag, *l, &mut out);
+            at = f.end;
+        }
+        out.extend_from_slice(self.body.get(at..).unwrap_or_default());
+        Bytes::from(out)
     }
 }
 
@@ -254,6 +309,8 @@ pub struct Hub {
     last_version: Mutex<u64>,
     last_body_len: AtomicUsize,
     push_rejected: Mutex<BTreeMap<String, String>>,
+    /// Each read gateway's last in-flight report, by target name ([`crate::peers`]).
+    gateway_reports: Mutex<BTreeMap<String, GatewayReport>>,
     /// Own metrics.
     pub telemetry: Telemetry,
 }
@@ -279,6 +336,7 @@ impl Hub {
             last_version: Mutex::new(0),
             last_body_len: AtomicUsize::new(0),
             push_rejected: Mutex::new(BTreeMap::new()),
+            gateway_reports: Mutex::new(BTreeMap::new()),
             telemetry: Telemetry::new(),
         })
     }
@@ -406,6 +464,35 @@ impl Hub {
         }
     }
 
+    /// Store gateway `target`'s in-flight report. A change of its load (not of its read
+    /// time alone) publishes a new snapshot, coalesced like any change.
+    pub fn record_gateway_report(&self, target: &str, report: GatewayReport) {
+        let changed = {
+            let mut m = lock(&self.gateway_reports);
+            let changed = m.get(target).is_none_or(|r| r.load != report.load);
+            m.insert(target.to_owned(), report);
+            changed
+        };
+        if changed {
+            self.mark_dirty();
+        }
+    }
+
+    /// Forget gateway `target`'s report (its push task stopped); republishes if it had load.
+    pub fn forget_gateway(&self, target: &str) {
+        let had_load = lock(&self.gateway_reports)
+            .remove(target)
+            .is_some_and(|r| r.load.values().any(|l| !l.is_zero()));
+        if had_load {
+            self.mark_dirty();
+        }
+    }
+
+    /// The ids of the current fleet (what a gateway's per-endpoint gauges can name).
+    pub fn endpoint_ids(&self) -> Vec<String> {
+        lock(&self.fleet).keys().cloned().collect()
+    }
+
     /// A copy of one endpoint's state.
     pub fn endpoint(&self, id: &str) -> Option<EndpointState> {
         lock(&self.fleet).get(id).cloned()
@@ -528,6 +615,12 @@ impl Hub {
         };
         let generated_at_ms = now_ms();
         let mut body = Vec::with_capacity(self.last_body_len.load(Ordering::Relaxed) + 64);
+        let peers: BTreeMap<String, GatewayReport> = lock(&self.gateway_reports)
+            .iter()
+            .filter(|(_, r)| r.load.values().any(|l| !l.is_zero()))
+            .map(|(k, r)| (k.clone(), r.clone()))
+            .collect();
+        let mut fragments = Vec::new();
         {
             let fleet = lock(&self.fleet);
             write_envelope(
@@ -536,6 +629,22 @@ impl Hub {
                 generated_at_ms,
                 fleet.values().map(|st| st.wire_json.as_slice()),
             );
+            if !peers.is_empty() {
+                // Locate each fragment: the envelope writes them in order, comma-separated,
+                // after the `"endpoints":[` header.
+                let mut at = body.len() - 2 - fleet.values().map(|st| st.wire_json.len()).sum::<usize>()
+                    - fleet.len().saturating_sub(1);
+                for st in fleet.values() {
+                    let end = at + st.wire_json.len();
+                    fragments.push(FragmentAt {
+                        id: st.spec.id.clone(),
+                        scraped_at_ms: st.scraped_at_ms,
+                        start: at,
+                        end,
+                    });
+                    at = end + 1;
+                }
+            }
         }
         self.last_body_len.store(body.len(), Ordering::Relaxed);
         let p = Arc::new(Published {
@@ -543,6 +652,8 @@ impl Hub {
             generated_at_ms,
             body: Bytes::from(body),
             changed_at,
+            peers: Arc::new(peers),
+            fragments,
         });
         self.published.send_replace(Some(p.clone()));
         p
@@ -712,6 +823,66 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn each_gateway_gets_the_other_gateways_load() {
+        use kvroute_core::peer::PeerLoad;
+        let hub = Hub::new(
+            Duration::from_secs(1),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        hub.set_endpoints(&[spec("a"), spec("b"), spec("c")]);
+        let t0 = now_ms();
+        for (id, at) in [("p/a", t0 - 500), ("p/b", t0 - 500), ("p/c", t0 - 500)] {
+            hub.record_success(id, stats(0.25, 1, &[]), at);
+        }
+        let report = |r: &[(&str, u32, u64)]| GatewayReport {
+            read_at_ms: t0,
+            load: r
+                .iter()
+                .map(|(e, q, t)| ((*e).to_owned(), PeerLoad { requests: *q, tokens: *t }))
+                .collect(),
+        };
+        hub.record_gateway_report("gw-1", report(&[("p/a", 2, 1_000)]));
+        hub.record_gateway_report("gw-2", report(&[("p/a", 1, 10), ("p/c", 3, 30)]));
+        let p = hub.publish();
+        let stale = Duration::from_secs(2);
+        let for_1 = Snapshot::decode(&p.body_for("gw-1", stale)).unwrap();
+        let for_2 = Snapshot::decode(&p.body_for("gw-2", stale)).unwrap();
+        let for_3 = Snapshot::decode(&p.body_for("gw-3", stale)).unwrap();
+        let peer = |s: &Snapshot| -> Vec<(u32, u64)> {
+            s.endpoints
+                .iter()
+                .map(|e| (e.peer_inflight_requests, e.peer_inflight_tokens))
+                .collect()
+        };
+        assert_eq!(peer(&for_1), vec![(1, 10), (0, 0), (3, 30)]);
+        assert_eq!(peer(&for_2), vec![(2, 1_000), (0, 0), (0, 0)]);
+        assert_eq!(peer(&for_3), vec![(3, 1_010), (0, 0), (3, 30)]);
+        // Everything else is the published snapshot.
+        let mut base = for_3.clone();
+        for e in &mut base.endpoints {
+            e.peer_inflight_requests = 0;
+            e.peer_inflight_tokens = 0;
+        }
+        assert_eq!(base, p.snapshot().unwrap());
+        // The same bytes core writes for that snapshot.
+        assert_eq!(p.body_for("gw-3", stale).as_ref(), for_3.encode().as_slice());
+        // An endpoint scraped after the reading already counts those requests.
+        hub.record_success("p/c", stats(0.25, 4, &[]), t0 + 1);
+        let p = hub.publish();
+        assert_eq!(
+            peer(&Snapshot::decode(&p.body_for("gw-1", stale)).unwrap()),
+            vec![(1, 10), (0, 0), (0, 0)]
+        );
+        // A reading older than the bound counts nothing; no load at all: the plain body.
+        assert_eq!(p.body_for("gw-1", Duration::ZERO).len(), p.body.len());
+        hub.forget_gateway("gw-1");
+        hub.forget_gateway("gw-2");
+        let p = hub.publish();
+        assert_eq!(p.body_for("gw-3", stale), p.body);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! `/metrics` ([`expo`] parses, [`adapters`] extract per server kind, [`restart`] detects
 //! restarts) → the [`hub`] builds a versioned [`kvroute_core::snapshot::Snapshot`] on change
 //! and every heartbeat → one [`push`] task per Envoy target POSTs it to the filter's ingest
-//! route. [`server`] exposes `/healthz`, `/readyz`, `/metrics` ([`telemetry`]) and
+//! route, each with the other gateways' in-flight load, read from their Envoy stats by
+//! [`peers`]. [`server`] exposes `/healthz`, `/readyz`, `/metrics` ([`telemetry`]) and
 //! `/v1/snapshot`. [`config`] is the YAML schema; [`app`] wires it all.
 
 pub mod adapters;
@@ -16,6 +17,7 @@ pub mod discovery;
 pub mod expo;
 pub mod hub;
 pub mod names;
+pub mod peers;
 pub mod push;
 pub mod restart;
 pub mod scrape;

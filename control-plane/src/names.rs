@@ -43,3 +43,6 @@ pub const M_RELOAD_FAILURES: &str = "kvroute_cp_config_reload_failures";
 pub const M_PUSH_AUTH_REJECTED: &str = "kvroute_cp_push_auth_rejected";
 /// Malformed exposition lines skipped (the rest of the scrape is used), label `endpoint`.
 pub const M_SKIPPED_LINES: &str = "kvroute_cp_scrape_skipped_lines";
+/// Gateway stats reads that were not used (in-flight load sharing), labels `target`,
+/// `reason` (`connect`, `timeout`, `status`, `body`, `parse`, `value`, `ambiguous`).
+pub const M_GATEWAY_STATS_ERRORS: &str = "kvroute_cp_gateway_stats_errors";

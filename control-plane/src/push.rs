@@ -1,5 +1,8 @@
 //! Pushing snapshots: one tokio task per Envoy ingest target.
 //!
+//! Each target gets its own body ([`crate::hub::Published::body_for`]): the published
+//! snapshot plus the other gateways' in-flight load ([`crate::peers`]).
+//!
 //! Each task waits for a newly published snapshot and POSTs its wire bytes to the target
 //! with `Authorization: Bearer <token>` (the filter's ingest contract: 204 accepted, 400
 //! invalid, 401 bad token, 413 too large). On failure it retries with exponential backoff
@@ -98,6 +101,18 @@ pub async fn post(
         .unwrap_or(Err(PushError::Timeout))
 }
 
+/// Aborts the stats task of a push target when its push task ends (the supervisor aborts
+/// push tasks it stops).
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(t) = &self.0 {
+            t.abort();
+        }
+    }
+}
+
 /// The per-target loop; returns when `shutdown` turns true. Each push reads the current
 /// token from `token` ([`crate::token`]), so a rotated token is used without a restart.
 pub async fn run_target(
@@ -116,6 +131,17 @@ pub async fn run_target(
     };
     let mut rng = fastrand::Rng::with_seed(target.name.len() as u64 ^ 0x9e37_79b9_7f4a_7c15);
     let mut pending: Option<Arc<Published>> = rx.borrow_and_update().clone();
+    // This gateway's in-flight load, read for the others while this task runs.
+    let stats_task = target.stats_url.is_some().then(|| {
+        tokio::spawn(crate::peers::run_gateway(
+            hub.clone(),
+            client.clone(),
+            target.clone(),
+            settings.peer_load.clone(),
+            shutdown.clone(),
+        ))
+    });
+    let _stop_stats = AbortOnDrop(stats_task);
     loop {
         let Some(snap) = pending.take() else {
             tokio::select! {
@@ -134,7 +160,7 @@ pub async fn run_target(
                 &client,
                 &target.url,
                 bearer.as_deref(),
-                current.body.clone(),
+                current.body_for(&target.name, settings.peer_load.stale_after),
                 settings.timeout,
             )
             .await

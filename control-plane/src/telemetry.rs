@@ -93,6 +93,8 @@ pub struct Telemetry {
     pub push_auth_rejected: Family<TargetLabel, Gauge>,
     /// Malformed exposition lines skipped.
     pub skipped_lines: Family<EndpointLabel, Counter>,
+    /// Gateway stats reads not used, by target and reason ([`crate::peers`]).
+    pub gateway_stats_errors: Family<TargetReason, Counter>,
 }
 
 /// A text rendering of the own metrics.
@@ -215,6 +217,7 @@ impl Telemetry {
             reload_failures: Counter::default(),
             push_auth_rejected: Family::default(),
             skipped_lines: Family::default(),
+            gateway_stats_errors: Family::default(),
         };
         registry.register(
             M_SCRAPE_DURATION,
@@ -277,6 +280,11 @@ impl Telemetry {
             "Malformed exposition lines skipped; the rest of the scrape is used",
             t.skipped_lines.clone(),
         );
+        registry.register(
+            M_GATEWAY_STATS_ERRORS,
+            "Gateway Envoy stats reads not used for load sharing, by target and reason",
+            t.gateway_stats_errors.clone(),
+        );
         Self { registry, ..t }
     }
 
@@ -302,6 +310,16 @@ impl Telemetry {
         self.scrape_errors
             .get_or_create(&EndpointReason {
                 endpoint: endpoint.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Count one unusable gateway stats read.
+    pub fn gateway_stats_error(&self, target: &str, reason: &str) {
+        self.gateway_stats_errors
+            .get_or_create(&TargetReason {
+                target: target.to_owned(),
                 reason: reason.to_owned(),
             })
             .inc();

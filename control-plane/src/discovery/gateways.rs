@@ -1,5 +1,6 @@
 //! Gateway pods as push targets: every ready pod matching the label selector gets every
-//! snapshot at `<scheme>://podIP:<port><path>`.
+//! snapshot at `<scheme>://podIP:<port><path>`, and (with `share_load`) has its in-flight
+//! load read from `<scheme>://podIP:<stats_port><stats_path>` ([`crate::peers`]).
 //!
 //! Why pods and not a Service: a Service load-balances each push to one pod, so with N
 //! gateway replicas each would see only about 1/N of the snapshots and drift stale. Pushing to
@@ -39,9 +40,18 @@ pub fn targets<'a>(g: &GatewayWatch, pods: impl Iterator<Item = &'a Pod>) -> Vec
             let url = format!("{}://{}{}", g.scheme, PodView::address(ip, g.port), g.path)
                 .parse()
                 .ok()?;
+            let stats_url = match &g.stats {
+                Some((port, path)) => Some(
+                    format!("{}://{}{path}", g.scheme, PodView::address(ip, *port))
+                        .parse()
+                        .ok()?,
+                ),
+                None => None,
+            };
             Some(Target {
                 name: format!("{}/{}", g.name, p.name),
                 url,
+                stats_url,
             })
         })
         .collect()
