@@ -944,7 +944,7 @@ impl RawKubernetes {
                 port: g.port,
                 path: url_path(&at("path"), &g.path)?,
                 scheme: scheme(&at("scheme"), &g.scheme)?,
-                stats: g.share_load.then(|| (g.stats_port, stats_path)),
+                stats: g.share_load.then_some((g.stats_port, stats_path)),
             });
         }
         Ok(KubernetesSettings {

@@ -632,7 +632,9 @@ impl Hub {
             if !peers.is_empty() {
                 // Locate each fragment: the envelope writes them in order, comma-separated,
                 // after the `"endpoints":[` header.
-                let mut at = body.len() - 2 - fleet.values().map(|st| st.wire_json.len()).sum::<usize>()
+                let mut at = body.len()
+                    - 2
+                    - fleet.values().map(|st| st.wire_json.len()).sum::<usize>()
                     - fleet.len().saturating_sub(1);
                 for st in fleet.values() {
                     let end = at + st.wire_json.len();
@@ -842,7 +844,15 @@ mod tests {
             read_at_ms: t0,
             load: r
                 .iter()
-                .map(|(e, q, t)| ((*e).to_owned(), PeerLoad { requests: *q, tokens: *t }))
+                .map(|(e, q, t)| {
+                    (
+                        (*e).to_owned(),
+                        PeerLoad {
+                            requests: *q,
+                            tokens: *t,
+                        },
+                    )
+                })
                 .collect(),
         };
         hub.record_gateway_report("gw-1", report(&[("p/a", 2, 1_000)]));
@@ -869,7 +879,10 @@ mod tests {
         }
         assert_eq!(base, p.snapshot().unwrap());
         // The same bytes core writes for that snapshot.
-        assert_eq!(p.body_for("gw-3", stale).as_ref(), for_3.encode().as_slice());
+        assert_eq!(
+            p.body_for("gw-3", stale).as_ref(),
+            for_3.encode().as_slice()
+        );
         // An endpoint scraped after the reading already counts those requests.
         hub.record_success("p/c", stats(0.25, 4, &[]), t0 + 1);
         let p = hub.publish();

@@ -290,7 +290,11 @@ envoy_cluster_upstream_rq{envoy_cluster_name=\"x\"} 5\n";
             parse(b"{\"stats\":[]}", &ids(&["p/e"])),
             Err(StatsError::Parse(_))
         ));
-        let p = parse(b"# TYPE envoy_server_live gauge\nenvoy_server_live{} 1\n", &ids(&["p/e"])).unwrap();
+        let p = parse(
+            b"# TYPE envoy_server_live gauge\nenvoy_server_live{} 1\n",
+            &ids(&["p/e"]),
+        )
+        .unwrap();
         assert!(p.load.is_empty());
         assert_eq!(p.bad_values, 0);
     }

@@ -207,7 +207,10 @@ mod tests {
     #[test]
     fn zero_loads_are_absent_and_sums_saturate() {
         let mut reports = BTreeMap::new();
-        reports.insert("a".to_owned(), report(5, &[("e", 0, 0), ("f", u32::MAX, 1)]));
+        reports.insert(
+            "a".to_owned(),
+            report(5, &[("e", 0, 0), ("f", u32::MAX, 1)]),
+        );
         reports.insert("b".to_owned(), report(5, &[("f", 7, u64::MAX)]));
         let c = peer_load_for(&reports, "c", 5, 0, |_| Some(5));
         assert_eq!(

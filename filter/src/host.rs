@@ -310,7 +310,9 @@ pub mod mock {
             }
         }
         fn gauge_set_named(&self, name: &str, value: u64) {
-            self.named_gauges.borrow_mut().insert(name.to_owned(), value);
+            self.named_gauges
+                .borrow_mut()
+                .insert(name.to_owned(), value);
         }
         fn log(&self, _level: Level, msg: &str) {
             self.logs.borrow_mut().push(msg.into());

@@ -254,11 +254,7 @@ impl Worker {
                     host.gauge_set_named(&name, v);
                 };
                 for (id, l) in unseen.iter().filter(|(_, l)| l.requests > 0) {
-                    set(
-                        metric::INFLIGHT_UNSEEN_REQUESTS,
-                        id,
-                        u64::from(l.requests),
-                    );
+                    set(metric::INFLIGHT_UNSEEN_REQUESTS, id, u64::from(l.requests));
                     set(metric::INFLIGHT_UNSEEN_TOKENS, id, l.tokens);
                 }
                 for id in &self.exported_unseen {
