@@ -92,6 +92,9 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(c.push.backoff_initial, Duration::from_millis(100));
     assert_eq!(c.push.backoff_max, Duration::from_secs(5));
     assert_eq!(c.push.token_env, "KVROUTE_INGEST_TOKEN");
+    assert_eq!(c.push.peer_load.interval, Duration::from_millis(200));
+    assert_eq!(c.push.peer_load.timeout, Duration::from_millis(500));
+    assert_eq!(c.push.peer_load.stale_after, Duration::from_secs(2));
     assert!(c.targets.is_empty() && c.endpoints.is_empty());
 }
 
@@ -129,6 +132,12 @@ fn invalid_fields_are_named() {
         ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1}\n    - {name: g, namespace: n, selector: {a: b}, port: 1}\n", "config field `kubernetes.gateways[1].name` = `g`: must be non-empty, unique, without control characters"),
         ("targets:\n  - name: e\n    url: http://a:1/\n  - name: e\n    url: http://b:1/\n", "config field `targets[1].name` = `e`: duplicate target name"),
         ("pools:\n  - name: a/b\n    endpoints: []\n", "config field `pools[0].name` = `a/b`: must be non-empty and contain no `/`"),
+        ("push:\n  peer_load: {interval_ms: 5}\n", "config field `push.peer_load.interval_ms` = `5`: must be in 10..=60000 ms"),
+        ("push:\n  peer_load: {timeout_ms: 0}\n", "config field `push.peer_load.timeout_ms` = `0`: must be in 1..=60000 ms"),
+        ("push:\n  peer_load: {interval_ms: 500, stale_after_ms: 100}\n", "config field `push.peer_load.stale_after_ms` = `100`: must be in 500..=600000 ms"),
+        ("targets:\n  - name: e\n    url: http://a:1/\n    stats_url: ftp://a:9901/stats\n", "config field `targets[0].stats_url` = `ftp://a:9901/stats`: must start with http:// or https://"),
+        ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1, stats_port: 0}\n", "config field `kubernetes.gateways[0].stats_port` = `0`: must be in 1..=65535"),
+        ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1, stats_path: stats}\n", "config field `kubernetes.gateways[0].stats_path` = `stats`: must be a URL path starting with `/`"),
         ("pools:\n  - name: p\n    endpoints: []\n  - name: p\n    endpoints: []\n", "config field `pools[1].name` = `p`: duplicate pool name"),
     ];
     for (yaml, want) in cases {

@@ -298,6 +298,11 @@ async fn every_gateway_pod_gets_snapshots_and_removed_pods_are_dropped() {
         cp.targets()[0].url.to_string(),
         format!("http://127.0.0.1:{port}/kvroute/v1/snapshot")
     );
+    // Each pod's in-flight load is read from Istio's Envoy stats port by default.
+    assert_eq!(
+        cp.targets()[0].stats_url.as_ref().map(ToString::to_string),
+        Some("http://127.0.0.1:15090/stats/prometheus".to_string())
+    );
     assert_eq!(
         ingest1.last().unwrap().auth.as_deref(),
         Some("Bearer ingest-token-0123456789")

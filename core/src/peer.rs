@@ -219,6 +219,46 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// For fresh reports of endpoints scraped before them, what gateway G adds plus G's
+        /// own report is the same fleet-wide total for every G: each request is counted
+        /// exactly once from every gateway's point of view.
+        #[test]
+        fn own_plus_peers_is_the_fleet_total(
+            raw in proptest::collection::vec(
+                proptest::collection::vec((0usize..4, 0u32..50, 0u64..10_000), 0..6),
+                1..5,
+            )
+        ) {
+            let reports: BTreeMap<String, GatewayReport> = raw
+                .iter()
+                .enumerate()
+                .map(|(g, loads)| {
+                    let mut load: BTreeMap<String, PeerLoad> = BTreeMap::new();
+                    for (e, r, t) in loads {
+                        load.entry(format!("p/e{e}")).or_default().add(&PeerLoad { requests: *r, tokens: *t });
+                    }
+                    (format!("gw-{g}"), GatewayReport { read_at_ms: 100, load })
+                })
+                .collect();
+            let mut total: BTreeMap<String, PeerLoad> = BTreeMap::new();
+            for r in reports.values() {
+                for (e, l) in &r.load {
+                    total.entry(e.clone()).or_default().add(l);
+                }
+            }
+            total.retain(|_, l| !l.is_zero());
+            for (g, own) in &reports {
+                let mut seen = peer_load_for(&reports, g, 100, 1_000, |_| Some(50));
+                for (e, l) in &own.load {
+                    seen.entry(e.clone()).or_default().add(l);
+                }
+                seen.retain(|_, l| !l.is_zero());
+                proptest::prop_assert_eq!(&seen, &total);
+            }
+        }
+    }
+
     #[test]
     fn spliced_fragment_equals_encoded_endpoint() {
         for l in [load(0, 0), load(3, 0), load(0, 9), load(2, 4_096)] {

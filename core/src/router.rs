@@ -873,6 +873,45 @@ mod tests {
     }
 
     #[test]
+    fn peer_load_counts_like_own_inflight() {
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":10}"#;
+        let table = InflightTable::default();
+        // least_request: e0 carries 2 of another gateway's requests, e1 one of this
+        // router's own reservations, e2 one peer request; e3 is idle and wins every time.
+        let mut eps = vec![ep(0, 0.1), ep(1, 0.1), ep(2, 0.1), ep(3, 0.1)];
+        eps[0].peer_inflight_requests = 2;
+        eps[2].peer_inflight_requests = 1;
+        let snap = Snapshot::new(1, NOW, eps);
+        let mut own = InflightTable::default();
+        own.reserve(1, "pool/e1", 10, NOW, 60_000);
+        let mut r = router(PolicyKind::LeastRequest);
+        for _ in 0..20 {
+            let d = r.route(&snap, &own, "/v1/completions", Some(body), NOW);
+            assert_eq!(route(&d).endpoint, "pool/e3");
+        }
+        // least_kv: peer tokens take KV headroom exactly as own reservations do. All four at
+        // 10 % of 100,000 tokens; 30,000 peer tokens on e0..e2 leave e3 the least used.
+        let mut eps = vec![ep(0, 0.1), ep(1, 0.1), ep(2, 0.1), ep(3, 0.1)];
+        for e in eps.iter_mut().take(3) {
+            e.peer_inflight_tokens = 30_000;
+        }
+        let snap = Snapshot::new(2, NOW, eps);
+        let mut r = router(PolicyKind::LeastKv);
+        for _ in 0..20 {
+            let d = r.route(&snap, &table, "/v1/completions", Some(body), NOW);
+            assert_eq!(route(&d).endpoint, "pool/e3");
+        }
+        // The same tokens as an own reservation pick the same way (one implementation).
+        let snap = Snapshot::new(3, NOW, vec![ep(0, 0.1), ep(1, 0.1), ep(2, 0.1), ep(3, 0.1)]);
+        let mut own = InflightTable::default();
+        for (i, e) in ["pool/e0", "pool/e1", "pool/e2"].into_iter().enumerate() {
+            own.reserve(i as u64, e, 30_000, NOW, 60_000);
+        }
+        let d = r.route(&snap, &own, "/v1/completions", Some(body), NOW);
+        assert_eq!(route(&d).endpoint, "pool/e3");
+    }
+
+    #[test]
     fn body_is_analysed_hashed_and_recorded() {
         let mut r = router(PolicyKind::RoundRobin);
         let snap = Snapshot::new(1, NOW, vec![ep(0, 0.1), ep(1, 0.1)]);
