@@ -138,6 +138,22 @@ pub fn check(
              ingest filter with an `ingest_token` answers them 401"
         ))),
     }
+    let unshared: Vec<&str> = config
+        .targets
+        .iter()
+        .filter(|t| t.stats_url.is_none())
+        .map(|t| t.name.as_str())
+        .collect();
+    if config.targets.len() >= 2 && !unshared.is_empty() {
+        out.push(Finding::Note(format!(
+            "load sharing: {} of {} targets have no `stats_url` ({}); their in-flight load is \
+             not shared with the other gateways, which may then herd onto one endpoint \
+             between scrapes",
+            unshared.len(),
+            config.targets.len(),
+            unshared.join(", ")
+        )));
+    }
     for pool in &raw.pools {
         let defaulted: Vec<&str> = pool
             .endpoints

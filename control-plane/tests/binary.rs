@@ -131,6 +131,23 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
                 .to_string()
         )
     );
+    // Two gateways, one without a stats URL: its load is not shared.
+    let two = base.replace(
+        "targets:\n",
+        "targets:\n  - name: envoy-1\n    url: http://127.0.0.1:10001/kvroute/v1/snapshot\n    stats_url: http://127.0.0.1:9901/stats/prometheus\n",
+    );
+    assert_eq!(
+        check(&two, Some(good)),
+        (
+            Some(0),
+            format!(
+                "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
+                 note: load sharing: 1 of 2 targets have no `stats_url` (envoy-0); their in-flight load is not shared with the other gateways, which may then herd onto one endpoint between scrapes\n\
+                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090\n",
+                good.len()
+            )
+        )
+    );
     // No token at all while Envoy requires one; a target on another port.
     let other_port = base.replace(":10001/", ":10101/");
     assert_eq!(

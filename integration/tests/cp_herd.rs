@@ -10,8 +10,8 @@
 //!
 //! - **sharing off** (no `stats_url`): each gateway spreads its own two requests, but the
 //!   two gateways pick independently: a round lands on 4 distinct endpoints with probability
-//!   1/6 (fewer when a scrape falls inside the round). The test requires at least one
-//!   herded round of five; all five balanced by chance has probability below 1e-3.
+//!   1/6 (rounds start only when no scrape is due inside them). The test requires at least
+//!   one herded round of five; all five balanced by chance: (1/6)^5, about 1e-4.
 //! - **sharing on** (`stats_url` = each Envoy's admin `/stats/prometheus`): every round lands
 //!   on exactly 4 distinct endpoints, one request each.
 //!
@@ -28,7 +28,7 @@
 use kvroute_core::snapshot::Snapshot;
 use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::http::request;
-use kvroute_integration::harness::kvroute::{envoy_config, FleetMode, TEST_TOKEN};
+use kvroute_integration::harness::kvroute::{envoy_config, now_ms, FleetMode, TEST_TOKEN};
 use kvroute_integration::harness::{free_port, Envoy};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
@@ -42,6 +42,8 @@ const ROUNDS: usize = 5;
 /// stats read every 20 ms + push).
 const GAP: Duration = Duration::from_millis(200);
 const SCRAPE_INTERVAL_MS: u64 = 5_000;
+/// A round's picks span 600 ms; no scrape may fall in this window from its start.
+const ROUND_QUIET_MS: u64 = 1_000;
 
 struct Gateway {
     envoy: Envoy,
@@ -117,7 +119,8 @@ fn endpoint_of(decision: &str) -> String {
 }
 
 /// Wait until the snapshot in force shows every replica idle and scraped after `after_ms`
-/// (so no earlier round's requests linger in it).
+/// (so no earlier round's requests linger in it), with no replica's next scrape due within
+/// [`ROUND_QUIET_MS`].
 async fn wait_idle_snapshot(cp: &ControlPlane, after_ms: u64) {
     let deadline = Instant::now() + Duration::from_millis(3 * SCRAPE_INTERVAL_MS);
     loop {
@@ -128,7 +131,13 @@ async fn wait_idle_snapshot(cp: &ControlPlane, after_ms: u64) {
             .is_some_and(|s: Snapshot| {
                 s.endpoints.len() == REPLICAS
                     && s.endpoints.iter().all(|e| {
-                        e.healthy && e.running == 0 && e.waiting == 0 && e.scraped_at_ms > after_ms
+                        e.healthy
+                            && e.running == 0
+                            && e.waiting == 0
+                            && e.scraped_at_ms > after_ms
+                            // No scrape falls inside the round (4 picks in 600 ms): the
+                            // burst happens between scrapes, as the control needs.
+                            && e.scraped_at_ms + SCRAPE_INTERVAL_MS > now_ms() + ROUND_QUIET_MS
                     })
             });
         if idle {
@@ -208,7 +217,7 @@ async fn round(
         out.push(t.await.unwrap());
     }
     let _ = cp;
-    (out, kvroute_integration::harness::kvroute::now_ms())
+    (out, now_ms())
 }
 
 fn distinct(eps: &[String]) -> usize {
