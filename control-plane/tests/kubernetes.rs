@@ -301,7 +301,7 @@ async fn every_gateway_pod_gets_snapshots_and_removed_pods_are_dropped() {
     // Each pod's in-flight load is read from Istio's Envoy stats port by default.
     assert_eq!(
         cp.targets()[0].stats_url.as_ref().map(ToString::to_string),
-        Some("http://127.0.0.1:15090/stats/prometheus".to_string())
+        Some("http://127.0.0.1:15090/stats/prometheus?filter=inflight_unseen".to_string())
     );
     assert_eq!(
         ingest1.last().unwrap().auth.as_deref(),

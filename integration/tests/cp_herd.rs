@@ -12,7 +12,7 @@
 //!   two gateways pick independently: a round lands on 4 distinct endpoints with probability
 //!   1/6 (rounds start only when no scrape is due inside them). The test requires at least
 //!   one herded round of five; all five balanced by chance: (1/6)^5, about 1e-4.
-//! - **sharing on** (`stats_url` = each Envoy's admin `/stats/prometheus`): every round lands
+//! - **sharing on** (`stats_url` = each Envoy's admin `/stats/prometheus?filter=inflight_unseen`): every round lands
 //!   on exactly 4 distinct endpoints, one request each.
 //!
 //! It also checks that both gateways are fresh (a snapshot in force, `kvroute.snapshot_age_ms`
@@ -42,6 +42,9 @@ const ROUNDS: usize = 5;
 /// stats read every 20 ms + push).
 const GAP: Duration = Duration::from_millis(200);
 const SCRAPE_INTERVAL_MS: u64 = 5_000;
+/// kvroute-cp's default stats path: Envoy's Prometheus stats, narrowed to the kvroute
+/// in-flight gauges by the admin `filter` regex.
+const STATS_PATH: &str = "/stats/prometheus?filter=inflight_unseen";
 /// A round's picks span 600 ms; no scrape may fall in this window from its start.
 const ROUND_QUIET_MS: u64 = 1_000;
 
@@ -83,7 +86,7 @@ fn cp_yaml(sims: &FleetHandle, a: &Gateway, b: &Gateway, share: bool) -> String 
         ));
         if share {
             y.push_str(&format!(
-                "    stats_url: http://{}/stats/prometheus\n",
+                "    stats_url: 'http://{}{STATS_PATH}'\n",
                 g.envoy.admin()
             ));
         }
@@ -183,12 +186,53 @@ async fn round(
             tokio::time::sleep(Duration::from_millis(150)).await;
             let stats = request(
                 "GET",
+                &format!("http://{}{STATS_PATH}", a.envoy.admin()),
+                &[],
+                b"",
+            )
+            .await
+            .unwrap();
+            let full = request(
+                "GET",
                 &format!("http://{}/stats/prometheus", a.envoy.admin()),
                 &[],
                 b"",
             )
             .await
             .unwrap();
+            println!(
+                "one Envoy's /stats/prometheus: {} bytes; with ?filter=inflight_unseen: {} bytes",
+                full.body.len(),
+                stats.body.len()
+            );
+            // The filter keeps only the kvroute in-flight gauges (and their TYPE lines).
+            assert!(
+                stats
+                    .text()
+                    .lines()
+                    .all(|l| l.is_empty() || l.contains("kvroute_inflight_unseen_")),
+                "{}",
+                stats.text()
+            );
+            assert_eq!(
+                kvroute_cp::peers::parse(
+                    &full.body,
+                    &(0..REPLICAS)
+                        .map(|i| format!("sim/replica-{i}"))
+                        .collect::<Vec<_>>()
+                )
+                .unwrap()
+                .load,
+                kvroute_cp::peers::parse(
+                    &stats.body,
+                    &(0..REPLICAS)
+                        .map(|i| format!("sim/replica-{i}"))
+                        .collect::<Vec<_>>()
+                )
+                .unwrap()
+                .load,
+                "the filtered body reads the same as the full one"
+            );
             let text = stats.text();
             let ids: Vec<String> = (0..REPLICAS).map(|i| format!("sim/replica-{i}")).collect();
             let parsed = kvroute_cp::peers::parse(&stats.body, &ids).unwrap();
