@@ -74,6 +74,9 @@ pub trait Host {
     /// Set a gauge whose name is built at run time (one per endpoint: the names are
     /// bounded by the endpoints ever seen, and defined once each).
     fn gauge_set_named(&self, name: &str, value: u64);
+    /// Drop this VM's handle of a run-time-named gauge (its endpoint left the snapshot), so
+    /// the handles stay bounded by the endpoints in force. Envoy keeps the stat itself.
+    fn forget_named_gauge(&self, name: &str);
     /// Log one line.
     fn log(&self, level: Level, msg: &str);
     /// Make HTTP context `context_id` the target of the next stream calls (from a root
@@ -145,6 +148,8 @@ pub mod mock {
         pub metrics: Rc<RefCell<BTreeMap<&'static str, i64>>>,
         /// Gauges with run-time names ([`Host::gauge_set_named`]).
         pub named_gauges: Rc<RefCell<BTreeMap<String, u64>>>,
+        /// Names passed to [`Host::forget_named_gauge`], in order.
+        pub forgotten_gauges: Rc<RefCell<Vec<String>>>,
         /// Log lines.
         pub logs: Rc<RefCell<Vec<String>>>,
         /// Route cache clears.
@@ -313,6 +318,9 @@ pub mod mock {
             self.named_gauges
                 .borrow_mut()
                 .insert(name.to_owned(), value);
+        }
+        fn forget_named_gauge(&self, name: &str) {
+            self.forgotten_gauges.borrow_mut().push(name.to_owned());
         }
         fn log(&self, _level: Level, msg: &str) {
             self.logs.borrow_mut().push(msg.into());

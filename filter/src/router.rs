@@ -116,6 +116,11 @@ pub struct Worker {
     /// Endpoints whose per-endpoint in-flight gauges this worker last set above zero (set
     /// back to 0 once their load is gone).
     exported_unseen: std::collections::BTreeSet<String>,
+    /// Endpoints whose per-endpoint gauges this worker has defined, and the snapshot version
+    /// they were last checked against: handles of endpoints that left the snapshot are
+    /// dropped, so they stay bounded by the fleet in force (endpoint churn).
+    gauge_endpoints: std::collections::BTreeSet<String>,
+    gauge_version: u64,
 }
 
 /// Append the decision record's candidates to a decision reason:
@@ -173,6 +178,8 @@ impl Worker {
             affinity_seen: 0,
             affinity_synced_ms: 0,
             exported_unseen: std::collections::BTreeSet::new(),
+            gauge_endpoints: std::collections::BTreeSet::new(),
+            gauge_version: 0,
         })
     }
 
@@ -245,7 +252,10 @@ impl Worker {
                     .iter()
                     .map(|e| (e.id.as_str(), e.scraped_at_ms))
                     .collect();
-                let unseen = t.unseen_totals(now, |id| scraped.get(id).copied());
+                // Only endpoints of the snapshot in force: load on one that left is of no
+                // use to the other gateways.
+                let mut unseen = t.unseen_totals(now, |id| scraped.get(id).copied());
+                unseen.retain(|id, _| scraped.contains_key(id.as_str()));
                 let mut name = String::new();
                 let mut set = |prefix: &str, id: &str, v: u64| {
                     name.clear();
@@ -268,6 +278,30 @@ impl Worker {
                     .filter(|(_, l)| l.requests > 0)
                     .map(|(id, _)| id)
                     .collect();
+                self.gauge_endpoints
+                    .extend(self.exported_unseen.iter().cloned());
+                if snap.version != self.gauge_version {
+                    self.gauge_version = snap.version;
+                    let gone: Vec<String> = self
+                        .gauge_endpoints
+                        .iter()
+                        .filter(|id| !scraped.contains_key(id.as_str()))
+                        .cloned()
+                        .collect();
+                    for id in gone {
+                        self.gauge_endpoints.remove(&id);
+                        for prefix in [
+                            metric::INFLIGHT_UNSEEN_REQUESTS,
+                            metric::INFLIGHT_UNSEEN_TOKENS,
+                        ] {
+                            name.clear();
+                            name.push_str(prefix);
+                            name.push_str(&id);
+                            host.gauge_set_named(&name, 0);
+                            host.forget_named_gauge(&name);
+                        }
+                    }
+                }
             }
         }
         if let Some(snap) = snap {
@@ -662,6 +696,34 @@ mod tests {
         // Nothing is written for endpoints that never had load.
         *h.named_gauges.borrow_mut() = BTreeMap::new();
         w.record_gauges(&h, 1_000);
+        assert!(h.named_gauges.borrow().is_empty());
+        assert!(h.forgotten_gauges.borrow().is_empty());
+        // e0 leaves the fleet with a reservation still live: its gauges go to 0, their
+        // handles are dropped, and nothing is exported for it any more.
+        shared::update_inflight(&h, 16, |t| {
+            t.reserve(4, "pool/e0", 10, 1_000, 60_000);
+        })
+        .unwrap();
+        w.record_gauges(&h, 1_000);
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(1));
+        // e1 stays, scraped after its reservation as before.
+        shared::publish_snapshot(
+            &h,
+            &Snapshot::new(2, 1_000, vec![endpoint(1, 1_500)]).encode(),
+        )
+        .unwrap();
+        w.record_gauges(&h, 1_001);
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(0));
+        assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(0));
+        assert_eq!(
+            *h.forgotten_gauges.borrow(),
+            vec![
+                "kvroute.inflight_unseen.requests.pool/e0".to_owned(),
+                "kvroute.inflight_unseen.tokens.pool/e0".to_owned()
+            ]
+        );
+        *h.named_gauges.borrow_mut() = BTreeMap::new();
+        w.record_gauges(&h, 1_002);
         assert!(h.named_gauges.borrow().is_empty());
     }
 

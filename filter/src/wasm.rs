@@ -140,6 +140,9 @@ impl Host for ProxyHost {
             let _ = hostcalls::record_metric(id, value);
         }
     }
+    fn forget_named_gauge(&self, name: &str) {
+        NAMED_GAUGES.with(|m| m.borrow_mut().remove(name));
+    }
     fn log(&self, level: Level, msg: &str) {
         let l = match level {
             Level::Debug => LogLevel::Debug,
