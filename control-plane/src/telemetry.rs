@@ -51,6 +51,13 @@ pub struct TargetReason {
     pub reason: String,
 }
 
+/// Label set `{source}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// Config field the files belong to: `scrape.tls`, `push.tls`, `push.token_file`.
+    pub source: String,
+}
+
 /// Label set `{state}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
@@ -93,6 +100,8 @@ pub struct Telemetry {
     pub push_auth_rejected: Family<TargetLabel, Gauge>,
     /// Malformed exposition lines skipped.
     pub skipped_lines: Family<EndpointLabel, Counter>,
+    /// Files that changed on disk into something unusable (previous state kept).
+    pub file_reload_failures: Family<SourceLabel, Counter>,
 }
 
 /// A text rendering of the own metrics.
@@ -215,6 +224,7 @@ impl Telemetry {
             reload_failures: Counter::default(),
             push_auth_rejected: Family::default(),
             skipped_lines: Family::default(),
+            file_reload_failures: Family::default(),
         };
         registry.register(
             M_SCRAPE_DURATION,
@@ -277,6 +287,11 @@ impl Telemetry {
             "Malformed exposition lines skipped; the rest of the scrape is used",
             t.skipped_lines.clone(),
         );
+        registry.register(
+            M_FILE_RELOAD_FAILURES,
+            "Token or TLS files that changed into something unusable; the previous ones stay in use",
+            t.file_reload_failures.clone(),
+        );
         Self { registry, ..t }
     }
 
@@ -295,6 +310,15 @@ impl Telemetry {
             MetricsFormat::OpenMetrics => self.encode(),
             MetricsFormat::PrometheusText => openmetrics_to_prometheus_text(&self.encode()),
         }
+    }
+
+    /// The failure counter of the files behind `source` ([`crate::filewatch`]).
+    pub fn file_reload_failures(&self, source: &str) -> Counter {
+        self.file_reload_failures
+            .get_or_create(&SourceLabel {
+                source: source.to_owned(),
+            })
+            .clone()
     }
 
     /// Count one scrape error.

@@ -337,8 +337,14 @@ mod tests {
         let cases: &[(&str, &str)] = &[
             (r#"{"bogus":1}"#, "unknown field `bogus`"),
             (r#"{"picker":{"bogus":1}}"#, "unknown field `bogus`"),
-            (r#"{"calibrate":"yes"}"#, "invalid type: string \"yes\", expected a boolean"),
-            (r#"{"prefix_index_blocks":-3}"#, "invalid value: integer `-3`"),
+            (
+                r#"{"calibrate":"yes"}"#,
+                "invalid type: string \"yes\", expected a boolean",
+            ),
+            (
+                r#"{"prefix_index_blocks":-3}"#,
+                "invalid value: integer `-3`",
+            ),
             (r#"{"mode":"nope"}"#, "unknown variant `nope`"),
             (r#"{"cluster_header":"X Bad"}"#, "field `cluster_header`"),
             (r#"{"endpoint_header":""}"#, "field `endpoint_header`"),
