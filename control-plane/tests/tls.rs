@@ -308,6 +308,22 @@ async fn rotated_ca_and_client_certificate_files_serve_the_next_connection() {
     })
     .await;
     assert_eq!((failures("scrape.tls"), failures("push.tls")), (1.0, 1.0));
+
+    // So is a client certificate that does not match its key (A's certificate, B's key).
+    let ([ca, _, key], [_, crt_a, _]) = (material(&b), material(&a));
+    write(4, &[ca, crt_a, key]);
+    wait_for(WAIT, "the mismatched key counted in both sections", || {
+        failures("scrape.tls") == 2.0 && failures("push.tls") == 2.0
+    })
+    .await;
+    let (m, i) = (
+        metrics_seen.lock().unwrap().len(),
+        ingest_seen.lock().unwrap().len(),
+    );
+    wait_for(WAIT, "scrapes and pushes still go on with PKI B", || {
+        metrics_seen.lock().unwrap().len() > m + 2 && pushed_fresh_after(i)
+    })
+    .await;
     cp.shutdown().await;
     t1.abort();
     t2.abort();
