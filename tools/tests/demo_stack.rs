@@ -13,7 +13,7 @@ use kvroute_core::picker::PolicyKind;
 use kvroute_integration::harness::free_port;
 use kvroute_tools::demo::gateway::Routing;
 use kvroute_tools::demo::ports::PortPlan;
-use kvroute_tools::demo::run::{run_demo, run_once, DemoOptions, Fleet};
+use kvroute_tools::demo::run::{run_demo, run_once, Arms, DemoOptions, Fleet};
 use kvroute_tools::demo::sim::{SimOptions, DEFAULT_SIM_MODEL};
 use kvroute_tools::replay::{
     default_trace_path, load_workload, ReplayRequest, RunOptions, TraceSource, WorkloadOptions,
@@ -74,7 +74,7 @@ fn options(replicas: usize, ports: PortPlan) -> DemoOptions {
         envoy_concurrency: 1,
         run: RunOptions::new("", ""),
         out: None,
-        compare_round_robin: true,
+        arms: Arms::Both,
         verbose: true,
     }
 }

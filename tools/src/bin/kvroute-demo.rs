@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 use kvroute_tools::demo::gateway::parse_policy;
 use kvroute_tools::demo::llama::{llama_server_binary, smollm2_gguf, LlamaOptions, SMOLLM2_MODEL};
 use kvroute_tools::demo::ports::{PortPlan, DEFAULT_BASE_PORT};
-use kvroute_tools::demo::run::{run_demo, DemoOptions, DemoOutcome, Fleet};
+use kvroute_tools::demo::run::{run_demo, Arms, DemoOptions, DemoOutcome, Fleet};
 use kvroute_tools::demo::signal::shutdown_signal;
 use kvroute_tools::demo::sim::{SimOptions, DEFAULT_SIM_MODEL};
 use kvroute_tools::replay::{
@@ -135,6 +135,18 @@ struct Common {
     /// Skip the Envoy round-robin run.
     #[arg(long, global = true)]
     no_compare: bool,
+    /// Run only Envoy round robin (no kvroute run); with `--no-compare` and a second
+    /// process, the two arms of a long replay can run in parallel on a large machine.
+    #[arg(long, global = true, conflicts_with = "no_compare")]
+    round_robin_only: bool,
+}
+
+fn arms(c: &Common) -> Arms {
+    match (c.no_compare, c.round_robin_only) {
+        (true, _) => Arms::KvrouteOnly,
+        (false, true) => Arms::RoundRobinOnly,
+        (false, false) => Arms::Both,
+    }
 }
 
 fn ports(c: &Common, backends: usize) -> anyhow::Result<PortPlan> {
@@ -208,7 +220,7 @@ async fn demo(a: Args) -> anyhow::Result<DemoOutcome> {
                     envoy_concurrency: c.envoy_concurrency,
                     run,
                     out: Some(c.out.clone()),
-                    compare_round_robin: !c.no_compare,
+                    arms: arms(c),
                     verbose: true,
                 },
                 reqs,
@@ -247,7 +259,7 @@ async fn demo(a: Args) -> anyhow::Result<DemoOutcome> {
                     envoy_concurrency: c.envoy_concurrency,
                     run,
                     out: Some(c.out.clone()),
-                    compare_round_robin: !c.no_compare,
+                    arms: arms(c),
                     verbose: true,
                 },
                 reqs,

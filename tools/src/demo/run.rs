@@ -29,6 +29,18 @@ pub enum Fleet {
     },
 }
 
+/// Which stacks [`run_demo`] replays the trace through, one after the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Arms {
+    /// kvroute, then Envoy's own round robin (the comparison).
+    #[default]
+    Both,
+    /// kvroute alone.
+    KvrouteOnly,
+    /// Envoy round robin alone (e.g. to run the two arms in parallel on a large machine).
+    RoundRobinOnly,
+}
+
 /// Options of [`run_demo`].
 #[derive(Debug, Clone)]
 pub struct DemoOptions {
@@ -47,8 +59,8 @@ pub struct DemoOptions {
     pub run: RunOptions,
     /// Where [`replay::write_report`] writes (`None`: no files).
     pub out: Option<PathBuf>,
-    /// Also run Envoy round robin (default true).
-    pub compare_round_robin: bool,
+    /// Which runs: kvroute then Envoy round robin (the default), or one of them.
+    pub arms: Arms,
     /// Print progress lines to stderr.
     pub verbose: bool,
 }
@@ -85,7 +97,7 @@ pub struct RunOutcome {
 /// Both runs, the table and the files.
 #[derive(Debug, Clone)]
 pub struct DemoOutcome {
-    /// kvroute first, then round robin (if run).
+    /// The runs [`DemoOptions::arms`] asked for: kvroute first, then round robin.
     pub runs: Vec<RunOutcome>,
     /// [`replay::render_table`] of the summaries.
     pub table: String,
@@ -257,10 +269,11 @@ pub async fn run_demo(
     reqs: &[ReplayRequest],
     opts: &DemoOptions,
 ) -> Result<DemoOutcome, DemoError> {
-    let mut routings = vec![Routing::Kvroute(opts.policy)];
-    if opts.compare_round_robin {
-        routings.push(Routing::RoundRobin);
-    }
+    let routings = match opts.arms {
+        Arms::Both => vec![Routing::Kvroute(opts.policy), Routing::RoundRobin],
+        Arms::KvrouteOnly => vec![Routing::Kvroute(opts.policy)],
+        Arms::RoundRobinOnly => vec![Routing::RoundRobin],
+    };
     check_ports(&opts.ports.uses(backends_count(&opts.fleet)))?;
     let mut runs = Vec::new();
     for r in routings {
