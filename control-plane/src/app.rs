@@ -382,16 +382,24 @@ async fn supervise(
                     // A token from an env var can change under the same settings.
                     restart_pushers = config.push != settings.push
                         || *token.subscribe().borrow() != *settings.token.borrow();
+                    // A TLS source is replaced only when its files are: Kubernetes watch
+                    // tasks keep the scrape client they started with, and its source goes
+                    // on following rotations of the same files.
+                    if config.scrape.tls != settings.scrape.tls {
+                        settings.tls.scrape = tls.scrape;
+                    }
+                    if config.push.tls != settings.push.tls {
+                        settings.tls.push = tls.push;
+                    }
                     if restart_scrapers {
                         scrape_client = scrape::client(
                             scrape::connect_timeout(config.scrape.timeout),
-                            &tls.scrape.subscribe(),
+                            &settings.tls.scrape.subscribe(),
                         );
-                        settings.tls.scrape = tls.scrape;
                     }
                     if restart_pushers {
-                        push_client = push::client(config.push.timeout, &tls.push.subscribe());
-                        settings.tls.push = tls.push;
+                        push_client =
+                            push::client(config.push.timeout, &settings.tls.push.subscribe());
                     }
                     let restart_watches = config.kubernetes != settings.kubernetes;
                     if restart_pushers {

@@ -108,7 +108,7 @@ pub fn client_config(
             reason: e.to_string(),
         })?
         .with_root_certificates(roots);
-    let config = match (&s.cert_file, &s.key_file) {
+    let mut config = match (&s.cert_file, &s.key_file) {
         (Some(cert), Some(key)) => {
             let cf = format!("{section}.cert_file");
             let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
@@ -129,7 +129,6 @@ pub fn client_config(
         }
         _ => builder.with_no_client_auth(),
     };
-    let mut config = config;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

@@ -1,8 +1,10 @@
 //! kvroute-cp as a runnable Linux image, built without a container daemon.
 //!
-//! The same content as `control-plane/Dockerfile`'s final stage, for machines with no
-//! container builder: one layer holding a static kvroute-cp and the two files a non-root
-//! image needs, nothing else (no shell, no libc, no package manager):
+//! The daemonless counterpart of `control-plane/Dockerfile` for machines with no container
+//! engine: the same static binary, user, entrypoint, command and port, on no base image
+//! (distroless `static` adds Debian's CA bundle, tzdata and a home directory). One layer
+//! holds the binary and the two files a non-root image needs, nothing else (no shell, no
+//! libc, no package manager):
 //!
 //! | path | mode | why |
 //! |---|---|---|
