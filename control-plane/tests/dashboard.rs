@@ -59,6 +59,7 @@ fn cp_names() -> BTreeSet<String> {
     t.pushes.get_or_create(&g).inc();
     t.scrape_to_push.get_or_create(&g).observe(0.01);
     t.push_auth_rejected.get_or_create(&g).set(0);
+    t.file_reload_failures("push.tls");
     t.endpoints
         .get_or_create(&StateLabel {
             state: "healthy".into(),
