@@ -8,6 +8,8 @@ use crate::config::{
 };
 use crate::discovery::{gateways, kubernetes, Merged, STATIC_SLOT};
 use crate::hub::Hub;
+use crate::telemetry::Telemetry;
+use crate::tls::TlsSource;
 use crate::token::{TokenRx, TokenSource};
 use crate::{push, scrape, server};
 use std::collections::BTreeMap;
@@ -55,20 +57,25 @@ struct Settings {
     tls: Tls,
 }
 
-/// The TLS client configs of both directions.
-#[derive(Clone)]
+/// The TLS client configs of both directions, each kept current while its files change.
 struct Tls {
-    scrape: Arc<rustls::ClientConfig>,
-    push: Arc<rustls::ClientConfig>,
+    scrape: TlsSource,
+    push: TlsSource,
 }
 
 impl Tls {
-    fn build(c: &Config) -> Result<Self, StartError> {
+    fn build(c: &Config, t: &Telemetry) -> Result<Self, StartError> {
+        const SCRAPE: &str = "scrape.tls";
+        const PUSH: &str = "push.tls";
         Ok(Self {
-            scrape: crate::tls::client_config("scrape.tls", &c.scrape.tls)?,
-            push: crate::tls::client_config("push.tls", &c.push.tls)?,
+            scrape: TlsSource::start(SCRAPE, &c.scrape.tls, t.file_reload_failures(SCRAPE))?,
+            push: TlsSource::start(PUSH, &c.push.tls, t.file_reload_failures(PUSH))?,
         })
     }
+}
+
+fn start_token(c: &Config, t: &Telemetry) -> Result<TokenSource, ConfigError> {
+    TokenSource::start(&c.push, t.file_reload_failures("push.token_file"))
 }
 
 /// One reload's worth of new state, built before it is applied.
@@ -118,8 +125,13 @@ async fn kube_client(k: &KubernetesSettings) -> Result<Option<kube::Client>, Sta
 impl ControlPlane {
     /// Start everything on the current tokio runtime.
     pub async fn start(config: Config) -> Result<Self, StartError> {
-        let tls = Tls::build(&config)?;
-        let token = TokenSource::start(&config.push)?;
+        let hub = Hub::new(
+            config.push.heartbeat,
+            config.push.min_interval,
+            first_wait(&config),
+        );
+        let tls = Tls::build(&config, &hub.telemetry)?;
+        let token = start_token(&config, &hub.telemetry)?;
         if token.subscribe().borrow().is_none()
             && !(config.targets.is_empty() && config.kubernetes.gateways.is_empty())
         {
@@ -139,11 +151,6 @@ impl ControlPlane {
             addr: config.listen,
             reason: e.to_string(),
         })?;
-        let hub = Hub::new(
-            config.push.heartbeat,
-            config.push.min_interval,
-            first_wait(&config),
-        );
         hub.set_endpoints(&config.endpoints);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let endpoints = Arc::new(Merged::new(|e: &EndpointSpec| e.id.as_str()));
@@ -211,8 +218,8 @@ impl ControlPlane {
     /// watches). The listen address is not changed (needs a restart). Errors leave the
     /// running config in place.
     pub async fn reload(&self, config: Config) -> Result<(), StartError> {
-        let tls = Tls::build(&config)?;
-        let token = TokenSource::start(&config.push)?;
+        let tls = Tls::build(&config, &self.hub.telemetry)?;
+        let token = start_token(&config, &self.hub.telemetry)?;
         let kube = kube_client(&config.kubernetes).await?;
         self.hub.set_timing(
             config.push.heartbeat,
@@ -296,9 +303,9 @@ async fn supervise(
 ) {
     let mut scrape_client = scrape::client(
         scrape::connect_timeout(settings.scrape.timeout),
-        &settings.tls.scrape,
+        &settings.tls.scrape.subscribe(),
     );
-    let mut push_client = push::client(settings.push.timeout, &settings.tls.push);
+    let mut push_client = push::client(settings.push.timeout, &settings.tls.push.subscribe());
     let mut endpoints_rx = endpoints.subscribe();
     let mut targets_rx = targets.subscribe();
     let mut scrapers: BTreeMap<String, (EndpointSpec, watch::Sender<bool>, JoinHandle<()>)> =
@@ -368,22 +375,32 @@ async fn supervise(
             r = targets_rx.changed() => if r.is_err() { break },
             msg = reload.recv() => match msg {
                 Some(Reload { config, token, kube, tls }) => {
-                    // Clients (and their TLS configs) are rebuilt when their section changes;
-                    // tasks of unchanged sections keep running.
+                    // Clients (and their TLS sources) are replaced when their section changes;
+                    // tasks of unchanged sections keep running with the sources they hold,
+                    // which keep watching the same files.
                     restart_scrapers = config.scrape != settings.scrape;
                     // A token from an env var can change under the same settings.
                     restart_pushers = config.push != settings.push
                         || *token.subscribe().borrow() != *settings.token.borrow();
+                    // A TLS source is replaced only when its files are: Kubernetes watch
+                    // tasks keep the scrape client they started with, and its source goes
+                    // on following rotations of the same files.
+                    if config.scrape.tls != settings.scrape.tls {
+                        settings.tls.scrape = tls.scrape;
+                    }
+                    if config.push.tls != settings.push.tls {
+                        settings.tls.push = tls.push;
+                    }
                     if restart_scrapers {
                         scrape_client = scrape::client(
                             scrape::connect_timeout(config.scrape.timeout),
-                            &tls.scrape,
+                            &settings.tls.scrape.subscribe(),
                         );
                     }
                     if restart_pushers {
-                        push_client = push::client(config.push.timeout, &tls.push);
+                        push_client =
+                            push::client(config.push.timeout, &settings.tls.push.subscribe());
                     }
-                    settings.tls = tls;
                     let restart_watches = config.kubernetes != settings.kubernetes;
                     if restart_pushers {
                         // Running push tasks hold receivers of the old source; they are

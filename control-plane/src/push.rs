@@ -31,7 +31,7 @@ use tokio::sync::watch;
 pub type PushClient = Client<crate::tls::Connector, Full<Bytes>>;
 
 /// A keep-alive client for pushes; `tls` is used for `https://` URLs.
-pub fn client(connect_timeout: Duration, tls: &rustls::ClientConfig) -> PushClient {
+pub fn client(connect_timeout: Duration, tls: &crate::tls::TlsRx) -> PushClient {
     let conn = crate::tls::connector(connect_timeout, tls);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))

@@ -59,7 +59,7 @@ pub type ScrapeClient = Client<crate::tls::Connector, Empty<Bytes>>;
 /// pooled connection keeps it, which at 1,000 endpoints × ~64 KiB is most of the RSS.
 /// `connect_timeout`: [`connect_timeout`] of the scrape timeout, so that a host that does
 /// not answer SYNs shows as unreachable rather than slow. `tls` is used for `https://` URLs.
-pub fn client(connect_timeout: Duration, tls: &rustls::ClientConfig) -> ScrapeClient {
+pub fn client(connect_timeout: Duration, tls: &crate::tls::TlsRx) -> ScrapeClient {
     let conn = crate::tls::connector(connect_timeout, tls);
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))

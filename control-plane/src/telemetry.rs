@@ -51,6 +51,13 @@ pub struct TargetReason {
     pub reason: String,
 }
 
+/// Label set `{source}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// Config field the files belong to: `scrape.tls`, `push.tls`, `push.token_file`.
+    pub source: String,
+}
+
 /// Label set `{state}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
@@ -95,6 +102,8 @@ pub struct Telemetry {
     pub skipped_lines: Family<EndpointLabel, Counter>,
     /// Gateway stats reads not used, by target and reason ([`crate::peers`]).
     pub gateway_stats_errors: Family<TargetReason, Counter>,
+    /// Files that changed on disk into something unusable (previous state kept).
+    pub file_reload_failures: Family<SourceLabel, Counter>,
 }
 
 /// A text rendering of the own metrics.
@@ -218,6 +227,7 @@ impl Telemetry {
             push_auth_rejected: Family::default(),
             skipped_lines: Family::default(),
             gateway_stats_errors: Family::default(),
+            file_reload_failures: Family::default(),
         };
         registry.register(
             M_SCRAPE_DURATION,
@@ -285,6 +295,11 @@ impl Telemetry {
             "Gateway Envoy stats reads not used for load sharing, by target and reason",
             t.gateway_stats_errors.clone(),
         );
+        registry.register(
+            M_FILE_RELOAD_FAILURES,
+            "Token or TLS files that changed into something unusable; the previous ones stay in use",
+            t.file_reload_failures.clone(),
+        );
         Self { registry, ..t }
     }
 
@@ -303,6 +318,15 @@ impl Telemetry {
             MetricsFormat::OpenMetrics => self.encode(),
             MetricsFormat::PrometheusText => openmetrics_to_prometheus_text(&self.encode()),
         }
+    }
+
+    /// The failure counter of the files behind `source` ([`crate::filewatch`]).
+    pub fn file_reload_failures(&self, source: &str) -> Counter {
+        self.file_reload_failures
+            .get_or_create(&SourceLabel {
+                source: source.to_owned(),
+            })
+            .clone()
     }
 
     /// Count one scrape error.

@@ -60,6 +60,7 @@ fn cp_names() -> BTreeSet<String> {
     t.scrape_to_push.get_or_create(&g).observe(0.01);
     t.push_auth_rejected.get_or_create(&g).set(0);
     t.gateway_stats_error("gw", "parse");
+    t.file_reload_failures("push.tls");
     t.endpoints
         .get_or_create(&StateLabel {
             state: "healthy".into(),

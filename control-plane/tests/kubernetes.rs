@@ -364,16 +364,7 @@ async fn every_gateway_pod_gets_snapshots_and_removed_pods_are_dropped() {
     cp.shutdown().await;
 }
 
-/// Replace `dir/token` as kubelet's atomic writer does: `..<ts>/token`, `..data` →
-/// `..<ts>`, `token` → `..data/token`.
+/// Replace `dir/token` as kubelet's atomic writer does ([`common::kubelet_write`]).
 fn rotate_token(dir: &std::path::Path, token: &str) {
-    let ts = dir.join("..2026_11_30_12_00_00.1");
-    std::fs::create_dir(&ts).unwrap();
-    std::fs::write(ts.join("token"), format!("{token}\n")).unwrap();
-    let tmp = dir.join("..data_tmp");
-    std::os::unix::fs::symlink(&ts, &tmp).unwrap();
-    std::fs::rename(&tmp, dir.join("..data")).unwrap();
-    let link_tmp = dir.join("token.tmp");
-    std::os::unix::fs::symlink(dir.join("..data").join("token"), &link_tmp).unwrap();
-    std::fs::rename(&link_tmp, dir.join("token")).unwrap();
+    common::kubelet_write(dir, 1, &[("token", format!("{token}\n").as_bytes())]);
 }

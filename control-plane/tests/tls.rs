@@ -1,6 +1,8 @@
 //! `https://` scrapes and pushes with rustls: a CA, a server certificate for 127.0.0.1 and
 //! a client certificate are generated in the test (rcgen); the test servers are rustls
-//! (tokio-rustls) + hyper on 127.0.0.1 and require the client certificate (mTLS).
+//! (tokio-rustls) + hyper on 127.0.0.1 and require the client certificate (mTLS). They
+//! close every connection after one response, so each scrape and push makes a new TLS
+//! connection; their certificates can be swapped mid-test (rotation).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -11,7 +13,7 @@
 mod common;
 
 use bytes::Bytes;
-use common::{vllm_body, wait_for};
+use common::{kubelet_write, vllm_body, wait_for};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -76,10 +78,12 @@ impl Pki {
 }
 
 type Seen = Arc<Mutex<Vec<(String, Option<String>, Bytes)>>>;
+/// The server's current TLS acceptor; replaced to rotate its certificates.
+type Acceptor = Arc<Mutex<tokio_rustls::TlsAcceptor>>;
 
-/// rustls + hyper server on 127.0.0.1 requiring a client certificate from `ca`; answers
-/// `/metrics` with a vLLM body and 204 to anything else, recording (path, auth, body).
-async fn tls_server(dir: &Path) -> (SocketAddr, Seen, tokio::task::JoinHandle<()>) {
+/// A rustls acceptor with `dir`'s `server.crt`/`server.key`, requiring a client certificate
+/// signed by `dir`'s `ca.crt`.
+fn acceptor(dir: &Path) -> tokio_rustls::TlsAcceptor {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_file_iter(dir.join("ca.crt")).unwrap() {
@@ -103,7 +107,15 @@ async fn tls_server(dir: &Path) -> (SocketAddr, Seen, tokio::task::JoinHandle<()
         .with_single_cert(chain, key)
         .unwrap();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    tokio_rustls::TlsAcceptor::from(Arc::new(config))
+}
+
+/// rustls + hyper server on 127.0.0.1 with [`acceptor`]`(dir)`; answers `/metrics` with a
+/// vLLM body and 204 to anything else, recording (path, auth, body), one request per
+/// connection.
+async fn tls_server(dir: &Path) -> (SocketAddr, Seen, Acceptor, tokio::task::JoinHandle<()>) {
+    let current: Acceptor = Arc::new(Mutex::new(acceptor(dir)));
+    let acceptor = current.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen: Seen = Arc::new(Mutex::new(Vec::new()));
@@ -113,7 +125,7 @@ async fn tls_server(dir: &Path) -> (SocketAddr, Seen, tokio::task::JoinHandle<()
             let Ok((tcp, _)) = listener.accept().await else {
                 continue;
             };
-            let (acceptor, seen) = (acceptor.clone(), s2.clone());
+            let (acceptor, seen) = (acceptor.lock().unwrap().clone(), s2.clone());
             tokio::spawn(async move {
                 let Ok(tls) = acceptor.accept(tcp).await else {
                     return;
@@ -140,12 +152,33 @@ async fn tls_server(dir: &Path) -> (SocketAddr, Seen, tokio::task::JoinHandle<()
                     }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
+                    .keep_alive(false)
                     .serve_connection(TokioIo::new(tls), svc)
                     .await;
             });
         }
     });
-    (addr, seen, task)
+    (addr, seen, current, task)
+}
+
+/// Config scraping `metrics` and pushing to `ingest` over https, both sections with CA
+/// bundle `ca` and client certificate `client` (cert, key).
+fn yaml_files(
+    metrics: SocketAddr,
+    ingest: SocketAddr,
+    scrape_ca: &str,
+    push_ca: &str,
+    client: Option<(&str, &str)>,
+) -> String {
+    let client = client
+        .map(|(c, k)| format!("    cert_file: {c}\n    key_file: {k}\n"))
+        .unwrap_or_default();
+    format!(
+        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 500\n  tls:\n    ca_file: {scrape_ca}\n{client}\
+         push:\n  heartbeat_ms: 100\n  timeout_ms: 500\n  token_env: KVROUTE_TLS_TEST_TOKEN_UNSET\n  tls:\n    ca_file: {push_ca}\n{client}\
+         targets:\n  - name: gw\n    url: https://{ingest}/kvroute/v1/snapshot\n\
+         pools:\n  - name: p\n    kind: vllm\n    models: [m]\n    endpoints:\n      - name: e0\n        address: {metrics}\n        metrics_url: https://{metrics}/metrics\n",
+    )
 }
 
 fn yaml(
@@ -155,35 +188,152 @@ fn yaml(
     scrape_ca: &str,
     client_cert: bool,
 ) -> String {
-    let client = |section: &str| {
-        if client_cert {
-            format!(
-                "    cert_file: {}\n    key_file: {}\n",
-                pki.path("client.crt"),
-                pki.path("client.key")
-            )
-        } else {
-            let _ = section;
-            String::new()
-        }
-    };
-    format!(
-        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 500\n  tls:\n    ca_file: {}\n{}\
-         push:\n  heartbeat_ms: 100\n  timeout_ms: 500\n  token_env: KVROUTE_TLS_TEST_TOKEN_UNSET\n  tls:\n    ca_file: {}\n{}\
-         targets:\n  - name: gw\n    url: https://{ingest}/kvroute/v1/snapshot\n\
-         pools:\n  - name: p\n    kind: vllm\n    models: [m]\n    endpoints:\n      - name: e0\n        address: {metrics}\n        metrics_url: https://{metrics}/metrics\n",
-        pki.path(scrape_ca),
-        client("scrape"),
-        pki.path("ca.crt"),
-        client("push"),
+    let (cert, key) = (pki.path("client.crt"), pki.path("client.key"));
+    yaml_files(
+        metrics,
+        ingest,
+        &pki.path(scrape_ca),
+        &pki.path("ca.crt"),
+        client_cert.then_some((cert.as_str(), key.as_str())),
     )
+}
+
+/// One labelled sample of the control plane's metrics, 0 when absent.
+fn sample(cp: &ControlPlane, prefix: &str) -> f64 {
+    cp.hub()
+        .telemetry
+        .encode()
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A pushed snapshot carrying the stats the metrics server serves.
+fn fresh_stats(body: &Bytes) -> bool {
+    Snapshot::decode(body).is_ok_and(|s| {
+        s.endpoints.len() == 1
+            && s.endpoints[0].healthy
+            && s.endpoints[0].kv_usage == Some(0.125)
+            && s.endpoints[0].running == 3
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_ca_and_client_certificate_files_serve_the_next_connection() {
+    // Two unrelated PKIs. The control plane reads its CA bundle and client certificate from
+    // a directory that kubelet-style swaps rotate; the servers start on PKI A.
+    let (a, b) = (Pki::new(), Pki::new());
+    let live = tempfile::tempdir().unwrap();
+    let material = |p: &Pki| {
+        ["ca.crt", "client.crt", "client.key"].map(|f| std::fs::read(p.dir.path().join(f)).unwrap())
+    };
+    let write = |version: u32, [ca, crt, key]: &[Vec<u8>; 3]| {
+        kubelet_write(
+            live.path(),
+            version,
+            &[("ca.crt", ca), ("tls.crt", crt), ("tls.key", key)],
+        );
+    };
+    write(1, &material(&a));
+    let (metrics, metrics_seen, metrics_tls, t1) = tls_server(a.dir.path()).await;
+    let (ingest, ingest_seen, ingest_tls, t2) = tls_server(a.dir.path()).await;
+    let f = |name: &str| live.path().join(name).display().to_string();
+    let cp = ControlPlane::start(
+        Config::from_yaml(&yaml_files(
+            metrics,
+            ingest,
+            &f("ca.crt"),
+            &f("ca.crt"),
+            Some((&f("tls.crt"), &f("tls.key"))),
+        ))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let pushed_fresh_after = |n: usize| {
+        ingest_seen
+            .lock()
+            .unwrap()
+            .iter()
+            .skip(n)
+            .any(|(_, _, body)| fresh_stats(body))
+    };
+    wait_for(WAIT, "scrape and push with PKI A", || pushed_fresh_after(0)).await;
+
+    // Both servers move to PKI B: a server certificate the control plane does not trust yet,
+    // and only client certificates from B accepted. Scrapes and pushes fail.
+    *metrics_tls.lock().unwrap() = acceptor(b.dir.path());
+    *ingest_tls.lock().unwrap() = acceptor(b.dir.path());
+    let scrape_fails = sample(&cp, "kvroute_cp_scrape_errors_total{");
+    let push_fails = sample(&cp, "kvroute_cp_push_failures_total{");
+    wait_for(WAIT, "scrapes and pushes fail against PKI B", || {
+        sample(&cp, "kvroute_cp_scrape_errors_total{") > scrape_fails
+            && sample(&cp, "kvroute_cp_push_failures_total{") > push_fails
+    })
+    .await;
+    let (m, i) = (
+        metrics_seen.lock().unwrap().len(),
+        ingest_seen.lock().unwrap().len(),
+    );
+
+    // The files rotate to B (no SIGHUP, no config reload): the next connections use them.
+    write(2, &material(&b));
+    wait_for(WAIT, "scrape and push with the rotated PKI B files", || {
+        metrics_seen.lock().unwrap().len() > m && pushed_fresh_after(i)
+    })
+    .await;
+    let failures = |section: &str| {
+        sample(
+            &cp,
+            &format!("kvroute_cp_file_reload_failures_total{{source=\"{section}\"}}"),
+        )
+    };
+    assert_eq!((failures("scrape.tls"), failures("push.tls")), (0.0, 0.0));
+
+    // A rotation to an unusable CA bundle is refused: one failure per section, and the
+    // B material stays in use.
+    let [_, crt, key] = material(&b);
+    write(3, &[b"not a certificate\n".to_vec(), crt, key]);
+    wait_for(WAIT, "the bad CA bundle counted in both sections", || {
+        failures("scrape.tls") == 1.0 && failures("push.tls") == 1.0
+    })
+    .await;
+    let (m, i) = (
+        metrics_seen.lock().unwrap().len(),
+        ingest_seen.lock().unwrap().len(),
+    );
+    wait_for(WAIT, "scrapes and pushes go on with PKI B", || {
+        metrics_seen.lock().unwrap().len() > m + 2 && pushed_fresh_after(i)
+    })
+    .await;
+    assert_eq!((failures("scrape.tls"), failures("push.tls")), (1.0, 1.0));
+
+    // So is a client certificate that does not match its key (A's certificate, B's key).
+    let ([ca, _, key], [_, crt_a, _]) = (material(&b), material(&a));
+    write(4, &[ca, crt_a, key]);
+    wait_for(WAIT, "the mismatched key counted in both sections", || {
+        failures("scrape.tls") == 2.0 && failures("push.tls") == 2.0
+    })
+    .await;
+    let (m, i) = (
+        metrics_seen.lock().unwrap().len(),
+        ingest_seen.lock().unwrap().len(),
+    );
+    wait_for(WAIT, "scrapes and pushes still go on with PKI B", || {
+        metrics_seen.lock().unwrap().len() > m + 2 && pushed_fresh_after(i)
+    })
+    .await;
+    cp.shutdown().await;
+    t1.abort();
+    t2.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_scrape_and_push_with_ca_bundle_and_client_certificate() {
     let pki = Pki::new();
-    let (metrics, metrics_seen, t1) = tls_server(pki.dir.path()).await;
-    let (ingest, ingest_seen, t2) = tls_server(pki.dir.path()).await;
+    let (metrics, metrics_seen, _, t1) = tls_server(pki.dir.path()).await;
+    let (ingest, ingest_seen, _, t2) = tls_server(pki.dir.path()).await;
     let cp = ControlPlane::start(
         Config::from_yaml(&yaml(metrics, ingest, &pki, "ca.crt", true)).unwrap(),
     )
@@ -219,8 +369,8 @@ async fn https_scrape_and_push_with_ca_bundle_and_client_certificate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_fails_closed_on_unknown_ca_or_missing_client_certificate() {
     let pki = Pki::new();
-    let (metrics, metrics_seen, t1) = tls_server(pki.dir.path()).await;
-    let (ingest, ingest_seen, t2) = tls_server(pki.dir.path()).await;
+    let (metrics, metrics_seen, _, t1) = tls_server(pki.dir.path()).await;
+    let (ingest, ingest_seen, _, t2) = tls_server(pki.dir.path()).await;
     // Scrapes trust another CA: the handshake fails, nothing reaches the server.
     let cp = ControlPlane::start(
         Config::from_yaml(&yaml(metrics, ingest, &pki, "other-ca.crt", true)).unwrap(),

@@ -341,3 +341,24 @@ pub fn config_yaml(
     }
     y
 }
+
+/// Write `files` into `dir` as kubelet's atomic writer updates a Secret or projected volume:
+/// the files in a new `..<timestamp>.<version>` directory, the `..data` symlink renamed onto
+/// it, and each `dir/<name>` a symlink to `..data/<name>` (replacing a plain file). Readers
+/// see all old or all new files, never a mix.
+pub fn kubelet_write(dir: &std::path::Path, version: u32, files: &[(&str, &[u8])]) {
+    use std::os::unix::fs::symlink;
+    let ts = dir.join(format!("..2026_11_30_12_00_00.{version}"));
+    std::fs::create_dir(&ts).unwrap();
+    for (name, data) in files {
+        std::fs::write(ts.join(name), data).unwrap();
+    }
+    let tmp = dir.join("..data_tmp");
+    symlink(&ts, &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join("..data")).unwrap();
+    for (name, _) in files {
+        let link_tmp = dir.join(format!("{name}.tmp"));
+        symlink(dir.join("..data").join(name), &link_tmp).unwrap();
+        std::fs::rename(&link_tmp, dir.join(name)).unwrap();
+    }
+}

@@ -1,26 +1,23 @@
-//! Pack a proxy-wasm module as an OCI image layout that Istio (`WasmPlugin` with an
-//! `oci://` URL) and Envoy Gateway can pull, without a container daemon.
+//! Write OCI image layouts without a container daemon: the kvroute filter as a Wasm image
+//! ([`wasm`]) and kvroute-cp as a runnable single-layer Linux image ([`image`]).
 //!
-//! Format: the *compat* variant of the Wasm image specification that Istio implements
-//! (<https://github.com/solo-io/wasm/blob/master/spec/spec-compat.md>):
-//! - exactly one layer, media type `application/vnd.oci.image.layer.v1.tar+gzip`, whose tar
-//!   holds one file, `plugin.wasm`;
-//! - the manifest annotation `module.wasm.image/variant: compat` (required by the spec for
-//!   that layer media type);
-//! - a standard image config (`application/vnd.oci.image.config.v1+json`) with
-//!   `architecture: wasm`, `os: wasip1` (Go's names for the target, as the OCI image spec uses
-//!   GOARCH/GOOS values) and the layer's uncompressed digest as `rootfs.diff_ids[0]`.
-//!
-//! The output is an OCI image layout directory (`oci-layout`, `index.json`, `blobs/sha256/`;
+//! Both go through one writer, [`write_layout`]: one gzip layer, one image config, one
+//! manifest, in an OCI image layout directory (`oci-layout`, `index.json`, `blobs/sha256/`;
 //! <https://github.com/opencontainers/image-spec/blob/v1.1.0/image-layout.md>) that
 //! `skopeo copy oci:DIR:TAG docker://REGISTRY/IMAGE:TAG`, `oras cp --from-oci-layout` or
-//! `crane push DIR` upload. Builds are reproducible: tar entry with mtime 0, uid/gid 0, mode
-//! 0644; gzip header with mtime 0 and no file name; so the same `.wasm` always gives the
-//! same digests.
+//! `crane push DIR` upload.
+//!
+//! Builds are reproducible: tar entries carry mtime 0 and fixed owners and modes
+//! ([`TarEntry`]), the gzip header has mtime 0 and no file name, and no document carries a
+//! creation time or more than one map key (serde writes `HashMap`s in random order), so equal
+//! input gives equal digests.
+
+pub mod image;
+pub mod wasm;
 
 use oci_spec::image::{
-    Arch, Descriptor, DescriptorBuilder, Digest, ImageConfigurationBuilder, ImageIndexBuilder,
-    ImageManifestBuilder, MediaType, OciLayoutBuilder, Os, RootFsBuilder,
+    Descriptor, DescriptorBuilder, Digest, ImageConfiguration, ImageIndexBuilder,
+    ImageManifestBuilder, MediaType, OciLayoutBuilder, RootFsBuilder,
 };
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
@@ -28,12 +25,6 @@ use std::io::Write;
 use std::path::Path;
 use std::str::FromStr;
 
-/// File name of the module inside the layer (compat variant).
-pub const PLUGIN_FILE: &str = "plugin.wasm";
-/// Manifest annotation key of the Wasm image variant.
-pub const VARIANT_ANNOTATION: &str = "module.wasm.image/variant";
-/// Value of [`VARIANT_ANNOTATION`].
-pub const VARIANT_COMPAT: &str = "compat";
 /// `index.json` annotation naming the tag (OCI image layout).
 pub const REF_NAME_ANNOTATION: &str = "org.opencontainers.image.ref.name";
 
@@ -43,6 +34,9 @@ pub enum OciError {
     /// The input is not a WebAssembly binary (`\0asm` magic missing).
     #[error("not a WebAssembly module (no \\0asm header)")]
     NotWasm,
+    /// The input is not a static x86-64 Linux executable (see [`image::check_static_elf`]).
+    #[error("not a static x86-64 ELF executable: {0}")]
+    NotStaticElf(String),
     /// Writing the layout failed.
     #[error("{path}: {source}")]
     Io {
@@ -59,20 +53,31 @@ pub enum OciError {
 /// What was written: the digests, for logs and tests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Built {
-    /// `sha256:...` of the manifest (the image digest to pin in `WasmPlugin.spec.sha256`
-    /// is NOT this; see [`Built::wasm_sha256`]).
+    /// `sha256:...` of the manifest (what `skopeo inspect` shows as the image digest).
     pub manifest_digest: String,
     /// `sha256:...` of the config blob.
     pub config_digest: String,
     /// `sha256:...` of the gzipped layer.
     pub layer_digest: String,
+    /// Size of the gzipped layer, bytes.
+    pub layer_size: u64,
     /// `sha256:...` of the uncompressed layer tar (`rootfs.diff_ids[0]`).
     pub diff_id: String,
-    /// Hex sha256 of `plugin.wasm` itself: the value of Istio's `WasmPlugin.spec.sha256`.
-    pub wasm_sha256: String,
 }
 
-fn sha256_hex(b: &[u8]) -> String {
+/// One entry of a layer tar. Owner, mode and mtime (0) are fixed, never taken from the disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TarEntry<'a> {
+    /// Path inside the image, relative (`usr/local/bin/kvroute-cp`); directories end in `/`.
+    pub path: &'a str,
+    /// Permission bits (`0o755`, `0o644`, `0o1777`).
+    pub mode: u32,
+    /// File content; `None` for a directory.
+    pub data: Option<&'a [u8]>,
+}
+
+/// Hex sha256 of `b`.
+pub fn sha256_hex(b: &[u8]) -> String {
     let d = Sha256::digest(b);
     d.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -84,18 +89,30 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OciError + '_ {
     }
 }
 
-/// The uncompressed layer: a tar with `plugin.wasm` only.
-pub fn layer_tar(wasm: &[u8]) -> Result<Vec<u8>, std::io::Error> {
+/// The uncompressed layer: `entries` in order (parents before children), owned by 0:0,
+/// mtime 0.
+pub fn layer_tar(entries: &[TarEntry<'_>]) -> Result<Vec<u8>, std::io::Error> {
     let mut b = tar::Builder::new(Vec::new());
     b.mode(tar::HeaderMode::Deterministic);
-    let mut h = tar::Header::new_ustar();
-    h.set_size(wasm.len() as u64);
-    h.set_mode(0o644);
-    h.set_mtime(0);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_entry_type(tar::EntryType::Regular);
-    b.append_data(&mut h, PLUGIN_FILE, wasm)?;
+    for e in entries {
+        let mut h = tar::Header::new_ustar();
+        h.set_mode(e.mode);
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
+        match e.data {
+            Some(data) => {
+                h.set_size(data.len() as u64);
+                h.set_entry_type(tar::EntryType::Regular);
+                b.append_data(&mut h, e.path, data)?;
+            }
+            None => {
+                h.set_size(0);
+                h.set_entry_type(tar::EntryType::Directory);
+                b.append_data(&mut h, e.path, std::io::empty())?;
+            }
+        }
+    }
     b.into_inner()
 }
 
@@ -125,32 +142,36 @@ fn descriptor(media: MediaType, digest: &str, size: usize) -> Result<Descriptor,
         .build()?)
 }
 
-/// Write the OCI image layout for `wasm` into `dir` (created if missing), tagged `tag`.
-/// An existing layout in `dir` is replaced (its `index.json` is rewritten; stale blobs are
-/// left, harmless to every reader).
-pub fn build_layout(wasm: &[u8], dir: &Path, tag: &str) -> Result<Built, OciError> {
-    if !wasm.starts_with(b"\0asm") {
-        return Err(OciError::NotWasm);
-    }
+/// Write a single-layer OCI image layout into `dir` (created if missing), tagged `tag`.
+///
+/// `entries` become the layer (`application/vnd.oci.image.layer.v1.tar+gzip`); `config` is
+/// completed with `rootfs` (`layers`, the tar's digest as the only diff_id) and stored as the
+/// image config; `annotations` go on the manifest (at most one key keeps the bytes
+/// reproducible). An existing layout in `dir` is replaced: `index.json` is rewritten, stale
+/// blobs are left (harmless to every reader).
+pub fn write_layout(
+    dir: &Path,
+    tag: &str,
+    entries: &[TarEntry<'_>],
+    mut config: ImageConfiguration,
+    annotations: Option<HashMap<String, String>>,
+) -> Result<Built, OciError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let tar = layer_tar(wasm).map_err(io(dir))?;
+    let tar = layer_tar(entries).map_err(io(dir))?;
     let diff_id = format!("sha256:{}", sha256_hex(&tar));
     let layer = gzip(&tar).map_err(io(dir))?;
     let layer_digest = write_blob(dir, &layer)?;
 
-    let rootfs = RootFsBuilder::default()
-        .typ("layers")
-        .diff_ids(vec![diff_id.clone()])
-        .build()?;
-    let config = ImageConfigurationBuilder::default()
-        .architecture(Arch::Wasm)
-        .os(Os::Other("wasip1".into()))
-        .rootfs(rootfs)
-        .build()?;
+    config.set_rootfs(
+        RootFsBuilder::default()
+            .typ("layers")
+            .diff_ids(vec![diff_id.clone()])
+            .build()?,
+    );
     let config_json = config.to_string()?;
     let config_digest = write_blob(dir, config_json.as_bytes())?;
 
-    let manifest = ImageManifestBuilder::default()
+    let mut manifest = ImageManifestBuilder::default()
         .schema_version(2u32)
         .media_type(MediaType::ImageManifest)
         .config(descriptor(
@@ -163,11 +184,8 @@ pub fn build_layout(wasm: &[u8], dir: &Path, tag: &str) -> Result<Built, OciErro
             &layer_digest,
             layer.len(),
         )?])
-        .annotations(HashMap::from([(
-            VARIANT_ANNOTATION.to_string(),
-            VARIANT_COMPAT.to_string(),
-        )]))
         .build()?;
+    manifest.set_annotations(annotations);
     let manifest_json = manifest.to_string()?;
     let manifest_digest = write_blob(dir, manifest_json.as_bytes())?;
 
@@ -200,7 +218,7 @@ pub fn build_layout(wasm: &[u8], dir: &Path, tag: &str) -> Result<Built, OciErro
         manifest_digest,
         config_digest,
         layer_digest,
+        layer_size: layer.len() as u64,
         diff_id,
-        wasm_sha256: sha256_hex(wasm),
     })
 }
