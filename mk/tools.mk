@@ -21,6 +21,8 @@ bootstrap: toolchain envoy cmake wrk wasm-bindgen-runner ## Install every tool t
 toolchain: ## Add the Rust targets and components pinned in rust-toolchain.toml when missing
 	@# rustup installs a missing *toolchain* with its targets from rust-toolchain.toml, but not
 	@# a target missing from an installed one (rustup 1.29), so check both lists here.
+	@# --no-self-update: `toolchain install` would also update rustup itself, which fails where
+	@# rustup's own home is read-only or elsewhere (seen on a fresh machine, rustup 1.29).
 	@rustup show active-toolchain >/dev/null 2>&1 || rustup toolchain install --no-self-update
 	@targets="$$(rustup target list --installed)"; \
 	for t in $$(sed -n 's/^targets *= *\[\(.*\)\]/\1/p' rust-toolchain.toml | tr -d '",'); do \
