@@ -34,12 +34,12 @@ const MAX_OUTPUT_TOKENS: u32 = 32;
 /// The policy under test: kvroute's default.
 const POLICY: PolicyKind = PolicyKind::Hybrid;
 
-/// Slice start, trace seconds. Measured with the release demo (3 replicas, these settings),
-/// hit rates were: from second 132, kvroute 7.4–8.8 % vs round robin 3.7–6.5 % (4 runs);
-/// from second 390, kvroute 4.9–5.1 % vs round robin 3.3–5.0 %. Round robin's rate depends on
-/// Envoy's random starting host, and at 390 it sometimes tied kvroute. The window from 132
-/// has more reuse inside a conversation, which only a prefix-aware router keeps on one
-/// replica.
+/// Requests in the full-stack slice.
+const N_REQUESTS: usize = 200;
+
+/// Slice start, trace seconds. Mooncake reuses little inside a 200-request window; the one
+/// from second 132 has the most conversation continuations (14, against 8–9 from second
+/// 390), so it shows prefix affinity best.
 const START_S: f64 = 132.0;
 
 /// Heavy tests run one at a time (2 cores).
@@ -89,7 +89,7 @@ fn any_ports() -> PortPlan {
 }
 
 #[test]
-fn mooncake_200_through_the_full_stack_beats_round_robin_on_prefix_hits() {
+fn mooncake_200_through_the_full_stack_keeps_conversations_on_their_replica() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -99,15 +99,63 @@ fn mooncake_200_through_the_full_stack_beats_round_robin_on_prefix_hits() {
         .block_on(mooncake_200());
 }
 
+/// Mooncake block ids of a request (the `kvroute_sim.prefix_block_ids` the workload attached).
+fn block_ids(r: &ReplayRequest) -> Vec<u64> {
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["kvroute_sim"]["prefix_block_ids"]
+        .as_array()
+        .map(|a| a.iter().map(|x| x.as_u64().unwrap()).collect())
+        .unwrap_or_default()
+}
+
+/// Affinity follows: of the requests whose block chain shares at least [`MIN_SHARED_BLOCKS`]
+/// leading blocks with an earlier request of the slice, how many went to the backend that
+/// served the earlier request with the longest shared prefix. Returns (followed, eligible).
+/// Every Mooncake chain starts with block 0 (a shared system prompt), so one shared block
+/// says nothing about a conversation.
+fn affinity_follows(
+    reqs: &[ReplayRequest],
+    run: &kvroute_tools::demo::run::RunOutcome,
+) -> (usize, usize) {
+    let backend: std::collections::HashMap<u64, &str> = run
+        .report
+        .records
+        .iter()
+        .filter_map(|r| Some((r.id, r.backend.as_deref()?)))
+        .collect();
+    let chains: Vec<Vec<u64>> = reqs.iter().map(block_ids).collect();
+    let (mut followed, mut eligible) = (0, 0);
+    for (i, c) in chains.iter().enumerate() {
+        let best = (0..i)
+            .map(|j| {
+                let shared = c.iter().zip(&chains[j]).take_while(|(a, b)| a == b).count();
+                (shared, j)
+            })
+            .max_by_key(|&(shared, j)| (shared, j));
+        if let Some((shared, j)) = best {
+            if shared >= MIN_SHARED_BLOCKS {
+                eligible += 1;
+                if backend.get(&reqs[i].id) == backend.get(&reqs[j].id) {
+                    followed += 1;
+                }
+            }
+        }
+    }
+    (followed, eligible)
+}
+
+/// Leading blocks a request must share with an earlier one to count as a continuation.
+const MIN_SHARED_BLOCKS: usize = 2;
+
 async fn mooncake_200() {
-    let reqs = mooncake(200);
+    let reqs = mooncake(N_REQUESTS);
     let out = run_demo(&reqs, &options(3, any_ports())).await.unwrap();
     println!("{}", out.table);
     let (kv, rr) = (&out.runs[0], &out.runs[1]);
     assert_eq!(kv.summary.label, "kvroute-hybrid");
     assert_eq!(rr.summary.label, "envoy-round-robin");
     for run in [kv, rr] {
-        assert_eq!(run.summary.requests, 200, "{}", run.summary.label);
+        assert_eq!(run.summary.requests, N_REQUESTS, "{}", run.summary.label);
         let errors: Vec<_> = run
             .report
             .records
@@ -129,7 +177,11 @@ async fn mooncake_200() {
     }
     // Every request was routed by the filter: 200 decisions by the policy, none fell open,
     // none took the default route.
-    assert_eq!(kv.gateway.filter_decisions, 200, "{:?}", kv.gateway);
+    assert_eq!(
+        kv.gateway.filter_decisions, N_REQUESTS as u64,
+        "{:?}",
+        kv.gateway
+    );
     assert_eq!(kv.gateway.fail_open, 0);
     assert_eq!(kv.gateway.default_route, 0);
     // The snapshot reached the filter and stayed fresh while serving.
@@ -141,16 +193,26 @@ async fn mooncake_200() {
     assert!(kv.gateway.snapshot_age_ms.unwrap() < 1000);
     // Round robin ran without the filter.
     assert_eq!(rr.gateway.filter_decisions, 0);
-    // Prefix-aware routing reuses more of the cache on the same requests.
+    // Prefix-aware routing keeps a conversation on the replica that holds its prefix. The
+    // slice has 14 continuations (requests sharing at least 2 leading blocks with an earlier
+    // one); 6 release runs kept 11–14 of them on the earlier request's replica, round robin
+    // 3–6 (a third by chance).
+    let (kf, ke) = affinity_follows(&reqs, kv);
+    let (rf, re) = affinity_follows(&reqs, rr);
+    println!("continuations kept on their replica: kvroute {kf}/{ke}, round robin {rf}/{re}");
+    assert_eq!((ke, re), (14, 14), "continuations in the slice");
+    assert!(
+        kf * 10 >= ke * 7,
+        "kvroute kept only {kf}/{ke} continuations"
+    );
+    assert!(kf > rf, "kvroute kept {kf}/{ke}, round robin {rf}/{re}");
+    // The token-weighted hit rate is printed, not compared: on 200 requests it turns on 4
+    // continuations of 20k–81k tokens, and whether the simulated replica still holds their
+    // prefix after ~80 requests of other traffic (its LRU cache fills). Measured: kvroute
+    // 5.7–9.3 %, round robin 3.7–9.0 % (docs/demo.md).
     println!(
         "prefix-cache hit rate: kvroute {:.4}, round robin {:.4}",
         kv.summary.prefix_hit_rate, rr.summary.prefix_hit_rate
-    );
-    assert!(
-        kv.summary.prefix_hit_rate > rr.summary.prefix_hit_rate,
-        "kvroute {:.3} vs round robin {:.3}",
-        kv.summary.prefix_hit_rate,
-        rr.summary.prefix_hit_rate
     );
     // Round robin spreads evenly over the 3 replicas (Envoy's RR, one worker).
     assert_eq!(rr.summary.backend_share.len(), 3);
