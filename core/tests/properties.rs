@@ -8,7 +8,7 @@
 )] // test code: fail loudly
 
 use kvroute_core::analysis::{analyze, AnalysisError, ApiKind};
-use kvroute_core::estimate::Estimator;
+use kvroute_core::estimate::{CharClassCosts, Estimator, Tally};
 use kvroute_core::picker::*;
 use kvroute_core::prefix::{block_hashes, PrefixConfig};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
@@ -171,6 +171,33 @@ proptest! {
             prop_assert_eq!(&a.prefix_text, &format!("<|user|>\n{t}\n"));
             prop_assert_eq!(a.prompt_tokens, est.estimate_text(t) + 6);
         }
+    }
+
+    #[test]
+    fn sampled_tally_does_not_depend_on_how_the_text_is_split(
+        text in "[a-zA-Z0-9 ,.\n东é😀]{3000,9000}",
+        cuts in prop::collection::vec(0usize..40_000, 0..40),
+    ) {
+        let whole = Estimator::default().estimate_text_f64(&text);
+        let mut at: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
+        at.push(0);
+        at.push(text.len());
+        at.sort_unstable();
+        let mut t = Tally::sampled();
+        for w in at.windows(2) {
+            t.feed(&text.as_bytes()[w[0]..w[1]]);
+        }
+        t.end_text();
+        let pieces = t.tokens(&CharClassCosts::default());
+        prop_assert!((pieces - whole).abs() < 1e-6, "{} vs {}", pieces, whole);
+    }
+
+    #[test]
+    fn long_json_strings_estimate_like_the_plain_text(text in "[a-z \"\\\\\n\t东é]{3000,9000}") {
+        let est = Estimator::default();
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": &text}]}).to_string();
+        let a = analyze(ApiKind::ChatCompletions, body.as_bytes(), &est).unwrap();
+        prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
     }
 
     #[test]
