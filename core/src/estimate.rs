@@ -4,7 +4,8 @@
 //! worker is too heavy. Instead, [`Estimator::estimate_text`] scans the text once (past its
 //! first 2 KiB, a 1-in-16 sample of it: [`Tally`]) and counts character classes, each
 //! with a per-class token cost calibrated against OpenAI's `cl100k_base` BPE (via
-//! `tiktoken-rs`) on the ShareGPT prompts in `../shared/data/prompts/` (see `core/tests/estimator_accuracy.rs` and the README table):
+//! `tiktoken-rs`) on the ShareGPT prompts in `../shared/data/prompts/` (see
+//! `core/tests/estimator_accuracy.rs` and the README table):
 //!
 //! | class | cost | why |
 //! |---|---|---|
