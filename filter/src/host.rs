@@ -47,12 +47,16 @@ pub trait Host {
     }
     /// A request header (`:path`, `:method` included).
     fn request_header(&self, name: &str) -> Option<String>;
+    /// Every request header, `(name, value)` in the host's order (proxy-wasm
+    /// `get_http_request_headers`: one host call for what would take one per header).
+    fn request_headers(&self) -> Vec<(String, String)>;
     /// Set (`Some`) or remove (`None`) a request header.
     fn set_request_header(&self, name: &str, value: Option<&str>);
     /// Set a response header.
     fn set_response_header(&self, name: &str, value: &str);
-    /// A response header.
-    fn response_header(&self, name: &str) -> Option<String>;
+    /// Every response header, `(name, value)` (proxy-wasm `get_http_response_headers`, one
+    /// host call).
+    fn response_headers(&self) -> Vec<(String, String)>;
     /// Bytes `0..size` of the buffered request body.
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
     /// Bytes `0..size` of the current response body chunk.
@@ -223,6 +227,13 @@ pub mod mock {
         fn request_header(&self, name: &str) -> Option<String> {
             self.req_headers.borrow().get(name).cloned()
         }
+        fn request_headers(&self) -> Vec<(String, String)> {
+            self.req_headers
+                .borrow()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        }
         fn set_request_header(&self, name: &str, value: Option<&str>) {
             let mut h = self.req_headers.borrow_mut();
             match value {
@@ -235,8 +246,12 @@ pub mod mock {
                 .borrow_mut()
                 .insert(name.into(), value.into());
         }
-        fn response_header(&self, name: &str) -> Option<String> {
-            self.resp_headers.borrow().get(name).cloned()
+        fn response_headers(&self) -> Vec<(String, String)> {
+            self.resp_headers
+                .borrow()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
         }
         fn request_body(&self, size: usize) -> Option<Vec<u8>> {
             let b = self.req_body.borrow();

@@ -93,8 +93,16 @@ impl Stream {
 
     /// Request headers arrived.
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
-        self.path = host.request_header(":path").unwrap_or_default();
-        if reply::is_model_list(host.request_header(":method").as_deref(), &self.path) {
+        // One host call for every header this callback reads (instead of one per header).
+        let headers = host.request_headers();
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        self.path = get(":path").unwrap_or_default().to_owned();
+        if reply::is_model_list(get(":method"), &self.path) {
             let catalog = self.worker.borrow_mut().cache.catalog(host).ok().flatten();
             if let Some(c) = catalog {
                 host.metric_add(MetricKind::Counter, metric::MODELS_LISTED, 1);
@@ -112,15 +120,14 @@ impl Stream {
             )
         };
         // A client must not choose its own backend.
-        host.set_request_header(&ch, None);
-        host.set_request_header(&eh, None);
-        host.set_request_header(DECISION_HEADER, None);
-        let upgrade = host.request_header("upgrade").is_some();
-        let encoded = host
-            .request_header("content-encoding")
-            .is_some_and(|e| !e.eq_ignore_ascii_case("identity"));
-        let too_big = host
-            .request_header("content-length")
+        for name in [ch.as_str(), eh.as_str(), DECISION_HEADER] {
+            if get(name).is_some() {
+                host.set_request_header(name, None);
+            }
+        }
+        let upgrade = get("upgrade").is_some();
+        let encoded = get("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case("identity"));
+        let too_big = get("content-length")
             .and_then(|l| l.trim().parse::<u64>().ok())
             .is_some_and(|l| l > max as u64);
         if end_of_stream || upgrade || encoded || too_big {
@@ -253,8 +260,13 @@ impl Stream {
     /// Cluster mode: Envoy's router answered its own empty 503 because the cluster the
     /// filter named does not exist (`response.code_details` `cluster_not_found`, e.g. a
     /// typo or a defaulted `cluster` in kvroute-cp's config). Counted, logged with the
-    /// cluster's name, and replaced by a 503 that says what is wrong.
-    fn missing_cluster<H: Host>(&mut self, host: &H) -> Option<LocalReply> {
+    /// cluster's name, and replaced by a 503 that says what is wrong. The attribute is read
+    /// only for a 503 or a 404 (the router's `cluster_not_found_response_code` choices), so
+    /// other responses cost no property call.
+    fn missing_cluster<H: Host>(&mut self, host: &H, status: Option<&str>) -> Option<LocalReply> {
+        if !matches!(status, Some("503" | "404")) {
+            return None;
+        }
         if host.property(&["response", "code_details"]).as_deref() != Some("cluster_not_found") {
             return None;
         }
@@ -277,7 +289,15 @@ impl Stream {
             return Flow::Continue;
         }
         self.adopt_resumed(host);
-        if let Some(r) = self.missing_cluster(host) {
+        // One host call for every response header this callback reads.
+        let headers = host.response_headers();
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        if let Some(r) = self.missing_cluster(host, get(":status")) {
             self.reply(host, &r);
             return Flow::Pause;
         }
@@ -295,9 +315,7 @@ impl Stream {
         if debug && !self.reason.is_empty() {
             host.set_response_header(DECISION_HEADER, &self.reason);
         }
-        let sse = host
-            .response_header("content-type")
-            .is_some_and(|c| c.starts_with("text/event-stream"));
+        let sse = get("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
         self.resp = if sse {
             Resp::Sse(SseUsageScanner::new(tail))
         } else {
@@ -621,6 +639,16 @@ mod tests {
         assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
         assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
         let r = r.with_property("response.code_details", "cluster_not_found");
+        // Only a 503 (or 404) response has its code details read.
+        r.resp_headers
+            .borrow_mut()
+            .insert(":status".into(), "200".into());
+        assert_eq!(s.on_response_headers(&r), Flow::Continue);
+        assert!(r.replies().is_empty());
+        s.replied = false;
+        r.resp_headers
+            .borrow_mut()
+            .insert(":status".into(), "503".into());
         assert_eq!(s.on_response_headers(&r), Flow::Pause);
         let rep = r.replies();
         assert_eq!(rep.len(), 1);

@@ -73,16 +73,17 @@ impl Host for ProxyHost {
             .ok()
             .flatten()
     }
+    fn request_headers(&self) -> Vec<(String, String)> {
+        hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default()
+    }
     fn set_request_header(&self, name: &str, value: Option<&str>) {
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
     }
     fn set_response_header(&self, name: &str, value: &str) {
         let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
     }
-    fn response_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-            .ok()
-            .flatten()
+    fn response_headers(&self) -> Vec<(String, String)> {
+        hostcalls::get_map(MapType::HttpResponseHeaders).unwrap_or_default()
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
