@@ -840,8 +840,10 @@ mod tests {
         for (id, at) in [("p/a", t0 - 500), ("p/b", t0 - 500), ("p/c", t0 - 500)] {
             hub.record_success(id, stats(0.25, 1, &[]), at);
         }
+        // Read 100 ms before t0: strictly older than any publish from here on, so the
+        // zero staleness bound below drops it however fast this test runs.
         let report = |r: &[(&str, u32, u64)]| GatewayReport {
-            read_at_ms: t0,
+            read_at_ms: t0 - 100,
             load: r
                 .iter()
                 .map(|(e, q, t)| {
