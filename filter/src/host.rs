@@ -166,6 +166,11 @@ pub mod mock {
         pub properties: Rc<RefCell<BTreeMap<String, String>>>,
     }
 
+    /// A header map as the `(name, value)` list a batch host call returns.
+    fn pairs(m: &BTreeMap<String, String>) -> Vec<(String, String)> {
+        m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
     impl MockHost {
         /// A host at time `now_ms` with fresh shared state.
         pub fn new(now_ms: u64) -> Self {
@@ -228,11 +233,7 @@ pub mod mock {
             self.req_headers.borrow().get(name).cloned()
         }
         fn request_headers(&self) -> Vec<(String, String)> {
-            self.req_headers
-                .borrow()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
+            pairs(&self.req_headers.borrow())
         }
         fn set_request_header(&self, name: &str, value: Option<&str>) {
             let mut h = self.req_headers.borrow_mut();
@@ -247,11 +248,7 @@ pub mod mock {
                 .insert(name.into(), value.into());
         }
         fn response_headers(&self) -> Vec<(String, String)> {
-            self.resp_headers
-                .borrow()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
+            pairs(&self.resp_headers.borrow())
         }
         fn request_body(&self, size: usize) -> Option<Vec<u8>> {
             let b = self.req_body.borrow();

@@ -64,6 +64,15 @@ pub struct Stream {
     resp: Resp,
 }
 
+/// Value of header `name` (ASCII case-insensitive) in `headers` as one host call returned
+/// them.
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
 impl Stream {
     /// A stream of HTTP context `context_id` on `worker`.
     pub fn new(worker: Rc<RefCell<Worker>>, context_id: u32) -> Self {
@@ -95,12 +104,7 @@ impl Stream {
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
         // One host call for every header this callback reads (instead of one per header).
         let headers = host.request_headers();
-        let get = |name: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |name: &str| header(&headers, name);
         self.path = get(":path").unwrap_or_default().to_owned();
         if reply::is_model_list(get(":method"), &self.path) {
             let catalog = self.worker.borrow_mut().cache.catalog(host).ok().flatten();
@@ -291,12 +295,7 @@ impl Stream {
         self.adopt_resumed(host);
         // One host call for every response header this callback reads.
         let headers = host.response_headers();
-        let get = |name: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str())
-        };
+        let get = |name: &str| header(&headers, name);
         if let Some(r) = self.missing_cluster(host, get(":status")) {
             self.reply(host, &r);
             return Flow::Pause;
