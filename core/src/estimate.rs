@@ -225,7 +225,8 @@ const HIST_CLASSES: usize = 7;
 /// [`Tally::tokens`]. Texts ended with `end_text` never join runs across their boundary.
 ///
 /// ## Sampled tail ([`Tally::sampled`])
-/// A sampled tally counts the first [`SAMPLE_HEAD_BYTES`] bytes it is fed exactly. Of the
+/// A sampled tally counts the first [`SAMPLE_HEAD_BYTES`] bytes it is fed exactly (up to
+/// the end of the word or number at that limit). Of the
 /// bytes after them (the tail) it counts one window of about [`SAMPLE_WINDOW_BYTES`] in every
 /// [`SAMPLE_STRIDE_BYTES`], and scales the windows' tokens by tail bytes / window bytes:
 ///
@@ -294,6 +295,8 @@ impl Default for Counts {
 enum Phase {
     /// Counting the first [`SAMPLE_HEAD_BYTES`] exactly.
     Head,
+    /// Past the head's limit, inside the word or number it cut.
+    HeadFinish,
     /// Between windows.
     Skip,
     /// At a window's offset, looking for a byte it may start at.
@@ -423,26 +426,33 @@ impl Tally {
     /// [`Self::feed`] for a sampled tally: route each stretch of `bytes` to the exact scan
     /// (head, windows) or past it (between windows).
     fn feed_sampled(&mut self, st: &mut Sample, mut bytes: &[u8]) {
-        // Whole characters: a cut at `at` moves forward past continuation bytes.
-        let boundary = |b: &[u8], mut at: usize| {
-            while b.get(at).is_some_and(|&c| c & 0xC0 == 0x80) {
-                at += 1;
-            }
-            at.min(b.len())
-        };
         while !bytes.is_empty() {
             match st.phase {
-                Phase::Head => {
-                    let room = SAMPLE_HEAD_BYTES.saturating_sub(st.head_bytes);
+                Phase::Head | Phase::HeadFinish => {
+                    let room = if st.phase == Phase::Head {
+                        SAMPLE_HEAD_BYTES.saturating_sub(st.head_bytes)
+                    } else {
+                        0
+                    };
                     if bytes.len() as u64 <= room {
                         self.feed_exact(bytes);
                         st.head_bytes += bytes.len() as u64;
                         return;
                     }
-                    let cut = boundary(bytes, room as usize);
-                    let (now, rest) = bytes.split_at(cut);
+                    // The head ends after the word or number (and character) its limit
+                    // cuts, into the next piece if this one ends inside it, so the tail
+                    // starts between words.
+                    let mut cut = room as usize;
+                    while bytes.get(cut).is_some_and(|&c| !window_start(c)) {
+                        cut += 1;
+                    }
+                    let (now, rest) = bytes.split_at(cut.min(bytes.len()));
                     self.feed_exact(now);
-                    st.head_bytes += cut as u64;
+                    st.head_bytes += now.len() as u64;
+                    if rest.is_empty() {
+                        st.phase = Phase::HeadFinish;
+                        return;
+                    }
                     self.cut_run();
                     st.head = Some(std::mem::take(&mut self.counts));
                     st.phase = Phase::Seek;
@@ -752,14 +762,26 @@ mod tests {
     }
 
     #[test]
-    fn a_tail_without_a_window_start_is_priced_at_the_head_rate() {
-        // One 10,000-letter word: the head is cut after 2048 letters (1 + ⌈2038/5⌉ = 409
-        // tokens); no window finds a byte to start at, so the 7952-byte tail costs
-        // 409 / 2048 tokens per byte.
+    fn a_word_longer_than_the_head_is_counted_whole() {
+        // The head ends after the word its limit cuts: one 10,000-letter word is all head,
+        // 1 + ⌈9990/5⌉ tokens, as the exact count.
         let text = "a".repeat(10_000);
-        let want = 409.0 + 409.0 * 7952.0 / 2048.0;
-        assert!((sampled(&text) - want).abs() < 1e-9, "{}", sampled(&text));
+        assert_eq!(sampled(&text), 1999.0);
         assert_eq!(exact(&text), 1999.0);
+    }
+
+    #[test]
+    fn fixed_width_words_are_priced_by_bytes_past_the_head() {
+        // 512 words of 6 letters and a space (the replay tool's Mooncake block text): the
+        // head ends after word 293 (2050 bytes); the one window holds 37 whole words in
+        // 259 bytes, 1 token per 7 bytes, applied to the 1534-byte tail: 293 + 1534 / 7.
+        let text = "abcdef ".repeat(512);
+        assert_eq!(exact(&text), 512.0);
+        assert!(
+            (sampled(&text) - (293.0 + 1534.0 / 7.0)).abs() < 1e-9,
+            "{}",
+            sampled(&text)
+        );
     }
 
     #[test]
