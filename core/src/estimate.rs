@@ -423,6 +423,19 @@ impl Tally {
         self.run = 0;
     }
 
+    /// Feed `bytes` to the exact scan up to `room` bytes and on to the end of the word or
+    /// number (and character) that limit cuts. Returns the bytes fed and the rest (empty
+    /// when the piece ended first).
+    fn feed_to_word_end<'b>(&mut self, bytes: &'b [u8], room: u64) -> (u64, &'b [u8]) {
+        let mut cut = usize::try_from(room).unwrap_or(usize::MAX).min(bytes.len());
+        while bytes.get(cut).is_some_and(|&c| !window_start(c)) {
+            cut += 1;
+        }
+        let (now, rest) = bytes.split_at(cut.min(bytes.len()));
+        self.feed_exact(now);
+        (now.len() as u64, rest)
+    }
+
     /// [`Self::feed`] for a sampled tally: route each stretch of `bytes` to the exact scan
     /// (head, windows) or past it (between windows).
     fn feed_sampled(&mut self, st: &mut Sample, mut bytes: &[u8]) {
@@ -434,23 +447,16 @@ impl Tally {
                     } else {
                         0
                     };
-                    if bytes.len() as u64 <= room {
-                        self.feed_exact(bytes);
-                        st.head_bytes += bytes.len() as u64;
-                        return;
-                    }
                     // The head ends after the word or number (and character) its limit
                     // cuts, into the next piece if this one ends inside it, so the tail
                     // starts between words.
-                    let mut cut = room as usize;
-                    while bytes.get(cut).is_some_and(|&c| !window_start(c)) {
-                        cut += 1;
-                    }
-                    let (now, rest) = bytes.split_at(cut.min(bytes.len()));
-                    self.feed_exact(now);
-                    st.head_bytes += now.len() as u64;
+                    let within = bytes.len() as u64 <= room;
+                    let (fed, rest) = self.feed_to_word_end(bytes, room);
+                    st.head_bytes += fed;
                     if rest.is_empty() {
-                        st.phase = Phase::HeadFinish;
+                        if !within {
+                            st.phase = Phase::HeadFinish;
+                        }
                         return;
                     }
                     self.cut_run();
@@ -496,24 +502,16 @@ impl Tally {
                     } else {
                         0
                     };
-                    if bytes.len() as u64 <= left {
-                        self.feed_exact(bytes);
-                        st.tail_bytes += bytes.len() as u64;
-                        st.window_bytes += bytes.len() as u64;
-                        return;
-                    }
                     // Finish the word or number (and character) the window's end cuts,
                     // into the next piece if this one ends inside it.
-                    let mut cut = left as usize;
-                    while bytes.get(cut).is_some_and(|&c| !window_start(c)) {
-                        cut += 1;
-                    }
-                    let (now, rest) = bytes.split_at(cut.min(bytes.len()));
-                    self.feed_exact(now);
-                    st.tail_bytes += now.len() as u64;
-                    st.window_bytes += now.len() as u64;
+                    let within = bytes.len() as u64 <= left;
+                    let (fed, rest) = self.feed_to_word_end(bytes, left);
+                    st.tail_bytes += fed;
+                    st.window_bytes += fed;
                     if rest.is_empty() {
-                        st.phase = Phase::Finish;
+                        if !within {
+                            st.phase = Phase::Finish;
+                        }
                         return;
                     }
                     self.cut_run();
