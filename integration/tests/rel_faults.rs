@@ -629,9 +629,13 @@ async fn endpoint_churn_keeps_state_bounded() {
     // Endpoint mode: requests for `other-model` are routed to the churned addresses, which
     // the override_host cluster does not know, so Envoy serves them from its fallback round
     // robin: every churned endpoint gets reservations and prefix records in the filter.
+    // The shared affinity journal is bounded by bytes and keeps 2 s of records; the whole
+    // churn takes about that long, so with its default 256 KiB bound the journal (copied
+    // into the VM at each sync) grows through the run and hides what this test looks at.
+    // A 16 KiB bound fills in the first pushes.
     let fleet = Fleet::start(FleetOptions {
         mode: FleetMode::OverrideHost,
-        route_config: r#""picker":{"stale_after_ms":60000}"#.into(),
+        route_config: r#""picker":{"stale_after_ms":60000},"affinity_journal_bytes":16384"#.into(),
         ..FleetOptions::default()
     })
     .await
