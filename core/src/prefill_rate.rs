@@ -13,7 +13,7 @@
 //!
 //! `x` is what the picker predicted the endpoint had to prefill before this request's first
 //! token: its pending prefill tokens plus this request's uncached prompt tokens, scaled by
-//! the decode-interference factor of the moment ([`crate::picker::predicted_ttft_seconds`]
+//! the decode-interference factor of the moment ([`crate::picker::predicted_ttft`]
 //! documents it), so the fit recovers the bare prefill rate rather than one polluted by the
 //! decode batch of the moment.
 //!

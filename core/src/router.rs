@@ -391,7 +391,7 @@ impl Router {
             picker,
             estimator: Estimator::new(config.estimator),
             prefix: config.prefix,
-            index: PrefixIndex::new(config.prefix_index_blocks),
+            index: PrefixIndex::with_seed(config.prefix_index_blocks, seed),
             profiles,
             by_lower,
             by_short,

@@ -10,7 +10,7 @@
 use kvroute_core::analysis::{analyze, AnalysisError, ApiKind};
 use kvroute_core::estimate::{CharClassCosts, Estimator, Tally};
 use kvroute_core::picker::*;
-use kvroute_core::prefix::{block_hashes, PrefixConfig};
+use kvroute_core::prefix::{block_hashes, PrefixConfig, PrefixIndex};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -247,6 +247,37 @@ proptest! {
         let p = block_hashes("m", None, &text[..cut], &cfg);
         prop_assert_eq!(h.len(), (text.len() / bc).min(256));
         prop_assert_eq!(&h[..p.len()], &p[..]);
+    }
+
+    /// The prefix index is an exact per-endpoint LRU: after any sequence of records (few
+    /// distinct hashes, so blocks are re-touched and the queue compacts), every endpoint holds
+    /// exactly the `capacity` most recently recorded distinct hashes of a plain list model.
+    #[test]
+    fn prefix_index_is_an_exact_lru(
+        cap in 1usize..12,
+        records in prop::collection::vec((0usize..3, prop::collection::vec(0u64..24, 0..40)), 0..160),
+        seed in any::<u64>(),
+    ) {
+        let mut idx = PrefixIndex::with_seed(cap, seed);
+        // Model: per endpoint, hashes most recent last.
+        let mut model: Vec<Vec<u64>> = vec![Vec::new(); 3];
+        for (ep, hashes) in &records {
+            idx.record(&format!("e{ep}"), hashes);
+            let m = &mut model[*ep];
+            for h in hashes {
+                m.retain(|x| x != h);
+                m.push(*h);
+            }
+            let excess = m.len().saturating_sub(cap);
+            m.drain(..excess);
+        }
+        for (ep, m) in model.iter().enumerate() {
+            let id = format!("e{ep}");
+            prop_assert_eq!(idx.len(&id), m.len());
+            for h in 0u64..24 {
+                prop_assert_eq!(idx.match_one(&[h], &id), u32::from(m.contains(&h)), "hash {}", h);
+            }
+        }
     }
 }
 
