@@ -257,6 +257,31 @@ async fn repeated_prompt_hits_prefix_cache_over_http() {
     assert!(warm < cold / 5.0, "warm {warm} cold {cold}");
 }
 
+/// Tokens reach the client when their step ends in wall time, not when it starts: a
+/// one-token answer to an 8,000-token prompt (one prefill step) at time scale 4 arrives no
+/// sooner than its engine TTFT ÷ 4 after the request was sent. (A lower bound only: a slow
+/// machine can delay the answer, never make it early. Handing a step's tokens out before
+/// sleeping to its end delivered them one step early, which halved the online TTFT p50 of
+/// the Mooncake cross-check; docs/bench.md.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_arrive_at_the_end_of_their_step_in_wall_time() {
+    const SCALE: f64 = 4.0;
+    let cfg = ReplicaConfig::builtin(MODEL, Dialect::VllmV1, SCALE, 7).unwrap();
+    let f = spawn_fleet(FleetConfig::local(cfg, 1)).await.unwrap();
+    let addr = f.addr(0).unwrap();
+    let sent = std::time::Instant::now();
+    let (s, v) = post(addr, "/v1/chat/completions", chat(8000, 1, &[])).await;
+    let wall = sent.elapsed().as_secs_f64();
+    assert_eq!(s, 200);
+    let ttft = v["kvroute_sim"]["ttft_s"].as_f64().unwrap();
+    assert!(ttft > 0.2, "an 8,000-token prefill takes well over 0.2 s: {ttft}");
+    assert!(
+        wall * SCALE >= ttft * 0.95,
+        "answer after {:.3} virtual s, its first token ends a step at {ttft:.3} s",
+        wall * SCALE
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dialect_parses_and_has_its_names() {
     let expected: &[(Dialect, &[&str])] = &[
