@@ -274,7 +274,10 @@ async fn tokens_arrive_at_the_end_of_their_step_in_wall_time() {
     let wall = sent.elapsed().as_secs_f64();
     assert_eq!(s, 200);
     let ttft = v["kvroute_sim"]["ttft_s"].as_f64().unwrap();
-    assert!(ttft > 0.2, "an 8,000-token prefill takes well over 0.2 s: {ttft}");
+    assert!(
+        ttft > 0.2,
+        "an 8,000-token prefill takes well over 0.2 s: {ttft}"
+    );
     assert!(
         wall * SCALE >= ttft * 0.95,
         "answer after {:.3} virtual s, its first token ends a step at {ttft:.3} s",
