@@ -189,8 +189,9 @@ impl PrefixIndex {
         Self::with_seed(capacity_per_endpoint, 0x6b76_726f_7574_6531)
     }
 
-    /// [`Self::new`] with the per-endpoint maps keyed by `seed` (the filter passes per-worker
-    /// randomness, so clients cannot aim block hashes at one bucket of the map).
+    /// [`Self::new`] with the per-endpoint maps keyed by `seed`. The router passes its own
+    /// seed, which the filter draws per worker from the clock's nanoseconds at configure
+    /// time, so clients cannot aim block hashes at one bucket of the map.
     pub fn with_seed(capacity_per_endpoint: usize, seed: u64) -> Self {
         Self {
             capacity: capacity_per_endpoint.max(1),
