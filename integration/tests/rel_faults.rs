@@ -354,6 +354,20 @@ async fn backend_restarted_in_place_loses_its_prefix_affinity() {
     let restart_began = Instant::now();
     stack.restart(xi).await;
     let restarted = Instant::now();
+    // One request of the same load sent now, between the restart and its detection: the
+    // 20 ms load loop alone may send nothing in that window when detection is quick (one
+    // fresh-clone run saw 7 ms from restart to the filter's new snapshot).
+    let in_window = {
+        let body = rel_common::chat(999, 0, 4, false);
+        let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+        let sent = Instant::now();
+        let h = tokio::spawn(async move {
+            http::request("POST", &url, &[("content-type", "application/json")], &body)
+                .await
+                .unwrap()
+        });
+        (sent, h)
+    };
 
     // kvroute-cp publishes X's new start within two scrape intervals, and the filter has
     // that snapshot one push later.
@@ -408,7 +422,9 @@ async fn backend_restarted_in_place_loses_its_prefix_affinity() {
     );
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let statuses = load.await.unwrap();
+    let mut statuses = load.await.unwrap();
+    let r = in_window.1.await.unwrap();
+    statuses.push((in_window.0, r.status, r.text()));
     for (_, status, body) in &statuses {
         assert_eq!(*status, 200, "{body}");
     }
