@@ -183,7 +183,7 @@ impl<'e> Acc<'e> {
             estimator,
             prefix: String::new(),
             prefix_limit,
-            tally: Tally::sampled(),
+            tally: estimator.tally(),
             overhead_tokens: 0,
             exact_tokens: 0,
             exact: false,

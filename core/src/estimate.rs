@@ -118,12 +118,38 @@ impl Default for CharClassCosts {
 pub struct Estimator {
     /// Configuration in force.
     pub config: EstimatorConfig,
+    /// Count every byte instead of sampling past the head ([`Estimator::every_byte`]).
+    pub every_byte: bool,
 }
 
 impl Estimator {
-    /// Build an estimator from configuration.
+    /// Build an estimator from configuration; it samples long texts past their head
+    /// ([`Tally::sampled`]), as the filter does on its hot path.
     pub fn new(config: EstimatorConfig) -> Self {
-        Self { config }
+        Self {
+            config,
+            every_byte: false,
+        }
+    }
+
+    /// A default estimator that counts every byte ([`Tally::new`]): for token counts that
+    /// stand in for a tokenizer's ground truth (the simulator's model server, a benchmark
+    /// trace's prompt lengths), which must not move with the filter's sampling. Same
+    /// heuristic and costs; slower on long texts.
+    pub fn every_byte() -> Self {
+        Self {
+            config: EstimatorConfig::default(),
+            every_byte: true,
+        }
+    }
+
+    /// An empty tally of the kind this estimator counts with.
+    pub(crate) fn tally(&self) -> Tally {
+        if self.every_byte {
+            Tally::new()
+        } else {
+            Tally::sampled()
+        }
     }
 
     /// Estimated BPE tokens in `text` before calibration (rounded up; 0 for empty text).
@@ -138,9 +164,9 @@ impl Estimator {
 
     /// Unrounded estimate of BPE tokens in `text` before calibration (see the module doc):
     /// the first [`SAMPLE_HEAD_BYTES`] counted exactly, the rest sampled ([`Tally::sampled`]),
-    /// as the request analysis counts a prompt.
+    /// as the request analysis counts a prompt; every byte with [`Estimator::every_byte`].
     pub fn estimate_text_f64(&self, text: &str) -> f64 {
-        let mut t = Tally::sampled();
+        let mut t = self.tally();
         t.feed(text.as_bytes());
         t.end_text();
         t.tokens(&CharClassCosts::default())
@@ -780,6 +806,15 @@ mod tests {
             "{}",
             sampled(&text)
         );
+    }
+
+    #[test]
+    fn every_byte_estimator_counts_the_tail_too() {
+        // The fixed-width words above: 512 tokens counted in full, 512.14 sampled.
+        let text = "abcdef ".repeat(512);
+        assert_eq!(Estimator::every_byte().estimate_text_f64(&text), 512.0);
+        assert_eq!(Estimator::every_byte().estimate_text(&text), 512);
+        assert_eq!(Estimator::default().estimate_text(&text), 513);
     }
 
     #[test]

@@ -418,3 +418,20 @@ fn escapes_decode_exactly_and_bad_ones_are_field_errors() {
         );
     }
 }
+
+/// The analysis counts with the estimator it is given: a long prompt is sampled past its
+/// head by the default estimator and counted in full by `Estimator::every_byte` (the
+/// simulator's model server), the same figures as `estimate_text` on the text alone.
+#[test]
+fn every_byte_estimator_counts_the_whole_prompt() {
+    let text = "abcdef ".repeat(512);
+    let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
+    let full = analyze(
+        ApiKind::Completions,
+        body.as_bytes(),
+        &Estimator::every_byte(),
+    )
+    .unwrap();
+    assert_eq!(full.prompt_tokens, 512);
+    assert_eq!(ok(ApiKind::Completions, &body).prompt_tokens, 513);
+}

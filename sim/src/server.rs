@@ -190,7 +190,8 @@ impl Replica {
             wake: Notify::new(),
             start: Instant::now(),
             created_unix: now_unix.as_secs(),
-            estimator: Estimator::default(),
+            // A tokenizer's stand-in: every byte counted, not the filter's sampled tail.
+            estimator: Estimator::every_byte(),
         })
     }
 

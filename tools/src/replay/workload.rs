@@ -230,7 +230,8 @@ pub fn load_workload(opts: &WorkloadOptions) -> Result<Vec<ReplayRequest>, Repla
     };
     let rows = trace::load(format, path, opts.sharegpt_rate_rps, opts.seed)?;
     let end = opts.duration_s.map(|d| opts.start_s + d);
-    let estimator = Estimator::default();
+    // Rows without a length: counted as the simulator's model server counts them.
+    let estimator = Estimator::every_byte();
     let divisor = opts.rate_scale * opts.time_scale;
     let limit = opts.max_requests.unwrap_or(usize::MAX);
     // Pass 1 (cheap): choose the rows. Pass 2 (parallel, rayon): synthesise the bodies.
@@ -299,7 +300,7 @@ mod tests {
         assert_ne!(a, block_text(8, BLOCK_TOKENS));
         assert!(a.starts_with(&block_text(7, 10)));
         assert_eq!(
-            Estimator::default().estimate_text(&a),
+            Estimator::every_byte().estimate_text(&a),
             u64::from(BLOCK_TOKENS)
         );
     }

@@ -11,11 +11,11 @@
 //!   LMCache/LMBenchmark): each entry is a cumulative conversation (every later round's
 //!   input starts with an earlier round's input), so prefix reuse is real. Prompt tokens
 //!   come from kvroute-core's token heuristic with every byte counted
-//!   ([`estimate_with`]; the filter's [`Estimator`](kvroute_core::estimate::Estimator) counts the first 2 KiB this way and
-//!   samples the rest for speed, which is not what a trace's ground truth should carry:
-//!   with the sampled count as the truth, the ShareGPT prompt lengths, and with them
-//!   every router's ShareGPT cells, moved whenever the sampling did), output tokens from
-//!   `output_length`. Prefix ids: xxh64 of each full
+//!   ([`Estimator::every_byte`], as the simulator's model server counts; the filter counts
+//!   the first 2 KiB this way and samples the rest for speed, which is not what a trace's
+//!   ground truth should carry: with the sampled count as the truth, the ShareGPT prompt
+//!   lengths, and with them every router's ShareGPT cells, moved whenever the sampling
+//!   did), output tokens from `output_length`. Prefix ids: xxh64 of each full
 //!   [`SHAREGPT_BLOCK_CHARS`]-byte block of the input (2 048 bytes ≈ 512 tokens at the
 //!   usual ~4 characters per token), so two inputs share block *k* exactly when their
 //!   first (k+1)·2 048 bytes agree. Arrivals: a Poisson process (exponential gaps, seeded
@@ -27,7 +27,7 @@
 
 use std::path::Path;
 
-use kvroute_core::estimate::{estimate_with, CharClassCosts};
+use kvroute_core::estimate::Estimator;
 
 use kvroute_sim::trace::{self, load_mooncake, TraceError, TraceRow};
 
@@ -124,35 +124,26 @@ pub fn text_block_ids(text: &str) -> Vec<u64> {
 
 /// Load the LMBenchmark ShareGPT multi-round file with Poisson arrivals at `rate` req/s
 /// (≤ 0 or non-finite → 1.0) drawn from `seed` (see the module doc): prompt tokens from
-/// kvroute-core's token heuristic with every byte counted ([`estimate_with`]), prefix ids
-/// from [`text_block_ids`].
+/// kvroute-core's token heuristic with every byte counted ([`Estimator::every_byte`]),
+/// prefix ids from [`text_block_ids`].
 ///
 /// Errors: [`TraceError`] for an unreadable or malformed file.
 pub fn load_sharegpt(path: &Path, seed: u64, rate: f64) -> Result<Vec<TraceRow>, TraceError> {
-    let costs = CharClassCosts::default();
+    let est = Estimator::every_byte();
     Ok(trace::load_sharegpt(path, rate, seed)?
         .into_iter()
         .map(|r| {
             let text = r.text.unwrap_or_default();
             TraceRow {
                 timestamp: (r.t_s * 1000.0) as u64,
-                input_length: exact_tokens(&costs, &text),
+                input_length: u32::try_from(est.estimate_text(&text))
+                    .unwrap_or(u32::MAX)
+                    .max(1),
                 output_length: r.output.max(1),
                 hash_ids: text_block_ids(&text),
             }
         })
         .collect())
-}
-
-/// Prompt tokens of `text` with every byte counted ([`estimate_with`], rounded up), at
-/// least 1 and at most `u32::MAX`.
-fn exact_tokens(costs: &CharClassCosts, text: &str) -> u32 {
-    let t = estimate_with(costs, text).ceil();
-    if t.is_finite() && t >= 1.0 {
-        u32::try_from(t as u64).unwrap_or(u32::MAX)
-    } else {
-        1
-    }
 }
 
 #[cfg(test)]
