@@ -69,8 +69,6 @@ pub trait Host {
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError>;
     /// Enqueue `data` on the shared queue `name` of VM `vm_id`.
     fn enqueue(&self, vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError>;
-    /// Ask Envoy to recompute the route after a routing header changed.
-    fn clear_route_cache(&self);
     /// Add to a metric (counter/gauge) by name.
     fn metric_add(&self, kind: MetricKind, name: &'static str, delta: i64);
     /// Record a histogram value or set a gauge.
@@ -156,14 +154,15 @@ pub mod mock {
         pub forgotten_gauges: Rc<RefCell<Vec<String>>>,
         /// Log lines.
         pub logs: Rc<RefCell<Vec<String>>>,
-        /// Route cache clears.
-        pub route_clears: Rc<RefCell<u32>>,
         /// (effective context, event) log: "resume" / "reply:<status>".
         pub ctx_events: Rc<RefCell<Vec<(u32, String)>>>,
         /// Current effective context.
         pub effective: Rc<RefCell<u32>>,
         /// Envoy attributes by dotted path (e.g. `response.code_details`).
         pub properties: Rc<RefCell<BTreeMap<String, String>>>,
+        /// Host calls made through this host, by [`Host`] method name (not shared with
+        /// siblings): what a request costs in crossings of the Wasm boundary.
+        pub calls: Rc<RefCell<BTreeMap<&'static str, u32>>>,
     }
 
     /// A header map as the `(name, value)` list a batch host call returns.
@@ -223,19 +222,41 @@ pub mod mock {
         pub fn replies(&self) -> Vec<LocalReply> {
             self.replies.borrow().clone()
         }
+
+        /// Host calls so far, all methods together.
+        pub fn total_calls(&self) -> u32 {
+            self.calls.borrow().values().sum()
+        }
+
+        /// Forget the host calls counted so far.
+        pub fn reset_calls(&self) {
+            self.calls.borrow_mut().clear();
+        }
+
+        fn count(&self, method: &'static str) {
+            *self.calls.borrow_mut().entry(method).or_default() += 1;
+        }
     }
 
     impl Host for MockHost {
         fn now_ms(&self) -> u64 {
+            self.count("now_ms");
             *self.now.borrow()
         }
+        fn now_us(&self) -> u64 {
+            self.count("now_us");
+            self.now.borrow().saturating_mul(1000)
+        }
         fn request_header(&self, name: &str) -> Option<String> {
+            self.count("request_header");
             self.req_headers.borrow().get(name).cloned()
         }
         fn request_headers(&self) -> Vec<(String, String)> {
+            self.count("request_headers");
             pairs(&self.req_headers.borrow())
         }
         fn set_request_header(&self, name: &str, value: Option<&str>) {
+            self.count("set_request_header");
             let mut h = self.req_headers.borrow_mut();
             match value {
                 Some(v) => h.insert(name.into(), v.into()),
@@ -243,30 +264,37 @@ pub mod mock {
             };
         }
         fn set_response_header(&self, name: &str, value: &str) {
+            self.count("set_response_header");
             self.resp_headers
                 .borrow_mut()
                 .insert(name.into(), value.into());
         }
         fn response_headers(&self) -> Vec<(String, String)> {
+            self.count("response_headers");
             pairs(&self.resp_headers.borrow())
         }
         fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+            self.count("request_body");
             let b = self.req_body.borrow();
             b.get(..size.min(b.len())).map(|s| s.to_vec())
         }
         fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+            self.count("response_body");
             let b = self.resp_chunk.borrow();
             b.get(..size.min(b.len())).map(|s| s.to_vec())
         }
         fn property(&self, path: &[&str]) -> Option<String> {
+            self.count("property");
             self.properties.borrow().get(&path.join(".")).cloned()
         }
         fn set_property(&self, path: &[&str], value: &[u8]) {
+            self.count("set_property");
             self.properties
                 .borrow_mut()
                 .insert(path.join("."), String::from_utf8_lossy(value).into_owned());
         }
         fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+            self.count("send_local_reply");
             let ctx = *self.effective.borrow();
             self.ctx_events
                 .borrow_mut()
@@ -281,12 +309,14 @@ pub mod mock {
             });
         }
         fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+            self.count("shared_get");
             Ok(match self.shared.borrow().data.get(key) {
                 Some((v, cas)) => (Some(v.clone()), Some(*cas)),
                 None => (None, None),
             })
         }
         fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+            self.count("shared_set");
             let mut s = self.shared.borrow_mut();
             if cas.is_some() && s.fail_cas > 0 {
                 s.fail_cas -= 1;
@@ -302,6 +332,7 @@ pub mod mock {
             Ok(())
         }
         fn enqueue(&self, _vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError> {
+            self.count("enqueue");
             self.shared
                 .borrow_mut()
                 .queues
@@ -310,13 +341,12 @@ pub mod mock {
                 .push(data.to_vec());
             Ok(())
         }
-        fn clear_route_cache(&self) {
-            *self.route_clears.borrow_mut() += 1;
-        }
         fn metric_add(&self, _kind: MetricKind, name: &'static str, delta: i64) {
+            self.count("metric_add");
             *self.metrics.borrow_mut().entry(name).or_default() += delta;
         }
         fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64) {
+            self.count("metric_record");
             let v = i64::try_from(value).unwrap_or(i64::MAX);
             let mut m = self.metrics.borrow_mut();
             match kind {
@@ -327,21 +357,26 @@ pub mod mock {
             }
         }
         fn gauge_set_named(&self, name: &str, value: u64) {
+            self.count("gauge_set_named");
             self.named_gauges
                 .borrow_mut()
                 .insert(name.to_owned(), value);
         }
         fn forget_named_gauge(&self, name: &str) {
+            self.count("forget_named_gauge");
             self.forgotten_gauges.borrow_mut().push(name.to_owned());
         }
         fn log(&self, _level: Level, msg: &str) {
+            self.count("log");
             self.logs.borrow_mut().push(msg.into());
         }
         fn set_effective_context(&self, context_id: u32) -> bool {
+            self.count("set_effective_context");
             *self.effective.borrow_mut() = context_id;
             true
         }
         fn resume_request(&self) {
+            self.count("resume_request");
             let ctx = *self.effective.borrow();
             self.ctx_events.borrow_mut().push((ctx, "resume".into()));
         }

@@ -61,6 +61,11 @@ pub struct Routed {
     pub reason: String,
     /// The core decision.
     pub route: Route,
+    /// When the decision was made, Unix ms: the reservation's start and the TTFB clock's.
+    pub at_ms: u64,
+    /// The in-flight table the decision read, with its CAS token: [`Worker::apply_route`]
+    /// reserves on it instead of reading the table again (`None`: read afresh).
+    pub inflight: Option<shared::InflightRead>,
 }
 
 /// A decision to apply.
@@ -357,17 +362,29 @@ impl Worker {
     /// Decide for a request to `path` with `body` (`None`: decided without the body):
     /// shared-data reads, the core router, decision counters and logs.
     pub fn decide<H: Host>(&mut self, host: &H, path: &str, body: Option<&[u8]>) -> Decision {
-        let now = host.now_ms();
+        self.decide_at(host, path, body, host.now_ms())
+    }
+
+    /// [`Self::decide`] at `now` (Unix ms), for a caller that has already read the clock.
+    pub fn decide_at<H: Host>(
+        &mut self,
+        host: &H,
+        path: &str,
+        body: Option<&[u8]>,
+        now: u64,
+    ) -> Decision {
         let snap = match self.cache.current(host) {
             Ok(Some(s)) => s,
             Ok(None) => return Decision::FailOpen("no snapshot received yet".into()),
             Err(e) => return Decision::FailOpen(format!("snapshot unreadable: {e}")),
         };
-        let table = match shared::read_inflight(host) {
-            Ok(t) => t,
-            Err(e) => return Decision::FailOpen(format!("in-flight table unreadable: {e}")),
-        };
-        let d = self.router.route(&snap, &table, path, body, now);
+        let read =
+            match shared::read_inflight_cas(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES) {
+                Ok(r) => r,
+                Err(e) => return Decision::FailOpen(format!("in-flight table unreadable: {e}")),
+            };
+        let table = &read.table;
+        let d = self.router.route(&snap, table, path, body, now);
         if let Some(e) = &d.parse_error {
             host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
             host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
@@ -440,6 +457,8 @@ impl Worker {
                     value,
                     reason,
                     route,
+                    at_ms: now,
+                    inflight: Some(read),
                 }))
             }
             Outcome::NoEndpoints => Decision::NoEndpoints,
@@ -449,10 +468,13 @@ impl Worker {
     }
 
     /// Apply a routed decision, the one place this happens: set the routing header (and the
-    /// debug header), clear the route cache, and reserve the route's KV demand and pending
-    /// prefill in the shared in-flight table. Returns the reservation (none when the shared
-    /// table could not be updated: routing still proceeds, counted as fail-open).
-    pub fn apply_route<H: Host>(&mut self, host: &H, routed: &Routed) -> Option<Held> {
+    /// debug header), and reserve the route's KV demand and pending prefill in the shared
+    /// in-flight table, starting from the table the decision read (one CAS write; a re-read
+    /// only if another worker wrote in between). Envoy recomputes the route itself after a
+    /// Wasm filter changes a request header (see `docs/filter.md`, "The route cache").
+    /// Returns the reservation (none when the shared table could not be updated: routing
+    /// still proceeds, counted as fail-open).
+    pub fn apply_route<H: Host>(&mut self, host: &H, routed: &mut Routed) -> Option<Held> {
         host.set_request_header(&routed.header, Some(&routed.value));
         if self.config.debug_header {
             host.set_request_header(DECISION_HEADER, Some(&routed.reason));
@@ -460,17 +482,16 @@ impl Worker {
         if self.config.decision_record {
             host.set_property(&[DECISION_PROPERTY], routed.reason.as_bytes());
         }
-        host.clear_route_cache();
         let id = self.next_id();
         let r = &routed.route;
         let (endpoint, tokens, prefill_tokens) =
             (r.endpoint.as_str(), r.reserve_tokens, r.prefill_tokens);
         let (now, ttl, max) = (
-            host.now_ms(),
+            routed.at_ms,
             self.config.reservation_ttl_ms,
             kvroute_core::inflight::DEFAULT_MAX_ENTRIES,
         );
-        match shared::update_inflight(host, max, |t| {
+        match shared::update_inflight_from(host, max, routed.inflight.take(), |t| {
             t.purge_expired(now);
             t.reserve_with_prefill(id, endpoint, tokens, prefill_tokens, now, ttl);
         }) {
@@ -533,10 +554,9 @@ impl Worker {
     }
 
     /// Release a reservation (call exactly once per [`Held`]; a second call is harmless).
+    /// Expired entries are purged by the next reservation, so this reads no clock.
     pub fn release<H: Host>(&mut self, host: &H, held: &Held) {
-        let now = host.now_ms();
         match shared::update_inflight(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES, |t| {
-            t.purge_expired(now);
             t.release(held.id).is_some()
         }) {
             Ok(released) => {
@@ -611,11 +631,11 @@ impl Worker {
                 continue;
             }
             let body = (!p.body.is_empty()).then_some(p.body.as_slice());
-            match self.decide(host, &p.path, body) {
+            match self.decide_at(host, &p.path, body, now) {
                 Decision::NoCapacity { .. } => break,
-                Decision::Route(routed) => {
+                Decision::Route(mut routed) => {
                     self.admission.pop();
-                    if let Some(held) = self.apply_route(host, &routed) {
+                    if let Some(held) = self.apply_route(host, &mut routed) {
                         self.resumed
                             .insert(p.context_id, (held, routed.route.facts.clone(), now));
                     }
@@ -741,7 +761,7 @@ mod tests {
     fn reserve_and_release_exactly_once() {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
-        let routed = Routed {
+        let mut routed = Routed {
             header: "x-kvroute-cluster".into(),
             value: "c1".into(),
             reason: "r".into(),
@@ -760,10 +780,11 @@ mod tests {
                 facts: RequestFacts::default(),
                 candidates: vec![],
             },
+            at_ms: 1000,
+            inflight: None,
         };
-        let held = w.apply_route(&h, &routed).unwrap();
+        let held = w.apply_route(&h, &mut routed).unwrap();
         assert_eq!(h.header("x-kvroute-cluster").as_deref(), Some("c1"));
-        assert_eq!(*h.route_clears.borrow(), 1);
         assert_eq!(
             shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"],
             InFlight {
@@ -927,14 +948,14 @@ mod tests {
             );
         }
         let r = w.decide(&h, "/v1/chat/completions", None);
-        let Decision::Route(r) = r else {
+        let Decision::Route(mut r) = r else {
             panic!("not routed")
         };
         assert_eq!(
             r.reason,
             "policy:hybrid;endpoint=pool/e0;load_only=body_not_read"
         );
-        w.apply_route(&h, &r).unwrap();
+        w.apply_route(&h, &mut r).unwrap();
         assert_eq!(
             h.header(DECISION_HEADER).as_deref(),
             Some(r.reason.as_str())
@@ -950,16 +971,16 @@ mod tests {
         let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
         // Off (the default): no record, no property.
         let mut w = worker("{}");
-        let Decision::Route(r) = w.decide(&h, "/v1/completions", Some(body)) else {
+        let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body)) else {
             panic!("not routed")
         };
         assert_eq!(r.reason, "policy:hybrid;endpoint=pool/e0");
-        let held = w.apply_route(&h, &r).unwrap();
+        let held = w.apply_route(&h, &mut r).unwrap();
         assert_eq!(h.property(&[DECISION_PROPERTY]), None);
         w.release(&h, &held);
         // On: the reason gains the ranked candidates, and becomes filter state.
         let mut w = worker(r#"{"decision_record":true}"#);
-        let Decision::Route(r) = w.decide(&h, "/v1/completions", Some(body)) else {
+        let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body)) else {
             panic!("not routed")
         };
         let demand = w.router().demand(&kvroute_core::router::RequestInfo {
@@ -989,7 +1010,7 @@ mod tests {
             );
             assert!(c.contains(",ttft_ms="), "{c}");
         }
-        w.apply_route(&h, &r).unwrap();
+        w.apply_route(&h, &mut r).unwrap();
         assert_eq!(h.property(&[DECISION_PROPERTY]), Some(r.reason.clone()));
     }
 

@@ -186,8 +186,12 @@ impl Stream {
 
     fn decide<H: Host>(&mut self, host: &H, body: Option<&[u8]>) -> Flow {
         self.decided = true;
+        // One clock read serves the decision, the reservation and the TTFB start.
         let started = host.now_us();
-        let decision = self.worker.borrow_mut().decide(host, &self.path, body);
+        let decision = self
+            .worker
+            .borrow_mut()
+            .decide_at(host, &self.path, body, started / 1_000);
         let flow = self.apply(host, decision, body);
         host.metric_record(
             MetricKind::Histogram,
@@ -203,12 +207,17 @@ impl Stream {
             (w.config.fail_open, w.config.admission.clone())
         };
         match decision {
-            Decision::Route(routed) => {
-                self.held = self.worker.borrow_mut().apply_route(host, &routed);
-                let Routed { reason, route, .. } = *routed;
+            Decision::Route(mut routed) => {
+                self.held = self.worker.borrow_mut().apply_route(host, &mut routed);
+                let Routed {
+                    reason,
+                    route,
+                    at_ms,
+                    ..
+                } = *routed;
                 self.facts = route.facts;
                 self.reason = reason;
-                self.decided_at_ms = host.now_ms();
+                self.decided_at_ms = at_ms;
                 Flow::Continue
             }
             d @ (Decision::NoEndpoints | Decision::UnknownModel(_)) => {
@@ -765,6 +774,77 @@ mod tests {
         assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 1);
         s.on_done(&r);
         assert_eq!(h.metric(metric::RELEASED), 1);
+    }
+
+    /// What one routed request costs in host calls, callback by callback (a non-streamed
+    /// JSON response in one chunk, the snapshot already decoded): every call crosses the
+    /// Wasm boundary, and those that return data call back into the VM to allocate, so
+    /// this is the filter's per-request cost outside its own code (`docs/overhead.md`).
+    #[test]
+    fn a_routed_request_costs_twenty_host_calls() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1), ep(1, 0.2)]);
+        let plain = |h: &MockHost| {
+            h.sibling()
+                .with_header(":path", "/v1/chat/completions")
+                .with_header(":method", "POST")
+                .with_body(BODY)
+        };
+        // A first request decodes the snapshot (two reads more); not what is counted.
+        let warm = plain(&h);
+        let mut s = Stream::new(w.clone(), 1);
+        s.on_request_headers(&warm, false);
+        s.on_request_body(&warm, BODY.len(), true);
+        s.on_done(&warm);
+        let r = plain(&h);
+        let mut s = Stream::new(w, 2);
+        let calls = |r: &MockHost| {
+            let c = r.calls.borrow().clone();
+            r.reset_calls();
+            c.into_iter().collect::<Vec<_>>()
+        };
+        assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+        assert_eq!(calls(&r), [("request_headers", 1)]);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(
+            calls(&r),
+            [
+                // decisions.policy, decisions.policy.hybrid, reserved
+                ("metric_add", 3),
+                // decision_us
+                ("metric_record", 1),
+                // start and end of the decision
+                ("now_us", 2),
+                ("request_body", 1),
+                // the routing header
+                ("set_request_header", 1),
+                // snapshot version, in-flight table (the reservation reuses this read)
+                ("shared_get", 2),
+                ("shared_set", 1),
+            ]
+        );
+        s.on_response_headers(&r);
+        // ttfb_ms
+        assert_eq!(
+            calls(&r),
+            [("metric_record", 1), ("now_ms", 1), ("response_headers", 1)]
+        );
+        let reply = br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}"#;
+        *r.resp_chunk.borrow_mut() = reply.to_vec();
+        s.on_response_body(&r, reply.len(), true);
+        // released; estimate_error_pct; the release's read and write
+        assert_eq!(
+            calls(&r),
+            [
+                ("metric_add", 1),
+                ("metric_record", 1),
+                ("response_body", 1),
+                ("shared_get", 1),
+                ("shared_set", 1),
+            ]
+        );
+        s.on_done(&r);
+        assert_eq!(calls(&r), []);
+        assert_eq!(held(&h), 0);
     }
 
     #[test]

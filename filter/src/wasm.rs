@@ -112,12 +112,6 @@ impl Host for ProxyHost {
             })?;
         hostcalls::enqueue_shared_queue(id, Some(data)).map_err(status)
     }
-    fn clear_route_cache(&self) {
-        // Envoy clears the route cache itself when a Wasm filter changes a request header
-        // (source/extensions/common/wasm/context.cc); the foreign function is a belt and
-        // braces for hosts that do not. Its absence is not an error.
-        let _ = hostcalls::call_foreign_function("clear_route_cache", Some(&[]));
-    }
     fn metric_add(&self, kind: MetricKind, name: &'static str, delta: i64) {
         if let Some(id) = metric_id(kind, name) {
             let _ = hostcalls::increment_metric(id, delta);

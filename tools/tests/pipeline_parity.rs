@@ -144,9 +144,9 @@ fn filter_and_benchmark_pick_identically() {
         let f = worker.decide(&host, path, Some(body));
         let b = bench.route(&snap, &table, path, Some(body), now);
         match (f, b.outcome) {
-            (Decision::Route(f), Outcome::Route(b)) => {
+            (Decision::Route(mut f), Outcome::Route(b)) => {
                 assert_eq!(f.route, b, "request {i} ({path})");
-                let held = worker.apply_route(&host, &f).expect("reserved");
+                let held = worker.apply_route(&host, &mut f).expect("reserved");
                 let id = i as u64 + 1;
                 table.reserve_with_prefill(
                     id,
