@@ -4,8 +4,8 @@
 //! No routing logic lives here.
 //!
 //! Decision outcomes:
-//! - a pick sets the routing header (cluster name, or `host:port[,fallback...]`), asks Envoy
-//!   to clear its route cache, and reserves the request's KV demand (tokens) and pending
+//! - a pick sets the routing header (cluster name, or `host:port[,fallback...]`; Envoy
+//!   then recomputes the route), and reserves the request's KV demand (tokens) and pending
 //!   prefill on the chosen endpoint in the shared in-flight table ([`Worker::apply_route`],
 //!   the one place a decision is applied);
 //! - no endpoint for the model → 404 `model_not_found` when no endpoint lists it, else 503
