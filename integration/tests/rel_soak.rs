@@ -250,10 +250,25 @@ async fn soak_steady_rate_nothing_grows_nothing_leaks() {
         rss_growth * 100.0
     );
     assert!(wasm0 > 0, "the filter reports no Wasm memory gauge");
+    // The Wasm heap is ~1.2 MiB and grows in 64 KiB pages, and the gauge shows whichever
+    // worker's VM reported last (the two differ by a page): a whole-run bound of 10 % (two
+    // pages) failed on a run whose memory stepped 19 → 20 → 21 pages and then stayed flat.
+    // So: a loose bound on the whole run (bounded state, e.g. the prefix index, fills after
+    // the warm-up), and a tight one on what a leak does, growing on: the largest sample of
+    // the second half may exceed the first half's by at most one page (a leak of ~220 bytes
+    // per request at 10 req/s over a 60 s run; ~45 bytes over `make soak`'s 600 s).
     assert!(
-        wasm_growth < 0.10,
+        wasm_growth < 0.25,
         "Wasm memory grew {:.1} %",
         wasm_growth * 100.0
+    );
+    let half = samples.len() / 2;
+    let first_half = samples[..half].iter().map(|s| s.wasm_memory_bytes).max();
+    let second_half = samples[half..].iter().map(|s| s.wasm_memory_bytes).max();
+    let (first_half, second_half) = (first_half.unwrap(), second_half.unwrap());
+    assert!(
+        second_half <= first_half + 65_536,
+        "Wasm memory still growing in the second half: {first_half} -> {second_half} bytes"
     );
     assert_eq!(reserved, released, "leaked reservations");
     assert!(reserved > 0);
