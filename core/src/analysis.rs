@@ -49,7 +49,9 @@
 use std::borrow::Cow;
 
 use crate::estimate::{CharClassCosts, Estimator, Tally};
-use crate::json_scan::{decode_escape, decode_str, BadString, Scanner, Syn, SyntaxError};
+use crate::json_scan::{
+    decode_escape, decode_str, simple_escape, BadString, Scanner, Syn, SyntaxError,
+};
 
 /// Which OpenAI-compatible API a request targets, derived from the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -261,6 +263,15 @@ impl<'e> Acc<'e> {
                 break;
             };
             if ok.is_err() {
+                continue;
+            }
+            // The one-letter escapes (`\n`, `\"`, ...; most of them in chat text) decode to
+            // one ASCII byte: no decoder, no UTF-8 encoding.
+            if let Some(b) = simple_escape(esc) {
+                let mut buf = [0u8; 4];
+                let s = char::from(b).encode_utf8(&mut buf);
+                self.push_prefix(s);
+                self.tally.feed(s.as_bytes());
                 continue;
             }
             match decode_escape(esc) {

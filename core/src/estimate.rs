@@ -432,11 +432,12 @@ impl Tally {
     /// Scan more bytes of the current text. `bytes` must be whole UTF-8 characters as a
     /// sequence (a `&str`, or the encoding of decoded characters); a multi-byte character
     /// ends the current ASCII run. A sampled tally counts only its head and windows.
+    #[inline]
     pub fn feed(&mut self, bytes: &[u8]) {
         // Most pieces of a long text fall between two sampling windows: only their length
         // counts. This is `feed_sampled`'s `Skip` step for a piece that ends before the
         // next window, without the phase machine (a third of the analysis's instructions
-        // per piece on a chat body with an escape every ~64 bytes).
+        // per piece on a chat body with an escape every ~64 bytes), inlined into the caller.
         if let Some(st) = self.sample.as_deref_mut() {
             if st.phase == Phase::Skip {
                 let len = bytes.len() as u64;
@@ -446,6 +447,12 @@ impl Tally {
                 }
             }
         }
+        self.feed_counted(bytes);
+    }
+
+    /// [`Self::feed`] past its skip step: the exact scan, or the sampled tally's phases.
+    #[inline(never)]
+    fn feed_counted(&mut self, bytes: &[u8]) {
         match self.sample.take() {
             None => self.feed_exact(bytes),
             Some(mut sample) => {

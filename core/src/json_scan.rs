@@ -150,18 +150,13 @@ fn hex4(b: &[u8]) -> Option<u32> {
 /// or mismatched surrogate. `esc` must be a syntactically valid escape (the scanner checked
 /// it).
 pub(crate) fn decode_escape(esc: &[u8]) -> Result<(char, usize), BadString> {
-    let ch = match esc.first().copied().ok_or(BadString)? {
-        b'"' => '"',
-        b'\\' => '\\',
-        b'/' => '/',
-        b'b' => '\u{8}',
-        b'f' => '\u{c}',
-        b'n' => '\n',
-        b'r' => '\r',
-        b't' => '\t',
+    if let Some(b) = simple_escape(esc) {
+        return Ok((char::from(b), 1));
+    }
+    match esc.first().copied().ok_or(BadString)? {
         b'u' => {
             let hi = hex4(esc.get(1..).ok_or(BadString)?).ok_or(BadString)?;
-            return match hi {
+            match hi {
                 0xD800..=0xDBFF => {
                     let lo = match esc.get(5..7) {
                         Some(b"\\u") => esc.get(7..).and_then(hex4).ok_or(BadString)?,
@@ -175,11 +170,27 @@ pub(crate) fn decode_escape(esc: &[u8]) -> Result<(char, usize), BadString> {
                 }
                 0xDC00..=0xDFFF => Err(BadString),
                 _ => Ok((char::from_u32(hi).ok_or(BadString)?, 5)),
-            };
+            }
         }
-        _ => return Err(BadString),
-    };
-    Ok((ch, 1))
+        _ => Err(BadString),
+    }
+}
+
+/// The byte a one-letter escape stands for (`esc` starts after the backslash: `n` → 0x0A,
+/// `"` → `"`, ...); `None` for a `\u` escape or anything else.
+#[inline]
+pub(crate) fn simple_escape(esc: &[u8]) -> Option<u8> {
+    Some(match esc.first()? {
+        b'"' => b'"',
+        b'\\' => b'\\',
+        b'/' => b'/',
+        b'b' => 0x08,
+        b'f' => 0x0C,
+        b'n' => b'\n',
+        b'r' => b'\r',
+        b't' => b'\t',
+        _ => return None,
+    })
 }
 
 /// Decode the inside of a valid JSON string token (between its quotes) piece by piece:
