@@ -59,9 +59,9 @@ fn special_mask(w: u64) -> u64 {
 }
 
 /// Length of the stretch of `b` before its first `"`, `\` or control character (or
-/// `b.len()` when there is none). Built with Wasm SIMD (`simd128`, which the filter's
-/// `.cargo/config.toml` enables), it compares 16 bytes per step ([`plain_len_simd128`]);
-/// otherwise eight bytes per step on a `u64` ([`plain_len_swar`]).
+/// `b.len()` when there is none). Built with Wasm SIMD (`simd128`, which the workspace's
+/// `.cargo/config.toml` enables for `wasm32-wasip1`), it compares 16 bytes per step
+/// ([`plain_len_simd128`]); otherwise eight bytes per step on a `u64` ([`plain_len_swar`]).
 #[inline]
 pub(crate) fn plain_len(b: &[u8]) -> usize {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
