@@ -223,14 +223,12 @@ pub mod mock {
             self.replies.borrow().clone()
         }
 
-        /// Host calls so far, all methods together.
-        pub fn total_calls(&self) -> u32 {
-            self.calls.borrow().values().sum()
-        }
-
-        /// Forget the host calls counted so far.
-        pub fn reset_calls(&self) {
-            self.calls.borrow_mut().clear();
+        /// Host calls since the last take (or since creation), by method name in name
+        /// order; the count starts again from zero.
+        pub fn take_calls(&self) -> Vec<(&'static str, u32)> {
+            std::mem::take(&mut *self.calls.borrow_mut())
+                .into_iter()
+                .collect()
         }
 
         fn count(&self, method: &'static str) {

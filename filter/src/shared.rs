@@ -374,18 +374,13 @@ mod tests {
     #[test]
     fn an_update_from_a_stale_read_retries_from_a_fresh_one() {
         let h = MockHost::new(0);
-        let calls = |h: &MockHost| {
-            let c: Vec<_> = h.calls.borrow().clone().into_iter().collect();
-            h.reset_calls();
-            c
-        };
         let stale = read_inflight_cas(&h, 10).unwrap();
         // Another worker writes between this worker's read and its reservation.
         update_inflight(&h, 10, |t| t.reserve(1, "a", 5, 0, 100)).unwrap();
-        h.reset_calls();
+        h.take_calls();
         update_inflight_from(&h, 10, Some(stale), |t| t.reserve(2, "b", 7, 0, 100)).unwrap();
         // The stale write was refused; one fresh read and its write followed.
-        assert_eq!(calls(&h), [("shared_get", 1), ("shared_set", 2)]);
+        assert_eq!(h.take_calls(), [("shared_get", 1), ("shared_set", 2)]);
         let t = read_inflight(&h).unwrap().totals(0);
         assert_eq!(
             (t["a"].tokens, t["b"].tokens),
@@ -394,12 +389,12 @@ mod tests {
         );
         // From a read nobody overtook: the write alone.
         let fresh = read_inflight_cas(&h, 10).unwrap();
-        h.reset_calls();
+        h.take_calls();
         assert_eq!(
             update_inflight_from(&h, 10, Some(fresh), |t| t.release(1).is_some()),
             Ok(true)
         );
-        assert_eq!(calls(&h), [("shared_set", 1)]);
+        assert_eq!(h.take_calls(), [("shared_set", 1)]);
         assert_eq!(read_inflight(&h).unwrap().totals(0).len(), 1);
     }
 

@@ -797,16 +797,11 @@ mod tests {
         s.on_done(&warm);
         let r = plain(&h);
         let mut s = Stream::new(w, 2);
-        let calls = |r: &MockHost| {
-            let c = r.calls.borrow().clone();
-            r.reset_calls();
-            c.into_iter().collect::<Vec<_>>()
-        };
         assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
-        assert_eq!(calls(&r), [("request_headers", 1)]);
+        assert_eq!(r.take_calls(), [("request_headers", 1)]);
         assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
         assert_eq!(
-            calls(&r),
+            r.take_calls(),
             [
                 // decisions.policy, decisions.policy.hybrid, reserved
                 ("metric_add", 3),
@@ -825,7 +820,7 @@ mod tests {
         s.on_response_headers(&r);
         // ttfb_ms
         assert_eq!(
-            calls(&r),
+            r.take_calls(),
             [("metric_record", 1), ("now_ms", 1), ("response_headers", 1)]
         );
         let reply = br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}"#;
@@ -833,7 +828,7 @@ mod tests {
         s.on_response_body(&r, reply.len(), true);
         // released; estimate_error_pct; the release's read and write
         assert_eq!(
-            calls(&r),
+            r.take_calls(),
             [
                 ("metric_add", 1),
                 ("metric_record", 1),
@@ -843,7 +838,7 @@ mod tests {
             ]
         );
         s.on_done(&r);
-        assert_eq!(calls(&r), []);
+        assert_eq!(r.take_calls(), []);
         assert_eq!(held(&h), 0);
     }
 
