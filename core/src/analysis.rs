@@ -265,28 +265,26 @@ impl<'e> Acc<'e> {
             if ok.is_err() {
                 continue;
             }
-            // The one-letter escapes (`\n`, `\"`, ...; most of them in chat text) decode to
-            // one ASCII byte: no decoder, no UTF-8 encoding.
-            if let Some(b) = simple_escape(esc) {
-                let mut buf = [0u8; 4];
-                let s = char::from(b).encode_utf8(&mut buf);
-                self.push_prefix(s);
-                self.tally.feed(s.as_bytes());
-                continue;
-            }
-            match decode_escape(esc) {
-                Ok((ch, used)) => {
-                    if used > 5 {
-                        // A surrogate pair: its second escape is part of this character.
-                        sc.escape()?;
+            // One-letter escapes (`\n`, `\"`, ...: nearly all of them in chat text) are
+            // looked up inline; only `\u` escapes go through the general decoder.
+            let (ch, used) = match simple_escape(esc).map(char::from) {
+                Some(ch) => (ch, 1),
+                None => match decode_escape(esc) {
+                    Ok(d) => d,
+                    Err(BadString) => {
+                        ok = Err(BadString);
+                        continue;
                     }
-                    let mut buf = [0u8; 4];
-                    let s = ch.encode_utf8(&mut buf);
-                    self.push_prefix(s);
-                    self.tally.feed(s.as_bytes());
-                }
-                Err(BadString) => ok = Err(BadString),
+                },
+            };
+            if used > 5 {
+                // A surrogate pair: its second escape is part of this character.
+                sc.escape()?;
             }
+            let mut buf = [0u8; 4];
+            let s = ch.encode_utf8(&mut buf);
+            self.push_prefix(s);
+            self.tally.feed(s.as_bytes());
         }
         self.tally.end_text();
         Ok(ok)
