@@ -359,14 +359,10 @@ impl Worker {
         self.id_prefix | u64::from(self.seq)
     }
 
-    /// Decide for a request to `path` with `body` (`None`: decided without the body):
-    /// shared-data reads, the core router, decision counters and logs.
-    pub fn decide<H: Host>(&mut self, host: &H, path: &str, body: Option<&[u8]>) -> Decision {
-        self.decide_at(host, path, body, host.now_ms())
-    }
-
-    /// [`Self::decide`] at `now` (Unix ms), for a caller that has already read the clock.
-    pub fn decide_at<H: Host>(
+    /// Decide for a request to `path` with `body` (`None`: decided without the body) at
+    /// `now` (Unix ms, the caller's one clock read): shared-data reads, the core router,
+    /// decision counters and logs.
+    pub fn decide<H: Host>(
         &mut self,
         host: &H,
         path: &str,
@@ -631,7 +627,7 @@ impl Worker {
                 continue;
             }
             let body = (!p.body.is_empty()).then_some(p.body.as_slice());
-            match self.decide_at(host, &p.path, body, now) {
+            match self.decide(host, &p.path, body, now) {
                 Decision::NoCapacity { .. } => break,
                 Decision::Route(mut routed) => {
                     self.admission.pop();
@@ -752,7 +748,7 @@ mod tests {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
         assert!(matches!(
-            w.decide(&h, "/v1/chat/completions", None),
+            w.decide(&h, "/v1/chat/completions", None, h.now_ms()),
             Decision::FailOpen(_)
         ));
     }
@@ -847,7 +843,7 @@ mod tests {
         let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
         for _ in 0..2 {
             assert!(matches!(
-                w.decide(&h, "/v1/completions", Some(body.as_bytes())),
+                w.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms()),
                 Decision::Route(_)
             ));
         }
@@ -856,7 +852,7 @@ mod tests {
         e[0].process_start_ms = Some(2);
         let e1 = e.remove(1);
         shared::publish_snapshot(&h, &Snapshot::new(2, 1000, e).encode()).unwrap();
-        let _ = w.decide(&h, "/v1/models", None);
+        let _ = w.decide(&h, "/v1/models", None, h.now_ms());
         assert_eq!(w.prefix_blocks("pool/e0"), 0, "restarted");
         assert_eq!(w.prefix_blocks(&e1.id), 0, "removed");
         assert_eq!(
@@ -877,7 +873,7 @@ mod tests {
         a.set_worker_number(1);
         b.set_worker_number(2);
         let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "s".repeat(640));
-        let chosen = match a.decide(&h, "/v1/completions", Some(body.as_bytes())) {
+        let chosen = match a.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms()) {
             Decision::Route(r) => r.route.endpoint,
             d => panic!("{d:?}"),
         };
@@ -888,7 +884,7 @@ mod tests {
         assert_eq!((sb.imported, sb.published), (1, 0));
         assert_eq!(b.prefix_blocks(&chosen), 10);
         for _ in 0..3 {
-            match b.decide(&h, "/v1/completions", Some(body.as_bytes())) {
+            match b.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms()) {
                 Decision::Route(r) => assert_eq!(r.route.endpoint, chosen),
                 d => panic!("{d:?}"),
             }
@@ -908,13 +904,13 @@ mod tests {
         // A corrupt journal is replaced, not fatal.
         h.shared_set(crate::names::AFFINITY_KEY, b"garbage", None)
             .unwrap();
-        let _ = a.decide(&h, "/v1/completions", Some(body.as_bytes()));
+        let _ = a.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms());
         assert_eq!(a.sync_affinity(&h).unwrap().published, 1);
         assert_eq!(h.metric(metric::AFFINITY_RESET), 1);
         assert_eq!(b.sync_affinity(&h).unwrap().imported, 1, "after the reset");
         // Off: nothing is kept or synced by the tick.
         let mut off = worker(r#"{"share_affinity":false}"#);
-        let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()));
+        let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms());
         off.periodic(&h);
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 5);
     }
@@ -931,11 +927,11 @@ mod tests {
         };
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
         assert_eq!(
-            reason(w.decide(&h, "/v1/chat/completions", Some(body))),
+            reason(w.decide(&h, "/v1/chat/completions", Some(body), h.now_ms())),
             "policy:hybrid;endpoint=pool/e0"
         );
         assert_eq!(
-            reason(w.decide(&h, "/v1/chat/completions", Some(b"{\"model\":"))),
+            reason(w.decide(&h, "/v1/chat/completions", Some(b"{\"model\":"), h.now_ms())),
             "policy:hybrid;endpoint=pool/e0;load_only=unparsable"
         );
         assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
@@ -943,11 +939,11 @@ mod tests {
         let long = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
         for matched in [0, 10] {
             assert_eq!(
-                reason(w.decide(&h, "/v1/completions", Some(long.as_bytes()))),
+                reason(w.decide(&h, "/v1/completions", Some(long.as_bytes()), h.now_ms())),
                 format!("policy:hybrid;endpoint=pool/e0;prefix={matched}/10")
             );
         }
-        let r = w.decide(&h, "/v1/chat/completions", None);
+        let r = w.decide(&h, "/v1/chat/completions", None, h.now_ms());
         let Decision::Route(mut r) = r else {
             panic!("not routed")
         };
@@ -971,7 +967,7 @@ mod tests {
         let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
         // Off (the default): no record, no property.
         let mut w = worker("{}");
-        let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body)) else {
+        let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body), h.now_ms()) else {
             panic!("not routed")
         };
         assert_eq!(r.reason, "policy:hybrid;endpoint=pool/e0");
@@ -980,7 +976,7 @@ mod tests {
         w.release(&h, &held);
         // On: the reason gains the ranked candidates, and becomes filter state.
         let mut w = worker(r#"{"decision_record":true}"#);
-        let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body)) else {
+        let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body), h.now_ms()) else {
             panic!("not routed")
         };
         let demand = w.router().demand(&kvroute_core::router::RequestInfo {
@@ -1021,7 +1017,7 @@ mod tests {
         shared::publish_snapshot(&h, &snap.encode()).unwrap();
         let mut w =
             worker(r#"{"mode":"endpoint","picker":{"policy":"round_robin","max_fallbacks":2}}"#);
-        match w.decide(&h, "/v1/models", None) {
+        match w.decide(&h, "/v1/models", None, h.now_ms()) {
             Decision::Route(r) => {
                 assert_eq!(r.header, "x-gateway-destination-endpoint");
                 let value = r.value;

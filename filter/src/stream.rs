@@ -191,7 +191,7 @@ impl Stream {
         let decision = self
             .worker
             .borrow_mut()
-            .decide_at(host, &self.path, body, started / 1_000);
+            .decide(host, &self.path, body, started / 1_000);
         let flow = self.apply(host, decision, body);
         host.metric_record(
             MetricKind::Histogram,

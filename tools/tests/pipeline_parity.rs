@@ -141,7 +141,7 @@ fn filter_and_benchmark_pick_identically() {
                 table.release(bench_id);
             }
         }
-        let f = worker.decide(&host, path, Some(body));
+        let f = worker.decide(&host, path, Some(body), now);
         let b = bench.route(&snap, &table, path, Some(body), now);
         match (f, b.outcome) {
             (Decision::Route(mut f), Outcome::Route(b)) => {
