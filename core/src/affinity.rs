@@ -32,6 +32,10 @@
 //! endpoint-id length (u16), endpoint id
 //! (UTF-8), hash count (u16), then the chain's block hashes (u64 each, in chain order, as
 //! [`crate::prefix::block_hashes`] returns them). Sequence numbers strictly increase.
+//!
+//! The format is a transport of (key, `u64` words) records, so the same code carries the
+//! learners' observations ([`crate::observation`]) in a journal of their own: the key is
+//! an endpoint id or a model name, the words a kind and values instead of a chain.
 
 /// Magic bytes opening an encoded journal.
 pub const JOURNAL_MAGIC: [u8; 4] = *b"KVA1";

@@ -23,6 +23,7 @@ pub mod analysis;
 pub mod estimate;
 pub mod inflight;
 mod json_scan;
+pub mod observation;
 pub mod output_len;
 pub mod peer;
 pub mod percentile;

@@ -150,16 +150,17 @@ impl OutputLengths {
     }
 
     /// Fold in one response: `prompt_tokens` and `completion_tokens` from its `usage`.
-    /// A response with no completion tokens (an error, a cancelled stream) is ignored.
+    /// A response with no completion tokens (an error, a cancelled stream) is ignored;
+    /// returns whether the response was used.
     pub fn observe(
         &mut self,
         model: &str,
         api: ApiKind,
         prompt_tokens: u64,
         completion_tokens: u64,
-    ) {
+    ) -> bool {
         if completion_tokens == 0 {
-            return;
+            return false;
         }
         self.seq = self.seq.wrapping_add(1);
         let k = key(model, api);
@@ -182,6 +183,7 @@ impl OutputLengths {
         }
         s.all.add(completion_tokens, OUTPUT_FORGET);
         s.last = self.seq;
+        true
     }
 
     /// Predicted output tokens at quantile `q` (0..1) for a request of `prompt_tokens`,

@@ -52,6 +52,7 @@ use std::collections::BTreeMap;
 use crate::analysis::{analyze_bounded, AnalysisError, ApiKind, RequestAnalysis};
 use crate::estimate::{Estimator, EstimatorConfig};
 use crate::inflight::InflightTable;
+use crate::observation::Observation;
 use crate::output_len::OutputLengths;
 use crate::picker::{
     uncached_prompt_tokens, ConfigError, Explained, InFlight, PickInput, PickOutcome, PickReason,
@@ -358,6 +359,10 @@ pub struct Router {
     /// Chains recorded since the last [`Router::take_recorded`], kept only while affinity
     /// sharing is on ([`Router::share_affinity`]); at most [`MAX_RECORDED`].
     recorded: Option<Vec<(String, Vec<u64>)>>,
+    /// Learner observations made since the last [`Router::take_observations`], as journal
+    /// records, kept only while sharing is on ([`Router::share_learning`]); at most
+    /// [`MAX_RECORDED`].
+    observed: Option<Vec<(String, Vec<u64>)>>,
 }
 
 /// Bound on chains kept for [`Router::take_recorded`] between two takes; later ones are not
@@ -401,6 +406,7 @@ impl Router {
             scratch_inflight: Vec::new(),
             outputs: OutputLengths::new(),
             recorded: None,
+            observed: None,
         })
     }
 
@@ -424,6 +430,58 @@ impl Router {
         match &mut self.recorded {
             Some(v) => std::mem::take(v),
             None => Vec::new(),
+        }
+    }
+
+    /// Turn learner sharing on or off: while on, every observation the learners take from
+    /// this router's responses ([`Router::observe_first_token`], [`Router::observe_output`])
+    /// is also kept for [`Router::take_observations`], so a host can replay it into other
+    /// router instances ([`crate::observation`]).
+    pub fn share_learning(&mut self, on: bool) {
+        self.observed = on.then(Vec::new);
+    }
+
+    /// The observations made since the last call, oldest first, as journal records
+    /// ([`crate::observation::Observation::to_record`]); empty when sharing is off.
+    pub fn take_observations(&mut self) -> Vec<(String, Vec<u64>)> {
+        match &mut self.observed {
+            Some(v) => std::mem::take(v),
+            None => Vec::new(),
+        }
+    }
+
+    /// Replay an observation another router instance made (a journal record, `key` and
+    /// `words`) into this router's learners, as if this router had made it; it is not
+    /// kept for [`Router::take_observations`]. Returns false for a record that is no
+    /// observation ([`crate::observation::Observation::from_record`]) or that the learner
+    /// ignored (e.g. a non-positive TTFT).
+    pub fn import_observation(&mut self, key: &str, words: &[u64]) -> bool {
+        match Observation::from_record(key, words) {
+            Some(Observation::FirstToken {
+                endpoint,
+                work_tokens,
+                ttft_s,
+            }) => self
+                .picker
+                .prefill_rates_mut()
+                .observe(&endpoint, work_tokens, ttft_s),
+            Some(Observation::Output {
+                model,
+                api,
+                prompt_tokens,
+                completion_tokens,
+            }) => self
+                .outputs
+                .observe(&model, api, prompt_tokens, completion_tokens),
+            None => false,
+        }
+    }
+
+    fn keep_observation(&mut self, o: Observation) {
+        if let Some(out) = &mut self.observed {
+            if out.len() < MAX_RECORDED {
+                out.push(o.to_record());
+            }
         }
     }
 
@@ -524,9 +582,18 @@ impl Router {
         predicted_work_tokens: f64,
         ttft_s: f64,
     ) -> bool {
-        self.picker
+        let used = self
+            .picker
             .prefill_rates_mut()
-            .observe(endpoint, predicted_work_tokens, ttft_s)
+            .observe(endpoint, predicted_work_tokens, ttft_s);
+        if used && self.observed.is_some() {
+            self.keep_observation(Observation::FirstToken {
+                endpoint: endpoint.to_owned(),
+                work_tokens: predicted_work_tokens,
+                ttft_s,
+            });
+        }
+        used
     }
 
     /// Learn from a finished response's `usage`: `prompt_tokens` and `completion_tokens` of a
@@ -539,8 +606,17 @@ impl Router {
         prompt_tokens: u64,
         completion_tokens: u64,
     ) {
-        self.outputs
+        let used = self
+            .outputs
             .observe(model, api, prompt_tokens, completion_tokens);
+        if used && self.observed.is_some() {
+            self.keep_observation(Observation::Output {
+                model: model.to_owned(),
+                api,
+                prompt_tokens,
+                completion_tokens,
+            });
+        }
     }
 
     /// Decide for a request to `path` with `body` (`None`: the host did not read it) over

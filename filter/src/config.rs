@@ -116,10 +116,16 @@ pub struct RawConfig {
     /// Share prefix affinity between this Envoy's workers through shared data (default
     /// true; see `kvroute_filter::affinity`). Off, each worker only knows what it routed.
     pub share_affinity: bool,
-    /// How often each worker syncs the shared affinity journal, milliseconds (default 100):
-    /// the longest a prefix routed by one worker stays unknown to the others.
+    /// Share the learners' observations between this Envoy's workers through shared data
+    /// (default true; see `kvroute_filter::sharing`): every worker's prefill-throughput and
+    /// output-length learners then learn from every response the proxy sees, not from
+    /// 1/workers of them. Uses `affinity_sync_ms` and `affinity_journal_bytes` too.
+    pub share_learning: bool,
+    /// How often each worker syncs the shared journals (affinity, observations),
+    /// milliseconds (default 100): the longest a prefix routed, or a response seen, by one
+    /// worker stays unknown to the others.
     pub affinity_sync_ms: u64,
-    /// Bound on the shared affinity journal, bytes (default 262144,
+    /// Bound on each shared journal, bytes (default 262144,
     /// `kvroute_core::affinity::DEFAULT_JOURNAL_BYTES`; at least 1024).
     pub affinity_journal_bytes: usize,
 }
@@ -145,6 +151,7 @@ impl Default for RawConfig {
             usage_tail_bytes: kvroute_core::usage::DEFAULT_MAX_TAIL,
             decision_record: false,
             share_affinity: true,
+            share_learning: true,
             affinity_sync_ms: 100,
             affinity_journal_bytes: kvroute_core::affinity::DEFAULT_JOURNAL_BYTES,
         }
@@ -247,10 +254,11 @@ impl TryFrom<RawConfig> for Config {
         if raw.admission.tick_ms == 0 {
             return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
         }
-        if raw.share_affinity && raw.affinity_sync_ms == 0 {
+        let sharing = raw.share_affinity || raw.share_learning;
+        if sharing && raw.affinity_sync_ms == 0 {
             return Err(invalid("affinity_sync_ms", 0, "must be at least 1"));
         }
-        if raw.share_affinity && raw.affinity_journal_bytes < 1024 {
+        if sharing && raw.affinity_journal_bytes < 1024 {
             return Err(invalid(
                 "affinity_journal_bytes",
                 raw.affinity_journal_bytes,
@@ -318,9 +326,13 @@ mod tests {
             "estimator":{},"prefix":{"block_chars":32,"max_blocks":8},"prefix_index_blocks":9,
             "models":[],"calibrate":false,
             "admission":{"enabled":true,"max_queue":2,"timeout_ms":3,"tick_ms":4,"retry_after_s":5},
-            "fail_open":false,"debug_header":true,"usage_tail_bytes":100}"#,
+            "fail_open":false,"debug_header":true,"usage_tail_bytes":100,
+            "share_affinity":false,"share_learning":false,"affinity_sync_ms":0}"#,
         )
         .unwrap();
+        // Nothing shared: no sync period needed.
+        assert!(!c.share_affinity && !c.share_learning);
+        assert_eq!(c.affinity_sync_ms, 0);
         assert_eq!(c.role, Role::Ingest);
         assert_eq!(c.mode, Mode::Endpoint);
         assert_eq!(c.router.picker.stale_after_ms, 100);
@@ -366,6 +378,11 @@ mod tests {
                 "field `admission.tick_ms`",
             ),
             (r#"{"affinity_sync_ms":0}"#, "field `affinity_sync_ms`"),
+            // Learner sharing alone still needs a sync period.
+            (
+                r#"{"share_affinity":false,"affinity_sync_ms":0}"#,
+                "field `affinity_sync_ms`",
+            ),
             (
                 r#"{"affinity_journal_bytes":100}"#,
                 "field `affinity_journal_bytes`",

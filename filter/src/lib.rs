@@ -10,6 +10,7 @@
 //! | [`names`] | every header, shared-data key and metric name |
 //! | [`reply`] | every reply the filter makes itself (OpenAI error object, `GET /v1/models`) |
 //! | [`shared`] | snapshot publication/cache and the in-flight table in shared data (CAS) |
+//! | [`sharing`] | the journals the workers share on their tick: prefix affinity, learner observations |
 //! | [`ingest`] | role `ingest`: the upload checks, its stream type, the shared-queue consumer |
 //! | [`router`] | role `route`: per-worker state, host I/O around `kvroute_core::router::Router`, applying a decision, admission tick |
 //! | [`stream`] | role `route`: the per-request state machine (request pause/decide, response usage) |
@@ -17,7 +18,6 @@
 //!
 //! See `docs/filter.md` for the data flow and the README for configuration.
 
-pub mod affinity;
 pub mod config;
 pub mod host;
 pub mod ingest;
@@ -25,6 +25,7 @@ pub mod names;
 pub mod reply;
 pub mod router;
 pub mod shared;
+pub mod sharing;
 pub mod stream;
 #[cfg(target_arch = "wasm32")]
 mod wasm;

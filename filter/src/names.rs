@@ -17,8 +17,11 @@ pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
 /// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
 pub const INFLIGHT_KEY: &str = "kvroute.inflight";
 /// Shared-data key of the prefix-affinity journal shared by the workers
-/// (`kvroute_core::affinity` wire format, see [`crate::affinity`]).
+/// (`kvroute_core::affinity` wire format, see [`crate::sharing`]).
 pub const AFFINITY_KEY: &str = "kvroute.affinity";
+/// Shared-data key of the learner-observation journal shared by the workers (same wire
+/// format, records of `kvroute_core::observation`; see [`crate::sharing`]).
+pub const LEARNED_KEY: &str = "kvroute.learned";
 /// Shared-data key of the worker counter that makes reservation ids unique across workers.
 pub const WORKER_SEQ_KEY: &str = "kvroute.worker.seq";
 
@@ -53,12 +56,19 @@ pub mod metric {
     pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
     /// `GET /v1/models` answered from the snapshot (counter).
     pub const MODELS_LISTED: &str = "kvroute.models_listed";
-    /// Prefix chains learned from other workers' routing (counter, [`crate::affinity`]).
+    /// Prefix chains learned from other workers' routing (counter, [`crate::sharing`]).
     pub const AFFINITY_IMPORTED: &str = "kvroute.affinity.imported";
     /// Prefix chains this worker shared with the others (counter).
     pub const AFFINITY_PUBLISHED: &str = "kvroute.affinity.published";
     /// Shared affinity journals found corrupt and replaced by an empty one (counter).
     pub const AFFINITY_RESET: &str = "kvroute.affinity.reset";
+    /// Learner observations (first tokens, output lengths) replayed from other workers'
+    /// responses (counter, [`crate::sharing`]).
+    pub const LEARNED_IMPORTED: &str = "kvroute.learned.imported";
+    /// Learner observations this worker shared with the others (counter).
+    pub const LEARNED_PUBLISHED: &str = "kvroute.learned.published";
+    /// Shared observation journals found corrupt and replaced by an empty one (counter).
+    pub const LEARNED_RESET: &str = "kvroute.learned.reset";
     /// Linear memory of the reporting worker's Wasm VM, bytes (gauge, refreshed every tick
     /// by each VM that has routed a request; the ingest VM and Envoy's main-thread instance
     /// do not report). Wasm memory only grows, so this is the VM's high-water mark; with one

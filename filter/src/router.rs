@@ -23,6 +23,7 @@ use crate::config::{Config, Mode};
 use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY};
 use crate::shared::{self, SnapshotCache};
+use crate::sharing::{Journal, Synced};
 use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::PickReason;
@@ -113,10 +114,12 @@ pub struct Worker {
     pub admission: AdmissionQueue<Parked>,
     /// Reservations made by the tick for parked requests, by context id.
     pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
-    /// This worker's number among the proxy's workers (writer id in the affinity journal).
+    /// This worker's number among the proxy's workers (writer id in the shared journals).
     worker_number: u32,
-    /// Last affinity-journal sequence number seen, and when it was last synced (Unix ms).
+    /// Last sequence number seen in the affinity and the observation journal, and when
+    /// they were last synced (Unix ms).
     affinity_seen: u64,
+    learned_seen: u64,
     affinity_synced_ms: u64,
     /// Endpoints whose per-endpoint in-flight gauges this worker last set above zero (set
     /// back to 0 once their load is gone).
@@ -167,6 +170,7 @@ impl Worker {
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
         let mut router = Router::new(config.router.clone(), seed)?;
         router.share_affinity(config.share_affinity);
+        router.share_learning(config.share_learning);
         router.set_explain(config.decision_record);
         let admission = AdmissionQueue::new(config.admission.max_queue);
         let mut rng = fastrand::Rng::with_seed(seed);
@@ -181,6 +185,7 @@ impl Worker {
             // Random until `set_worker_number`: two workers then differ with high probability.
             worker_number: rng.u32(..),
             affinity_seen: 0,
+            learned_seen: 0,
             affinity_synced_ms: 0,
             exported_unseen: std::collections::BTreeSet::new(),
             gauge_endpoints: std::collections::BTreeSet::new(),
@@ -213,8 +218,9 @@ impl Worker {
         self.worker_number = worker;
     }
 
-    /// The tick: the admission queue when enabled, then the prefix-affinity sync with the
-    /// other workers when `affinity_sync_ms` has passed since the last one.
+    /// The tick: the admission queue when enabled, then the sync of the shared journals
+    /// (prefix affinity, learner observations) with the other workers when
+    /// `affinity_sync_ms` has passed since the last one.
     pub fn periodic<H: Host>(&mut self, host: &H) {
         if self.config.admission.enabled {
             self.tick(host);
@@ -223,11 +229,11 @@ impl Worker {
         // One read of the snapshot version for the whole tick.
         let snap = self.cache.current(host).ok().flatten();
         self.gauges_with(host, now, snap.as_deref());
-        if self.config.share_affinity
+        if (self.config.share_affinity || self.config.share_learning)
             && now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms
         {
             self.affinity_synced_ms = now;
-            self.sync_affinity_with(host, snap.as_deref());
+            self.sync_with(host, snap.as_deref());
         }
     }
 
@@ -318,38 +324,55 @@ impl Worker {
         }
     }
 
-    /// Exchange prefix affinity with the other workers now ([`crate::affinity::sync`]);
-    /// failures are logged and counted as fail-open events of the hint, never of a request.
-    pub fn sync_affinity<H: Host>(&mut self, host: &H) -> Option<crate::affinity::Synced> {
+    /// Exchange what the workers share (prefix affinity, learner observations; each when
+    /// its `share_*` option is on) with the other workers now ([`crate::sharing::sync`]).
+    /// Returns what each journal's sync did, `None` for one not shared or whose sync
+    /// failed; failures are logged, and lose hints or observations, never a request.
+    pub fn sync<H: Host>(&mut self, host: &H) -> [Option<Synced>; 2] {
         let snap = self.cache.current(host).ok().flatten();
-        self.sync_affinity_with(host, snap.as_deref())
+        self.sync_with(host, snap.as_deref())
     }
 
-    fn sync_affinity_with<H: Host>(
-        &mut self,
-        host: &H,
-        snap: Option<&Snapshot>,
-    ) -> Option<crate::affinity::Synced> {
+    fn sync_with<H: Host>(&mut self, host: &H, snap: Option<&Snapshot>) -> [Option<Synced>; 2] {
         // Imports are kept only for endpoints of the current snapshot.
         if let Some(snap) = snap {
             self.router.observe_snapshot(snap);
         }
-        match crate::affinity::sync(
-            host,
-            &mut self.router,
-            self.worker_number,
-            &mut self.affinity_seen,
-            self.config.affinity_journal_bytes,
-            self.config
-                .affinity_sync_ms
-                .saturating_mul(crate::affinity::RETENTION_PERIODS),
-        ) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                host.log(Level::Warn, &format!("kvroute: affinity sync: {e}"));
-                None
+        let retention_ms = self
+            .config
+            .affinity_sync_ms
+            .saturating_mul(crate::sharing::RETENTION_PERIODS);
+        let mut out = [None, None];
+        for (slot, journal, on) in [
+            (0, Journal::Affinity, self.config.share_affinity),
+            (1, Journal::Learned, self.config.share_learning),
+        ] {
+            if !on {
+                continue;
+            }
+            let seen = match journal {
+                Journal::Affinity => &mut self.affinity_seen,
+                Journal::Learned => &mut self.learned_seen,
+            };
+            let r = crate::sharing::sync(
+                host,
+                journal,
+                &mut self.router,
+                self.worker_number,
+                seen,
+                self.config.affinity_journal_bytes,
+                retention_ms,
+            );
+            match r {
+                Ok(s) => {
+                    if let Some(o) = out.get_mut(slot) {
+                        *o = Some(s);
+                    }
+                }
+                Err(e) => host.log(Level::Warn, &format!("kvroute: {journal:?} sync: {e}")),
             }
         }
+        out
     }
 
     /// A fresh reservation id: the worker's upper 32 bits (unique per worker once
@@ -513,7 +536,8 @@ impl Worker {
 
     /// A streamed response from `endpoint` produced its first token `ttft_s` seconds after
     /// the decision: a prefill-throughput sample for the `predicted_ttft` policy
-    /// ([`Router::observe_first_token`]; this worker's learner).
+    /// ([`Router::observe_first_token`]; shared with the other workers on the next sync
+    /// when `share_learning` is on).
     pub fn observe_first_token(&mut self, endpoint: &str, predicted_work_tokens: f64, ttft_s: f64) {
         self.router
             .observe_first_token(endpoint, predicted_work_tokens, ttft_s);
@@ -521,7 +545,7 @@ impl Worker {
 
     /// A response's `usage` reported `completion_tokens` for a `prompt_tokens` prompt to
     /// `model` over `api`: learned output lengths set later requests' KV demand
-    /// ([`Router::observe_output`]; this worker's learner).
+    /// ([`Router::observe_output`]; shared like [`Self::observe_first_token`]).
     pub fn observe_output(
         &mut self,
         model: &str,
@@ -863,6 +887,11 @@ mod tests {
         );
     }
 
+    /// The affinity journal's part of one [`Worker::sync`].
+    fn affinity(w: &mut Worker, h: &MockHost) -> Synced {
+        w.sync(h)[0].unwrap()
+    }
+
     #[test]
     fn workers_share_prefix_affinity_through_the_journal() {
         let h = MockHost::new(1000);
@@ -878,9 +907,9 @@ mod tests {
             d => panic!("{d:?}"),
         };
         assert_eq!(b.prefix_blocks(&chosen), 0, "not shared yet");
-        let sa = a.sync_affinity(&h).unwrap();
+        let sa = affinity(&mut a, &h);
         assert_eq!((sa.imported, sa.published), (0, 1));
-        let sb = b.sync_affinity(&h).unwrap();
+        let sb = affinity(&mut b, &h);
         assert_eq!((sb.imported, sb.published), (1, 0));
         assert_eq!(b.prefix_blocks(&chosen), 10);
         for _ in 0..3 {
@@ -891,28 +920,106 @@ mod tests {
         }
         // B's chains reach A; neither re-imports what it already saw or wrote itself.
         assert_eq!(
-            b.sync_affinity(&h).unwrap(),
-            crate::affinity::Synced {
+            affinity(&mut b, &h),
+            Synced {
                 imported: 0,
                 published: 3
             }
         );
-        assert_eq!(a.sync_affinity(&h).unwrap().imported, 3);
-        assert_eq!(a.sync_affinity(&h).unwrap().imported, 0);
+        assert_eq!(affinity(&mut a, &h).imported, 3);
+        assert_eq!(affinity(&mut a, &h).imported, 0);
         assert_eq!(h.metric(metric::AFFINITY_IMPORTED), 4);
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 4);
         // A corrupt journal is replaced, not fatal.
         h.shared_set(crate::names::AFFINITY_KEY, b"garbage", None)
             .unwrap();
         let _ = a.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms());
-        assert_eq!(a.sync_affinity(&h).unwrap().published, 1);
+        assert_eq!(affinity(&mut a, &h).published, 1);
         assert_eq!(h.metric(metric::AFFINITY_RESET), 1);
-        assert_eq!(b.sync_affinity(&h).unwrap().imported, 1, "after the reset");
+        assert_eq!(affinity(&mut b, &h).imported, 1, "after the reset");
         // Off: nothing is kept or synced by the tick.
         let mut off = worker(r#"{"share_affinity":false}"#);
         let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms());
         off.periodic(&h);
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 5);
+    }
+
+    #[test]
+    fn workers_share_learner_observations_through_the_journal() {
+        let h = MockHost::new(1000);
+        let snap = Snapshot::new(1, 1000, (0..2).map(|i| endpoint(i, 1000)).collect());
+        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        shared::ensure_keys(&h).unwrap();
+        let (mut a, mut b) = (worker("{}"), worker("{}"));
+        a.set_worker_number(1);
+        b.set_worker_number(2);
+        let chat = kvroute_core::analysis::ApiKind::ChatCompletions;
+        // A sees 3 first tokens of pool/e1 and 25 chat responses of model m (the output
+        // learner answers from 20 on); a bad sample is neither used nor shared.
+        for (work, ttft) in [(2000.0, 0.25), (4000.0, 0.45), (8000.0, 0.85), (0.0, 1.0)] {
+            a.observe_first_token("pool/e1", work, ttft);
+        }
+        for i in 0..25 {
+            a.observe_output("m", chat, 1000, 100 + i);
+        }
+        a.observe_output("m", chat, 1000, 0);
+        assert!(b.router().prefill_rates().is_empty());
+        assert_eq!(
+            b.router()
+                .output_lengths()
+                .predict("m", chat, 1000, None, 0.5),
+            None
+        );
+        let learned = |w: &mut Worker| w.sync(&h)[1].unwrap();
+        assert_eq!(
+            learned(&mut a),
+            Synced {
+                imported: 0,
+                published: 28
+            }
+        );
+        assert_eq!(
+            learned(&mut b),
+            Synced {
+                imported: 28,
+                published: 0
+            }
+        );
+        // B now believes exactly what A learned.
+        assert_eq!(
+            b.router().prefill_rates().estimate("pool/e1"),
+            a.router().prefill_rates().estimate("pool/e1")
+        );
+        assert_eq!(
+            b.router().prefill_rates().estimate("pool/e1").observations,
+            3
+        );
+        let median = |w: &Worker| {
+            w.router()
+                .output_lengths()
+                .predict("m", chat, 1000, None, 0.5)
+        };
+        assert!(median(&b).is_some());
+        assert_eq!(median(&b), median(&a));
+        // Nothing is imported twice, nor re-published by the importer.
+        assert_eq!(learned(&mut b), Synced::default());
+        assert_eq!(learned(&mut a), Synced::default());
+        assert_eq!(h.metric(metric::LEARNED_IMPORTED), 28);
+        assert_eq!(h.metric(metric::LEARNED_PUBLISHED), 28);
+        // A corrupt journal is replaced, not fatal.
+        h.shared_set(crate::names::LEARNED_KEY, b"garbage", None)
+            .unwrap();
+        a.observe_first_token("pool/e0", 1000.0, 0.1);
+        assert_eq!(learned(&mut a).published, 1);
+        assert_eq!(h.metric(metric::LEARNED_RESET), 1);
+        assert_eq!(learned(&mut b).imported, 1);
+        // Off: the learner still learns, but nothing is kept or synced.
+        let mut off = worker(r#"{"share_learning":false}"#);
+        off.observe_first_token("pool/e0", 1000.0, 0.1);
+        assert_eq!(off.router().prefill_rates().len(), 1);
+        assert_eq!(off.sync(&h)[1], None);
+        off.periodic(&h);
+        assert_eq!(h.metric(metric::LEARNED_PUBLISHED), 29);
     }
 
     #[test]

@@ -19,7 +19,7 @@
 
 use crate::host::{Host, HostError};
 use crate::names::{
-    AFFINITY_KEY, INFLIGHT_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY,
+    AFFINITY_KEY, INFLIGHT_KEY, LEARNED_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY,
 };
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::snapshot::{Snapshot, SnapshotError};
@@ -132,9 +132,11 @@ pub fn ensure_keys<H: Host>(host: &H) -> Result<(), SharedError> {
     if seq.is_none() {
         host.shared_set(WORKER_SEQ_KEY, &0u64.to_be_bytes(), None)?;
     }
-    let (journal, _) = host.shared_get(AFFINITY_KEY)?;
-    if journal.is_none() {
-        host.shared_set(AFFINITY_KEY, &kvroute_core::affinity::empty(), None)?;
+    for key in [AFFINITY_KEY, LEARNED_KEY] {
+        let (journal, _) = host.shared_get(key)?;
+        if journal.is_none() {
+            host.shared_set(key, &kvroute_core::affinity::empty(), None)?;
+        }
     }
     Ok(())
 }

@@ -76,7 +76,8 @@ async fn herd_of_identical_requests_is_spread() {
 }
 
 /// Prefix affinity learned by one Envoy worker reaches the others through the shared
-/// journal (`share_affinity`, synced every 100 ms): follow-up turns arriving on new
+/// journal (`share_affinity`, synced every 100 ms), and so do the learners' observations
+/// (`share_learning`): follow-up turns arriving on new
 /// connections, and so on any of the 4 workers, land on the replica the first turn went to.
 /// All replicas look equally loaded, so a worker that did not know the prefix would pick
 /// among them at random: without sharing, 8 follow-ups all landing home has probability
@@ -126,6 +127,13 @@ async fn prefix_affinity_is_shared_by_all_workers() {
     }
     assert!(fleet.custom("kvroute.affinity.published").await.unwrap() >= 3);
     assert!(fleet.custom("kvroute.affinity.imported").await.unwrap() >= 3);
+    // Learner observations travel the same way (`share_learning`): each of the 27
+    // responses' `usage` (5 completion tokens) is one output-length observation, published
+    // once by the worker that saw it and replayed by each of the 3 others.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(fleet.custom("kvroute.learned.published").await.unwrap(), 27);
+    let imported = fleet.custom("kvroute.learned.imported").await.unwrap();
+    assert!(imported >= 3 * 27, "imported {imported}");
 }
 
 #[tokio::test]
