@@ -13,6 +13,6 @@ test-bench: ## Routing-benchmark smoke test: 2 traces x 4 replicas x 9 routers o
 	$(CARGO) test -p kvroute-tools --test bench_smoke --test routebench --test pipeline_parity
 	$(CARGO) test -p kvroute-tools --lib routebench::
 
-bench-crosscheck: ## Offline prediction for the online cross-check: Mooncake first 10 min, 4 replicas, 70% load (kvroute default and round robin)
+bench-crosscheck: ## Offline prediction for the online cross-check: Mooncake first 10 min, 4 replicas, 70% load (kvroute default fed what the filter sees and the trace ids; round robin)
 	$(CARGO) run --release -p kvroute-tools --bin kvroute-bench -- crosscheck \
 		--data $(KVROUTE_SHARED_DATA)

@@ -92,6 +92,32 @@ fn mooncake_loader_first_rows_and_extension() {
     assert_eq!(content(&plain[1]), content(&reqs[1]));
 }
 
+/// The routing benchmark's model of the filter's input (`mooncake_sim_body`) is byte for
+/// byte the body `kvroute-demo` sends for the same rows (the demo's workload: simulator
+/// extension on, no output cap).
+#[test]
+fn benchmark_bodies_are_the_demo_bodies() {
+    let mut w = WorkloadOptions::new(mooncake());
+    w.max_requests = Some(40);
+    w.sim_extension = true;
+    let reqs = load_workload(&w).unwrap();
+    let rows = load_mooncake(&default_trace_path("mooncake")).unwrap();
+    let mut cache = std::collections::HashMap::new();
+    assert_eq!(reqs.len(), 40);
+    for (i, r) in reqs.iter().enumerate() {
+        let row = &rows[i];
+        let b = workload::mooncake_sim_body(
+            DEFAULT_MODEL,
+            &row.hash_ids,
+            row.input_length,
+            row.output_length,
+            (w.seed, i as u64),
+            &mut cache,
+        );
+        assert_eq!(b, r.body, "row {i}");
+    }
+}
+
 #[test]
 fn mooncake_prompt_length_estimate_matches_trace() {
     let mut w = WorkloadOptions::new(mooncake());

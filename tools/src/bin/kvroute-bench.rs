@@ -334,9 +334,16 @@ fn cross(c: Common) -> anyhow::Result<()> {
         x.arrival_rate_rps,
         x.time_compression
     );
-    for r in &x.reports {
+    for (r, view) in [
+        (
+            &x.kvroute_filter_view,
+            " (what the filter sees: the prediction)",
+        ),
+        (&x.kvroute_trace_ids, " (trace block ids, the sweep's view)"),
+        (&x.round_robin, ""),
+    ] {
         println!(
-            "{}: TTFT p50 {:.3} s, prefix-cache hit rate {:.4}, TTFT p99 {:.3} s, finished {}/{}",
+            "{}{view}: TTFT p50 {:.3} s, prefix-cache hit rate {:.4}, TTFT p99 {:.3} s, finished {}/{}",
             r.router, r.ttft_p50, r.prefix_hit_ratio, r.ttft_p99, r.finished, r.requests
         );
     }

@@ -180,16 +180,25 @@ fn validate(opts: &WorkloadOptions) -> Result<(), ReplayError> {
     Ok(())
 }
 
+/// What a body carries besides the row: the `model` field, and the opt-in fields of
+/// [`WorkloadOptions`].
+#[derive(Debug, Clone, Copy)]
+struct BodyShape<'a> {
+    model: &'a str,
+    sim_extension: bool,
+    ignore_eos: bool,
+}
+
 /// The chat body of one request (see [`super::ReplayRequest::body`]).
 fn body(
-    opts: &WorkloadOptions,
+    shape: BodyShape<'_>,
     text: &str,
     prompt_tokens: Option<u32>,
     output: u32,
     hash_ids: &[u64],
 ) -> Bytes {
     let mut b = serde_json::Map::new();
-    b.insert("model".into(), json!(opts.model));
+    b.insert("model".into(), json!(shape.model));
     b.insert(
         "messages".into(),
         json!([{"role": "user", "content": text}]),
@@ -197,10 +206,10 @@ fn body(
     b.insert("max_tokens".into(), json!(output));
     b.insert("stream".into(), json!(true));
     b.insert("stream_options".into(), json!({"include_usage": true}));
-    if opts.ignore_eos {
+    if shape.ignore_eos {
         b.insert("ignore_eos".into(), json!(true));
     }
-    if opts.sim_extension {
+    if shape.sim_extension {
         let mut ext = serde_json::Map::new();
         if let Some(p) = prompt_tokens {
             ext.insert("prompt_tokens".into(), json!(p));
@@ -214,6 +223,31 @@ fn body(
     }
     let b = Value::Object(b);
     Bytes::from(b.to_string())
+}
+
+/// The body `kvroute-demo` sends for a Mooncake row on simulated replicas (the body
+/// [`load_workload`] builds with `model`, `sim_extension` on, no output cap and no
+/// `ignore_eos`): text from `hash_ids` over `input` tokens ([`mooncake_text`]; `seed` and
+/// `row`, the row's index in the trace file, seed filler past the last block, none in the
+/// shipped trace), `max_tokens` = `output`. `cache` keeps full block texts between calls.
+///
+/// The routing benchmark feeds these bytes to the filter's pipeline to predict what the
+/// online filter sees (`routebench::PrefixView::FilterText`).
+pub fn mooncake_sim_body(
+    model: &str,
+    hash_ids: &[u64],
+    input: u32,
+    output: u32,
+    (seed, row): (u64, u64),
+    cache: &mut HashMap<u64, String>,
+) -> Bytes {
+    let text = mooncake_text_cached(hash_ids, input, seed, row, cache);
+    let shape = BodyShape {
+        model,
+        sim_extension: true,
+        ignore_eos: false,
+    };
+    body(shape, &text, Some(input), output.max(1), hash_ids)
 }
 
 /// Load `opts.source` and build the requests of the configured slice, in send order
@@ -258,6 +292,11 @@ pub fn load_workload(opts: &WorkloadOptions) -> Result<Vec<ReplayRequest>, Repla
         chosen.push((row_index, row, prompt_tokens, output));
     }
     let t_first = chosen.first().map_or(0.0, |c| c.1.t_s);
+    let shape = BodyShape {
+        model: &opts.model,
+        sim_extension: opts.sim_extension,
+        ignore_eos: opts.ignore_eos,
+    };
     let out = chosen
         .par_iter()
         .enumerate()
@@ -278,7 +317,7 @@ pub fn load_workload(opts: &WorkloadOptions) -> Result<Vec<ReplayRequest>, Repla
                 ReplayRequest {
                     id: id as u64,
                     at_s: (row.t_s - t_first).max(0.0) / divisor,
-                    body: body(opts, &text, row.input, *output, &row.hash_ids),
+                    body: body(shape, &text, row.input, *output, &row.hash_ids),
                     prompt_tokens: *prompt_tokens,
                     output_tokens: *output,
                 }

@@ -38,6 +38,10 @@
 //!   the index holds the replica's KV capacity in 512-token blocks. A `NoCapacity` answer
 //!   (the gateway's 429) sends the request to the replica with the fewest in-flight requests
 //!   and counts it in [`RouterReport::overflow`], so every router serves every row.
+//! - What kvroute's router sees of a row is [`BenchConfig::prefix_view`]: by default the
+//!   trace's block ids as a request description ([`PrefixView::TraceIds`]); for the online
+//!   cross-check, the request body the demo sends, through the filter's own entry point
+//!   ([`PrefixView::FilterText`]).
 //! - Trace `hash_ids` (one per 512-token block) become router block hashes by chaining
 //!   xxh64 ([`chain_ids`]); engines key their prefix cache with
 //!   [`kvroute_sim::api::id_block_hashes`], as `kvroute-sim` does.
@@ -60,7 +64,7 @@ pub mod output;
 pub mod sweep;
 pub mod workload;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use kvroute_core::analysis::ApiKind;
 use kvroute_core::inflight::InflightTable;
@@ -88,6 +92,8 @@ pub const SLO_TPOT_S: f64 = 0.1;
 pub const DEFAULT_SCRAPE_INTERVAL_MS: u64 = 200;
 /// Default push delay, ms (kvroute-cp `push.min_interval_ms` default).
 pub const DEFAULT_PUSH_DELAY_MS: u64 = 10;
+/// Path of the requests [`PrefixView::FilterText`] routes (what `kvroute-demo` sends).
+const CHAT_PATH: &str = "/v1/chat/completions";
 /// Reservation lifetime used in the replay (never lapses within a run).
 const RESERVATION_TTL_MS: u64 = u64::MAX / 4;
 
@@ -183,6 +189,31 @@ impl RouterKind {
     }
 }
 
+/// What kvroute's router is told about a row's prompt, and how its prefix index is sized.
+/// Baselines always see the trace's `hash_ids`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixView {
+    /// The row as a [`RequestInfo`]: exact prompt tokens, no output limit, one chained hash
+    /// per trace `hash_id` ([`chain_ids`]), and a prefix index of one replica's KV capacity
+    /// in [`TRACE_BLOCK_TOKENS`]-token blocks. The sweep's view: every router sees the
+    /// same blocks.
+    #[default]
+    TraceIds,
+    /// What the filter sees when `kvroute-demo` replays the row: its request body
+    /// ([`crate::replay::workload::mooncake_sim_body`]) through
+    /// [`kvroute_core::router::Router::route`] on `/v1/chat/completions`, with the filter's
+    /// default configuration. So the prompt is estimated from text, `max_tokens` is the
+    /// row's output, prefix hashes are 64-character blocks of the first 16 KiB of text only
+    /// (about 4.6 of the trace's 512-token blocks), and the index holds
+    /// [`kvroute_core::prefix::DEFAULT_INDEX_CAPACITY`] of them per endpoint. Output
+    /// lengths are learned per chat API, as the filter learns them; the estimator's
+    /// calibration from `usage` is not replayed (the synthetic text's estimate is within a
+    /// few tokens of the row's length). Models the online cross-check
+    /// ([`sweep::crosscheck`]); needs `hash_ids` (Mooncake rows).
+    FilterText,
+}
+
 /// Benchmark setup of one replay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchConfig {
@@ -200,6 +231,8 @@ pub struct BenchConfig {
     pub model: String,
     /// kvroute picker configuration (its `policy` is overridden by [`RouterKind::Kvroute`]).
     pub picker: PickerConfig,
+    /// What kvroute's router sees of each row (default [`PrefixView::TraceIds`]).
+    pub prefix_view: PrefixView,
 }
 
 impl BenchConfig {
@@ -213,6 +246,7 @@ impl BenchConfig {
             seed,
             model: model.to_string(),
             picker: PickerConfig::default(),
+            prefix_view: PrefixView::default(),
         }
     }
 }
@@ -514,18 +548,24 @@ fn cached_blocks(e: &Engine, engine_hashes: &[u64]) -> u32 {
 /// The core routing pipeline ([`kvroute_core::router::Router`], the filter's) as the
 /// benchmark configures it for `policy`: `cfg.picker` with that policy, default estimator,
 /// prefix hashing and model profiles, and a prefix index holding one replica's KV capacity
-/// in [`TRACE_BLOCK_TOKENS`]-token blocks. An invalid `cfg.picker` falls back to the default
-/// picker configuration; `None` only if that fails too.
+/// in [`TRACE_BLOCK_TOKENS`]-token blocks ([`PrefixView::TraceIds`]) or the filter's
+/// default capacity ([`PrefixView::FilterText`]). An invalid `cfg.picker` falls back to
+/// the default picker configuration; `None` only if that fails too.
 pub fn kvroute_router(
     policy: PolicyKind,
     engine: &EngineConfig,
     cfg: &BenchConfig,
 ) -> Option<kvroute_core::router::Router> {
     let cap_tokens = u64::from(engine.num_gpu_blocks) * u64::from(engine.block_size);
+    let index_blocks = match cfg.prefix_view {
+        PrefixView::TraceIds => {
+            usize::try_from(cap_tokens / u64::from(TRACE_BLOCK_TOKENS)).unwrap_or(1)
+        }
+        PrefixView::FilterText => RouterConfig::default().prefix_index_blocks,
+    };
     let config = |picker: PickerConfig| RouterConfig {
         picker: PickerConfig { policy, ..picker },
-        prefix_index_blocks: usize::try_from(cap_tokens / u64::from(TRACE_BLOCK_TOKENS))
-            .unwrap_or(1),
+        prefix_index_blocks: index_blocks,
         ..RouterConfig::default()
     };
     kvroute_core::router::Router::new(config(cfg.picker.clone()), cfg.seed)
@@ -552,8 +592,8 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
 /// Feed what the router would observe from responses since the last call: kvroute's
 /// prefill-rate learner gets (predicted work at pick, TTFT) of each first token, its
 /// output-length model the (prompt, output) usage of each finished request — the filter's
-/// first-byte and `usage` observations.
-fn feed(router: &mut Router, st: &mut State, model: &str, ids: &[String]) {
+/// first-byte and `usage` observations, for requests of `api`.
+fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[String]) {
     let firsts = std::mem::take(&mut st.first_tokens);
     let done = std::mem::take(&mut st.finished_ids);
     let Router::Kv(router) = router else {
@@ -567,12 +607,7 @@ fn feed(router: &mut Router, st: &mut State, model: &str, ids: &[String]) {
     }
     for id in done {
         if let Some(r) = st.reqs.get(id as usize) {
-            router.observe_output(
-                model,
-                ApiKind::Completions,
-                u64::from(r.prompt),
-                u64::from(r.output),
-            );
+            router.observe_output(model, api, u64::from(r.prompt), u64::from(r.output));
         }
     }
 }
@@ -623,6 +658,13 @@ pub fn run_router(
         query_tokens: 0,
     };
     let ids: Vec<String> = (0..n).map(|i| format!("replica-{i}")).collect();
+    // The API kvroute's router sees (the demo sends chat requests), and the block texts of
+    // the bodies it renders (ids repeat across rows).
+    let api = match cfg.prefix_view {
+        PrefixView::TraceIds => ApiKind::Completions,
+        PrefixView::FilterText => ApiKind::ChatCompletions,
+    };
+    let mut block_texts: HashMap<u64, String> = HashMap::new();
     let mut snap = st.snapshot(&cfg.model, 0, 0);
     let mut in_transit: VecDeque<(u64, Snapshot)> = VecDeque::new();
     let mut next_scrape_ms = interval_ms;
@@ -643,7 +685,7 @@ pub fn run_router(
                 next_scrape_ms = next_scrape_ms.max(last.saturating_sub(interval_ms));
             }
             st.run_to(next_scrape_ms as f64 / 1000.0);
-            feed(&mut router, &mut st, &cfg.model, &ids);
+            feed(&mut router, &mut st, &cfg.model, api, &ids);
             st.sample_imbalance();
             let s = st.snapshot(&cfg.model, next_scrape_ms, next_scrape_ms / interval_ms);
             in_transit.push_back((next_scrape_ms.saturating_add(cfg.push_delay_ms), s));
@@ -655,7 +697,7 @@ pub fn run_router(
             }
         }
         st.run_to(t);
-        feed(&mut router, &mut st, &cfg.model, &ids);
+        feed(&mut router, &mut st, &cfg.model, api, &ids);
         let prompt = row.input_length.max(1);
         let output = row.output_length.max(1);
         let hashes = chain_ids(&row.hash_ids);
@@ -701,16 +743,34 @@ pub fn run_router(
                     priority: 0,
                     prefix_hashes: hashes.clone(),
                 };
-                match router.route_request(&snap, &st.table, &info, t_ms).outcome {
+                let decision = match cfg.prefix_view {
+                    PrefixView::TraceIds => router.route_request(&snap, &st.table, &info, t_ms),
+                    PrefixView::FilterText => {
+                        let body = crate::replay::workload::mooncake_sim_body(
+                            &cfg.model,
+                            &row.hash_ids,
+                            prompt,
+                            output,
+                            (cfg.seed, i as u64),
+                            &mut block_texts,
+                        );
+                        router.route(&snap, &st.table, CHAT_PATH, Some(&body), t_ms)
+                    }
+                };
+                match decision.outcome {
                     Outcome::Route(r) => {
                         prefill_estimate = r.prefill_tokens;
                         reserve = r.reserve_tokens;
                         predicted_work = r.facts.predicted_work_tokens;
                         r.primary
                     }
-                    Outcome::NoCapacity { .. }
-                    | Outcome::NoEndpoints
-                    | Outcome::UnknownModel(_) => {
+                    Outcome::NoCapacity { size, .. } => {
+                        overflow += 1;
+                        prefill_estimate = u64::from(prompt);
+                        reserve = size;
+                        least_loaded
+                    }
+                    Outcome::NoEndpoints | Outcome::UnknownModel(_) => {
                         overflow += 1;
                         prefill_estimate = u64::from(prompt);
                         reserve = router.demand(&info).1.tokens;

@@ -35,7 +35,7 @@ use rayon::prelude::*;
 
 use super::ceiling::{output_length_error, pooled_lru_hit_rate, OutputLengthError};
 use super::workload::TraceKind;
-use super::{run_router, BenchConfig, RouterKind, RouterReport};
+use super::{run_router, BenchConfig, PrefixView, RouterKind, RouterReport};
 use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::trace::TraceRow;
 
@@ -454,12 +454,19 @@ pub struct CrossCheck {
     pub time_compression: f64,
     /// Offered arrival rate, requests/s.
     pub arrival_rate_rps: f64,
-    /// kvroute default and round robin reports, in that order.
-    pub reports: Vec<RouterReport>,
+    /// kvroute's default policy fed what the online filter sees
+    /// ([`PrefixView::FilterText`]): the prediction for the online run.
+    pub kvroute_filter_view: RouterReport,
+    /// kvroute's default policy fed the trace's block ids ([`PrefixView::TraceIds`], the
+    /// sweep's view), for comparison.
+    pub kvroute_trace_ids: RouterReport,
+    /// Round robin (sees no prefix).
+    pub round_robin: RouterReport,
 }
 
 /// Offline prediction for (Mooncake, 4 replicas, 70 % load, first 10 minutes): TTFT p50 and
-/// hit rate of kvroute's default policy and of round robin, plus the arrival-rate scale.
+/// hit rate of kvroute's default policy (fed what the filter sees, and the trace's ids) and
+/// of round robin, plus the arrival-rate scale.
 pub fn crosscheck(mooncake: &[TraceRow], engine: &EngineConfig, base: &BenchConfig) -> CrossCheck {
     let slice_minutes = 10.0;
     let rows: Vec<TraceRow> = mooncake
@@ -476,10 +483,20 @@ pub fn crosscheck(mooncake: &[TraceRow], engine: &EngineConfig, base: &BenchConf
         time_compression: scale,
         ..base.clone()
     };
-    let reports = [RouterKind::kvroute_default(), RouterKind::RoundRobin]
-        .par_iter()
-        .map(|&k| run_router(&rows, engine, &cfg, k))
-        .collect();
+    let filter_cfg = BenchConfig {
+        prefix_view: PrefixView::FilterText,
+        ..cfg.clone()
+    };
+    let kv = RouterKind::kvroute_default();
+    let (kvroute_filter_view, (kvroute_trace_ids, round_robin)) = rayon::join(
+        || run_router(&rows, engine, &filter_cfg, kv),
+        || {
+            rayon::join(
+                || run_router(&rows, engine, &cfg, kv),
+                || run_router(&rows, engine, &cfg, RouterKind::RoundRobin),
+            )
+        },
+    );
     CrossCheck {
         slice_minutes,
         rows: rows.len(),
@@ -488,6 +505,8 @@ pub fn crosscheck(mooncake: &[TraceRow], engine: &EngineConfig, base: &BenchConf
         arrival_rate_rps: native_rate(&rows) * scale,
         time_compression: scale,
         capacity,
-        reports,
+        kvroute_filter_view,
+        kvroute_trace_ids,
+        round_robin,
     }
 }
