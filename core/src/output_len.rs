@@ -23,8 +23,8 @@
 //! high quantile (p90) for the KV reservation (headroom checks should rarely be exceeded).
 //!
 //! Memory: (`PROMPT_OCTAVES` + 2) × `OUTPUT_OCTAVES` × `BINS_PER_OCTAVE` floats per
-//! (model, API) ≈ 13 KiB, at most [`MAX_KEYS`] keys; serialisable for sharing between
-//! Envoy workers.
+//! (model, API) ≈ 13 KiB, at most [`MAX_KEYS`] keys. Envoy workers share the
+//! observations, not the state ([`crate::observation`]).
 
 use std::collections::HashMap;
 

@@ -35,8 +35,8 @@
 //! move the estimate gradually.
 //!
 //! State is a few floats per endpoint, bounded by [`MAX_ENDPOINTS`] (least recently
-//! observed dropped first) and serialisable, so Envoy workers can share it through proxy-wasm
-//! shared data.
+//! observed dropped first). Envoy workers share the observations rather than the state:
+//! each replays the others' ([`crate::observation`]), so every worker fits every sample.
 
 use std::collections::HashMap;
 

@@ -365,8 +365,9 @@ pub struct Router {
     observed: Option<Vec<(String, Vec<u64>)>>,
 }
 
-/// Bound on chains kept for [`Router::take_recorded`] between two takes; later ones are not
-/// kept (the host syncs every ~100 ms, so this is thousands of requests per second).
+/// Bound on chains kept for [`Router::take_recorded`], and on observations kept for
+/// [`Router::take_observations`], between two takes; later ones are not kept (the host
+/// syncs every ~100 ms, so this is thousands of requests per second).
 pub const MAX_RECORDED: usize = 4096;
 
 impl Router {

@@ -114,7 +114,7 @@ pub struct RawConfig {
     /// `x-kvroute-decision` when `debug_header` is on. Costs one small string per request.
     pub decision_record: bool,
     /// Share prefix affinity between this Envoy's workers through shared data (default
-    /// true; see `kvroute_filter::affinity`). Off, each worker only knows what it routed.
+    /// true; see `kvroute_filter::sharing`). Off, each worker only knows what it routed.
     pub share_affinity: bool,
     /// Share the learners' observations between this Envoy's workers through shared data
     /// (default true; see `kvroute_filter::sharing`): every worker's prefill-throughput and
@@ -128,6 +128,15 @@ pub struct RawConfig {
     /// Bound on each shared journal, bytes (default 262144,
     /// `kvroute_core::affinity::DEFAULT_JOURNAL_BYTES`; at least 1024).
     pub affinity_journal_bytes: usize,
+}
+
+impl RawConfig {
+    /// Whether the workers share anything through shared data (`share_affinity` or
+    /// `share_learning`): then `affinity_sync_ms` must be set, and each worker's tick runs
+    /// at least that often.
+    pub fn shares_with_workers(&self) -> bool {
+        self.share_affinity || self.share_learning
+    }
 }
 
 impl Default for RawConfig {
@@ -254,7 +263,7 @@ impl TryFrom<RawConfig> for Config {
         if raw.admission.tick_ms == 0 {
             return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
         }
-        let sharing = raw.share_affinity || raw.share_learning;
+        let sharing = raw.shares_with_workers();
         if sharing && raw.affinity_sync_ms == 0 {
             return Err(invalid("affinity_sync_ms", 0, "must be at least 1"));
         }

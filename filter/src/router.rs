@@ -100,6 +100,16 @@ pub struct Parked {
     pub body: Vec<u8>,
 }
 
+/// What one [`Worker::sync`] did, per shared journal (`None`: not shared, or its sync
+/// failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SyncReport {
+    /// The prefix-affinity journal (`share_affinity`).
+    pub affinity: Option<Synced>,
+    /// The learner-observation journal (`share_learning`).
+    pub learned: Option<Synced>,
+}
+
 /// Per-worker state, shared by the root context and the worker's HTTP contexts.
 #[derive(Debug)]
 pub struct Worker {
@@ -116,10 +126,11 @@ pub struct Worker {
     pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
     /// This worker's number among the proxy's workers (writer id in the shared journals).
     worker_number: u32,
-    /// Last sequence number seen in the affinity and the observation journal, and when
-    /// they were last synced (Unix ms).
+    /// Last sequence number seen in the affinity journal.
     affinity_seen: u64,
+    /// Last sequence number seen in the observation journal.
     learned_seen: u64,
+    /// When the journals were last synced (Unix ms).
     affinity_synced_ms: u64,
     /// Endpoints whose per-endpoint in-flight gauges this worker last set above zero (set
     /// back to 0 once their load is gone).
@@ -229,7 +240,7 @@ impl Worker {
         // One read of the snapshot version for the whole tick.
         let snap = self.cache.current(host).ok().flatten();
         self.gauges_with(host, now, snap.as_deref());
-        if (self.config.share_affinity || self.config.share_learning)
+        if self.config.shares_with_workers()
             && now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms
         {
             self.affinity_synced_ms = now;
@@ -326,14 +337,14 @@ impl Worker {
 
     /// Exchange what the workers share (prefix affinity, learner observations; each when
     /// its `share_*` option is on) with the other workers now ([`crate::sharing::sync`]).
-    /// Returns what each journal's sync did, `None` for one not shared or whose sync
-    /// failed; failures are logged, and lose hints or observations, never a request.
-    pub fn sync<H: Host>(&mut self, host: &H) -> [Option<Synced>; 2] {
+    /// Returns what each journal's sync did; failures are logged, and lose hints or
+    /// observations, never a request.
+    pub fn sync<H: Host>(&mut self, host: &H) -> SyncReport {
         let snap = self.cache.current(host).ok().flatten();
         self.sync_with(host, snap.as_deref())
     }
 
-    fn sync_with<H: Host>(&mut self, host: &H, snap: Option<&Snapshot>) -> [Option<Synced>; 2] {
+    fn sync_with<H: Host>(&mut self, host: &H, snap: Option<&Snapshot>) -> SyncReport {
         // Imports are kept only for endpoints of the current snapshot.
         if let Some(snap) = snap {
             self.router.observe_snapshot(snap);
@@ -342,17 +353,17 @@ impl Worker {
             .config
             .affinity_sync_ms
             .saturating_mul(crate::sharing::RETENTION_PERIODS);
-        let mut out = [None, None];
-        for (slot, journal, on) in [
-            (0, Journal::Affinity, self.config.share_affinity),
-            (1, Journal::Learned, self.config.share_learning),
+        let mut out = SyncReport::default();
+        for (journal, on) in [
+            (Journal::Affinity, self.config.share_affinity),
+            (Journal::Learned, self.config.share_learning),
         ] {
             if !on {
                 continue;
             }
-            let seen = match journal {
-                Journal::Affinity => &mut self.affinity_seen,
-                Journal::Learned => &mut self.learned_seen,
+            let (seen, slot) = match journal {
+                Journal::Affinity => (&mut self.affinity_seen, &mut out.affinity),
+                Journal::Learned => (&mut self.learned_seen, &mut out.learned),
             };
             let r = crate::sharing::sync(
                 host,
@@ -364,11 +375,7 @@ impl Worker {
                 retention_ms,
             );
             match r {
-                Ok(s) => {
-                    if let Some(o) = out.get_mut(slot) {
-                        *o = Some(s);
-                    }
-                }
+                Ok(s) => *slot = Some(s),
                 Err(e) => host.log(Level::Warn, &format!("kvroute: {journal:?} sync: {e}")),
             }
         }
@@ -889,7 +896,7 @@ mod tests {
 
     /// The affinity journal's part of one [`Worker::sync`].
     fn affinity(w: &mut Worker, h: &MockHost) -> Synced {
-        w.sync(h)[0].unwrap()
+        w.sync(h).affinity.unwrap()
     }
 
     #[test]
@@ -970,7 +977,7 @@ mod tests {
                 .predict("m", chat, 1000, None, 0.5),
             None
         );
-        let learned = |w: &mut Worker| w.sync(&h)[1].unwrap();
+        let learned = |w: &mut Worker| w.sync(&h).learned.unwrap();
         assert_eq!(
             learned(&mut a),
             Synced {
@@ -1013,11 +1020,28 @@ mod tests {
         assert_eq!(learned(&mut a).published, 1);
         assert_eq!(h.metric(metric::LEARNED_RESET), 1);
         assert_eq!(learned(&mut b).imported, 1);
+        // A record under a worker's own number is never replayed into it (the writer skip),
+        // only into the others.
+        let rec = kvroute_core::observation::Observation::FirstToken {
+            endpoint: "pool/e1".into(),
+            work_tokens: 500.0,
+            ttft_s: 0.05,
+        }
+        .to_record();
+        let journal = kvroute_core::affinity::append(None, 7, 1000, &[rec], 1 << 20, u64::MAX);
+        h.shared_set(crate::names::LEARNED_KEY, &journal, None)
+            .unwrap();
+        let (mut c, mut d) = (worker("{}"), worker("{}"));
+        c.set_worker_number(7);
+        d.set_worker_number(8);
+        assert_eq!(learned(&mut c).imported, 0);
+        assert!(c.router().prefill_rates().is_empty());
+        assert_eq!(learned(&mut d).imported, 1);
         // Off: the learner still learns, but nothing is kept or synced.
         let mut off = worker(r#"{"share_learning":false}"#);
         off.observe_first_token("pool/e0", 1000.0, 0.1);
         assert_eq!(off.router().prefill_rates().len(), 1);
-        assert_eq!(off.sync(&h)[1], None);
+        assert_eq!(off.sync(&h).learned, None);
         off.periodic(&h);
         assert_eq!(h.metric(metric::LEARNED_PUBLISHED), 29);
     }

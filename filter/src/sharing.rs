@@ -14,8 +14,11 @@
 //!    router made since then and writes the journal back with compare-and-swap,
 //!    retrying from 1 on a race (at most [`CAS_RETRIES`] times).
 //!
-//! Nothing runs on the request path, and nothing is decoded into owned records: a journal
-//! is read in place and appended to as bytes. A journal that cannot be read is replaced by
+//! Nothing runs on the request path. A journal is read in place and appended to as bytes;
+//! each imported record is handed to the router as a key and words (an observation copies
+//! its key into the learner). An observation whose record was cut to fit the byte bound
+//! (possible only for a model name near `affinity_journal_bytes`) no longer decodes and is
+//! skipped by every reader. A journal that cannot be read is replaced by
 //! a fresh one (counter `kvroute.affinity.reset` or `kvroute.learned.reset`): hints or
 //! observations are lost, routing goes on.
 

@@ -236,13 +236,13 @@ impl RootContext for Root {
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
-        // The tick refreshes the Wasm memory gauge, runs admission and syncs affinity: as
-        // often as the most frequent of them needs.
+        // The tick refreshes the Wasm memory gauge, runs admission and syncs the shared
+        // journals (affinity, learner observations): as often as the most frequent needs.
         let mut tick = MEMORY_GAUGE_PERIOD_MS;
         if config.admission.enabled {
             tick = tick.min(config.admission.tick_ms);
         }
-        if config.share_affinity {
+        if config.shares_with_workers() {
             tick = tick.min(config.affinity_sync_ms);
         }
         let mut worker = match Worker::new(config, seed) {

@@ -129,7 +129,8 @@ async fn prefix_affinity_is_shared_by_all_workers() {
     assert!(fleet.custom("kvroute.affinity.imported").await.unwrap() >= 3);
     // Learner observations travel the same way (`share_learning`): each of the 27
     // responses' `usage` (5 completion tokens) is one output-length observation, published
-    // once by the worker that saw it and replayed by each of the 3 others.
+    // once by the worker that saw it and replayed by each of the 3 others (and by Envoy's
+    // main-thread instance, which ticks too).
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(fleet.custom("kvroute.learned.published").await.unwrap(), 27);
     let imported = fleet.custom("kvroute.learned.imported").await.unwrap();

@@ -191,8 +191,7 @@ impl RouterKind {
 
 /// What kvroute's router is told about a row's prompt, and how its prefix index is sized.
 /// Baselines always see the trace's `hash_ids`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefixView {
     /// The row as a [`RequestInfo`]: exact prompt tokens, no output limit, one chained hash
     /// per trace `hash_id` ([`chain_ids`]), and a prefix index of one replica's KV capacity
