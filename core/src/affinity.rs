@@ -51,20 +51,20 @@ const HEADER: usize = 4 + 8;
 const RECORD_FIXED: usize = 8 + 8 + 4 + 2 + 2;
 
 /// A journal that cannot be read. The caller starts a fresh one (losing only affinity
-/// hints, never a routing decision).
+/// hints or learner observations, never a routing decision).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum JournalError {
     /// The bytes do not start with [`JOURNAL_MAGIC`].
-    #[error("affinity journal: bad magic")]
+    #[error("shared journal: bad magic")]
     BadMagic,
     /// A record runs past the end of the bytes.
-    #[error("affinity journal: truncated at byte {0}")]
+    #[error("shared journal: truncated at byte {0}")]
     Truncated(usize),
-    /// An endpoint id is not UTF-8.
-    #[error("affinity journal: endpoint id at byte {0} is not UTF-8")]
+    /// A record's key (endpoint id, or model name for an observation) is not UTF-8.
+    #[error("shared journal: record key at byte {0} is not UTF-8")]
     BadId(usize),
     /// Sequence numbers do not strictly increase, or reach the header's next number.
-    #[error("affinity journal: sequence out of order at byte {0}")]
+    #[error("shared journal: sequence out of order at byte {0}")]
     BadSequence(usize),
 }
 
