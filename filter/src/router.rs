@@ -894,6 +894,19 @@ mod tests {
         );
     }
 
+    /// A mock host with a snapshot of `endpoints` endpoints and the shared keys, and two
+    /// default workers on it, numbered 1 and 2.
+    fn two_workers(endpoints: usize) -> (MockHost, Worker, Worker) {
+        let h = MockHost::new(1000);
+        let snap = Snapshot::new(1, 1000, (0..endpoints).map(|i| endpoint(i, 1000)).collect());
+        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        shared::ensure_keys(&h).unwrap();
+        let (mut a, mut b) = (worker("{}"), worker("{}"));
+        a.set_worker_number(1);
+        b.set_worker_number(2);
+        (h, a, b)
+    }
+
     /// The affinity journal's part of one [`Worker::sync`].
     fn affinity(w: &mut Worker, h: &MockHost) -> Synced {
         w.sync(h).affinity.unwrap()
@@ -901,13 +914,7 @@ mod tests {
 
     #[test]
     fn workers_share_prefix_affinity_through_the_journal() {
-        let h = MockHost::new(1000);
-        let snap = Snapshot::new(1, 1000, (0..4).map(|i| endpoint(i, 1000)).collect());
-        shared::publish_snapshot(&h, &snap.encode()).unwrap();
-        shared::ensure_keys(&h).unwrap();
-        let (mut a, mut b) = (worker("{}"), worker("{}"));
-        a.set_worker_number(1);
-        b.set_worker_number(2);
+        let (h, mut a, mut b) = two_workers(4);
         let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "s".repeat(640));
         let chosen = match a.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms()) {
             Decision::Route(r) => r.route.endpoint,
@@ -953,13 +960,7 @@ mod tests {
 
     #[test]
     fn workers_share_learner_observations_through_the_journal() {
-        let h = MockHost::new(1000);
-        let snap = Snapshot::new(1, 1000, (0..2).map(|i| endpoint(i, 1000)).collect());
-        shared::publish_snapshot(&h, &snap.encode()).unwrap();
-        shared::ensure_keys(&h).unwrap();
-        let (mut a, mut b) = (worker("{}"), worker("{}"));
-        a.set_worker_number(1);
-        b.set_worker_number(2);
+        let (h, mut a, mut b) = two_workers(2);
         let chat = kvroute_core::analysis::ApiKind::ChatCompletions;
         // A sees 3 first tokens of pool/e1 and 25 chat responses of model m (the output
         // learner answers from 20 on); a bad sample is neither used nor shared.
