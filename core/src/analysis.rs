@@ -180,10 +180,13 @@ struct Acc<'e> {
 }
 
 impl<'e> Acc<'e> {
-    fn new(estimator: &'e Estimator, prefix_limit: usize) -> Self {
+    /// `body_len`, the request body's size in bytes, sizes the prefix rendering once
+    /// (the rendering is never longer than the body's text up to `prefix_limit`, plus role
+    /// markers): growing it chunk by chunk was ~5 reallocations per 1 KiB chat request.
+    fn new(estimator: &'e Estimator, prefix_limit: usize, body_len: usize) -> Self {
         Self {
             estimator,
-            prefix: String::new(),
+            prefix: String::with_capacity(body_len.min(prefix_limit)),
             prefix_limit,
             tally: estimator.tally(),
             overhead_tokens: 0,
@@ -201,6 +204,9 @@ impl<'e> Acc<'e> {
         let limit = self.prefix_limit;
         self.prefix_limit = limit.saturating_sub(self.prefix.len());
         self.aside.clear();
+        // Sized once per request, like the prefix (the two buffers swap back and forth).
+        self.aside
+            .reserve(self.prefix_limit.min(self.prefix.capacity()));
         std::mem::swap(&mut self.prefix, &mut self.aside);
         limit
     }
@@ -281,10 +287,14 @@ impl<'e> Acc<'e> {
                 // A surrogate pair: its second escape is part of this character.
                 sc.escape()?;
             }
+            // One character: `String::push`, not a `push_str` of 1..4 bytes (a `memcpy`
+            // call per escape, ~one every 64 bytes of chat text). Same cut as
+            // `push_prefix`: a character that starts inside the limit is kept whole.
+            if self.prefix.len() < self.prefix_limit {
+                self.prefix.push(ch);
+            }
             let mut buf = [0u8; 4];
-            let s = ch.encode_utf8(&mut buf);
-            self.push_prefix(s);
-            self.tally.feed(s.as_bytes());
+            self.tally.feed(ch.encode_utf8(&mut buf).as_bytes());
         }
         self.tally.end_text();
         Ok(ok)
@@ -588,7 +598,7 @@ pub fn analyze_bounded(
                 message: "body is not valid UTF-8".into(),
             }
         })?;
-    let mut acc = Acc::new(estimator, prefix_limit);
+    let mut acc = Acc::new(estimator, prefix_limit, body.len());
     let (f, main) = scan_top(api, text, &mut acc).map_err(|e| syntax(body, e))?;
     let [model, _messages, tools_tok, prompt, input, instructions, stream, n, max_tokens, max_completion_tokens, max_output_tokens, cache_salt, priority, inputs, parameters] =
         f;

@@ -139,8 +139,21 @@ pub struct OutputLengths {
     keys: HashMap<String, KeyState>,
 }
 
+/// The map key of (`model`, `api`): the model name, a NUL, one letter for the API. Built
+/// by hand: `format!` with the API's `Debug` name was 1.1 k of the 1.3 k instructions of a
+/// prediction, on every request (callgrind).
 fn key(model: &str, api: ApiKind) -> String {
-    format!("{model}\u{0}{api:?}")
+    let mut k = String::with_capacity(model.len() + 2);
+    k.push_str(model);
+    k.push('\u{0}');
+    k.push(match api {
+        ApiKind::ChatCompletions => 'c',
+        ApiKind::Completions => 'p',
+        ApiKind::Responses => 'r',
+        ApiKind::Embeddings => 'e',
+        ApiKind::Other => 'o',
+    });
+    k
 }
 
 impl OutputLengths {

@@ -133,6 +133,35 @@ fn usage_object_at(buf: &[u8], mut i: usize) -> Option<Usage> {
     None
 }
 
+/// How a response body is framed, told from its first bytes instead of its
+/// `content-type` header (reading the response headers costs the filter a host call
+/// that returns data, the dearest kind inside Envoy; see `docs/overhead.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    /// One JSON document (`stream: false`): its first non-whitespace byte is `{` or `[`.
+    Json,
+    /// Anything else, read as Server-Sent Events: an OpenAI-style stream starts with a
+    /// field line (`data:`, `event:`, `id:`, `retry:`) or a `:` comment
+    /// (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>).
+    /// A plain-text error body lands here too and simply carries no `usage`.
+    EventStream,
+}
+
+impl BodyFraming {
+    /// The framing of a body whose first bytes are `head` (any prefix of the first
+    /// chunk); `None` while `head` holds only JSON/SSE whitespace, so the next chunk decides.
+    pub fn sniff(head: &[u8]) -> Option<Self> {
+        let first = head
+            .iter()
+            .find(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))?;
+        Some(if matches!(first, b'{' | b'[') {
+            Self::Json
+        } else {
+            Self::EventStream
+        })
+    }
+}
+
 /// Incremental SSE reader that keeps the last `usage` seen.
 #[derive(Debug, Clone)]
 pub struct SseUsageScanner {
@@ -412,5 +441,24 @@ mod tests {
             for c in chunks { s.feed(&c); prop_assert!(s.tail_len() <= 128); }
             s.finish();
         }
+    }
+
+    #[test]
+    fn body_framing_is_sniffed_from_the_first_bytes() {
+        use BodyFraming::{EventStream, Json};
+        assert_eq!(BodyFraming::sniff(CHAT), Some(Json));
+        assert_eq!(BodyFraming::sniff(b" \r\n\t[{}]"), Some(Json));
+        assert_eq!(BodyFraming::sniff(&stream()), Some(EventStream));
+        assert_eq!(BodyFraming::sniff(b": keep-alive\n\n"), Some(EventStream));
+        assert_eq!(
+            BodyFraming::sniff(b"event: response.created\n"),
+            Some(EventStream)
+        );
+        assert_eq!(
+            BodyFraming::sniff(b"upstream connect error"),
+            Some(EventStream)
+        );
+        assert_eq!(BodyFraming::sniff(b""), None);
+        assert_eq!(BodyFraming::sniff(b" \n\r\n"), None);
     }
 }

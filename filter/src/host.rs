@@ -54,9 +54,8 @@ pub trait Host {
     fn set_request_header(&self, name: &str, value: Option<&str>);
     /// Set a response header.
     fn set_response_header(&self, name: &str, value: &str);
-    /// Every response header, `(name, value)` (proxy-wasm `get_http_response_headers`, one
-    /// host call).
-    fn response_headers(&self) -> Vec<(String, String)>;
+    /// A response header (`:status` included).
+    fn response_header(&self, name: &str) -> Option<String>;
     /// Bytes `0..size` of the buffered request body.
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
     /// Bytes `0..size` of the current response body chunk.
@@ -267,9 +266,9 @@ pub mod mock {
                 .borrow_mut()
                 .insert(name.into(), value.into());
         }
-        fn response_headers(&self) -> Vec<(String, String)> {
-            self.count("response_headers");
-            pairs(&self.resp_headers.borrow())
+        fn response_header(&self, name: &str) -> Option<String> {
+            self.count("response_header");
+            self.resp_headers.borrow().get(name).cloned()
         }
         fn request_body(&self, size: usize) -> Option<Vec<u8>> {
             self.count("request_body");

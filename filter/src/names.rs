@@ -14,6 +14,11 @@ pub const SNAPSHOT_KEY: &str = "kvroute.snapshot";
 /// Shared-data key of the current snapshot version (8 bytes, big-endian u64), written after
 /// [`SNAPSHOT_KEY`] so a reader that sees a new version finds the new snapshot.
 pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
+/// Shared-data key written with an empty value after each publication: only its CAS token
+/// matters, which changes with every write. Workers poll it on each request instead of
+/// [`SNAPSHOT_VERSION_KEY`], because reading an empty value costs no allocation inside the
+/// VM (see `crate::shared`).
+pub const SNAPSHOT_SIGNAL_KEY: &str = "kvroute.snapshot.signal";
 /// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
 pub const INFLIGHT_KEY: &str = "kvroute.inflight";
 /// Shared-data key of the prefix-affinity journal shared by the workers

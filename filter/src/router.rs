@@ -67,6 +67,9 @@ pub struct Routed {
     /// The in-flight table the decision read, with its CAS token: [`Worker::apply_route`]
     /// reserves on it instead of reading the table again (`None`: read afresh).
     pub inflight: Option<shared::InflightRead>,
+    /// How many of this worker's pending releases the decision removed from that table
+    /// (counted as released once the reservation's write lands).
+    pub released: usize,
 }
 
 /// A decision to apply.
@@ -140,6 +143,20 @@ pub struct Worker {
     /// dropped, so they stay bounded by the fleet in force (endpoint churn).
     gauge_endpoints: std::collections::BTreeSet<String>,
     gauge_version: u64,
+    /// Reservations of streams that ended, not yet removed from the shared table (see
+    /// [`Worker::release`]).
+    pending_releases: Vec<u64>,
+}
+
+/// Pending releases that make [`Worker::release`] write the table at once (bounds the list
+/// when decisions stop writing, e.g. every request fails open).
+pub const MAX_PENDING_RELEASES: usize = 64;
+
+/// Remove `ids` from `table`; how many were there.
+fn release_all(table: &mut kvroute_core::inflight::InflightTable, ids: &[u64]) -> usize {
+    ids.iter()
+        .filter(|id| table.release(**id).is_some())
+        .count()
 }
 
 /// Append the decision record's candidates to a decision reason:
@@ -201,6 +218,7 @@ impl Worker {
             exported_unseen: std::collections::BTreeSet::new(),
             gauge_endpoints: std::collections::BTreeSet::new(),
             gauge_version: 0,
+            pending_releases: Vec::new(),
         })
     }
 
@@ -233,6 +251,7 @@ impl Worker {
     /// (prefix affinity, learner observations) with the other workers when
     /// `affinity_sync_ms` has passed since the last one.
     pub fn periodic<H: Host>(&mut self, host: &H) {
+        self.flush_releases(host);
         if self.config.admission.enabled {
             self.tick(host);
         }
@@ -404,11 +423,14 @@ impl Worker {
             Ok(None) => return Decision::FailOpen("no snapshot received yet".into()),
             Err(e) => return Decision::FailOpen(format!("snapshot unreadable: {e}")),
         };
-        let read =
+        let mut read =
             match shared::read_inflight_cas(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES) {
                 Ok(r) => r,
                 Err(e) => return Decision::FailOpen(format!("in-flight table unreadable: {e}")),
             };
+        // This worker's ended streams leave the table the decision sees; the reservation's
+        // write makes that shared.
+        let released = release_all(&mut read.table, &self.pending_releases);
         let table = &read.table;
         let d = self.router.route(&snap, table, path, body, now);
         if let Some(e) = &d.parse_error {
@@ -485,6 +507,7 @@ impl Worker {
                     route,
                     at_ms: now,
                     inflight: Some(read),
+                    released,
                 }))
             }
             Outcome::NoEndpoints => Decision::NoEndpoints,
@@ -517,12 +540,24 @@ impl Worker {
             self.config.reservation_ttl_ms,
             kvroute_core::inflight::DEFAULT_MAX_ENTRIES,
         );
+        // This worker's pending releases go out with the reservation: the decision already
+        // removed them from its read (`routed.released` of them were there); a retry after
+        // another worker's write removes them from the fresh read.
+        let pending = std::mem::take(&mut self.pending_releases);
+        let mut released = routed.released;
+        let mut first = true;
         match shared::update_inflight_from(host, max, routed.inflight.take(), |t| {
+            let here = release_all(t, &pending);
+            released = if first { released + here } else { here };
+            first = false;
             t.purge_expired(now);
             t.reserve_with_prefill(id, endpoint, tokens, prefill_tokens, now, ttl);
         }) {
             Ok(()) => {
                 host.metric_add(MetricKind::Counter, metric::RESERVED, 1);
+                if released > 0 {
+                    host.metric_add(MetricKind::Counter, metric::RELEASED, released as i64);
+                }
                 Some(Held {
                     id,
                     endpoint: endpoint.to_owned(),
@@ -531,6 +566,8 @@ impl Worker {
                 })
             }
             Err(e) => {
+                // Kept for the next write (or they expire with their TTL).
+                self.pending_releases = pending;
                 host.metric_add(MetricKind::Counter, metric::FAIL_OPEN, 1);
                 host.log(
                     Level::Warn,
@@ -581,19 +618,43 @@ impl Worker {
     }
 
     /// Release a reservation (call exactly once per [`Held`]; a second call is harmless).
-    /// Expired entries are purged by the next reservation, so this reads no clock.
+    ///
+    /// The release is *deferred*: the id joins this worker's pending releases, and leaves
+    /// the shared table with the worker's next reservation, whose decision already reads
+    /// and writes the table (so its own decisions never see it), or on the next tick
+    /// ([`Worker::flush_releases`]), whichever comes first. That saves a read and a write
+    /// of the shared table per request, the read being a host call that allocates inside
+    /// the VM (~10 k instructions in Envoy's V8; docs/overhead.md). Other workers see the
+    /// release up to one tick later (`affinity_sync_ms`, 100 ms by default; 1 s with
+    /// sharing off), or as soon as this worker routes again. With
+    /// [`MAX_PENDING_RELEASES`] pending, the table is written at once.
     pub fn release<H: Host>(&mut self, host: &H, held: &Held) {
+        if !self.pending_releases.contains(&held.id) {
+            self.pending_releases.push(held.id);
+        }
+        if self.pending_releases.len() >= MAX_PENDING_RELEASES {
+            self.flush_releases(host);
+        }
+    }
+
+    /// Remove the pending releases from the shared table now (one read and CAS write).
+    /// Expired entries are purged by the next reservation, so this reads no clock.
+    pub fn flush_releases<H: Host>(&mut self, host: &H) {
+        if self.pending_releases.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending_releases);
         match shared::update_inflight(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES, |t| {
-            t.release(held.id).is_some()
+            release_all(t, &pending)
         }) {
             Ok(released) => {
-                if released {
-                    host.metric_add(MetricKind::Counter, metric::RELEASED, 1);
+                if released > 0 {
+                    host.metric_add(MetricKind::Counter, metric::RELEASED, released as i64);
                 }
             }
             Err(e) => host.log(
                 Level::Warn,
-                &format!("kvroute: release failed (reservation will expire): {e}"),
+                &format!("kvroute: release failed (reservations will expire): {e}"),
             ),
         }
     }
@@ -809,6 +870,7 @@ mod tests {
             },
             at_ms: 1000,
             inflight: None,
+            released: 0,
         };
         let held = w.apply_route(&h, &mut routed).unwrap();
         assert_eq!(h.header("x-kvroute-cluster").as_deref(), Some("c1"));
@@ -833,13 +895,88 @@ mod tests {
         assert_eq!(h.metric(metric::INFLIGHT), 0);
         w.record_gauges(&h, 1000);
         assert_eq!(h.metric(metric::INFLIGHT), 1);
+        h.take_calls();
         w.release(&h, &held);
         w.release(&h, &held);
+        // Deferred: no host call, the table still holds it until the tick.
+        assert_eq!(h.take_calls(), []);
+        assert_eq!(shared::read_inflight(&h).unwrap().len(), 1);
+        w.periodic(&h);
         assert!(shared::read_inflight(&h).unwrap().totals(1000).is_empty());
         assert_eq!(h.metric(metric::RESERVED), 1);
         assert_eq!(h.metric(metric::RELEASED), 1);
         w.record_gauges(&h, 1000);
         assert_eq!(h.metric(metric::INFLIGHT), 0);
+    }
+
+    #[test]
+    fn pending_releases_leave_with_the_next_reservation() {
+        let h = MockHost::new(1000);
+        let mut w = worker("{}");
+        let eps = vec![endpoint(0, 1000), endpoint(1, 1000)];
+        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
+        let route = |w: &mut Worker| match w.decide(&h, "/v1/chat/completions", None, 1000) {
+            Decision::Route(mut r) => w.apply_route(&h, &mut r).unwrap(),
+            d => panic!("{d:?}"),
+        };
+        let a = route(&mut w);
+        let b = route(&mut w);
+        w.release(&h, &a);
+        assert_eq!(shared::read_inflight(&h).unwrap().len(), 2);
+        // The next decision does not see `a`, and its one write removes it for everyone.
+        h.take_calls();
+        let c = route(&mut w);
+        let calls = h.take_calls();
+        assert!(calls.contains(&("shared_get", 2)), "{calls:?}");
+        assert!(calls.contains(&("shared_set", 1)), "{calls:?}");
+        let t = shared::read_inflight(&h).unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(h.metric(metric::RELEASED), 1);
+        // Another worker wrote in between: the retry removes it from the fresh read,
+        // counted once.
+        w.release(&h, &b);
+        let other = h.sibling();
+        shared::update_inflight(&other, 16, |t| {
+            t.reserve_with_prefill(77, "pool/e0", 1, 0, 1000, 60_000)
+        })
+        .unwrap();
+        let read = shared::read_inflight_cas(&h, 16).unwrap();
+        shared::update_inflight(&other, 16, |t| {
+            t.reserve_with_prefill(78, "pool/e0", 1, 0, 1000, 60_000)
+        })
+        .unwrap();
+        let mut table = read.table.clone();
+        let released = super::release_all(&mut table, &[b.id]);
+        assert_eq!(released, 1);
+        let mut routed = match w.decide(&h, "/v1/chat/completions", None, 1000) {
+            Decision::Route(r) => r,
+            d => panic!("{d:?}"),
+        };
+        routed.inflight = Some(shared::InflightRead {
+            table,
+            cas: read.cas,
+        });
+        routed.released = released;
+        let d = w.apply_route(&h, &mut routed).unwrap();
+        let t = shared::read_inflight(&h).unwrap();
+        assert_eq!(h.metric(metric::RELEASED), 2);
+        assert_eq!(t.len(), 4, "c, d, and the other worker's 77 and 78");
+        for id in [c.id, d.id, 77, 78] {
+            assert!(t.clone().release(id).is_some(), "{id} missing");
+        }
+        // A worker that stops routing writes its pending releases at the bound.
+        for i in 0..super::MAX_PENDING_RELEASES as u64 {
+            w.release(
+                &h,
+                &Held {
+                    id: 1_000 + i,
+                    endpoint: "pool/e0".into(),
+                    tokens: 1,
+                    prefill_tokens: 0,
+                },
+            );
+        }
+        assert!(w.pending_releases.is_empty());
     }
 
     #[test]
@@ -1106,6 +1243,8 @@ mod tests {
         let held = w.apply_route(&h, &mut r).unwrap();
         assert_eq!(h.property(&[DECISION_PROPERTY]), None);
         w.release(&h, &held);
+        // The tick writes it for the next worker to see.
+        w.flush_releases(&h);
         // On: the reason gains the ranked candidates, and becomes filter state.
         let mut w = worker(r#"{"decision_record":true}"#);
         let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body), h.now_ms()) else {

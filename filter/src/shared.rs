@@ -4,9 +4,16 @@
 //!
 //! Snapshot publication writes [`SNAPSHOT_KEY`] first and [`SNAPSHOT_VERSION_KEY`] second,
 //! the latter with CAS, so two consumers racing cannot move the version backwards, and a
-//! reader that sees a new version always finds a snapshot at least that new. Readers poll
-//! only the version key on each request and decode the snapshot only when it changed
-//! ([`SnapshotCache`]).
+//! reader that sees a new version always finds a snapshot at least that new. Then the
+//! publisher writes [`SNAPSHOT_SIGNAL_KEY`] with an empty value, which gives that key a new
+//! CAS token (proxy-wasm hosts give every write of shared data a fresh token,
+//! `SharedData::set` in proxy-wasm-cpp-host). Readers poll only the signal on each request:
+//! a host call that returns data calls back into the VM to allocate it, ~10 k instructions
+//! inside Envoy's V8, while an empty value is returned without any (~1.5 k;
+//! `kvroute-overhead --callgrind`, docs/overhead.md). Only when the token changed do they
+//! read the version key, and decode the snapshot only when the version changed
+//! ([`SnapshotCache`]). Without the signal key (before the first publication) they read the
+//! version key on every request, as before.
 //!
 //! The version key holds 16 bytes: the version (u64, big-endian) then the consumer's clock
 //! when it was published (Unix ms, u64 big-endian). That time drives the *takeover* rule:
@@ -19,7 +26,8 @@
 
 use crate::host::{Host, HostError};
 use crate::names::{
-    AFFINITY_KEY, INFLIGHT_KEY, LEARNED_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY,
+    AFFINITY_KEY, INFLIGHT_KEY, LEARNED_KEY, SNAPSHOT_KEY, SNAPSHOT_SIGNAL_KEY,
+    SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY,
 };
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::snapshot::{Snapshot, SnapshotError};
@@ -108,7 +116,11 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
         key[..8].copy_from_slice(&snap.version.to_be_bytes());
         key[8..].copy_from_slice(&now.to_be_bytes());
         match host.shared_set(SNAPSHOT_VERSION_KEY, &key, Some(cas.unwrap_or(0))) {
-            Ok(()) => return Ok(Published::Published(snap.version)),
+            Ok(()) => {
+                // A new CAS token for the readers' poll (see the module doc).
+                host.shared_set(SNAPSHOT_SIGNAL_KEY, &[], None)?;
+                return Ok(Published::Published(snap.version));
+            }
             Err(HostError::CasMismatch) => continue,
             Err(e) => return Err(e.into()),
         }
@@ -162,6 +174,8 @@ pub fn next_worker_number<H: Host>(host: &H) -> Result<u32, SharedError> {
 /// Per-worker cache of the decoded snapshot, refreshed only when the version changes.
 #[derive(Debug, Default)]
 pub struct SnapshotCache {
+    /// CAS token of [`SNAPSHOT_SIGNAL_KEY`] when the version was last read.
+    signal: Option<u32>,
     version: Option<u64>,
     snap: Option<Rc<Snapshot>>,
     /// Models served and the `GET /v1/models` body, built with each decode.
@@ -173,6 +187,10 @@ pub struct SnapshotCache {
 impl SnapshotCache {
     /// The current snapshot (`None` before the first publication).
     pub fn current<H: Host>(&mut self, host: &H) -> Result<Option<Rc<Snapshot>>, SharedError> {
+        let (_, signal) = host.shared_get(SNAPSHOT_SIGNAL_KEY)?;
+        if signal.is_some() && signal == self.signal && self.snap.is_some() {
+            return Ok(self.snap.clone());
+        }
         let v = current_version(host)?;
         if v.is_some() && v != self.version {
             let (bytes, _) = host.shared_get(SNAPSHOT_KEY)?;
@@ -187,6 +205,8 @@ impl SnapshotCache {
                 self.snap = Some(Rc::new(snap));
             }
         }
+        // Remembered only once the version it announced has been read.
+        self.signal = signal;
         Ok(self.snap.clone())
     }
 
@@ -371,6 +391,55 @@ mod tests {
         publish_snapshot(&h, &snap(2)).unwrap();
         assert_eq!(c.current(&h).unwrap().unwrap().version, 2);
         assert_eq!(c.decodes, 2);
+    }
+
+    #[test]
+    fn readers_poll_the_empty_signal_and_read_the_version_only_when_it_moved() {
+        let h = MockHost::new(0);
+        let mut c = SnapshotCache::default();
+        publish_snapshot(&h, &snap(1)).unwrap();
+        let (signal, _) = h.shared_get(SNAPSHOT_SIGNAL_KEY).unwrap();
+        assert_eq!(
+            signal.as_deref(),
+            Some(&[][..]),
+            "the signal carries no bytes"
+        );
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 1);
+        h.take_calls();
+        // Unchanged: one read of the (empty) signal, nothing else.
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 1);
+        assert_eq!(h.take_calls(), [("shared_get", 1)]);
+        // A publication moves the signal's CAS token: the version and snapshot are read.
+        publish_snapshot(&h, &snap(2)).unwrap();
+        h.take_calls();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 2);
+        assert_eq!(h.take_calls(), [("shared_get", 3)]);
+        // An older publication is ignored and does not move the signal.
+        assert!(matches!(
+            publish_snapshot(&h, &snap(1)).unwrap(),
+            Published::Ignored { .. }
+        ));
+        h.take_calls();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 2);
+        assert_eq!(h.take_calls(), [("shared_get", 1)]);
+        assert_eq!(c.decodes, 2);
+    }
+
+    #[test]
+    fn without_the_signal_key_the_version_is_read_on_every_request() {
+        // A snapshot published by an older ingest that wrote no signal key.
+        let h = MockHost::new(0);
+        let mut c = SnapshotCache::default();
+        h.shared_set(SNAPSHOT_KEY, &snap(7), None).unwrap();
+        let mut key = [0u8; 16];
+        key[..8].copy_from_slice(&7u64.to_be_bytes());
+        h.shared_set(SNAPSHOT_VERSION_KEY, &key, None).unwrap();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 7);
+        h.take_calls();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 7);
+        // The signal (absent), then the version.
+        assert_eq!(h.take_calls(), [("shared_get", 2)]);
+        assert_eq!(c.decodes, 1);
     }
 
     #[test]

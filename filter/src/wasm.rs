@@ -82,8 +82,10 @@ impl Host for ProxyHost {
     fn set_response_header(&self, name: &str, value: &str) {
         let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
     }
-    fn response_headers(&self) -> Vec<(String, String)> {
-        hostcalls::get_map(MapType::HttpResponseHeaders).unwrap_or_default()
+    fn response_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
@@ -324,8 +326,8 @@ impl HttpContext for Http {
     fn on_http_request_trailers(&mut self, _n: usize) -> Action {
         action(self.stream.on_request_trailers(&ProxyHost))
     }
-    fn on_http_response_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
-        action(self.stream.on_response_headers(&ProxyHost))
+    fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        action(self.stream.on_response_headers(&ProxyHost, end_of_stream))
     }
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         action(

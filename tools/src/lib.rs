@@ -13,6 +13,7 @@
 //!
 //! See `docs/replay.md` and `docs/bench.md`.
 
+pub mod callgrind;
 pub mod demo;
 pub mod overhead;
 pub mod replay;

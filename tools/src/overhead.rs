@@ -220,7 +220,8 @@ pub fn chat_body(size: usize, prompts: &[String]) -> Vec<u8> {
     }
 }
 
-fn now_ms() -> u64 {
+/// Now, Unix milliseconds.
+pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -341,75 +342,90 @@ fn with_flush(yaml: String) -> String {
     format!("stats_flush_interval: {}s\n{yaml}", STATS_FLUSH.as_secs())
 }
 
-async fn start(opts: &Options) -> anyhow::Result<Proxies> {
-    let bport = free_port()?;
-    let backend = Envoy::start(
-        &with_flush(render(
-            templates::DIRECT_RESPONSE,
-            &[
-                ("LISTEN_PORT", bport.to_string()),
-                ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
-                ("REPLY", REPLY.into()),
-            ],
-        )?),
-        1,
-    )
-    .await?;
-    let backend_addr = format!("127.0.0.1:{bport}");
-    let addrs = vec![backend_addr.clone()];
+/// The benchmark backend's config: Envoy answering [`REPLY`] on `port`.
+pub fn backend_yaml(port: u16) -> anyhow::Result<String> {
+    Ok(with_flush(render(
+        templates::DIRECT_RESPONSE,
+        &[
+            ("LISTEN_PORT", port.to_string()),
+            ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
+            ("REPLY", REPLY.into()),
+        ],
+    )?))
+}
+
+/// The config of proxy `variant` (one of [`VARIANTS`]) listening on `listen`, with every
+/// cluster on `backend` (`host:port`); kvroute's ingest listener on `ingest` and its
+/// plugin configuration `plugin_config` (JSON).
+pub fn proxy_yaml(
+    variant: &str,
+    opts: &Options,
+    listen: u16,
+    ingest: u16,
+    backend: &str,
+    plugin_config: &str,
+) -> anyhow::Result<String> {
+    let addrs = vec![backend.to_owned()];
     let default = templates::static_cluster("default", &addrs);
-    let (pp, fp, kp, ip) = (free_port()?, free_port()?, free_port()?, free_port()?);
-    let plain = Envoy::start(
-        &with_flush(render(
+    let yaml = match variant {
+        "plain" => render(
             templates::PLAIN,
             &[
-                ("LISTEN_PORT", pp.to_string()),
+                ("LISTEN_PORT", listen.to_string()),
                 ("DEFAULT_CLUSTER", "default".into()),
-                ("CLUSTERS", default.clone()),
+                ("CLUSTERS", default),
             ],
-        )?),
-        1,
-    )
-    .await?;
-    let floor = Envoy::start(
-        &with_flush(render(
+        )?,
+        "floor" => render(
             templates::FLOOR,
             &[
-                ("LISTEN_PORT", fp.to_string()),
+                ("LISTEN_PORT", listen.to_string()),
                 ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
                 ("WASM", opts.floor_wasm.display().to_string()),
                 ("DEFAULT_CLUSTER", "default".into()),
-                ("CLUSTERS", default.clone()),
+                ("CLUSTERS", default),
             ],
-        )?),
-        1,
-    )
-    .await?;
-    let mut clusters: String = (0..ENDPOINTS)
-        .map(|i| templates::static_cluster(&format!("c{i}"), &addrs))
-        .collect();
-    clusters.push_str(&default);
-    let kvroute = Envoy::start(
-        &with_flush(render(
-            templates::CLUSTER_MODE,
-            &[
-                ("LISTEN_PORT", kp.to_string()),
-                ("INGEST_PORT", ip.to_string()),
-                ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
-                ("PLUGIN_CONFIG", r#"{"mode":"cluster"}"#.into()),
-                (
-                    "INGEST_CONFIG",
-                    kvroute_integration::harness::kvroute::ingest_plugin_config(),
-                ),
-                ("WASM", opts.kvroute_wasm.display().to_string()),
-                ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-                ("DEFAULT_CLUSTER", "default".into()),
-                ("CLUSTERS", clusters),
-            ],
-        )?),
-        1,
-    )
-    .await?;
+        )?,
+        "kvroute" => {
+            let mut clusters: String = (0..ENDPOINTS)
+                .map(|i| templates::static_cluster(&format!("c{i}"), &addrs))
+                .collect();
+            clusters.push_str(&default);
+            render(
+                templates::CLUSTER_MODE,
+                &[
+                    ("LISTEN_PORT", listen.to_string()),
+                    ("INGEST_PORT", ingest.to_string()),
+                    ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
+                    ("PLUGIN_CONFIG", plugin_config.into()),
+                    (
+                        "INGEST_CONFIG",
+                        kvroute_integration::harness::kvroute::ingest_plugin_config(),
+                    ),
+                    ("WASM", opts.kvroute_wasm.display().to_string()),
+                    ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
+                    ("DEFAULT_CLUSTER", "default".into()),
+                    ("CLUSTERS", clusters),
+                ],
+            )?
+        }
+        other => anyhow::bail!("unknown proxy variant `{other}` (one of {VARIANTS:?})"),
+    };
+    Ok(with_flush(yaml))
+}
+
+/// kvroute's plugin configuration in the benchmark: cluster mode, every default.
+pub const PLUGIN_CONFIG: &str = r#"{"mode":"cluster"}"#;
+
+async fn start(opts: &Options) -> anyhow::Result<Proxies> {
+    let bport = free_port()?;
+    let backend = Envoy::start(&backend_yaml(bport)?, 1).await?;
+    let backend_addr = format!("127.0.0.1:{bport}");
+    let (pp, fp, kp, ip) = (free_port()?, free_port()?, free_port()?, free_port()?);
+    let yaml = |v: &str, port: u16| proxy_yaml(v, opts, port, ip, &backend_addr, PLUGIN_CONFIG);
+    let plain = Envoy::start(&yaml("plain", pp)?, 1).await?;
+    let floor = Envoy::start(&yaml("floor", fp)?, 1).await?;
+    let kvroute = Envoy::start(&yaml("kvroute", kp)?, 1).await?;
     Ok(Proxies {
         backend,
         plain,
@@ -421,7 +437,9 @@ async fn start(opts: &Options) -> anyhow::Result<Proxies> {
     })
 }
 
-async fn push(ingest: u16, version: u64, backend: &str) -> anyhow::Result<()> {
+/// Push the benchmark's snapshot `version` (16 endpoints, all on `backend`) to kvroute's
+/// ingest listener on `ingest`, as the control plane does.
+pub async fn push(ingest: u16, version: u64, backend: &str) -> anyhow::Result<()> {
     let auth = format!(
         "Bearer {}",
         kvroute_integration::harness::kvroute::TEST_TOKEN
@@ -596,7 +614,8 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
     Ok(report)
 }
 
-fn size_label(size: usize) -> String {
+/// "1 KiB", "16 KiB", "1 MiB", ... for a body size in bytes.
+pub fn size_label(size: usize) -> String {
     if size >= 1 << 20 && size % (1 << 20) == 0 {
         format!("{} MiB", size >> 20)
     } else if size >= 1 << 10 && size % (1 << 10) == 0 {

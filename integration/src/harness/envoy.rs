@@ -117,11 +117,32 @@ impl Envoy {
     /// Write `yaml` to a temp file, start Envoy with `--concurrency concurrency`, and wait
     /// (up to [`READY_DEADLINE`]) until admin `/ready` answers 200.
     pub async fn start(yaml: &str, concurrency: u32) -> Result<Self, EnvoyError> {
+        Self::start_wrapped(yaml, concurrency, &[], READY_DEADLINE).await
+    }
+
+    /// [`Envoy::start`] under a wrapper program: `wrapper[0]` is run with the rest of
+    /// `wrapper`, then Envoy's own command line (e.g. `valgrind --tool=callgrind ...`, which
+    /// runs Envoy in the same process, so [`Envoy::pid`] is Envoy's). An empty `wrapper`
+    /// runs Envoy directly. `ready_within` replaces [`READY_DEADLINE`] (a wrapper can slow
+    /// start-up many times over).
+    pub async fn start_wrapped(
+        yaml: &str,
+        concurrency: u32,
+        wrapper: &[String],
+        ready_within: Duration,
+    ) -> Result<Self, EnvoyError> {
         let bin = envoy_binary()?;
         let config = temp_path("envoy.yaml");
         std::fs::write(&config, yaml)?;
         let admin_path = temp_path("admin-address");
-        let mut cmd = Command::new(bin);
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
         cmd.arg("-c")
             .arg(&config)
             .arg("--concurrency")
@@ -134,7 +155,7 @@ impl Envoy {
             .arg("--component-log-level")
             .arg("wasm:debug");
         let mut child = ChildGuard::spawn("envoy", cmd)?;
-        let deadline = Instant::now() + READY_DEADLINE;
+        let deadline = Instant::now() + ready_within;
         let mut last = String::from("admin address not written yet");
         loop {
             if let Some(status) = child.try_exit() {
@@ -145,7 +166,7 @@ impl Envoy {
             }
             if Instant::now() > deadline {
                 return Err(EnvoyError::NotReady {
-                    reason: format!("not ready after {READY_DEADLINE:?}: {last}"),
+                    reason: format!("not ready after {ready_within:?}: {last}"),
                     log_tail: tail(&child.log(), 40),
                 });
             }

@@ -5,12 +5,14 @@
 //! ```text
 //! kvroute-overhead --floor-wasm target/wasm32-wasip1/release/kvroute_floor_filter.wasm
 //! kvroute-overhead --sizes 1024,16384 --reps 1 --duration 2   # a quick look
+//! kvroute-overhead --callgrind 300                               # instructions per request
 //! ```
 //! Prints one progress line per wrk run, then the Markdown tables. Exit code 1 on any setup
 //! error, non-2xx response or Wasm failure.
 
 use clap::Parser;
 use kvroute_integration::harness::{wasm_path, workspace_root};
+use kvroute_tools::callgrind::{self, CallgrindOptions};
 use kvroute_tools::overhead::{run, Options};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -44,6 +46,22 @@ struct Args {
     /// Shared test data (`../shared/data`).
     #[arg(long, env = "KVROUTE_SHARED_DATA")]
     data: Option<PathBuf>,
+    /// Instead of the timed runs, count Envoy's instructions per request under callgrind
+    /// (deterministic on a noisy machine): N requests in the shorter counted window.
+    #[arg(long, value_name = "N")]
+    callgrind: Option<usize>,
+    /// Uncounted requests before counting (with --callgrind).
+    #[arg(long, default_value_t = 1000)]
+    callgrind_warmup: usize,
+    /// valgrind binary (with --callgrind).
+    #[arg(long, env = "VALGRIND", default_value = "valgrind")]
+    valgrind: PathBuf,
+    /// Proxies to count (with --callgrind; default all: plain, floor, kvroute).
+    #[arg(long, value_delimiter = ',')]
+    callgrind_proxies: Vec<String>,
+    /// callgrind_control script (with --callgrind).
+    #[arg(long, env = "CALLGRIND_CONTROL", default_value = "callgrind_control")]
+    callgrind_control: PathBuf,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -68,6 +86,20 @@ async fn main() -> anyhow::Result<()> {
             .data
             .unwrap_or_else(|| workspace_root().join("../shared/data")),
     };
+    if let Some(requests) = a.callgrind {
+        let cg = CallgrindOptions {
+            requests,
+            warmup: a.callgrind_warmup,
+            idle: Duration::from_secs(6),
+            valgrind: a.valgrind,
+            control: a.callgrind_control,
+            variants: a.callgrind_proxies,
+        };
+        let rows = callgrind::run(&opts, &cg, |line| println!("{line}")).await?;
+        println!();
+        print!("{}", callgrind::markdown(&rows));
+        return Ok(());
+    }
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average before: {}", load.trim());
     let report = run(&opts, |line| println!("{line}")).await?;

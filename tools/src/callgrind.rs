@@ -1,0 +1,375 @@
+//! Instructions per request inside Envoy, counted by callgrind: the deterministic companion
+//! of [`crate::overhead`]'s timed runs (`kvroute-overhead --callgrind`, `docs/overhead.md`).
+//!
+//! On a shared or throttled machine, req/s and CPU time per request move by tens of percent
+//! from one run to the next; the number of instructions Envoy executes per request does not
+//! (a few percent). Each proxy of [`VARIANTS`] is started alone under
+//! `valgrind --tool=callgrind --instr-atstart=no` (instrumentation off until asked), with
+//! the same configs, backend and bodies as the timed benchmark. Requests go one at a time
+//! over one keep-alive HTTP/1.1 connection. For each proxy:
+//! 1. `warmup` requests, uncounted (V8 compiles and tiers up the Wasm module);
+//! 2. an idle window of `idle` seconds, counted: instructions per second with no traffic
+//!    (timers, stats flushes, snapshot pushes);
+//! 3. windows of `n` and of `2n` requests, counted.
+//!
+//! Instructions per request = (I(2n) − I(n) − idle rate × (T(2n) − T(n))) / n: what one more
+//! request costs, with start-up, per-window and time-driven work taken out. Counting is
+//! switched on and off with `callgrind_control -i`, and each window is dumped with
+//! `callgrind_control -d`; the totals are read from the dump files' `totals:` lines
+//! (<https://valgrind.org/docs/manual/cl-manual.html>).
+//!
+//! kvroute runs with `affinity_sync_ms: 60000` (default 100 ms) and
+//! `picker.stale_after_ms: 3600000` (default 2 s), and its snapshot is pushed once, not once
+//! a second: under valgrind a request takes ~50× longer, so time-driven work (ten journal
+//! syncs a second, a snapshot decode after each push) would be charged to each request many
+//! times over what it costs at real request rates, and it would vary with the machine's
+//! speed. Both are per-tick or per-push costs, not per-request ones; the idle rate is
+//! reported beside the per-request figure.
+
+use crate::overhead::{backend_yaml, chat_body, prompts, proxy_yaml, push, Options, VARIANTS};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use kvroute_integration::harness::{free_port, Envoy};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// How to count.
+#[derive(Debug, Clone)]
+pub struct CallgrindOptions {
+    /// Requests in the shorter counted window (`n`; the longer one is `2n`).
+    pub requests: usize,
+    /// Uncounted requests first.
+    pub warmup: usize,
+    /// Length of the counted idle window.
+    pub idle: Duration,
+    /// The `valgrind` binary.
+    pub valgrind: PathBuf,
+    /// The `callgrind_control` script (shipped with valgrind).
+    pub control: PathBuf,
+    /// Which of [`VARIANTS`] to count (all when empty).
+    pub variants: Vec<String>,
+}
+
+/// One proxy at one body size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallgrindRow {
+    /// Body size, bytes.
+    pub size: usize,
+    /// One of [`VARIANTS`].
+    pub variant: &'static str,
+    /// Instructions per request (see the module doc).
+    pub per_request: f64,
+    /// Instructions per second with no traffic.
+    pub idle_per_s: f64,
+}
+
+/// kvroute's plugin configuration under callgrind: [`crate::overhead::PLUGIN_CONFIG`] with
+/// the journal sync slowed to once a minute and the snapshot fresh for an hour, so that
+/// one snapshot push serves the whole run (see the module doc).
+pub const CALLGRIND_PLUGIN_CONFIG: &str =
+    r#"{"mode":"cluster","affinity_sync_ms":60000,"picker":{"stale_after_ms":3600000}}"#;
+
+/// Envoy under valgrind starts in tens of seconds, not one.
+const READY_WITHIN: Duration = Duration::from_secs(300);
+/// How long a `callgrind_control` command may take to be picked up: valgrind polls for
+/// commands, so each switch is followed by this pause (inside the window for `on`, outside
+/// for `off`; the idle rate accounts for it).
+const SETTLE: Duration = Duration::from_millis(1500);
+
+async fn control(cg: &CallgrindOptions, args: &[&str], pid: u32) -> anyhow::Result<()> {
+    let out = tokio::process::Command::new(&cg.control)
+        .args(args)
+        .arg(pid.to_string())
+        .output()
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {e} (install valgrind)", cg.control.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "callgrind_control {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// Sum of the `totals:` lines of the dump files `<base>.<n>`, which are then removed.
+fn take_dumps(base: &Path) -> anyhow::Result<u64> {
+    let dir = base.parent().unwrap_or(Path::new("."));
+    let name = base
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default()
+        .to_owned();
+    let mut total = 0u64;
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let file = entry.file_name();
+        let Some(rest) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(name.as_str()))
+            .and_then(|r| r.strip_prefix('.'))
+        else {
+            continue;
+        };
+        if rest.parse::<u32>().is_err() {
+            continue;
+        }
+        let text = std::fs::read_to_string(entry.path())?;
+        for line in text.lines() {
+            if let Some(v) = line.strip_prefix("totals:") {
+                total += v.trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+        std::fs::remove_file(entry.path())?;
+    }
+    Ok(total)
+}
+
+/// One keep-alive HTTP/1.1 connection that POSTs the same body again and again.
+struct Client {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    port: u16,
+    body: Bytes,
+}
+
+impl Client {
+    async fn connect(port: u16, body: &[u8]) -> anyhow::Result<Self> {
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Self {
+            sender,
+            port,
+            body: Bytes::copy_from_slice(body),
+        })
+    }
+
+    async fn send(&mut self, n: usize) -> anyhow::Result<()> {
+        for _ in 0..n {
+            let req = hyper::Request::builder()
+                .method("POST")
+                .uri("/v1/chat/completions")
+                .header("host", format!("127.0.0.1:{}", self.port))
+                .header("content-type", "application/json")
+                .body(Full::new(self.body.clone()))?;
+            self.sender.ready().await?;
+            let resp = self.sender.send_request(req).await?;
+            let status = resp.status();
+            resp.into_body().collect().await?;
+            anyhow::ensure!(status == 200, "port {}: answered {status}", self.port);
+        }
+        Ok(())
+    }
+}
+
+/// Count one counted window: instructions and its length.
+async fn window(
+    cg: &CallgrindOptions,
+    pid: u32,
+    base: &Path,
+    client: &mut Client,
+    requests: usize,
+) -> anyhow::Result<(u64, f64)> {
+    take_dumps(base)?;
+    let t0 = Instant::now();
+    control(cg, &["-i", "on"], pid).await?;
+    tokio::time::sleep(SETTLE).await;
+    if requests == 0 {
+        tokio::time::sleep(cg.idle).await;
+    } else {
+        client.send(requests).await?;
+    }
+    control(cg, &["-i", "off"], pid).await?;
+    let secs = t0.elapsed().as_secs_f64();
+    tokio::time::sleep(SETTLE).await;
+    control(cg, &["-d"], pid).await?;
+    // The dump is written by valgrind's own thread after it sees the command.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        tokio::time::sleep(SETTLE).await;
+        let got = take_dumps(base)?;
+        if got > 0 || Instant::now() > deadline {
+            return Ok((got, secs));
+        }
+    }
+}
+
+/// Count every size × proxy; `progress` gets one line per proxy.
+pub async fn run(
+    opts: &Options,
+    cg: &CallgrindOptions,
+    mut progress: impl FnMut(&str),
+) -> anyhow::Result<Vec<CallgrindRow>> {
+    let prompts = prompts(&opts.data)?;
+    let dir = std::env::temp_dir().join(format!("kvroute-callgrind-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut rows = Vec::new();
+    let n = cg.requests.max(1);
+    for &size in &opts.sizes {
+        let body = chat_body(size, &prompts);
+        let bport = free_port()?;
+        let _backend = Envoy::start(&backend_yaml(bport)?, 1).await?;
+        let backend = format!("127.0.0.1:{bport}");
+        for variant in VARIANTS {
+            if !cg.variants.is_empty() && !cg.variants.iter().any(|v| v == variant) {
+                continue;
+            }
+            let (port, ingest) = (free_port()?, free_port()?);
+            let yaml = proxy_yaml(
+                variant,
+                opts,
+                port,
+                ingest,
+                &backend,
+                CALLGRIND_PLUGIN_CONFIG,
+            )?;
+            let base = dir.join(format!("{variant}-{size}.cg"));
+            let wrapper = [
+                cg.valgrind.display().to_string(),
+                "--tool=callgrind".into(),
+                "--instr-atstart=no".into(),
+                // V8 writes and rewrites its JIT code.
+                "--smc-check=all-non-file".into(),
+                format!("--callgrind-out-file={}", base.display()),
+            ];
+            let proxy = Envoy::start_wrapped(&yaml, 1, &wrapper, READY_WITHIN).await?;
+            if variant == "kvroute" {
+                // Once: fresh for the whole run (see CALLGRIND_PLUGIN_CONFIG).
+                push(ingest, crate::overhead::now_ms(), &backend).await?;
+            }
+            let result = async {
+                let mut client = Client::connect(port, &body).await?;
+                client.send(cg.warmup).await?;
+                let pid = proxy.pid();
+                let (idle, t_idle) = window(cg, pid, &base, &mut client, 0).await?;
+                let (a, ta) = window(cg, pid, &base, &mut client, n).await?;
+                let (b, tb) = window(cg, pid, &base, &mut client, 2 * n).await?;
+                let rate = idle as f64 / t_idle.max(1e-3);
+                let per_request = (b as f64 - a as f64 - rate * (tb - ta)) / n as f64;
+                anyhow::Ok(CallgrindRow {
+                    size,
+                    variant,
+                    per_request,
+                    idle_per_s: rate,
+                })
+            }
+            .await;
+            drop(proxy);
+            let row = result?;
+            progress(&format!(
+                "{size:>8} B  {variant:<8} {:>10.0} instructions/request  (idle {:.1} M/s)",
+                row.per_request,
+                row.idle_per_s / 1e6
+            ));
+            rows.push(row);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(rows)
+}
+
+/// The Markdown table: per size and proxy, instructions per request, the extra over plain
+/// Envoy, kvroute's extra over the floor's, and plain ÷ proxy (the throughput ratio a
+/// CPU-bound Envoy would reach).
+pub fn markdown(rows: &[CallgrindRow]) -> String {
+    let mut s = String::from(
+        "| body | proxy | instructions/request | extra over plain | plain ÷ proxy |\n|---|---|---|---|---|\n",
+    );
+    let find = |size: usize, v: &str| {
+        rows.iter()
+            .find(|r| r.size == size && r.variant == v)
+            .map(|r| r.per_request)
+    };
+    let mut sizes: Vec<usize> = rows.iter().map(|r| r.size).collect();
+    sizes.dedup();
+    for &size in &sizes {
+        let plain = find(size, "plain").unwrap_or(0.0);
+        for r in rows.iter().filter(|r| r.size == size) {
+            let ratio = if r.per_request > 0.0 {
+                plain / r.per_request
+            } else {
+                0.0
+            };
+            s.push_str(&format!(
+                "| {} | {} | {:.0} k | {:+.0} k | {:.2} |\n",
+                crate::overhead::size_label(size),
+                r.variant,
+                r.per_request / 1e3,
+                (r.per_request - plain) / 1e3,
+                ratio
+            ));
+        }
+    }
+    s.push_str("\n| body | kvroute extra ÷ floor extra |\n|---|---|\n");
+    for &size in &sizes {
+        let plain = find(size, "plain").unwrap_or(0.0);
+        if let (Some(f), Some(k)) = (find(size, "floor"), find(size, "kvroute")) {
+            let floor = f - plain;
+            let ratio = if floor > 0.0 {
+                (k - plain) / floor
+            } else {
+                0.0
+            };
+            s.push_str(&format!(
+                "| {} | {ratio:.1} |\n",
+                crate::overhead::size_label(size)
+            ));
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dumps_are_summed_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("kvroute-1024.cg");
+        std::fs::write(
+            dir.path().join("kvroute-1024.cg.1"),
+            "events: Ir\ntotals: 1200\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("kvroute-1024.cg.2"),
+            "summary: 5\ntotals: 34\n",
+        )
+        .unwrap();
+        // Not a dump of this base: the final dump at exit, another proxy's, a stray file.
+        std::fs::write(&base, "totals: 999\n").unwrap();
+        std::fs::write(dir.path().join("plain-1024.cg.1"), "totals: 7\n").unwrap();
+        std::fs::write(dir.path().join("kvroute-1024.cg.x"), "totals: 7\n").unwrap();
+        assert_eq!(take_dumps(&base).unwrap(), 1234);
+        assert!(!dir.path().join("kvroute-1024.cg.1").exists());
+        assert!(base.exists());
+        assert_eq!(take_dumps(&base).unwrap(), 0);
+    }
+
+    #[test]
+    fn the_table_gives_extras_and_ratios() {
+        let row = |variant, per_request| CallgrindRow {
+            size: 1024,
+            variant,
+            per_request,
+            idle_per_s: 0.0,
+        };
+        let t = markdown(&[
+            row("plain", 170_000.0),
+            row("floor", 205_000.0),
+            row("kvroute", 345_000.0),
+        ]);
+        assert!(t.contains("| 1 KiB | plain | 170 k | +0 k | 1.00 |"), "{t}");
+        assert!(
+            t.contains("| 1 KiB | floor | 205 k | +35 k | 0.83 |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| 1 KiB | kvroute | 345 k | +175 k | 0.49 |"),
+            "{t}"
+        );
+        assert!(t.contains("| 1 KiB | 5.0 |"), "{t}");
+    }
+}
