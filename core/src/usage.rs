@@ -138,27 +138,53 @@ fn usage_object_at(buf: &[u8], mut i: usize) -> Option<Usage> {
 /// that returns data, the dearest kind inside Envoy; see `docs/overhead.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BodyFraming {
-    /// One JSON document (`stream: false`): its first non-whitespace byte is `{` or `[`.
+    /// One JSON document (`stream: false`, or a JSON error): its first non-whitespace byte
+    /// is `{` or `[`.
     Json,
-    /// Anything else, read as Server-Sent Events: an OpenAI-style stream starts with a
-    /// field line (`data:`, `event:`, `id:`, `retry:`) or a `:` comment
-    /// (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>).
-    /// A plain-text error body lands here too and simply carries no `usage`.
+    /// Server-Sent Events: the first line is a `:` comment or starts with one of the
+    /// spec's field names, `data`, `event`, `id` or `retry`, followed by `:` or the end of
+    /// the line (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>).
+    /// OpenAI-style streams (vLLM, SGLang, TGI, llama.cpp, OpenAI) start with `data:`; the
+    /// Responses API with `event:`.
     EventStream,
+    /// Anything else: a compressed body, an HTML or plain-text error page. It carries no
+    /// `usage` the filter can read, and its first bytes are no first token.
+    Other,
 }
 
 impl BodyFraming {
-    /// The framing of a body whose first bytes are `head` (any prefix of the first
-    /// chunk); `None` while `head` holds only JSON/SSE whitespace, so the next chunk decides.
+    /// The framing of a body whose first bytes are `head` (the first chunk, or the first
+    /// chunks joined); `None` while `head` is too short to tell (only whitespace, or a
+    /// prefix of a field name such as `dat`), so the caller waits for more bytes.
     pub fn sniff(head: &[u8]) -> Option<Self> {
-        let first = head
+        let start = head
             .iter()
-            .find(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))?;
-        Some(if matches!(first, b'{' | b'[') {
-            Self::Json
+            .position(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))?;
+        let rest = head.get(start..).unwrap_or_default();
+        match rest.first() {
+            Some(b'{' | b'[') => return Some(Self::Json),
+            Some(b':') => return Some(Self::EventStream),
+            _ => {}
+        }
+        let field_end = rest
+            .iter()
+            .position(|b| matches!(b, b':' | b'\r' | b'\n'))
+            .unwrap_or(rest.len());
+        let name = rest.get(..field_end).unwrap_or_default();
+        const FIELDS: [&[u8]; 4] = [b"data", b"event", b"id", b"retry"];
+        if field_end < rest.len() {
+            return Some(if FIELDS.contains(&name) {
+                Self::EventStream
+            } else {
+                Self::Other
+            });
+        }
+        // No `:` or line end yet: undecided while it can still become a field name.
+        if FIELDS.iter().any(|f| f.starts_with(name)) {
+            None
         } else {
-            Self::EventStream
-        })
+            Some(Self::Other)
+        }
     }
 }
 
@@ -445,7 +471,7 @@ mod tests {
 
     #[test]
     fn body_framing_is_sniffed_from_the_first_bytes() {
-        use BodyFraming::{EventStream, Json};
+        use BodyFraming::{EventStream, Json, Other};
         assert_eq!(BodyFraming::sniff(CHAT), Some(Json));
         assert_eq!(BodyFraming::sniff(b" \r\n\t[{}]"), Some(Json));
         assert_eq!(BodyFraming::sniff(&stream()), Some(EventStream));
@@ -454,11 +480,20 @@ mod tests {
             BodyFraming::sniff(b"event: response.created\n"),
             Some(EventStream)
         );
-        assert_eq!(
-            BodyFraming::sniff(b"upstream connect error"),
-            Some(EventStream)
-        );
+        assert_eq!(BodyFraming::sniff(b"id: 7\ndata: x\n\n"), Some(EventStream));
+        assert_eq!(BodyFraming::sniff(b"retry:1000\n"), Some(EventStream));
+        assert_eq!(BodyFraming::sniff(b"data\n\n"), Some(EventStream));
+        // Not a stream: no usage to read and no first token.
+        assert_eq!(BodyFraming::sniff(b"upstream connect error"), Some(Other));
+        assert_eq!(BodyFraming::sniff(b"<html><body>502</body>"), Some(Other));
+        assert_eq!(BodyFraming::sniff(b"Internal Server Error\n"), Some(Other));
+        assert_eq!(BodyFraming::sniff(b"\x1f\x8b\x08\x00"), Some(Other), "gzip");
+        assert_eq!(BodyFraming::sniff(b"database: down\n"), Some(Other));
+        // Too short to tell: wait for more bytes.
         assert_eq!(BodyFraming::sniff(b""), None);
         assert_eq!(BodyFraming::sniff(b" \n\r\n"), None);
+        assert_eq!(BodyFraming::sniff(b"dat"), None);
+        assert_eq!(BodyFraming::sniff(b"  ev"), None);
+        assert_eq!(BodyFraming::sniff(b"datab"), Some(Other));
     }
 }

@@ -152,6 +152,11 @@ pub struct Worker {
 /// when decisions stop writing, e.g. every request fails open).
 pub const MAX_PENDING_RELEASES: usize = 64;
 
+/// The route role's tick is at most this long, ms, so a worker's deferred releases reach
+/// the shared table within it ([`Worker::release`]) whatever the sharing settings. Scraped
+/// KV stats are older than this anyway (the control plane scrapes once a second).
+pub const RELEASE_FLUSH_MS: u64 = 100;
+
 /// Remove `ids` from `table`; how many were there.
 fn release_all(table: &mut kvroute_core::inflight::InflightTable, ids: &[u64]) -> usize {
     ids.iter()
@@ -625,9 +630,13 @@ impl Worker {
     /// ([`Worker::flush_releases`]), whichever comes first. That saves a read and a write
     /// of the shared table per request, the read being a host call that allocates inside
     /// the VM (~10 k instructions in Envoy's V8; docs/overhead.md). Other workers see the
-    /// release up to one tick later (`affinity_sync_ms`, 100 ms by default; 1 s with
-    /// sharing off), or as soon as this worker routes again. With
-    /// [`MAX_PENDING_RELEASES`] pending, the table is written at once.
+    /// release up to one tick later ([`RELEASE_FLUSH_MS`], or `affinity_sync_ms` /
+    /// `admission.tick_ms` when shorter), or as soon as this worker routes again; until
+    /// then they count its load, so on a fleet at its KV limit one of them may queue (or,
+    /// without admission, answer 429) a request it would have placed. With
+    /// [`MAX_PENDING_RELEASES`] pending, the table is written at once. A worker replaced by
+    /// a plugin reconfiguration never ticks again: its pending releases expire with the
+    /// reservations' TTL (`reservation_ttl_ms`).
     pub fn release<H: Host>(&mut self, host: &H, held: &Held) {
         if !self.pending_releases.contains(&held.id) {
             self.pending_releases.push(held.id);
@@ -635,6 +644,12 @@ impl Worker {
         if self.pending_releases.len() >= MAX_PENDING_RELEASES {
             self.flush_releases(host);
         }
+    }
+
+    /// Reservation ids released by this worker and not yet removed from the shared table
+    /// (see [`Worker::release`]); its decisions already treat them as gone.
+    pub fn pending_releases(&self) -> &[u64] {
+        &self.pending_releases
     }
 
     /// Remove the pending releases from the shared table now (one read and CAS write).

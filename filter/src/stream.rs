@@ -40,14 +40,21 @@ pub enum Flow {
 enum Resp {
     #[default]
     None,
-    /// Response headers seen; the first body bytes tell the framing.
-    Pending,
+    /// Response headers seen; the first body bytes tell the framing (held here until
+    /// they do, at most [`SNIFF_MAX_BYTES`]).
+    Pending(Vec<u8>),
+    /// Neither SSE nor JSON (compressed, an HTML or text error): nothing to read.
+    Other,
     Sse(SseUsageScanner),
     Json {
         tail: Vec<u8>,
         total: usize,
     },
 }
+
+/// Response bytes held while their framing is undecided (whitespace, or a prefix of an
+/// SSE field name); past this the body is [`BodyFraming::Other`].
+const SNIFF_MAX_BYTES: usize = 64;
 
 /// Per-stream state.
 #[derive(Debug)]
@@ -328,7 +335,7 @@ impl Stream {
         if self.worker.borrow().config.debug_header && !self.reason.is_empty() {
             host.set_response_header(DECISION_HEADER, &self.reason);
         }
-        self.resp = Resp::Pending;
+        self.resp = Resp::Pending(Vec::new());
         Flow::Continue
     }
 
@@ -343,22 +350,29 @@ impl Stream {
             return Flow::Continue;
         }
         let cap = self.worker.borrow().config.usage_tail_bytes;
-        let chunk = if size > 0 {
+        let mut chunk = if size > 0 {
             host.response_body(size)
         } else {
             None
         };
-        if let (Resp::Pending, Some(c)) = (&self.resp, &chunk) {
-            match BodyFraming::sniff(c) {
-                Some(BodyFraming::EventStream) => self.resp = Resp::Sse(SseUsageScanner::new(cap)),
-                Some(BodyFraming::Json) => {
-                    self.resp = Resp::Json {
+        if let (Resp::Pending(head), Some(c)) = (&mut self.resp, chunk.as_deref()) {
+            head.extend_from_slice(c);
+            chunk = None;
+            let framing = BodyFraming::sniff(head).or_else(|| {
+                // Still undecided after this many bytes (whitespace): not a stream.
+                (head.len() > SNIFF_MAX_BYTES).then_some(BodyFraming::Other)
+            });
+            if let Some(f) = framing {
+                // The bytes held while undecided are fed as this chunk.
+                chunk = Some(std::mem::take(head));
+                self.resp = match f {
+                    BodyFraming::EventStream => Resp::Sse(SseUsageScanner::new(cap)),
+                    BodyFraming::Json => Resp::Json {
                         tail: Vec::new(),
                         total: 0,
-                    }
-                }
-                // Whitespace only: the next chunk decides.
-                None => {}
+                    },
+                    BodyFraming::Other => Resp::Other,
+                };
             }
         }
         // Only a streamed response's first bytes mark the end of prefill while the request
@@ -393,7 +407,7 @@ impl Stream {
                         tail.drain(..cut);
                     }
                 }
-                Resp::None | Resp::Pending => {}
+                Resp::None | Resp::Pending(_) | Resp::Other => {}
             }
         }
         if end_of_stream {
@@ -409,7 +423,7 @@ impl Stream {
                         usage::parse_json_tail(&tail)
                     }
                 }
-                Resp::None | Resp::Pending => None,
+                Resp::None | Resp::Pending(_) | Resp::Other => None,
             };
             if let Some(u) = u {
                 let facts = self.facts.clone();
@@ -802,6 +816,69 @@ mod tests {
         assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 1);
         s.on_done(&r);
         assert_eq!(h.metric(metric::RELEASED), 1);
+    }
+
+    #[test]
+    fn bodies_that_are_not_event_streams_give_no_first_token() {
+        for (name, first, rest) in [
+            ("gzip json", &b"\x1f\x8b\x08\x00\x00"[..], &b"\x00\x03"[..]),
+            (
+                "html error",
+                b"<html><body>502 Bad",
+                b" Gateway</body></html>",
+            ),
+            ("text error", b"upstream connect error or", b" disconnect"),
+        ] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let r = request(&h, "/v1/chat/completions", BODY);
+            let mut s = Stream::new(w.clone(), 2);
+            s.on_request_headers(&r, false);
+            s.on_request_body(&r, BODY.len(), true);
+            let est = s.facts.prompt_tokens;
+            s.on_response_headers(&r, false);
+            *h.now.borrow_mut() = NOW + 2_000;
+            *r.resp_chunk.borrow_mut() = first.to_vec();
+            s.on_response_body(&r, first.len(), false);
+            assert!(
+                w.borrow().router().prefill_rates().is_empty(),
+                "{name}: learned a TTFT"
+            );
+            assert_eq!(pending_prefill(&h), est, "{name}: prefill ended early");
+            *r.resp_chunk.borrow_mut() = rest.to_vec();
+            s.on_response_body(&r, rest.len(), true);
+            assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 0, "{name}");
+            s.worker.borrow_mut().flush_releases(&h);
+            assert_eq!(held(&h), 0, "{name}");
+        }
+    }
+
+    #[test]
+    fn an_event_stream_split_inside_its_first_field_name_is_still_read() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        let est = s.facts.prompt_tokens;
+        s.on_response_headers(&r, false);
+        let stream = format!(
+            "data: {{\"usage\":{{\"prompt_tokens\":{est},\"completion_tokens\":3}}}}\n\ndata: [DONE]\n\n"
+        );
+        let (a, b) = stream.as_bytes().split_at(2);
+        for (part, eos) in [(a, false), (b, true)] {
+            *r.resp_chunk.borrow_mut() = part.to_vec();
+            s.on_response_body(&r, part.len(), eos);
+        }
+        // "da" alone was undecided and held; the stream's usage was still read.
+        assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 1);
+        let mut expected = kvroute_core::output_len::OutputLengths::new();
+        expected.observe(
+            "m",
+            kvroute_core::analysis::ApiKind::ChatCompletions,
+            est,
+            3,
+        );
+        assert_eq!(*w.borrow().router().output_lengths(), expected);
     }
 
     /// What one routed request costs in host calls, callback by callback (a non-streamed

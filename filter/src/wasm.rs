@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
-/// Tick period when admission is off: how often the Wasm memory gauge is refreshed, ms.
+/// How often the Wasm memory gauge is refreshed at least, ms.
 const MEMORY_GAUGE_PERIOD_MS: u64 = 1_000;
 
 thread_local! {
@@ -238,9 +238,10 @@ impl RootContext for Root {
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
-        // The tick refreshes the Wasm memory gauge, runs admission and syncs the shared
-        // journals (affinity, learner observations): as often as the most frequent needs.
-        let mut tick = MEMORY_GAUGE_PERIOD_MS;
+        // The tick writes deferred releases (at least every RELEASE_FLUSH_MS), refreshes
+        // the Wasm memory gauge, runs admission and syncs the shared journals (affinity,
+        // learner observations): as often as the most frequent needs.
+        let mut tick = MEMORY_GAUGE_PERIOD_MS.min(crate::router::RELEASE_FLUSH_MS);
         if config.admission.enabled {
             tick = tick.min(config.admission.tick_ms);
         }

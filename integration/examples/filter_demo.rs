@@ -47,6 +47,12 @@ async fn main() -> anyhow::Result<()> {
             r.header("x-kvroute-decision").unwrap_or("?"),
         );
     }
+    // A release reaches the shared counters with the worker's next reservation or tick
+    // (at most 100 ms; docs/filter.md, "Request path").
+    let made = fleet.custom("kvroute.reservations.reserved").await?;
+    fleet
+        .wait_stat_at_least(&["wasmcustom.kvroute.reservations.released"], made)
+        .await?;
     println!(
         "reservations: {} made, {} released; wasm VM failures: {}",
         fleet.custom("kvroute.reservations.reserved").await?,
