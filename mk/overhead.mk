@@ -17,9 +17,11 @@ test-overhead: wasm wasm-floor envoy wrk ## Overhead benchmark smoke: every size
 	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) test -p kvroute-tools --test overhead_smoke
 
+# 256 KiB (a request takes ~0.3 s under valgrind): CALLGRIND_ARGS="--sizes 262144 --callgrind 100 --callgrind-warmup 300"
+CALLGRIND_ARGS ?= --sizes 1024,16384 --callgrind 300
 .PHONY: bench-overhead-instructions
 bench-overhead-instructions: wasm wasm-floor envoy ## Instructions per request inside Envoy (plain, floor, kvroute) under callgrind: deterministic on a noisy machine (needs valgrind)
 	@command -v valgrind >/dev/null || { echo "bench-overhead-instructions: valgrind is required (Debian/Ubuntu: apt-get install valgrind)"; exit 1; }
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" \
 	KVROUTE_ENVOY="$(ENVOY)" \
-	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- --callgrind 300 --sizes 1024,16384,262144 $(OVERHEAD_ARGS)
+	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- $(CALLGRIND_ARGS)

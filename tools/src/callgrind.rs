@@ -301,7 +301,7 @@ pub fn markdown(rows: &[CallgrindRow]) -> String {
             ));
         }
     }
-    s.push_str("\n| body | kvroute extra ÷ floor extra |\n|---|---|\n");
+    let mut ratios = String::new();
     for &size in &sizes {
         let plain = find(size, "plain").unwrap_or(0.0);
         if let (Some(f), Some(k)) = (find(size, "floor"), find(size, "kvroute")) {
@@ -311,11 +311,15 @@ pub fn markdown(rows: &[CallgrindRow]) -> String {
             } else {
                 0.0
             };
-            s.push_str(&format!(
+            ratios.push_str(&format!(
                 "| {} | {ratio:.1} |\n",
                 crate::overhead::size_label(size)
             ));
         }
+    }
+    if !ratios.is_empty() {
+        s.push_str("\n| body | kvroute extra ÷ floor extra |\n|---|---|\n");
+        s.push_str(&ratios);
     }
     s
 }
@@ -371,5 +375,8 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("| 1 KiB | 5.0 |"), "{t}");
+        // Without the floor: no ratio table.
+        let t = markdown(&[row("plain", 170_000.0), row("kvroute", 345_000.0)]);
+        assert!(!t.contains("floor extra"), "{t}");
     }
 }
