@@ -515,6 +515,18 @@ mod tests {
             .with_body(body)
     }
 
+    /// A chat request routed (headers, body, decision) and its response headers seen: the
+    /// request host, the stream and the prompt-token estimate.
+    fn routed_to_response(h: &MockHost, w: &Rc<RefCell<Worker>>) -> (MockHost, Stream, u64) {
+        let r = request(h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        let est = s.facts.prompt_tokens;
+        s.on_response_headers(&r, false);
+        (r, s, est)
+    }
+
     fn held(h: &MockHost) -> u64 {
         shared::read_inflight(h)
             .unwrap()
@@ -830,12 +842,7 @@ mod tests {
             ("text error", b"upstream connect error or", b" disconnect"),
         ] {
             let (h, w) = setup("{}", vec![ep(0, 0.1)]);
-            let r = request(&h, "/v1/chat/completions", BODY);
-            let mut s = Stream::new(w.clone(), 2);
-            s.on_request_headers(&r, false);
-            s.on_request_body(&r, BODY.len(), true);
-            let est = s.facts.prompt_tokens;
-            s.on_response_headers(&r, false);
+            let (r, mut s, est) = routed_to_response(&h, &w);
             *h.now.borrow_mut() = NOW + 2_000;
             *r.resp_chunk.borrow_mut() = first.to_vec();
             s.on_response_body(&r, first.len(), false);
@@ -855,12 +862,7 @@ mod tests {
     #[test]
     fn an_event_stream_split_inside_its_first_field_name_is_still_read() {
         let (h, w) = setup("{}", vec![ep(0, 0.1)]);
-        let r = request(&h, "/v1/chat/completions", BODY);
-        let mut s = Stream::new(w.clone(), 2);
-        s.on_request_headers(&r, false);
-        s.on_request_body(&r, BODY.len(), true);
-        let est = s.facts.prompt_tokens;
-        s.on_response_headers(&r, false);
+        let (r, mut s, est) = routed_to_response(&h, &w);
         let stream = format!(
             "data: {{\"usage\":{{\"prompt_tokens\":{est},\"completion_tokens\":3}}}}\n\ndata: [DONE]\n\n"
         );
@@ -945,12 +947,7 @@ mod tests {
     #[test]
     fn json_usage_is_read_from_a_non_streamed_body() {
         let (h, w) = setup("{}", vec![ep(0, 0.1)]);
-        let r = request(&h, "/v1/chat/completions", BODY);
-        let mut s = Stream::new(w.clone(), 2);
-        s.on_request_headers(&r, false);
-        s.on_request_body(&r, BODY.len(), true);
-        let est = s.facts.prompt_tokens;
-        s.on_response_headers(&r, false);
+        let (r, mut s, est) = routed_to_response(&h, &w);
         let body =
             format!(r#"{{"choices":[],"usage":{{"prompt_tokens":{est},"completion_tokens":1}}}}"#);
         // Two chunks, 250 ms after the decision: the first bytes of a JSON body come after
