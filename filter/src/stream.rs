@@ -355,24 +355,37 @@ impl Stream {
         } else {
             None
         };
-        if let (Resp::Pending(head), Some(c)) = (&mut self.resp, chunk.as_deref()) {
-            head.extend_from_slice(c);
-            chunk = None;
-            let framing = BodyFraming::sniff(head).or_else(|| {
-                // Still undecided after this many bytes (whitespace): not a stream.
-                (head.len() > SNIFF_MAX_BYTES).then_some(BodyFraming::Other)
-            });
-            if let Some(f) = framing {
-                // The bytes held while undecided are fed as this chunk.
-                chunk = Some(std::mem::take(head));
-                self.resp = match f {
-                    BodyFraming::EventStream => Resp::Sse(SseUsageScanner::new(cap)),
-                    BodyFraming::Json => Resp::Json {
-                        tail: Vec::new(),
-                        total: 0,
-                    },
-                    BodyFraming::Other => Resp::Other,
+        if let Resp::Pending(head) = &mut self.resp {
+            if let Some(c) = chunk.take() {
+                // The usual case decides on the first chunk alone, without copying it.
+                let first = match head.is_empty() {
+                    true => BodyFraming::sniff(&c),
+                    false => None,
                 };
+                let (framing, feed) = match first {
+                    Some(f) => (Some(f), Some(c)),
+                    None => {
+                        head.extend_from_slice(&c);
+                        let f = BodyFraming::sniff(head).or_else(|| {
+                            // Still undecided after this many bytes (whitespace): not a stream.
+                            (head.len() > SNIFF_MAX_BYTES).then_some(BodyFraming::Other)
+                        });
+                        // Once decided, the bytes held so far are fed as this chunk.
+                        let held = f.map(|_| std::mem::take(head));
+                        (f, held)
+                    }
+                };
+                chunk = feed;
+                if let Some(f) = framing {
+                    self.resp = match f {
+                        BodyFraming::EventStream => Resp::Sse(SseUsageScanner::new(cap)),
+                        BodyFraming::Json => Resp::Json {
+                            tail: Vec::new(),
+                            total: 0,
+                        },
+                        BodyFraming::Other => Resp::Other,
+                    };
+                }
             }
         }
         // Only a streamed response's first bytes mark the end of prefill while the request
