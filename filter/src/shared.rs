@@ -84,6 +84,15 @@ fn decode_published_at(bytes: Option<&[u8]>) -> u64 {
         .map_or(0, u64::from_be_bytes)
 }
 
+/// The value of [`SNAPSHOT_VERSION_KEY`]: `version` then `published_at_ms`, both u64
+/// big-endian (read back by `decode_version` and `decode_published_at`).
+fn version_value(version: u64, published_at_ms: u64) -> [u8; 16] {
+    let mut v = [0u8; 16];
+    v[..8].copy_from_slice(&version.to_be_bytes());
+    v[8..].copy_from_slice(&published_at_ms.to_be_bytes());
+    v
+}
+
 /// Current published snapshot version, if any.
 pub fn current_version<H: Host>(host: &H) -> Result<Option<u64>, HostError> {
     let (v, _) = host.shared_get(SNAPSHOT_VERSION_KEY)?;
@@ -112,9 +121,7 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
             }
         }
         host.shared_set(SNAPSHOT_KEY, bytes, None)?;
-        let mut key = [0u8; 16];
-        key[..8].copy_from_slice(&snap.version.to_be_bytes());
-        key[8..].copy_from_slice(&now.to_be_bytes());
+        let key = version_value(snap.version, now);
         match host.shared_set(SNAPSHOT_VERSION_KEY, &key, Some(cas.unwrap_or(0))) {
             Ok(()) => {
                 // A new CAS token for the readers' poll (see the module doc).
@@ -431,9 +438,8 @@ mod tests {
         let h = MockHost::new(0);
         let mut c = SnapshotCache::default();
         h.shared_set(SNAPSHOT_KEY, &snap(7), None).unwrap();
-        let mut key = [0u8; 16];
-        key[..8].copy_from_slice(&7u64.to_be_bytes());
-        h.shared_set(SNAPSHOT_VERSION_KEY, &key, None).unwrap();
+        h.shared_set(SNAPSHOT_VERSION_KEY, &version_value(7, 0), None)
+            .unwrap();
         assert_eq!(c.current(&h).unwrap().unwrap().version, 7);
         h.take_calls();
         assert_eq!(c.current(&h).unwrap().unwrap().version, 7);

@@ -10,12 +10,14 @@
 //!
 //! Response side: never buffered, and its headers are not read (only a body-less
 //! response's `:status`). The time from decision to response headers is recorded as TTFB;
-//! the first body bytes tell SSE from JSON ([`BodyFraming::sniff`]), and each body chunk is
-//! copied into a bounded `usage` scanner (SSE) or a bounded tail (JSON). The first body bytes (before the end) mark the request's prefill done in
-//! the shared in-flight table (its pending prefill tokens drop to 0: a first token exists).
-//! At response end the reservation is released and the usage calibrates the
-//! estimator. `on_done` releases too, so client resets and upstream errors release; a
-//! reservation is released exactly once ([`Option::take`]).
+//! the first body bytes tell SSE, JSON or neither apart ([`BodyFraming::sniff`]), and each
+//! body chunk is copied into a bounded `usage` scanner (SSE) or a bounded tail (JSON). An
+//! event stream's first bytes (before the end) mark the request's prefill done in the shared
+//! in-flight table (its pending prefill tokens drop to 0: a first token exists). At
+//! response end the usage calibrates the estimator and the reservation is released
+//! (deferred to the worker's next reservation or tick: [`Worker::release`]). `on_done`
+//! releases too, so client resets and upstream errors release; a reservation is released
+//! exactly once ([`Option::take`]).
 //!
 //! Role `ingest` has its own stream type: [`crate::ingest::IngestStream`].
 

@@ -18,9 +18,6 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
-/// How often the Wasm memory gauge is refreshed at least, ms.
-const MEMORY_GAUGE_PERIOD_MS: u64 = 1_000;
-
 thread_local! {
     static METRICS: RefCell<BTreeMap<&'static str, u32>> = const { RefCell::new(BTreeMap::new()) };
     static NAMED_GAUGES: RefCell<BTreeMap<String, u32>> = const { RefCell::new(BTreeMap::new()) };
@@ -238,10 +235,10 @@ impl RootContext for Root {
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
-        // The tick writes deferred releases (at least every RELEASE_FLUSH_MS), refreshes
-        // the Wasm memory gauge, runs admission and syncs the shared journals (affinity,
+        // The tick writes deferred releases and refreshes the Wasm memory gauge (every
+        // RELEASE_FLUSH_MS), runs admission and syncs the shared journals (affinity,
         // learner observations): as often as the most frequent needs.
-        let mut tick = MEMORY_GAUGE_PERIOD_MS.min(crate::router::RELEASE_FLUSH_MS);
+        let mut tick = crate::router::RELEASE_FLUSH_MS;
         if config.admission.enabled {
             tick = tick.min(config.admission.tick_ms);
         }
