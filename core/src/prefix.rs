@@ -106,6 +106,14 @@ pub fn block_hashes(
     // One-shot hashing of `block ‖ le_u64(prev)` copied into one buffer, as GIE's Go code
     // does: the streaming hasher's buffering and finalisation cost more than the 72-byte
     // copy (callgrind: ~240 → ~150 instructions per 64-byte block).
+    if config.block_chars % 32 == 0 {
+        // Whole 32-byte stripes (the default 64-byte blocks): no copy, see `chain_step`.
+        for block in bytes.chunks_exact(config.block_chars) {
+            prev = chain_step(block, prev);
+            out.push(prev);
+        }
+        return out;
+    }
     let mut buf = Vec::with_capacity(config.block_chars.saturating_add(8));
     for block in bytes.chunks_exact(config.block_chars) {
         buf.clear();
@@ -115,6 +123,56 @@ pub fn block_hashes(
         out.push(prev);
     }
     out
+}
+
+// XXH64's primes (the xxHash specification, `doc/xxhash_spec.md`, "XXH64 algorithm").
+const P1: u64 = 0x9E37_79B1_85EB_CA87;
+const P2: u64 = 0xC2B2_AE3D_27D4_EB4F;
+const P3: u64 = 0x1656_67B1_9E37_79F9;
+const P4: u64 = 0x85EB_CA77_C2B2_AE63;
+
+#[inline(always)]
+fn xxh64_round(acc: u64, lane: u64) -> u64 {
+    acc.wrapping_add(lane.wrapping_mul(P2))
+        .rotate_left(31)
+        .wrapping_mul(P1)
+}
+
+/// One link of the chain for a block of whole 32-byte stripes: `xxh64(block ‖
+/// le_u64(prev), seed 0)`, computed on the block in place with `prev` as the input's last
+/// 8-byte lane. Bit-identical to the `xxhash-rust` crate on the concatenation (the test
+/// `chain_step_is_xxh64_of_block_and_prev` checks it against the crate); written out
+/// because the general path copies each block next to `prev` and calls the crate's
+/// length-generic loop: on wasm32 that was ~300 Wasm operations per 64-byte block, and a
+/// 16 KiB prompt hashes 256 blocks (fuel-counted; docs/overhead.md).
+fn chain_step(block: &[u8], prev: u64) -> u64 {
+    let mut v = [P1.wrapping_add(P2), P2, 0, 0u64.wrapping_sub(P1)];
+    let mut rest = block;
+    while let Some((stripe, tail)) = rest.split_first_chunk::<32>() {
+        for (acc, lane) in v.iter_mut().zip(stripe.chunks_exact(8)) {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(lane);
+            *acc = xxh64_round(*acc, u64::from_le_bytes(w));
+        }
+        rest = tail;
+    }
+    let [v1, v2, v3, v4] = v;
+    let mut h = v1
+        .rotate_left(1)
+        .wrapping_add(v2.rotate_left(7))
+        .wrapping_add(v3.rotate_left(12))
+        .wrapping_add(v4.rotate_left(18));
+    for acc in v {
+        h = (h ^ xxh64_round(0, acc)).wrapping_mul(P1).wrapping_add(P4);
+    }
+    h = h.wrapping_add(block.len() as u64 + 8);
+    h ^= xxh64_round(0, prev);
+    h = h.rotate_left(27).wrapping_mul(P1).wrapping_add(P4);
+    h ^= h >> 33;
+    h = h.wrapping_mul(P2);
+    h ^= h >> 29;
+    h = h.wrapping_mul(P3);
+    h ^ (h >> 32)
 }
 
 /// GIE's `DefaultLRUCapacityPerServer` (see the module doc), in blocks.
@@ -286,6 +344,47 @@ impl PrefixIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The in-place chain step is the crate's `xxh64` of `block ‖ le_u64(prev)`.
+        #[test]
+        fn chain_step_is_xxh64_of_block_and_prev(
+            stripes in 1usize..5,
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 128),
+            prev in proptest::num::u64::ANY,
+        ) {
+            let block = &bytes[..stripes * 32];
+            let mut joined = block.to_vec();
+            joined.extend_from_slice(&prev.to_le_bytes());
+            proptest::prop_assert_eq!(chain_step(block, prev), xxh64(&joined, 0));
+        }
+    }
+
+    /// Both paths of `block_hashes` (whole stripes in place, other sizes copied) give the
+    /// crate's chain: 64-byte blocks against 48-byte ones hashed the general way.
+    #[test]
+    fn block_hashes_agree_with_the_crate_at_every_block_size() {
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+        for block_chars in [32, 48, 64, 96] {
+            let config = PrefixConfig {
+                block_chars,
+                max_blocks: 256,
+            };
+            let mut prev = seed_hash("m", None);
+            let want: Vec<u64> = text
+                .as_bytes()
+                .chunks_exact(block_chars)
+                .map(|b| {
+                    let mut joined = b.to_vec();
+                    joined.extend_from_slice(&prev.to_le_bytes());
+                    prev = xxh64(&joined, 0);
+                    prev
+                })
+                .collect();
+            assert_eq!(want.len(), 900 / block_chars);
+            assert_eq!(block_hashes("m", None, &text, &config), want);
+        }
+    }
 
     /// The same 256-block chain recorded again and again (a shared system prompt) keeps the
     /// queue within twice the live blocks plus the slack, and the index exact.

@@ -223,6 +223,12 @@ fn uncached_prompt_tokens_exact() {
     assert_eq!(uncached_prompt_tokens(100, 12, 10), 0);
     assert_eq!(uncached_prompt_tokens(u64::MAX, 0, 1), u64::MAX);
     assert_eq!(uncached_prompt_tokens(u64::MAX, 1, 2), u64::MAX / 2 + 1);
+    // Products past u64 (the u128 path): 2^40 × (2^30 − 1) / 2^30 = 2^40 − 2^10.
+    assert_eq!(uncached_prompt_tokens(u64::MAX, 0, 3), u64::MAX);
+    assert_eq!(
+        uncached_prompt_tokens(1 << 40, 1, 1 << 30),
+        (1 << 40) - (1 << 10)
+    );
 }
 
 /// a holds 8 of the request's 10 prefix blocks and has fewer requests, but 80k tokens of
