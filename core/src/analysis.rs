@@ -254,15 +254,47 @@ impl<'e> Acc<'e> {
     /// At a JSON string: read it, hashing and counting its decoded text. The unescaped
     /// stretches are borrowed from the body; the string is always consumed, and a lone
     /// surrogate escape makes it a [`BadString`] (the rest is only checked for syntax).
+    ///
+    /// While the prefix rendering has room, the decoded string is only appended to it,
+    /// and the tally reads it from there in one call when the string ends: per stretch
+    /// (chat text has an escape every ~64 bytes) a tally call cost more than the copy
+    /// (8 % of a 16 KiB request's Wasm operations, docs/overhead.md). From the piece
+    /// that reaches the limit on, the pieces go to the tally one by one. The tally's
+    /// result does not depend on how a text is split (`estimate.rs`), so both give the
+    /// same counts.
     fn string(&mut self, sc: &mut Scanner<'_>) -> Syn<Result<(), BadString>> {
         sc.open_quote()?;
         let mut ok = Ok(());
+        // Start of this string in the rendering while the tally is deferred (`None`: the
+        // pieces go to the tally as they come).
+        let mut deferred = (self.prefix.len() < self.prefix_limit).then_some(self.prefix.len());
         loop {
+            if deferred.is_none() && ok.is_ok() && self.prefix.len() >= self.prefix_limit {
+                // Past the rendering's limit and between two sampling windows: only the
+                // decoded length counts, so the stretches and one-letter escapes before
+                // the next window are passed without making pieces of them.
+                let room = self.tally.skip_room();
+                if room > 0 {
+                    let (passed, closed) = sc.pass_plain(room);
+                    self.tally.skip(passed);
+                    if closed {
+                        break;
+                    }
+                }
+            }
             let n = sc.string_stretch();
             if ok.is_ok() && n > 0 {
                 let piece = sc.ahead(n);
-                self.push_prefix(piece);
-                self.tally.feed(piece.as_bytes());
+                match deferred {
+                    Some(_) if self.prefix.len() + piece.len() <= self.prefix_limit => {
+                        self.prefix.push_str(piece);
+                    }
+                    _ => {
+                        self.undefer(&mut deferred);
+                        self.push_prefix(piece);
+                        self.tally.feed(piece.as_bytes());
+                    }
+                }
             }
             sc.advance(n);
             let Some((esc, _)) = sc.escape()? else {
@@ -292,12 +324,27 @@ impl<'e> Acc<'e> {
             // `push_prefix`: a character that starts inside the limit is kept whole.
             if self.prefix.len() < self.prefix_limit {
                 self.prefix.push(ch);
+                if deferred.is_some() {
+                    continue;
+                }
+            } else {
+                self.undefer(&mut deferred);
             }
             let mut buf = [0u8; 4];
             self.tally.feed(ch.encode_utf8(&mut buf).as_bytes());
         }
+        self.undefer(&mut deferred);
         self.tally.end_text();
         Ok(ok)
+    }
+
+    /// Hand the rendering of the current string since `deferred` to the tally, and count
+    /// the rest of the string piece by piece.
+    fn undefer(&mut self, deferred: &mut Option<usize>) {
+        if let Some(start) = deferred.take() {
+            self.tally
+                .feed(self.prefix.as_bytes().get(start..).unwrap_or_default());
+        }
     }
 
     /// Append a structural marker that is hashed but not counted (template overhead is

@@ -526,6 +526,27 @@ impl Tally {
         self.feed_counted(bytes);
     }
 
+    /// Bytes that can be fed next without being read: those before the next sampling
+    /// window while a sampled tally is between windows, else 0.
+    #[inline]
+    pub fn skip_room(&self) -> u64 {
+        match self.sample.as_deref() {
+            Some(st) if st.phase == Phase::Skip => st.next.saturating_sub(st.tail_bytes),
+            _ => 0,
+        }
+    }
+
+    /// Count `len` bytes of text as fed, unread: the same as feeding any `len` bytes when
+    /// `len` ≤ [`Self::skip_room`] (callers hold to that; otherwise nothing is counted).
+    #[inline]
+    pub fn skip(&mut self, len: u64) {
+        if let Some(st) = self.sample.as_deref_mut() {
+            if st.phase == Phase::Skip && len <= st.next.saturating_sub(st.tail_bytes) {
+                st.tail_bytes += len;
+            }
+        }
+    }
+
     /// [`Self::feed`] past its skip step: the exact scan, or the sampled tally's phases.
     #[inline(never)]
     fn feed_counted(&mut self, bytes: &[u8]) {

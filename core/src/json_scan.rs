@@ -400,6 +400,41 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// Inside a string: pass plain stretches and one-letter escapes while their decoded
+    /// length stays within `room` bytes. Returns the decoded bytes passed and whether the
+    /// closing quote was reached (and consumed). Stops, consuming nothing more, before a
+    /// stretch or escape that would pass `room`, at a `\u` escape, and at anything that
+    /// is not a string's next piece (the caller's piece-by-piece path then reads it and
+    /// reports any error at the same byte).
+    #[inline]
+    pub(crate) fn pass_plain(&mut self, room: u64) -> (u64, bool) {
+        let mut passed = 0u64;
+        loop {
+            let n = self.string_stretch();
+            if passed + n as u64 > room {
+                return (passed, false);
+            }
+            self.pos += n;
+            passed += n as u64;
+            let rest = self.rest();
+            match rest.first() {
+                Some(b'"') => {
+                    self.pos += 1;
+                    return (passed, true);
+                }
+                Some(b'\\')
+                    if passed < room
+                        && simple_escape(rest.get(1..).unwrap_or_default()).is_some() =>
+                {
+                    // Every one-letter escape decodes to one byte.
+                    self.pos += 2;
+                    passed += 1;
+                }
+                _ => return (passed, false),
+            }
+        }
+    }
+
     /// At a string: skip it and return its token (quotes included).
     pub(crate) fn string_token(&mut self) -> Syn<&'a str> {
         let start = self.pos;
