@@ -25,3 +25,26 @@ bench-overhead-instructions: wasm wasm-floor envoy ## Instructions per request i
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" \
 	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- $(CALLGRIND_ARGS)
+
+# The decision alone, in Wasm operations (fuel-counted under Wasmtime, deterministic): core's
+# `decision_ops` example on the benchmark's bodies (docs/overhead.md, "Wasm operations per
+# decision").
+WASMTIME_PY_VERSION := 50.0.1
+DECISION_OPS_WASM := $(TARGET_DIR)/wasm32-wasip1/release/examples/decision_ops.wasm
+DECISION_OPS_DIR := $(TARGET_DIR)/decision-ops
+DECISION_OPS_SIZES ?= 1024,16384,262144,1048576
+.PHONY: wasmtime-py bench-decision-ops test-decision-ops
+wasmtime-py: ## Install wasmtime (PyPI) into .venv (bench-decision-ops counts Wasm operations with it)
+	@[ -x "$(VENV)/bin/pip" ] || python3 -m venv "$(VENV)"
+	@if ! "$(VENV)/bin/pip" show wasmtime 2>/dev/null | grep -qx "Version: $(WASMTIME_PY_VERSION)"; then \
+	  "$(VENV)/bin/pip" install --quiet "wasmtime==$(WASMTIME_PY_VERSION)"; \
+	fi
+
+bench-decision-ops: toolchain wasmtime-py ## Wasm operations of one routing decision (Router::route, and the analysis alone) per body size: deterministic
+	$(CARGO) build -q -p kvroute-core --example decision_ops --target wasm32-wasip1 --release
+	$(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- --write-bodies "$(DECISION_OPS_DIR)" --sizes "$(DECISION_OPS_SIZES)" >/dev/null
+	"$(VENV)/bin/python" scripts/wasm-ops.py "$(DECISION_OPS_WASM)" \
+	  $$(for s in $$(echo "$(DECISION_OPS_SIZES)" | tr ',' ' '); do echo "$(DECISION_OPS_DIR)/body-$$s.json"; done)
+
+test-decision-ops: ## bench-decision-ops smoke at 1 and 16 KiB: both decisions route and are counted (not a threshold)
+	$(MAKE) --no-print-directory bench-decision-ops DECISION_OPS_SIZES=1024,16384

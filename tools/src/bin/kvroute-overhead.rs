@@ -6,6 +6,7 @@
 //! kvroute-overhead --floor-wasm target/wasm32-wasip1/release/kvroute_floor_filter.wasm
 //! kvroute-overhead --sizes 1024,16384 --reps 1 --duration 2   # a quick look
 //! kvroute-overhead --callgrind 300                               # instructions per request
+//! kvroute-overhead --write-bodies target/decision-ops             # the bodies, for wasm-ops.py
 //! ```
 //! Prints one progress line per wrk run, then the Markdown tables. Exit code 1 on any setup
 //! error, non-2xx response or Wasm failure.
@@ -13,7 +14,7 @@
 use clap::Parser;
 use kvroute_integration::harness::{wasm_path, workspace_root};
 use kvroute_tools::callgrind::{self, CallgrindOptions};
-use kvroute_tools::overhead::{run, Options};
+use kvroute_tools::overhead::{chat_body, prompts, run, Options};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -62,6 +63,10 @@ struct Args {
     /// callgrind_control script (with --callgrind).
     #[arg(long, env = "CALLGRIND_CONTROL", default_value = "callgrind_control")]
     callgrind_control: PathBuf,
+    /// Instead of running, write the benchmark's request bodies to DIR as
+    /// `body-<size>.json`, one per size (`make bench-decision-ops` counts their decisions).
+    #[arg(long, value_name = "DIR")]
+    write_bodies: Option<PathBuf>,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -86,6 +91,16 @@ async fn main() -> anyhow::Result<()> {
             .data
             .unwrap_or_else(|| workspace_root().join("../shared/data")),
     };
+    if let Some(dir) = &a.write_bodies {
+        let prompts = prompts(&opts.data)?;
+        std::fs::create_dir_all(dir)?;
+        for &size in &opts.sizes {
+            let path = dir.join(format!("body-{size}.json"));
+            std::fs::write(&path, chat_body(size, &prompts))?;
+            println!("{}", path.display());
+        }
+        return Ok(());
+    }
     if let Some(requests) = a.callgrind {
         let cg = CallgrindOptions {
             requests,
