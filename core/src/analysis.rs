@@ -49,9 +49,7 @@
 use std::borrow::Cow;
 
 use crate::estimate::{CharClassCosts, Estimator, Tally};
-use crate::json_scan::{
-    decode_escape, decode_str, simple_escape, BadString, Scanner, Syn, SyntaxError,
-};
+use crate::json_scan::{decode_escape, decode_str, BadString, Scanner, Syn, SyntaxError};
 
 /// Which OpenAI-compatible API a request targets, derived from the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -297,23 +295,28 @@ impl<'e> Acc<'e> {
                 }
             }
             sc.advance(n);
-            let Some((esc, _)) = sc.escape()? else {
-                break;
-            };
-            if ok.is_err() {
-                continue;
-            }
             // One-letter escapes (`\n`, `\"`, ...: nearly all of them in chat text) are
-            // looked up inline; only `\u` escapes go through the general decoder.
-            let (ch, used) = match simple_escape(esc).map(char::from) {
-                Some(ch) => (ch, 1),
-                None => match decode_escape(esc) {
+            // read inline; the general reader (a call returning a `Result`) and decoder
+            // take `\u` escapes, the closing quote and errors.
+            let (ch, used) = if let Some(b) = sc.one_letter_escape() {
+                if ok.is_err() {
+                    continue;
+                }
+                (char::from(b), 1)
+            } else {
+                let Some((esc, _)) = sc.escape()? else {
+                    break;
+                };
+                if ok.is_err() {
+                    continue;
+                }
+                match decode_escape(esc) {
                     Ok(d) => d,
                     Err(BadString) => {
                         ok = Err(BadString);
                         continue;
                     }
-                },
+                }
             };
             if used > 5 {
                 // A surrogate pair: its second escape is part of this character.

@@ -400,6 +400,21 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// Inside a string, at a one-letter escape (`\n`, `\"`, ...): consume it and return
+    /// the byte it stands for; `None` (nothing consumed) at anything else. Inlined where
+    /// [`Self::escape`], which also reads `\u` escapes and the closing quote and reports
+    /// errors, is a call.
+    #[inline(always)]
+    pub(crate) fn one_letter_escape(&mut self) -> Option<u8> {
+        let rest = self.rest();
+        if rest.first() != Some(&b'\\') {
+            return None;
+        }
+        let b = simple_escape(rest.get(1..)?)?;
+        self.pos += 2;
+        Some(b)
+    }
+
     /// Inside a string: pass plain stretches and one-letter escapes while their decoded
     /// length stays within `room` bytes. Returns the decoded bytes passed and whether the
     /// closing quote was reached (and consumed). Stops, consuming nothing more, before a
