@@ -58,7 +58,8 @@ pub struct Routed {
     /// Decision reason (debug header): `policy:<name>` or `stale_fallback`, then
     /// `;endpoint=<id>`, `;load_only=<cause>` when the body was not used
     /// (`body_not_read`, `not_inference`, `unparsable`), `;demand_over_capacity` when re-picked
-    /// by load, e.g. `policy:hybrid;endpoint=pool/e1;load_only=unparsable`.
+    /// by load, e.g. `policy:hybrid;endpoint=pool/e1;load_only=unparsable`. Empty unless
+    /// `debug_header` or `decision_record` is on (nothing else reads it).
     pub reason: String,
     /// The core decision.
     pub route: Route,
@@ -162,6 +163,39 @@ fn release_all(table: &mut kvroute_core::inflight::InflightTable, ids: &[u64]) -
     ids.iter()
         .filter(|id| table.release(**id).is_some())
         .count()
+}
+
+/// The decision's reason as the debug header and the decision record show it: policy (or
+/// `stale_fallback`), endpoint, prefix blocks matched / hashed, the load-only cause, the
+/// over-capacity flag and, when recorded, the ranked candidates (`docs/filter.md`).
+fn describe(route: &Route, basis: Basis) -> String {
+    let mut reason = match route.reason {
+        PickReason::Policy => format!("policy:{}", route.policy.name()),
+        PickReason::StaleFallback => "stale_fallback".to_owned(),
+    };
+    // Where it went and what the decision rested on (a load-only pick of an unparsable
+    // body must not read like a body-based one).
+    reason.push_str(";endpoint=");
+    reason.push_str(&route.endpoint);
+    if route.prefix_blocks > 0 {
+        // Prefix blocks matched on the chosen endpoint / hashed.
+        let _ = write!(
+            reason,
+            ";prefix={}/{}",
+            route.prefix_match_blocks, route.prefix_blocks
+        );
+    }
+    if let Basis::LoadOnly(cause) = basis {
+        reason.push_str(";load_only=");
+        reason.push_str(cause.name());
+    }
+    if route.demand_over_capacity {
+        reason.push_str(";demand_over_capacity");
+    }
+    if !route.candidates.is_empty() {
+        write_candidates(&mut reason, &route.candidates);
+    }
+    reason
 }
 
 /// Append the decision record's candidates to a decision reason:
@@ -468,7 +502,7 @@ impl Worker {
                         (self.config.endpoint_header.clone(), v)
                     }
                 };
-                let mut reason = match route.reason {
+                match route.reason {
                     PickReason::Policy => {
                         host.metric_add(MetricKind::Counter, metric::DECISIONS_POLICY, 1);
                         host.metric_add(
@@ -476,35 +510,17 @@ impl Worker {
                             metric::decisions_by_policy(route.policy),
                             1,
                         );
-                        format!("policy:{}", route.policy.name())
                     }
                     PickReason::StaleFallback => {
                         host.metric_add(MetricKind::Counter, metric::DECISIONS_STALE, 1);
-                        "stale_fallback".to_owned()
                     }
+                }
+                // Built only for the debug header or the decision record that show it.
+                let reason = if self.config.debug_header || self.config.decision_record {
+                    describe(&route, d.basis)
+                } else {
+                    String::new()
                 };
-                // Where it went and what the decision rested on (a load-only pick of an
-                // unparsable body must not read like a body-based one).
-                reason.push_str(";endpoint=");
-                reason.push_str(&route.endpoint);
-                if route.prefix_blocks > 0 {
-                    // Prefix blocks matched on the chosen endpoint / hashed.
-                    let _ = write!(
-                        reason,
-                        ";prefix={}/{}",
-                        route.prefix_match_blocks, route.prefix_blocks
-                    );
-                }
-                if let Basis::LoadOnly(cause) = d.basis {
-                    reason.push_str(";load_only=");
-                    reason.push_str(cause.name());
-                }
-                if route.demand_over_capacity {
-                    reason.push_str(";demand_over_capacity");
-                }
-                if !route.candidates.is_empty() {
-                    write_candidates(&mut reason, &route.candidates);
-                }
                 Decision::Route(Box::new(Routed {
                     header,
                     value,
@@ -1254,7 +1270,8 @@ mod tests {
         let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body), h.now_ms()) else {
             panic!("not routed")
         };
-        assert_eq!(r.reason, "policy:hybrid;endpoint=pool/e0");
+        // Neither the debug header nor the record shows it: not built.
+        assert_eq!(r.reason, "");
         let held = w.apply_route(&h, &mut r).unwrap();
         assert_eq!(h.property(&[DECISION_PROPERTY]), None);
         w.release(&h, &held);
