@@ -9,8 +9,10 @@
 //! nothing; why it is hand-written, with measurements: `docs/core.md`). The API's prompt
 //! field (`messages`, `prompt`, `input`) is read in place as the scan meets it: each prompt
 //! string goes piece by piece (unescaped stretches borrowed from the body, escapes decoded)
-//! straight to the token tally ([`crate::estimate::Tally`]) and, while the prefix text is
-//! under its limit ([`analyze_bounded`]), to the prefix rendering. A message whose
+//! to the prefix rendering while it is under its limit ([`analyze_bounded`]), and to the
+//! token tally ([`crate::estimate::Tally`]): in one call per string, read back from the
+//! rendering, while the rendering has room; piece by piece after that; and past the
+//! limit, between the tally's sampling windows, only as a decoded length. A message whose
 //! `content` comes before its `role` is still read once: its rendering waits aside until the
 //! role marker is written. Unknown fields (OpenAI bodies carry dozens: `temperature`,
 //! `response_format`, `logit_bias`...) are validated and skipped; the other top-level fields

@@ -951,9 +951,9 @@ mod tests {
 
     #[test]
     fn a_block_step_closes_each_run_at_its_class_change() {
-        // 32 ASCII bytes (two blocks, runs crossing the block boundary) then a CJK
-        // character and a tail shorter than a block: word runs of 5, 11 and 2 letters,
-        // one 3-digit run, one 2-punctuation run, spaces of 1 and 2, one newline run.
+        // 32 ASCII bytes (two blocks, the digit run crossing the block boundary) then a
+        // CJK character and a tail shorter than a block: word runs of 5, 5, 3, 2 and 2
+        // letters, one 11-digit run, one 2-punctuation run, spaces of 2 and 1, one newline.
         let text = "Hello  world12345678901 abc..\nxy中ab";
         let mut t = Tally::new();
         t.feed(text.as_bytes());
