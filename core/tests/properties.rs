@@ -200,28 +200,6 @@ proptest! {
         prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
     }
 
-    /// Any prefix limit, wherever it falls (inside a stretch, at an escape, inside a
-    /// multi-byte character, in the role marker): the estimate is the plain text's, whether
-    /// the tally read a string back from the rendering, piece by piece, or passed it between
-    /// sampling windows (`Scanner::pass_plain`); and the rendering is the unbounded one cut
-    /// at the first character boundary at or past the limit.
-    #[test]
-    fn any_prefix_limit_keeps_the_estimate_and_cuts_the_rendering(
-        text in "[a-z \"\\\\\n\t东é\u{1}]{2500,7000}",
-        limit in 0usize..9000,
-    ) {
-        let est = Estimator::default();
-        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": &text}]}).to_string();
-        let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit).unwrap();
-        prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
-        let full = format!("<|user|>\n{text}\n");
-        let mut cut = limit.min(full.len());
-        while !full.is_char_boundary(cut) {
-            cut += 1;
-        }
-        prop_assert_eq!(&a.prefix_text, &full[..cut]);
-    }
-
     #[test]
     fn analyser_never_panics_on_bytes(body in prop::collection::vec(any::<u8>(), 0..512)) {
         let est = Estimator::default();
@@ -300,6 +278,33 @@ proptest! {
                 prop_assert_eq!(idx.match_one(&[h], &id), u32::from(m.contains(&h)), "hash {}", h);
             }
         }
+    }
+}
+
+proptest! {
+    // Long bodies (2.5–7 KB of text, past the tally's 2 KiB head): fewer cases.
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Any prefix limit, wherever it falls (inside a stretch, at an escape, inside a
+    /// multi-byte character, in the role marker): the estimate is the plain text's, whether
+    /// the tally read a string back from the rendering, piece by piece, or passed it between
+    /// sampling windows (`Scanner::pass_plain`); and the rendering is the unbounded one cut
+    /// at the first character boundary at or past the limit.
+    #[test]
+    fn any_prefix_limit_keeps_the_estimate_and_cuts_the_rendering(
+        text in "[a-z \"\\\\\n\t东é\u{1}]{2500,7000}",
+        limit in 0usize..9000,
+    ) {
+        let est = Estimator::default();
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": &text}]}).to_string();
+        let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit).unwrap();
+        prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
+        let full = format!("<|user|>\n{text}\n");
+        let mut cut = limit.min(full.len());
+        while !full.is_char_boundary(cut) {
+            cut += 1;
+        }
+        prop_assert_eq!(&a.prefix_text, &full[..cut]);
     }
 }
 
