@@ -13,10 +13,16 @@ not route).
 """
 import os
 import sys
+from typing import NoReturn
 
 import wasmtime
 
 FUEL = 10**13
+
+
+def fail(message: str) -> NoReturn:
+    print(f"wasm-ops: {message}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def fuel(wasm: str, mode: str, n: int, body: str) -> int:
@@ -37,7 +43,7 @@ def fuel(wasm: str, mode: str, n: int, body: str) -> int:
         instance.exports(store)["_start"](store)
     except wasmtime.ExitTrap as e:
         if e.code != 0:
-            raise SystemExit(f"wasm-ops: decision_ops {mode} {n} {body}: exit {e.code}")
+            fail(f"{body}: decision_ops {mode} exited {e.code} (see its message above)")
     return FUEL - store.get_fuel()
 
 
@@ -46,18 +52,28 @@ def per_decision(wasm: str, mode: str, body: str) -> int:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if len(sys.argv) < 3:
-        raise SystemExit(__doc__)
+        print(__doc__, file=sys.stderr)
+        raise SystemExit(2)
+    # Every file checked before the table starts: a missing one is a message, not a
+    # traceback under half a table.
+    for path in sys.argv[1:]:
+        if not os.path.isfile(path):
+            fail(f"{path}: no such file (the .wasm: `make bench-decision-ops` builds it; bodies: `kvroute-overhead --write-bodies DIR`)")
     wasm, bodies = sys.argv[1], sorted(sys.argv[2:], key=os.path.getsize)
-    print("| body | bytes | Router::route, Wasm ops | request analysis, Wasm ops |")
-    print("|---|---|---|---|")
+    rows = []
     for body in bodies:
-        size = os.path.getsize(body)
         route = per_decision(wasm, "route", body)
         analysis = per_decision(wasm, "analysis", body)
         if route <= 0 or analysis <= 0:
-            raise SystemExit(f"wasm-ops: {body}: no operations counted")
-        print(f"| {os.path.basename(body)} | {size} | {route} | {analysis} |")
+            fail(f"{body}: no operations counted")
+        rows.append(f"| {os.path.basename(body)} | {os.path.getsize(body)} | {route} | {analysis} |")
+    print("| body | bytes | Router::route, Wasm ops | request analysis, Wasm ops |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

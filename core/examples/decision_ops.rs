@@ -99,7 +99,12 @@ fn main() -> ExitCode {
             }
         };
         if !ok {
-            eprintln!("decision_ops: {path}: the {mode} did not route or parse");
+            let what = if mode == "route" {
+                "the decision did not route (a body for another model, or one that does not parse?)"
+            } else {
+                "the body does not parse as a chat completion"
+            };
+            eprintln!("decision_ops: {path}: {what}");
             return ExitCode::FAILURE;
         }
     }
