@@ -407,7 +407,8 @@ fn serves(e: &EndpointStats, model: Option<&str>) -> bool {
     }
 }
 
-/// `a == b`, eight bytes per step. On wasm32 a string `==` calls wasi-libc's `memcmp`, a
+/// `a == b`, eight bytes per step: the picker's one model-name comparison (serving
+/// endpoints, request classes). On wasm32 a string `==` calls wasi-libc's `memcmp`, a
 /// loop of ~10 operations per byte: comparing each endpoint's model with a 32-byte model
 /// name was a third of `Picker::pick` (16 endpoints: ~11 k of ~35 k Wasm operations,
 /// fuel-counted; docs/overhead.md).
@@ -446,7 +447,7 @@ impl RequestClass {
         ) && (self.models.is_empty()
             || req
                 .model
-                .is_some_and(|m| self.models.iter().any(|x| x == m)))
+                .is_some_and(|m| self.models.iter().any(|x| same_name(x, m))))
             && (self.apis.is_empty() || self.apis.contains(&req.api))
     }
 }
