@@ -234,24 +234,36 @@ const BYTE_CLASS: [Class; 256] = {
     t
 };
 
-/// Where the class changes in a block of 16 ASCII bytes: bit *k* of the result is set
-/// when byte *k*'s [`BYTE_CLASS`] differs from byte *k − 1*'s (byte 0 is compared with
-/// `prev`, the class of the byte before the block). `None` when a byte is not ASCII, or
-/// off Wasm SIMD (the caller then takes one byte per step).
+/// A block of 16 ASCII bytes by class, one bit per byte (bit *k* for byte *k*), from
+/// [`class_lanes`].
+#[derive(Debug, Clone, Copy)]
+struct Lanes {
+    /// Bytes whose [`BYTE_CLASS`] differs from the byte before (byte 0 is compared with the
+    /// class of the byte before the block): where runs start.
+    changes: u32,
+    word: u32,
+    digit: u32,
+    punct: u32,
+    newline: u32,
+    space: u32,
+    control: u32,
+}
+
+/// The class lanes of a block of 16 ASCII bytes, `prev` being the class of the byte before
+/// it. `None` when a byte is not ASCII, or off Wasm SIMD (the caller then takes one byte
+/// per step).
 ///
 /// Built with Wasm SIMD (`simd128`, enabled for `wasm32-wasip1` in `.cargo/config.toml`):
 /// each class is one or two lane-wise compares, the class ids are or-ed together (the
-/// classes are disjoint), and one compare with the ids shifted by a lane gives the
-/// changes. Chat text changes class every ~2.5 bytes, so a block costs ~30 SIMD
-/// operations plus a few per change, where the byte loop took ~15 operations per byte
-/// (docs/overhead.md). Other targets take the byte loop: a portable 16-byte lookup loop
-/// measured slower than it natively (callgrind, 1 KiB chat body: 47 k instead of 31 k
-/// instructions per `Router::route`).
+/// classes are disjoint), one compare with the ids shifted by a lane gives the changes, and
+/// one `bitmask` per class its lanes. Other targets take the byte loop: a portable 16-byte
+/// lookup loop measured slower than it natively (callgrind, 1 KiB chat body: 47 k instead
+/// of 31 k instructions per `Router::route`).
 #[inline(always)]
-fn class_changes(block: &[u8; 16], prev: Class) -> Option<u32> {
+fn class_lanes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     {
-        class_changes_simd128(block, prev)
+        class_lanes_simd128(block, prev)
     }
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     {
@@ -260,10 +272,10 @@ fn class_changes(block: &[u8; 16], prev: Class) -> Option<u32> {
     }
 }
 
-/// [`class_changes`] on Wasm SIMD.
+/// [`class_lanes`] on Wasm SIMD.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
-fn class_changes_simd128(block: &[u8; 16], prev: Class) -> Option<u32> {
+fn class_lanes_simd128(block: &[u8; 16], prev: Class) -> Option<Lanes> {
     use core::arch::wasm32::*;
     let w = u128::from_le_bytes(*block);
     let v = u64x2(w as u64, (w >> 64) as u64);
@@ -307,22 +319,33 @@ fn class_changes_simd128(block: &[u8; 16], prev: Class) -> Option<u32> {
         id(prev),
         ids,
     );
-    Some(u32::from(u8x16_bitmask(v128_not(u8x16_eq(ids, before)))))
+    let bits = |m: v128| u32::from(u8x16_bitmask(m));
+    Some(Lanes {
+        changes: bits(v128_not(u8x16_eq(ids, before))),
+        word: bits(word),
+        digit: bits(digit),
+        punct: bits(punct),
+        newline: bits(newline),
+        space: bits(space),
+        control: bits(control),
+    })
 }
 
-/// Run lengths counted one by one per class; longer runs are rare and kept in a short list.
+/// Word and digit run lengths counted one by one; longer runs are rare and kept in a short
+/// list.
 const RUN_BINS: usize = 64;
-/// Classes with a run histogram: the five run classes, controls, and `None` (a slot for the
-/// empty "run" closed at a class change after a multi-byte character, never read).
-const HIST_CLASSES: usize = 7;
 
 /// Streaming form of the heuristic: feed text in pieces (e.g. the segments of a JSON
 /// string between escapes), end a text with [`Tally::end_text`], read the estimate with
 /// [`Tally::tokens`].
 ///
 /// The scan does integer work only, and per byte only a table lookup and a compare: at a
-/// class change the finished run is counted in its class's histogram of run lengths (one
-/// indexed increment, no branch on the class); multi-byte characters take a separate path.
+/// class change the finished run is counted ([`Counts`]: word and digit runs in histograms
+/// of their lengths, whose costs are not linear in the length; the other classes only as
+/// runs and bytes); multi-byte characters take a separate path. On Wasm SIMD, 16 ASCII
+/// bytes take one step ([`class_lanes`]): the runs of punctuation, newlines, spaces and
+/// controls that start and end inside the block are counted from its class lanes with a
+/// few population counts, and only its word and digit runs are visited one by one.
 /// The per-class costs ([`CharClassCosts`], floating point) are applied once, in
 /// [`Tally::tokens`]. Texts ended with `end_text` never join runs across their boundary.
 ///
@@ -370,13 +393,23 @@ pub const SAMPLE_WINDOW_BYTES: u64 = 256;
 /// Bytes from one window's start to the next: 1 byte in 16 is counted past the head.
 pub const SAMPLE_STRIDE_BYTES: u64 = 4096;
 
-/// Run histograms and non-ASCII counts of the bytes a tally scanned.
+/// What a tally counted in the bytes it scanned: what [`Counts::tokens`] prices. Runs of
+/// length 0 (closed at a text's start) are not counted.
 #[derive(Debug, Clone, PartialEq)]
 struct Counts {
-    /// Runs per class (index `Class as usize`) and length (< `RUN_BINS`).
-    hist: [[u32; RUN_BINS]; HIST_CLASSES],
-    /// Runs of `RUN_BINS` bytes or more: (class, length).
+    /// Word runs per length (< `RUN_BINS`; bin 0 stays empty).
+    words: [u32; RUN_BINS],
+    /// Digit runs per length (< `RUN_BINS`; bin 0 stays empty).
+    digits: [u32; RUN_BINS],
+    /// Word and digit runs of `RUN_BINS` bytes or more: (class, length).
     long: Vec<(Class, u32)>,
+    punct_runs: u64,
+    punct_bytes: u64,
+    newline_runs: u64,
+    space_runs: u64,
+    /// Space runs of one byte (a space before a word: free).
+    single_spaces: u64,
+    control_bytes: u64,
     cjk: u64,
     other_bytes: u64,
 }
@@ -384,10 +417,49 @@ struct Counts {
 impl Default for Counts {
     fn default() -> Self {
         Self {
-            hist: [[0; RUN_BINS]; HIST_CLASSES],
+            words: [0; RUN_BINS],
+            digits: [0; RUN_BINS],
             long: Vec::new(),
+            punct_runs: 0,
+            punct_bytes: 0,
+            newline_runs: 0,
+            space_runs: 0,
+            single_spaces: 0,
+            control_bytes: 0,
             cjk: 0,
             other_bytes: 0,
+        }
+    }
+}
+
+impl Counts {
+    /// A word (`words`) or digit (`digits`) run of `len` bytes.
+    #[inline(always)]
+    fn length(bins: &mut [u32; RUN_BINS], long: &mut Vec<(Class, u32)>, class: Class, len: u32) {
+        match bins.get_mut(len as usize) {
+            Some(n) => *n = n.wrapping_add(1),
+            None => long.push((class, len)),
+        }
+    }
+
+    /// The word or digit runs (`class`) that start at the bits of `starts` in a block whose
+    /// run starts are `changes`: each ends where the next run starts, which is inside the
+    /// block (the block's last run is not in `starts`).
+    #[inline(always)]
+    fn block_runs(&mut self, class: Class, mut starts: u32, changes: u32) {
+        let bins = if class == Class::Word {
+            &mut self.words
+        } else {
+            &mut self.digits
+        };
+        while starts != 0 {
+            let at = starts.trailing_zeros();
+            starts &= starts - 1;
+            // The next run start after `at` (`2 << at` fits: `at` < 16).
+            let end = (changes & !((2u32 << at) - 1)).trailing_zeros();
+            if let Some(n) = bins.get_mut(end.wrapping_sub(at) as usize) {
+                *n = n.wrapping_add(1);
+            }
         }
     }
 }
@@ -485,14 +557,61 @@ impl Tally {
         }
     }
 
-    /// Record the finished run of `class` and length `run`.
+    /// Record the finished run of `class` and length `run` (nothing for a run of 0 bytes,
+    /// or of no class).
     #[inline(always)]
     fn close(&mut self, class: Class, run: u32) {
-        let bins = self.counts.hist.get_mut(class as usize);
-        match bins.and_then(|b| b.get_mut(run as usize)) {
-            Some(n) => *n = n.wrapping_add(1),
-            None => self.counts.long.push((class, run)),
+        let c = &mut self.counts;
+        let started = u64::from(run > 0);
+        match class {
+            Class::Word if run > 0 => Counts::length(&mut c.words, &mut c.long, class, run),
+            Class::Digit if run > 0 => Counts::length(&mut c.digits, &mut c.long, class, run),
+            Class::Punct => {
+                c.punct_runs += started;
+                c.punct_bytes += u64::from(run);
+            }
+            Class::Newline => c.newline_runs += started,
+            Class::Space => {
+                c.space_runs += started;
+                c.single_spaces += u64::from(run == 1);
+            }
+            Class::Control => c.control_bytes += u64::from(run),
+            _ => {}
         }
+    }
+
+    /// One step over 16 ASCII bytes with class lanes `l`, the open run being of `class` and
+    /// `run` bytes before it: the open run is closed at the block's first run start, the
+    /// runs that start and end inside the block are counted, and the block's last run is
+    /// left open. Returns the open run's class and length after the block.
+    #[inline(always)]
+    fn block(&mut self, block: &[u8; 16], l: Lanes, class: Class, run: u32) -> (Class, u32) {
+        let changes = l.changes;
+        if changes == 0 {
+            return (class, run.wrapping_add(16));
+        }
+        let first = changes.trailing_zeros();
+        let last = 31 - changes.leading_zeros();
+        self.close(class, run.wrapping_add(first));
+        // Bytes of the runs that start and end in the block: `first..last`.
+        let inner = ((1u32 << last) - 1) & !((1u32 << first) - 1);
+        let starts = changes & inner;
+        let c = &mut self.counts;
+        c.punct_runs += u64::from((starts & l.punct).count_ones());
+        c.punct_bytes += u64::from((inner & l.punct).count_ones());
+        c.newline_runs += u64::from((starts & l.newline).count_ones());
+        c.space_runs += u64::from((starts & l.space).count_ones());
+        // A space run starting at bit k is one byte long when a run starts at k + 1.
+        c.single_spaces += u64::from((starts & l.space & (changes >> 1)).count_ones());
+        c.control_bytes += u64::from((inner & l.control).count_ones());
+        c.block_runs(Class::Word, starts & l.word, changes);
+        c.block_runs(Class::Digit, starts & l.digit, changes);
+        let class = block
+            .get(last as usize)
+            .and_then(|&b| BYTE_CLASS.get(usize::from(b)))
+            .copied()
+            .unwrap_or(Class::Control);
+        (class, 16 - last)
     }
 
     /// A whole multi-byte character with code point `cp` and `width` bytes.
@@ -687,28 +806,13 @@ impl Tally {
         }
         let mut class = self.class;
         let mut run = self.run;
-        // Below, each byte is one step; 16 ASCII bytes at a time, the steps are taken only
-        // at the bytes whose class differs from the byte before (`class_changes`).
+        // Below, each byte is one step, or 16 ASCII bytes one (`class_lanes`, `Self::block`).
         let mut block_end = i;
         loop {
             if i >= block_end {
                 if let Some(block) = bytes.get(i..).and_then(<[u8]>::first_chunk::<16>) {
-                    if let Some(mut changes) = class_changes(block, class) {
-                        let mut last = 0;
-                        while changes != 0 {
-                            let at = changes.trailing_zeros();
-                            changes &= changes - 1;
-                            run = run.wrapping_add(at - last);
-                            last = at;
-                            self.close(class, run);
-                            class = block
-                                .get(at as usize)
-                                .and_then(|&b| BYTE_CLASS.get(usize::from(b)))
-                                .copied()
-                                .unwrap_or(Class::Control);
-                            run = 0;
-                        }
-                        run = run.wrapping_add(16 - last);
+                    if let Some(lanes) = class_lanes(block, class) {
+                        (class, run) = self.block(block, lanes, class, run);
                         i += 16;
                         block_end = i;
                         continue;
@@ -803,25 +907,6 @@ impl Tally {
 }
 
 impl Counts {
-    /// Runs of `class` and their total length.
-    fn runs(&self, class: Class) -> (u64, u64) {
-        let mut runs = 0u64;
-        let mut chars = 0u64;
-        if let Some(bins) = self.hist.get(class as usize) {
-            for (len, &n) in (0u64..).zip(bins.iter()) {
-                runs += u64::from(n);
-                chars += len * u64::from(n);
-            }
-        }
-        for &(c, len) in &self.long {
-            if c == class {
-                runs += 1;
-                chars += u64::from(len);
-            }
-        }
-        (runs, chars)
-    }
-
     /// Unrounded tokens of the counted runs under costs `c`.
     fn tokens(&self, c: &CharClassCosts) -> f64 {
         let word = |len: u32| {
@@ -833,12 +918,9 @@ impl Counts {
             }
         };
         let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
-        let no_bins = [0u32; RUN_BINS];
-        let words = self.hist.get(Class::Word as usize).unwrap_or(&no_bins);
-        let digits = self.hist.get(Class::Digit as usize).unwrap_or(&no_bins);
         let mut total = 0.0;
-        // Runs of length 0 are the empty run closed at a text's start: not counted.
-        for (len, (&w, &d)) in (0u32..).zip(words.iter().zip(digits.iter())).skip(1) {
+        // Bin 0 is always empty.
+        for (len, (&w, &d)) in (0u32..).zip(self.words.iter().zip(self.digits.iter())).skip(1) {
             if w > 0 {
                 total += f64::from(w) * word(len);
             }
@@ -849,31 +931,14 @@ impl Counts {
         let long = |class: Class| self.long.iter().filter(move |(k, _)| *k == class);
         total += long(Class::Word).map(|&(_, l)| word(l)).sum::<f64>();
         total += long(Class::Digit).map(|&(_, l)| digit(l)).sum::<f64>();
-        let (punct_runs, punct_chars) = self.runs(Class::Punct);
-        let punct_runs = punct_runs - self.zero_runs(Class::Punct);
-        let more = punct_chars.saturating_sub(punct_runs);
-        total += punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
-        let newline_runs = self.runs(Class::Newline).0 - self.zero_runs(Class::Newline);
-        total += newline_runs as f64 * c.newline_run;
-        let (space_all, _) = self.runs(Class::Space);
-        let short = self.zero_runs(Class::Space) + self.bin(Class::Space, 1);
-        total += space_all.saturating_sub(short) as f64 * c.space_run;
-        let (_, controls) = self.runs(Class::Control);
-        total += controls as f64;
+        let more = self.punct_bytes.saturating_sub(self.punct_runs);
+        total += self.punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
+        total += self.newline_runs as f64 * c.newline_run;
+        total += self.space_runs.saturating_sub(self.single_spaces) as f64 * c.space_run;
+        total += self.control_bytes as f64;
         total += self.cjk as f64 * c.cjk_char;
         total += self.other_bytes as f64 * c.other_byte;
         total
-    }
-
-    fn bin(&self, class: Class, len: usize) -> u64 {
-        self.hist
-            .get(class as usize)
-            .and_then(|b| b.get(len))
-            .map_or(0, |&n| u64::from(n))
-    }
-
-    fn zero_runs(&self, class: Class) -> u64 {
-        self.bin(class, 0)
     }
 }
 
@@ -959,16 +1024,18 @@ mod tests {
         t.feed(text.as_bytes());
         t.end_text();
         let c = &t.counts;
-        let bin = |class: Class, len: usize| c.hist[class as usize][len];
-        assert_eq!(bin(Class::Word, 5), 2); // Hello, world
-        assert_eq!(bin(Class::Digit, 11), 1); // 12345678901
-        assert_eq!(bin(Class::Word, 3), 1); // abc
-        assert_eq!(bin(Class::Punct, 2), 1); // ..
-        assert_eq!(bin(Class::Newline, 1), 1);
-        assert_eq!(bin(Class::Word, 2), 2); // xy, ab
-        assert_eq!(bin(Class::Space, 2), 1);
-        assert_eq!(bin(Class::Space, 1), 1);
+        assert_eq!(c.words[5], 2); // Hello, world
+        assert_eq!(c.digits[11], 1); // 12345678901
+        assert_eq!(c.words[3], 1); // abc
+        assert_eq!(c.words[2], 2); // xy, ab
+        assert_eq!(c.words.iter().sum::<u32>(), 5);
+        assert_eq!(c.digits.iter().sum::<u32>(), 1);
+        assert_eq!((c.punct_runs, c.punct_bytes), (1, 2)); // ..
+        assert_eq!(c.newline_runs, 1);
+        assert_eq!((c.space_runs, c.single_spaces), (2, 1));
+        assert_eq!(c.control_bytes, 0);
         assert_eq!(c.cjk, 1);
+        assert!(c.long.is_empty());
     }
 
     #[test]

@@ -75,23 +75,43 @@ pub(crate) fn plain_len(b: &[u8]) -> usize {
 }
 
 /// [`plain_len`] on Wasm SIMD: each 16-byte block is compared with `"` and `\\` and
-/// against 0x20 (unsigned) in three lane-wise operations, and the lowest set bit of the
-/// combined mask is the first special byte. The tail (under 16 bytes) goes to
-/// [`plain_len_swar`].
+/// against 0x20 (unsigned) in three lane-wise operations. Two blocks are taken per step
+/// and tested together (`v128.any_true` of their combined compares), so a 32-byte stretch
+/// of plain text costs one branch; at a step that has a special byte, the lowest set bit of
+/// the two blocks' masks is the first one. A last 16-byte block is taken alone, and the
+/// tail (under 16 bytes) goes to [`plain_len_swar`].
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline]
 fn plain_len_simd128(b: &[u8]) -> usize {
-    use core::arch::wasm32::{u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128_or};
+    use core::arch::wasm32::{
+        u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128, v128_any_true, v128_or,
+    };
     let (quote, slash, space) = (u8x16_splat(b'"'), u8x16_splat(b'\\'), u8x16_splat(0x20));
-    let mut i = 0;
-    while let Some(block) = b.get(i..).and_then(<[u8]>::first_chunk::<16>) {
+    let special = |block: &[u8; 16]| -> v128 {
         let w = u128::from_le_bytes(*block);
         let v = u64x2(w as u64, (w >> 64) as u64);
-        let special = v128_or(
+        v128_or(
             v128_or(u8x16_eq(v, quote), u8x16_eq(v, slash)),
             u8x16_lt(v, space),
-        );
-        let mask = u8x16_bitmask(special);
+        )
+    };
+    let mut i = 0;
+    let mut pairs = b.chunks_exact(32);
+    for pair in pairs.by_ref() {
+        let (lo, hi) = pair.split_at(16);
+        let (Some(lo), Some(hi)) = (lo.first_chunk::<16>(), hi.first_chunk::<16>()) else {
+            break;
+        };
+        let (lo, hi) = (special(lo), special(hi));
+        if v128_any_true(v128_or(lo, hi)) {
+            let mask = u32::from(u8x16_bitmask(lo)) | (u32::from(u8x16_bitmask(hi)) << 16);
+            return i + mask.trailing_zeros() as usize;
+        }
+        i += 32;
+    }
+    let rest = pairs.remainder();
+    if let Some(block) = rest.first_chunk::<16>() {
+        let mask = u8x16_bitmask(special(block));
         if mask != 0 {
             return i + mask.trailing_zeros() as usize;
         }
@@ -617,10 +637,11 @@ mod tests {
                 .unwrap_or(s.len());
             assert_eq!(plain_len(s.as_bytes()), want, "{s:?}");
         }
-        // Every byte value at every position: inside and after the first 8- and 16-byte
-        // blocks, and in the tail after them (the SWAR and the Wasm SIMD scans, whichever
-        // this build runs, and the SWAR scan on its own).
-        for len in [12, 16, 23, 40] {
+        // Every byte value at every position: inside and after the first 8-, 16- and
+        // 32-byte steps, in a last 16-byte block after 32-byte steps (56, 71), and in the
+        // tails after them (the SWAR and the Wasm SIMD scans, whichever this build runs,
+        // and the SWAR scan on its own).
+        for len in [12, 16, 23, 40, 56, 71] {
             for c in 0..=255u8 {
                 for at in 0..len {
                     let mut b = vec![b'x'; len];
