@@ -29,18 +29,22 @@
 //! It is an approximation of the server's real prefix cache: it does not see evictions on the
 //! server, and [`PrefixIndex::forget`] must be called when an endpoint restarts.
 //!
-//! Each endpoint's LRU is a hash map (block hash → tick of last use) plus a queue of
-//! `(tick, hash)` in order of use, where a pair whose tick is no longer that hash's last use
-//! is stale and skipped at eviction; the queue is compacted once more than half of it is
-//! stale, so it holds at most about twice the blocks held. Recording a block costs one map
-//! insert and one push, amortised. It replaced two ordered maps (hash → tick, tick → hash:
-//! three B-tree operations per block), which were ~20 % of a 16 KiB chat request's routing
-//! instructions (callgrind, 256 blocks recorded per request; `docs/overhead.md`). The map
-//! is keyed through `foldhash` seeded per index ([`PrefixIndex::with_seed`]): block hashes
-//! come from client text, and a public, unseeded bucket function would let a client craft
-//! hashes that all land in one probe sequence.
+//! Each endpoint's LRU is a linked hash map (`hashlink::LinkedHashMap`: a hash table whose
+//! entries are also a list in order of use): recording a block is one lookup that moves it
+//! to the back of the list or adds it there, and eviction takes the front. Freed entries
+//! are reused, so a full index allocates nothing. It replaced a hash map (block hash →
+//! tick) with a queue of `(tick, hash)` in order of use, which a block recorded again left
+//! a stale pair in, compacted by a pass over the whole queue: with a 16 KiB system prompt
+//! recorded on every request that cost ~100 Wasm operations per block and request,
+//! amortised, and the push another ~30 (`docs/overhead.md`); before that, two ordered maps
+//! (three B-tree operations per block). The table is keyed through `foldhash` seeded per
+//! index ([`PrefixIndex::with_seed`]): block hashes come from client text, and a public,
+//! unseeded bucket function would let a client craft hashes that all land in one probe
+//! sequence.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::BTreeMap;
+
+use hashlink::LinkedHashMap;
 
 use xxhash_rust::xxh64::{xxh64, Xxh64};
 
@@ -181,46 +185,28 @@ pub const DEFAULT_INDEX_CAPACITY: usize = 31_250;
 /// Hasher of the per-endpoint maps: `foldhash` with a per-index seed (see the module doc).
 type Seeded = foldhash::fast::FixedState;
 
-/// Queue entries beyond twice the live blocks that trigger no compaction yet, so small
-/// indexes are not compacted on every record.
-const COMPACT_SLACK: usize = 1024;
-
+/// One endpoint's blocks, least recently recorded first.
 #[derive(Debug, Clone)]
 struct Lru {
-    /// hash → tick of last use
-    last_use: HashMap<u64, u64, Seeded>,
-    /// (tick, hash) in order of use; stale where `last_use[hash] != tick`
-    order: VecDeque<(u64, u64)>,
+    blocks: LinkedHashMap<u64, (), Seeded>,
 }
 
 impl Lru {
     fn new(seed: u64) -> Self {
         Self {
-            last_use: HashMap::with_hasher(Seeded::with_seed(seed)),
-            order: VecDeque::new(),
+            blocks: LinkedHashMap::with_hasher(Seeded::with_seed(seed)),
         }
     }
 
-    fn touch(&mut self, hash: u64, tick: u64) {
-        self.last_use.insert(hash, tick);
-        self.order.push_back((tick, hash));
-    }
-
-    /// Evict least recently used blocks until at most `capacity` remain; drop stale queue
-    /// entries once they are more than half of the queue.
-    fn trim(&mut self, capacity: usize) {
-        while self.last_use.len() > capacity {
-            let Some((tick, hash)) = self.order.pop_front() else {
-                break;
-            };
-            if self.last_use.get(&hash) == Some(&tick) {
-                self.last_use.remove(&hash);
-            }
+    /// Record `hashes` in order (the last is the most recent), then evict the least
+    /// recently recorded blocks beyond `capacity`.
+    fn record(&mut self, hashes: &[u64], capacity: usize) {
+        for &h in hashes {
+            // Moves a held block to the back, or adds it there.
+            self.blocks.insert(h, ());
         }
-        let live = self.last_use.len();
-        if self.order.len() > live.saturating_mul(2).saturating_add(COMPACT_SLACK) {
-            let last_use = &self.last_use;
-            self.order.retain(|(t, h)| last_use.get(h) == Some(t));
+        while self.blocks.len() > capacity {
+            self.blocks.pop_front();
         }
     }
 }
@@ -229,7 +215,6 @@ impl Lru {
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
     capacity: usize,
-    tick: u64,
     seed: u64,
     endpoints: BTreeMap<String, Lru>,
 }
@@ -253,7 +238,6 @@ impl PrefixIndex {
     pub fn with_seed(capacity_per_endpoint: usize, seed: u64) -> Self {
         Self {
             capacity: capacity_per_endpoint.max(1),
-            tick: 0,
             seed,
             endpoints: BTreeMap::new(),
         }
@@ -273,11 +257,7 @@ impl PrefixIndex {
                 .entry(endpoint_id.to_string())
                 .or_insert_with(|| Lru::new(seed)),
         };
-        for &h in hashes {
-            self.tick = self.tick.wrapping_add(1);
-            lru.touch(h, self.tick);
-        }
-        lru.trim(self.capacity);
+        lru.record(hashes, self.capacity);
     }
 
     /// Leading blocks of `hashes` recorded for `endpoint_id`. Read-only: recency is refreshed
@@ -288,7 +268,7 @@ impl PrefixIndex {
             Some(lru) => {
                 let n = hashes
                     .iter()
-                    .take_while(|h| lru.last_use.contains_key(h))
+                    .take_while(|h| lru.blocks.contains_key(h))
                     .count();
                 u32::try_from(n).unwrap_or(u32::MAX)
             }
@@ -326,13 +306,13 @@ impl PrefixIndex {
     pub fn len(&self, endpoint_id: &str) -> usize {
         self.endpoints
             .get(endpoint_id)
-            .map(|l| l.last_use.len())
+            .map(|l| l.blocks.len())
             .unwrap_or(0)
     }
 
     /// True when nothing is recorded for any endpoint.
     pub fn is_empty(&self) -> bool {
-        self.endpoints.values().all(|l| l.last_use.is_empty())
+        self.endpoints.values().all(|l| l.blocks.is_empty())
     }
 
     /// Per-endpoint capacity in blocks.
@@ -386,22 +366,23 @@ mod tests {
         }
     }
 
-    /// The same 256-block chain recorded again and again (a shared system prompt) keeps the
-    /// queue within twice the live blocks plus the slack, and the index exact.
+    /// The same 256-block chain recorded again and again (a shared system prompt) holds
+    /// its 256 blocks once, in chain order: recording a held block moves it, and adds
+    /// nothing.
     #[test]
-    fn repeated_records_keep_the_queue_bounded() {
+    fn repeated_records_hold_each_block_once() {
         let mut idx = PrefixIndex::new(DEFAULT_INDEX_CAPACITY);
         let chain: Vec<u64> = (1..=256).collect();
-        let mut longest = 0;
         for _ in 0..1000 {
             idx.record("a", &chain);
-            longest = longest.max(idx.endpoints.get("a").map_or(0, |l| l.order.len()));
         }
         assert_eq!(idx.len("a"), 256);
         assert_eq!(idx.match_one(&chain, "a"), 256);
-        assert!(
-            longest <= 2 * 256 + COMPACT_SLACK + 256,
-            "queue reached {longest}"
-        );
+        let held: Vec<u64> = idx
+            .endpoints
+            .get("a")
+            .map(|l| l.blocks.keys().copied().collect())
+            .unwrap_or_default();
+        assert_eq!(held, chain);
     }
 }

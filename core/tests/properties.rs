@@ -250,8 +250,9 @@ proptest! {
     }
 
     /// The prefix index is an exact per-endpoint LRU: after any sequence of records (few
-    /// distinct hashes, so blocks are re-touched and the queue compacts), every endpoint holds
-    /// exactly the `capacity` most recently recorded distinct hashes of a plain list model.
+    /// distinct hashes, so blocks are recorded again and move to the back), every endpoint
+    /// holds exactly the `capacity` most recently recorded distinct hashes of a plain list
+    /// model.
     #[test]
     fn prefix_index_is_an_exact_lru(
         cap in 1usize..12,
