@@ -920,7 +920,10 @@ impl Counts {
         let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
         let mut total = 0.0;
         // Bin 0 is always empty.
-        for (len, (&w, &d)) in (0u32..).zip(self.words.iter().zip(self.digits.iter())).skip(1) {
+        for (len, (&w, &d)) in (0u32..)
+            .zip(self.words.iter().zip(self.digits.iter()))
+            .skip(1)
+        {
             if w > 0 {
                 total += f64::from(w) * word(len);
             }
@@ -982,7 +985,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// The 16-byte block step (`class_changes`) counts exactly what the byte loop
+        /// The 16-byte block step (`class_lanes`) counts exactly what the byte loop
         /// counts: a text fed in arbitrary pieces (blocks taken wherever 16 ASCII bytes
         /// follow) against the same text fed one character per call (no piece reaches 16
         /// bytes, so every byte takes the byte loop). The block step exists on Wasm SIMD:

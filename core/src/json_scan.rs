@@ -60,7 +60,7 @@ fn special_mask(w: u64) -> u64 {
 
 /// Length of the stretch of `b` before its first `"`, `\` or control character (or
 /// `b.len()` when there is none). Built with Wasm SIMD (`simd128`, which the workspace's
-/// `.cargo/config.toml` enables for `wasm32-wasip1`), it compares 16 bytes per step
+/// `.cargo/config.toml` enables for `wasm32-wasip1`), it compares 32 bytes per step
 /// ([`plain_len_simd128`]); otherwise eight bytes per step on a `u64` ([`plain_len_swar`]).
 #[inline]
 pub(crate) fn plain_len(b: &[u8]) -> usize {
@@ -98,9 +98,9 @@ fn plain_len_simd128(b: &[u8]) -> usize {
     let mut i = 0;
     let mut pairs = b.chunks_exact(32);
     for pair in pairs.by_ref() {
-        let (lo, hi) = pair.split_at(16);
-        let (Some(lo), Some(hi)) = (lo.first_chunk::<16>(), hi.first_chunk::<16>()) else {
-            break;
+        let (Some(lo), Some(hi)) = (pair.first_chunk::<16>(), pair.last_chunk::<16>()) else {
+            // Not reached (a 32-byte chunk has both halves); the SWAR scan would go on from `i`.
+            return i + plain_len_swar(b.get(i..).unwrap_or(&[]));
         };
         let (lo, hi) = (special(lo), special(hi));
         if v128_any_true(v128_or(lo, hi)) {
@@ -109,8 +109,7 @@ fn plain_len_simd128(b: &[u8]) -> usize {
         }
         i += 32;
     }
-    let rest = pairs.remainder();
-    if let Some(block) = rest.first_chunk::<16>() {
+    if let Some(block) = pairs.remainder().first_chunk::<16>() {
         let mask = u8x16_bitmask(special(block));
         if mask != 0 {
             return i + mask.trailing_zeros() as usize;
@@ -638,10 +637,10 @@ mod tests {
             assert_eq!(plain_len(s.as_bytes()), want, "{s:?}");
         }
         // Every byte value at every position: inside and after the first 8-, 16- and
-        // 32-byte steps, in a last 16-byte block after 32-byte steps (56, 71), and in the
-        // tails after them (the SWAR and the Wasm SIMD scans, whichever this build runs,
-        // and the SWAR scan on its own).
-        for len in [12, 16, 23, 40, 56, 71] {
+        // 32-byte steps, in a last 16-byte block after one or two 32-byte steps (56, 88),
+        // and in the tails after them (the SWAR and the Wasm SIMD scans, whichever this
+        // build runs, and the SWAR scan on its own).
+        for len in [12, 16, 23, 40, 56, 63, 88] {
             for c in 0..=255u8 {
                 for at in 0..len {
                     let mut b = vec![b'x'; len];
