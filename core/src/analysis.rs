@@ -268,6 +268,23 @@ impl<'e> Acc<'e> {
         // Start of this string in the rendering while the tally is deferred (`None`: the
         // pieces go to the tally as they come).
         let mut deferred = (self.prefix.len() < self.prefix_limit).then_some(self.prefix.len());
+        if deferred.is_some() {
+            // While the rendering has room for the next stretch and a character: copy
+            // stretches and one-letter escapes (nearly every escape of chat text) without
+            // the general loop's checks; anything else goes on below, unconsumed.
+            loop {
+                let n = sc.string_stretch();
+                if self.prefix.len() + n >= self.prefix_limit {
+                    break;
+                }
+                self.prefix.push_str(sc.ahead(n));
+                sc.advance(n);
+                match sc.one_letter_escape() {
+                    Some(b) => self.prefix.push(char::from(b)),
+                    None => break,
+                }
+            }
+        }
         loop {
             if deferred.is_none() && ok.is_ok() && self.prefix.len() >= self.prefix_limit {
                 // Past the rendering's limit and between two sampling windows: only the

@@ -290,22 +290,29 @@ proptest! {
     /// multi-byte character, in the role marker): the estimate is the plain text's, whether
     /// the tally read a string back from the rendering, piece by piece, or passed it between
     /// sampling windows (`Scanner::pass_plain`); and the rendering is the unbounded one cut
-    /// at the first character boundary at or past the limit.
+    /// at the first character boundary at or past the limit. Both key orders: `content`
+    /// after `role` is rendered in place; before it (serde_json's sorted keys), aside and
+    /// then appended.
     #[test]
     fn any_prefix_limit_keeps_the_estimate_and_cuts_the_rendering(
         text in "[a-z \"\\\\\n\t东é\u{1}]{2500,7000}",
         limit in 0usize..9000,
     ) {
         let est = Estimator::default();
-        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": &text}]}).to_string();
-        let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit).unwrap();
-        prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
+        let content = serde_json::to_string(&text).unwrap();
         let full = format!("<|user|>\n{text}\n");
         let mut cut = limit.min(full.len());
         while !full.is_char_boundary(cut) {
             cut += 1;
         }
-        prop_assert_eq!(&a.prefix_text, &full[..cut]);
+        for body in [
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":{content}}}]}}"#),
+            format!(r#"{{"model":"m","messages":[{{"content":{content},"role":"user"}}]}}"#),
+        ] {
+            let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit).unwrap();
+            prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
+            prop_assert_eq!(&a.prefix_text, &full[..cut]);
+        }
     }
 }
 
