@@ -39,6 +39,14 @@ pub enum EnvoyError {
     Admin(String),
 }
 
+impl EnvoyError {
+    /// Envoy exited because a listener's port was taken (`Address already in use`): a port
+    /// from [`super::free_port`] can be taken by another process before Envoy binds it.
+    pub fn is_port_taken(&self) -> bool {
+        matches!(self, Self::NotReady { log_tail, .. } if log_tail.contains("Address already in use"))
+    }
+}
+
 /// The workspace root: `$KVROUTE_WORKSPACE` (set by `.cargo/config.toml`), else the parent of
 /// this crate's manifest directory.
 pub fn workspace_root() -> PathBuf {
@@ -294,5 +302,27 @@ impl Envoy {
             }
         }
         Ok(bad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EnvoyError;
+
+    #[test]
+    fn a_taken_port_is_told_apart_from_other_start_failures() {
+        let not_ready = |log_tail: &str| EnvoyError::NotReady {
+            reason: "exited with exit status: 1".into(),
+            log_tail: log_tail.into(),
+        };
+        // Envoy 1.40's message when a listener's port is taken.
+        let taken = not_ready(
+            "[critical][main] error `cannot bind '127.0.0.1:36629': Address already in use` initializing config",
+        );
+        assert!(taken.is_port_taken());
+        assert!(
+            !not_ready("[critical][main] error initializing config: unknown field").is_port_taken()
+        );
+        assert!(!EnvoyError::Admin("Address already in use".into()).is_port_taken());
     }
 }

@@ -147,22 +147,33 @@ impl Fleet {
             );
         }
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
-        let (port, ingest_port) = (free_port()?, free_port()?);
-        let yaml = envoy_config(
-            opts.mode,
-            &addrs,
-            &opts.route_config,
-            port,
-            ingest_port,
-            opts.buffer_limit,
-        )?;
-        let envoy = Envoy::start(&yaml, opts.concurrency).await?;
-        Ok(Self {
-            backends,
-            envoy,
-            port,
-            ingest_port,
-        })
+        // The listeners' ports come from `free_port`, which another test's Envoy or
+        // backend can take before this Envoy binds them (tests run in parallel): on that
+        // error, start again on new ports, a few times.
+        let mut attempts = 0;
+        loop {
+            let (port, ingest_port) = (free_port()?, free_port()?);
+            let yaml = envoy_config(
+                opts.mode,
+                &addrs,
+                &opts.route_config,
+                port,
+                ingest_port,
+                opts.buffer_limit,
+            )?;
+            match Envoy::start(&yaml, opts.concurrency).await {
+                Ok(envoy) => {
+                    return Ok(Self {
+                        backends,
+                        envoy,
+                        port,
+                        ingest_port,
+                    })
+                }
+                Err(e) if e.is_port_taken() && attempts < 3 => attempts += 1,
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     /// `http://127.0.0.1:<port><path>` on the main listener.
