@@ -457,10 +457,45 @@ impl Counts {
             starts &= starts - 1;
             // The next run start after `at` (`2 << at` fits: `at` < 16).
             let end = (changes & !((2u32 << at) - 1)).trailing_zeros();
-            if let Some(n) = bins.get_mut(end.wrapping_sub(at) as usize) {
-                *n = n.wrapping_add(1);
+            Self::length(bins, &mut self.long, class, end.wrapping_sub(at));
+        }
+    }
+
+    /// Unrounded tokens of the counted runs under costs `c`.
+    fn tokens(&self, c: &CharClassCosts) -> f64 {
+        let word = |len: u32| {
+            let r = f64::from(len);
+            if r <= c.word_free_chars {
+                c.word_base
+            } else {
+                c.word_base + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
+            }
+        };
+        let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
+        let mut total = 0.0;
+        // Bin 0 is always empty.
+        for (len, (&w, &d)) in (0u32..)
+            .zip(self.words.iter().zip(self.digits.iter()))
+            .skip(1)
+        {
+            if w > 0 {
+                total += f64::from(w) * word(len);
+            }
+            if d > 0 {
+                total += f64::from(d) * digit(len);
             }
         }
+        let long = |class: Class| self.long.iter().filter(move |(k, _)| *k == class);
+        total += long(Class::Word).map(|&(_, l)| word(l)).sum::<f64>();
+        total += long(Class::Digit).map(|&(_, l)| digit(l)).sum::<f64>();
+        let more = self.punct_bytes.saturating_sub(self.punct_runs);
+        total += self.punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
+        total += self.newline_runs as f64 * c.newline_run;
+        total += self.space_runs.saturating_sub(self.single_spaces) as f64 * c.space_run;
+        total += self.control_bytes as f64;
+        total += self.cjk as f64 * c.cjk_char;
+        total += self.other_bytes as f64 * c.other_byte;
+        total
     }
 }
 
@@ -903,45 +938,6 @@ impl Tally {
         } else {
             head_tokens
         }
-    }
-}
-
-impl Counts {
-    /// Unrounded tokens of the counted runs under costs `c`.
-    fn tokens(&self, c: &CharClassCosts) -> f64 {
-        let word = |len: u32| {
-            let r = f64::from(len);
-            if r <= c.word_free_chars {
-                c.word_base
-            } else {
-                c.word_base + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
-            }
-        };
-        let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
-        let mut total = 0.0;
-        // Bin 0 is always empty.
-        for (len, (&w, &d)) in (0u32..)
-            .zip(self.words.iter().zip(self.digits.iter()))
-            .skip(1)
-        {
-            if w > 0 {
-                total += f64::from(w) * word(len);
-            }
-            if d > 0 {
-                total += f64::from(d) * digit(len);
-            }
-        }
-        let long = |class: Class| self.long.iter().filter(move |(k, _)| *k == class);
-        total += long(Class::Word).map(|&(_, l)| word(l)).sum::<f64>();
-        total += long(Class::Digit).map(|&(_, l)| digit(l)).sum::<f64>();
-        let more = self.punct_bytes.saturating_sub(self.punct_runs);
-        total += self.punct_runs as f64 * c.punct_first + more as f64 * c.punct_more;
-        total += self.newline_runs as f64 * c.newline_run;
-        total += self.space_runs.saturating_sub(self.single_spaces) as f64 * c.space_run;
-        total += self.control_bytes as f64;
-        total += self.cjk as f64 * c.cjk_char;
-        total += self.other_bytes as f64 * c.other_byte;
-        total
     }
 }
 
