@@ -19,7 +19,7 @@ use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::kvroute::{
     envoy_config, vllm_metrics_server, wait_routed, FleetMode, TEST_TOKEN,
 };
-use kvroute_integration::harness::{free_port, Envoy, RecordingBackend, Reply};
+use kvroute_integration::harness::{Envoy, RecordingBackend, Reply};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,29 +34,28 @@ struct Gateway {
 /// Envoy in cluster mode with clusters c0, c1 (one backend each), its ingest listener on
 /// `ingest_ip:ingest_port`.
 async fn gateway(backends: &[String], ingest_ip: &str, ingest_port: u16) -> Gateway {
-    let port = free_port().unwrap();
-    let yaml = envoy_config(
-        FleetMode::Cluster,
-        backends,
-        r#""picker":{"policy":"least_kv"}"#,
-        port,
-        ingest_port,
-        4 << 20,
-    )
+    let (envoy, [port]) = Envoy::start_on_free_ports(2, |[port]| {
+        let yaml = envoy_config(
+            FleetMode::Cluster,
+            backends,
+            r#""picker":{"policy":"least_kv"}"#,
+            port,
+            ingest_port,
+            4 << 20,
+        )?;
+        let from = format!("address: 127.0.0.1, port_value: {ingest_port}");
+        anyhow::ensure!(
+            yaml.contains(&from),
+            "template binds the ingest listener as expected"
+        );
+        Ok(yaml.replace(
+            &from,
+            &format!("address: {ingest_ip}, port_value: {ingest_port}"),
+        ))
+    })
+    .await
     .unwrap();
-    let from = format!("address: 127.0.0.1, port_value: {ingest_port}");
-    assert!(
-        yaml.contains(&from),
-        "template binds the ingest listener as expected"
-    );
-    let yaml = yaml.replace(
-        &from,
-        &format!("address: {ingest_ip}, port_value: {ingest_port}"),
-    );
-    Gateway {
-        envoy: Envoy::start(&yaml, 2).await.unwrap(),
-        port,
-    }
+    Gateway { envoy, port }
 }
 
 fn gateway_pod(name: &str, ip: &str) -> serde_json::Value {

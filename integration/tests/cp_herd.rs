@@ -29,7 +29,7 @@ use kvroute_core::snapshot::Snapshot;
 use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::http::request;
 use kvroute_integration::harness::kvroute::{envoy_config, now_ms, FleetMode, TEST_TOKEN};
-use kvroute_integration::harness::{free_port, Envoy};
+use kvroute_integration::harness::Envoy;
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
 use std::collections::BTreeMap;
@@ -55,19 +55,20 @@ struct Gateway {
 }
 
 async fn gateway(addrs: &[String]) -> Gateway {
-    let port = free_port().unwrap();
-    let ingest_port = free_port().unwrap();
-    let yaml = envoy_config(
-        FleetMode::Cluster,
-        addrs,
-        r#""picker":{"policy":"least_request","stale_after_ms":60000},"debug_header":true,"affinity_sync_ms":50"#,
-        port,
-        ingest_port,
-        4 << 20,
-    )
+    let (envoy, [port, ingest_port]) = Envoy::start_on_free_ports(2, |[port, ingest_port]| {
+        envoy_config(
+            FleetMode::Cluster,
+            addrs,
+            r#""picker":{"policy":"least_request","stale_after_ms":60000},"debug_header":true,"affinity_sync_ms":50"#,
+            port,
+            ingest_port,
+            4 << 20,
+        )
+    })
+    .await
     .unwrap();
     Gateway {
-        envoy: Envoy::start(&yaml, 2).await.unwrap(),
+        envoy,
         port,
         ingest_port,
     }

@@ -18,7 +18,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use kvroute_integration::harness::kvroute::now_ms;
-use kvroute_integration::harness::{free_port, http, wasm_path, workspace_root, Envoy};
+use kvroute_integration::harness::{http, wasm_path, workspace_root, Envoy};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::perf::BatchShape;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, ReplicaConfig};
@@ -77,10 +77,11 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
     let sims = spawn_fleet(FleetConfig::local(replica, 2)).await.unwrap();
     let backends: Vec<String> = sims.addrs().iter().map(|a| a.to_string()).collect();
 
-    let (listen, ingest) = (free_port().unwrap(), free_port().unwrap());
-    let envoy = Envoy::start(&example("endpoint-mode.yaml", listen, ingest, &backends), 1)
-        .await
-        .unwrap();
+    let (envoy, [listen, ingest]) = Envoy::start_on_free_ports(1, |[listen, ingest]| {
+        Ok(example("endpoint-mode.yaml", listen, ingest, &backends))
+    })
+    .await
+    .unwrap();
     let now = now_ms();
     let eps = backends
         .iter()

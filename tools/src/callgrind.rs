@@ -30,7 +30,7 @@ use crate::overhead::{backend_yaml, chat_body, prompts, proxy_yaml, push, Option
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use kvroute_integration::harness::{free_port, Envoy};
+use kvroute_integration::harness::Envoy;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -208,22 +208,12 @@ pub async fn run(
     let n = cg.requests.max(1);
     for &size in &opts.sizes {
         let body = chat_body(size, &prompts);
-        let bport = free_port()?;
-        let _backend = Envoy::start(&backend_yaml(bport)?, 1).await?;
+        let (_backend, [bport]) = Envoy::start_on_free_ports(1, |[p]| backend_yaml(p)).await?;
         let backend = format!("127.0.0.1:{bport}");
         for variant in VARIANTS {
             if !cg.variants.is_empty() && !cg.variants.iter().any(|v| v == variant) {
                 continue;
             }
-            let (port, ingest) = (free_port()?, free_port()?);
-            let yaml = proxy_yaml(
-                variant,
-                opts,
-                port,
-                ingest,
-                &backend,
-                CALLGRIND_PLUGIN_CONFIG,
-            )?;
             let base = dir.join(format!("{variant}-{size}.cg"));
             let wrapper = [
                 cg.valgrind.display().to_string(),
@@ -233,7 +223,18 @@ pub async fn run(
                 "--smc-check=all-non-file".into(),
                 format!("--callgrind-out-file={}", base.display()),
             ];
-            let proxy = Envoy::start_wrapped(&yaml, 1, &wrapper, READY_WITHIN).await?;
+            let (proxy, [port, ingest]) =
+                Envoy::start_wrapped_on_free_ports(1, &wrapper, READY_WITHIN, |[port, ingest]| {
+                    proxy_yaml(
+                        variant,
+                        opts,
+                        port,
+                        ingest,
+                        &backend,
+                        CALLGRIND_PLUGIN_CONFIG,
+                    )
+                })
+                .await?;
             if variant == "kvroute" {
                 // Once: fresh for the whole run (see CALLGRIND_PLUGIN_CONFIG).
                 push(ingest, crate::overhead::now_ms(), &backend).await?;

@@ -31,7 +31,7 @@
 //!   high-water mark) after the size's runs.
 
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
-use kvroute_integration::harness::{free_port, http, render, templates, Envoy};
+use kvroute_integration::harness::{http, render, templates, Envoy};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -418,14 +418,15 @@ pub fn proxy_yaml(
 pub const PLUGIN_CONFIG: &str = r#"{"mode":"cluster"}"#;
 
 async fn start(opts: &Options) -> anyhow::Result<Proxies> {
-    let bport = free_port()?;
-    let backend = Envoy::start(&backend_yaml(bport)?, 1).await?;
+    let (backend, [bport]) = Envoy::start_on_free_ports(1, |[p]| backend_yaml(p)).await?;
     let backend_addr = format!("127.0.0.1:{bport}");
-    let (pp, fp, kp, ip) = (free_port()?, free_port()?, free_port()?, free_port()?);
-    let yaml = |v: &str, port: u16| proxy_yaml(v, opts, port, ip, &backend_addr, PLUGIN_CONFIG);
-    let plain = Envoy::start(&yaml("plain", pp)?, 1).await?;
-    let floor = Envoy::start(&yaml("floor", fp)?, 1).await?;
-    let kvroute = Envoy::start(&yaml("kvroute", kp)?, 1).await?;
+    // Plain and floor have no ingest listener: the port is unused there.
+    let yaml = |v: &str, [port, ingest]: [u16; 2]| {
+        proxy_yaml(v, opts, port, ingest, &backend_addr, PLUGIN_CONFIG)
+    };
+    let (plain, [pp]) = Envoy::start_on_free_ports(1, |[p]| yaml("plain", [p, 0])).await?;
+    let (floor, [fp]) = Envoy::start_on_free_ports(1, |[p]| yaml("floor", [p, 0])).await?;
+    let (kvroute, [kp, ip]) = Envoy::start_on_free_ports(1, |p| yaml("kvroute", p)).await?;
     Ok(Proxies {
         backend,
         plain,

@@ -6,6 +6,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// Starts of Envoy, in all, that [`Envoy::start_on_free_ports`] makes when a listener's port
+/// turns out to be taken.
+pub const PORT_ATTEMPTS: u32 = 4;
+
 /// How long [`Envoy::start`] waits for admin `/ready` to answer 200.
 pub const READY_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -197,6 +201,43 @@ impl Envoy {
                 }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// [`Envoy::start`] on `N` listener ports from [`super::free_port`]: `config` renders
+    /// the YAML for the ports, and the ports come back with the running Envoy.
+    ///
+    /// A port from [`super::free_port`] can be taken by another process (a test running in
+    /// parallel) before Envoy binds it. When Envoy exits for that reason
+    /// ([`EnvoyError::is_port_taken`]), it is started again on new ports, up to
+    /// [`PORT_ATTEMPTS`] starts in all; any other error, or a rendering error, returns at
+    /// once.
+    pub async fn start_on_free_ports<const N: usize>(
+        concurrency: u32,
+        config: impl FnMut([u16; N]) -> anyhow::Result<String>,
+    ) -> anyhow::Result<(Self, [u16; N])> {
+        Self::start_wrapped_on_free_ports(concurrency, &[], READY_DEADLINE, config).await
+    }
+
+    /// [`Envoy::start_on_free_ports`] under a wrapper program, as [`Envoy::start_wrapped`].
+    pub async fn start_wrapped_on_free_ports<const N: usize>(
+        concurrency: u32,
+        wrapper: &[String],
+        ready_within: Duration,
+        mut config: impl FnMut([u16; N]) -> anyhow::Result<String>,
+    ) -> anyhow::Result<(Self, [u16; N])> {
+        let mut attempt = 1;
+        loop {
+            let mut ports = [0u16; N];
+            for p in &mut ports {
+                *p = super::free_port()?;
+            }
+            let yaml = config(ports)?;
+            match Self::start_wrapped(&yaml, concurrency, wrapper, ready_within).await {
+                Ok(envoy) => return Ok((envoy, ports)),
+                Err(e) if e.is_port_taken() && attempt < PORT_ATTEMPTS => attempt += 1,
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 

@@ -3,7 +3,7 @@
 //! polling with deadlines.
 
 use super::http::{self, Response};
-use super::{free_port, render, templates, wasm_path, Envoy, RecordingBackend, Reply};
+use super::{render, templates, wasm_path, Envoy, RecordingBackend, Reply};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -147,33 +147,24 @@ impl Fleet {
             );
         }
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
-        // The listeners' ports come from `free_port`, which another test's Envoy or
-        // backend can take before this Envoy binds them (tests run in parallel): on that
-        // error, start again on new ports, a few times.
-        let mut attempts = 0;
-        loop {
-            let (port, ingest_port) = (free_port()?, free_port()?);
-            let yaml = envoy_config(
-                opts.mode,
-                &addrs,
-                &opts.route_config,
-                port,
-                ingest_port,
-                opts.buffer_limit,
-            )?;
-            match Envoy::start(&yaml, opts.concurrency).await {
-                Ok(envoy) => {
-                    return Ok(Self {
-                        backends,
-                        envoy,
-                        port,
-                        ingest_port,
-                    })
-                }
-                Err(e) if e.is_port_taken() && attempts < 3 => attempts += 1,
-                Err(e) => return Err(e.into()),
-            }
-        }
+        let (envoy, [port, ingest_port]) =
+            Envoy::start_on_free_ports(opts.concurrency, |[port, ingest_port]| {
+                envoy_config(
+                    opts.mode,
+                    &addrs,
+                    &opts.route_config,
+                    port,
+                    ingest_port,
+                    opts.buffer_limit,
+                )
+            })
+            .await?;
+        Ok(Self {
+            backends,
+            envoy,
+            port,
+            ingest_port,
+        })
     }
 
     /// `http://127.0.0.1:<port><path>` on the main listener.

@@ -8,7 +8,7 @@
 
 use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::kvroute::{envoy_config, FleetMode, TEST_TOKEN};
-use kvroute_integration::harness::{free_port, http, Envoy};
+use kvroute_integration::harness::{http, Envoy};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
 use std::net::SocketAddr;
@@ -108,21 +108,23 @@ impl Stack {
             sims.push(Some(f));
         }
         let strs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
-        let (port, ingest_port) = (free_port().unwrap(), free_port().unwrap());
         let mode = match opts.mode {
             Mode::Endpoint => FleetMode::OverrideHost,
             Mode::Cluster => FleetMode::Cluster,
         };
-        let yaml = envoy_config(
-            mode,
-            &strs,
-            &opts.plugin,
-            port,
-            ingest_port,
-            4 * 1024 * 1024,
-        )
-        .unwrap();
-        let envoy = Envoy::start(&yaml, opts.concurrency).await.unwrap();
+        let (envoy, [port, ingest_port]) =
+            Envoy::start_on_free_ports(opts.concurrency, |[port, ingest_port]| {
+                envoy_config(
+                    mode,
+                    &strs,
+                    &opts.plugin,
+                    port,
+                    ingest_port,
+                    4 * 1024 * 1024,
+                )
+            })
+            .await
+            .unwrap();
         let token_file = std::env::temp_dir().join(format!(
             "kvroute-rel-{}-{ingest_port}.token",
             std::process::id()
