@@ -358,3 +358,53 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     assert!(started.elapsed() >= std::time::Duration::from_millis(1400));
     assert_eq!(fleet.counts(), vec![0, 1]);
 }
+
+/// The harness's own retry: a listener port taken between `free_port` and Envoy's bind
+/// (another test's process) starts Envoy again on new ports, and only a bounded number of
+/// times.
+#[tokio::test]
+async fn a_taken_listener_port_starts_envoy_again_on_new_ports() {
+    use kvroute_integration::harness::{render, templates, Envoy, PORT_ATTEMPTS};
+    // Held without SO_REUSEPORT: Envoy's bind of this port fails.
+    let held = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let taken = held.local_addr().unwrap().port();
+    let plain = |port: u16| {
+        render(
+            templates::PLAIN,
+            &[
+                ("LISTEN_PORT", port.to_string()),
+                ("DEFAULT_CLUSTER", "default".into()),
+                (
+                    "CLUSTERS",
+                    templates::static_cluster("default", &["127.0.0.1:9".into()]),
+                ),
+            ],
+        )
+    };
+    // The first start is given the taken port; the second, its own.
+    let mut offered = Vec::new();
+    let (envoy, [port]) = Envoy::start_on_free_ports(1, |[p]| {
+        offered.push(p);
+        plain(if offered.len() == 1 { taken } else { p })
+    })
+    .await
+    .unwrap();
+    assert_eq!(offered.len(), 2);
+    assert_eq!(port, offered[1]);
+    assert_ne!(port, taken);
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    drop(envoy);
+    // Always taken: the error comes back after PORT_ATTEMPTS starts.
+    let mut starts = 0;
+    let err = Envoy::start_on_free_ports(1, |[_]| {
+        starts += 1;
+        plain(taken)
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(starts, PORT_ATTEMPTS);
+    assert!(
+        format!("{err:#}").contains("Address already in use"),
+        "{err:#}"
+    );
+}
