@@ -119,6 +119,46 @@ fn plain_len_simd128(b: &[u8]) -> usize {
     i + plain_len_swar(b.get(i..).unwrap_or(&[]))
 }
 
+/// Bit `i` set when `chunk[i]` is `"`, `\\` or below 0x20: every such byte, not only the
+/// first ([`Scanner::pass_plain`] visits them all). On Wasm SIMD, two 16-byte compares as
+/// in [`plain_len_simd128`]; elsewhere a byte loop (which LLVM vectorises on x86-64).
+#[inline(always)]
+fn special_mask32(chunk: &[u8; 32]) -> u32 {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        use core::arch::wasm32::{
+            u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128_any_true, v128_or,
+        };
+        let (quote, slash, space) = (u8x16_splat(b'"'), u8x16_splat(b'\\'), u8x16_splat(0x20));
+        let special = |i: usize| {
+            let mut b = [0u8; 16];
+            if let Some(h) = chunk.get(i..i + 16) {
+                b.copy_from_slice(h);
+            }
+            let w = u128::from_le_bytes(b);
+            let v = u64x2(w as u64, (w >> 64) as u64);
+            v128_or(
+                v128_or(u8x16_eq(v, quote), u8x16_eq(v, slash)),
+                u8x16_lt(v, space),
+            )
+        };
+        let (lo, hi) = (special(0), special(16));
+        // Plain text, the common case: one test, no bit masks.
+        if !v128_any_true(v128_or(lo, hi)) {
+            return 0;
+        }
+        u32::from(u8x16_bitmask(lo)) | (u32::from(u8x16_bitmask(hi)) << 16)
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        let mut m = 0u32;
+        for (i, &b) in chunk.iter().enumerate() {
+            m |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
+        }
+        m
+    }
+}
+
 /// [`plain_len`] eight bytes at a time (SWAR on a `u64`, which wasm32 executes natively).
 #[inline]
 pub(crate) fn plain_len_swar(b: &[u8]) -> usize {
@@ -440,9 +480,58 @@ impl<'a> Scanner<'a> {
     /// stretch or escape that would pass `room`, at a `\u` escape, and at anything that
     /// is not a string's next piece (the caller's piece-by-piece path then reads it and
     /// reports any error at the same byte).
+    ///
+    /// While 32 bytes of text are left within `room` bytes of the start, it takes 32 bytes
+    /// per step: one mask of their special bytes ([`special_mask32`]), whose set bits are
+    /// visited in turn (an escape clears its letter's bit), so an escape costs no new scan.
+    /// Chat text has an escape every ~64 bytes; restarting the scan after each cost ~120
+    /// Wasm operations (docs/overhead.md). The rest goes stretch by stretch.
     #[inline]
     pub(crate) fn pass_plain(&mut self, room: u64) -> (u64, bool) {
-        let mut passed = 0u64;
+        let bytes = self.text.as_bytes();
+        let start = self.pos;
+        // Each byte decodes to at most one byte, so steps that end by `start + room` stay
+        // within the room; the decoded length is the bytes passed less one per escape.
+        let stop = bytes
+            .len()
+            .min(start.saturating_add(usize::try_from(room).unwrap_or(usize::MAX)));
+        let mut escapes = 0usize;
+        let mut base = start;
+        // 1 when the previous step ended with an escape's backslash: this step's first
+        // byte is that escape's letter.
+        let mut carry = 0u32;
+        for chunk in bytes.get(start..stop).unwrap_or_default().chunks_exact(32) {
+            let Some(chunk) = chunk.first_chunk::<32>() else {
+                break;
+            };
+            let mut m = u64::from(special_mask32(chunk) & !carry);
+            carry = 0;
+            while m != 0 {
+                let k = m.trailing_zeros() as usize;
+                let p = base + k;
+                match chunk.get(k) {
+                    Some(b'"') => {
+                        self.pos = p + 1;
+                        return ((p - start - escapes) as u64, true);
+                    }
+                    Some(b'\\')
+                        if simple_escape(bytes.get(p + 1..).unwrap_or_default()).is_some() =>
+                    {
+                        // Every one-letter escape decodes to one byte.
+                        escapes += 1;
+                        m &= u64::MAX << (k + 2);
+                        carry = u32::from(k == 31);
+                    }
+                    _ => {
+                        self.pos = p;
+                        return ((p - start - escapes) as u64, false);
+                    }
+                }
+            }
+            base += 32;
+        }
+        self.pos = base + carry as usize;
+        let mut passed = (self.pos - start - escapes) as u64;
         loop {
             let n = self.string_stretch();
             if passed + n as u64 > room {
@@ -650,6 +739,65 @@ mod tests {
                     assert_eq!(plain_len(&b), want, "{c} at {at} of {len}");
                     assert_eq!(plain_len_swar(&b), want, "{c} at {at} of {len}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn special_mask32_flags_every_special_byte() {
+        // Every byte value at every position, alone and next to a second special byte.
+        for c in 0..=255u8 {
+            for at in 0..32 {
+                let mut b = [b'x'; 32];
+                b[at] = c;
+                let special = c == b'"' || c == b'\\' || c < 0x20;
+                assert_eq!(special_mask32(&b), u32::from(special) << at, "{c} at {at}");
+                b[31 - at] = b'\\';
+                let both = (u32::from(special) << at) | (1 << (31 - at));
+                let want = if at == 31 - at { 1 << at } else { both };
+                assert_eq!(special_mask32(&b), want, "{c} at {at}, `\\` at {}", 31 - at);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// `pass_plain` passes exactly what it reports: the decoded length of what it
+        /// consumed, never more than `room`, and the whole string when it says closed.
+        /// Strings of plain text, one-letter escapes (also at 32-byte step boundaries),
+        /// `\u` escapes and raw control characters.
+        #[test]
+        fn pass_plain_reports_what_it_consumed(
+            parts in proptest::collection::vec(
+                proptest::prop_oneof![
+                    "[a-z é]{0,40}",
+                    proptest::strategy::Just("\\n".to_string()),
+                    proptest::strategy::Just("\\\"".to_string()),
+                    proptest::strategy::Just("\\\\".to_string()),
+                    proptest::strategy::Just("\\u00e9".to_string()),
+                    proptest::strategy::Just("\u{1}".to_string()),
+                ],
+                0..40,
+            ),
+            room in 0u64..600,
+            lead in 0usize..40,
+        ) {
+            let inner: String = parts.concat();
+            let text = format!("{}\"{inner}\" tail", " ".repeat(lead));
+            let mut sc = Scanner::new(&text);
+            sc.advance(lead + 1);
+            let (passed, closed) = sc.pass_plain(room);
+            proptest::prop_assert!(passed <= room);
+            let consumed = text.get(lead + 1..sc.pos()).unwrap();
+            let body = if closed { consumed.strip_suffix('"').unwrap() } else { consumed };
+            let token = format!("\"{body}\"");
+            let decoded = decode_str(&token)
+                .map_err(|_| proptest::test_runner::TestCaseError::fail("undecodable"))?;
+            proptest::prop_assert_eq!(decoded.len() as u64, passed, "{:?}", consumed);
+            if closed {
+                proptest::prop_assert_eq!(body, inner.as_str());
+            } else {
+                // Stopped before the closing quote, at a piece boundary.
+                proptest::prop_assert!(inner.starts_with(body));
             }
         }
     }
