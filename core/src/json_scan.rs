@@ -530,8 +530,14 @@ impl<'a> Scanner<'a> {
             }
             base += 32;
         }
-        self.pos = base + carry as usize;
-        let mut passed = (self.pos - start - escapes) as u64;
+        // A step can end inside a multi-byte character: stop before it (the bytes backed
+        // over are plain text), since the caller's next piece must start on a boundary.
+        let mut end = base + carry as usize;
+        while end > start && !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.pos = end;
+        let mut passed = (end - start - escapes) as u64;
         loop {
             let n = self.string_stretch();
             if passed + n as u64 > room {
@@ -760,16 +766,36 @@ mod tests {
         }
     }
 
+    #[test]
+    fn pass_plain_stops_on_a_character_boundary() {
+        // 1 + 2k bytes: a 32-byte step ends inside an `é`, and the room ends the pass in
+        // the stretch after it.
+        let text = format!("\"a{}\"", "é".repeat(100));
+        for room in 32..80 {
+            let mut sc = Scanner::new(&text);
+            sc.advance(1);
+            let (passed, closed) = sc.pass_plain(room);
+            assert!(!closed);
+            assert!(
+                text.is_char_boundary(sc.pos()),
+                "room {room}: at {}",
+                sc.pos()
+            );
+            assert_eq!(passed, sc.pos() as u64 - 1, "room {room}");
+        }
+    }
+
     proptest::proptest! {
         /// `pass_plain` passes exactly what it reports: the decoded length of what it
         /// consumed, never more than `room`, and the whole string when it says closed.
-        /// Strings of plain text, one-letter escapes (also at 32-byte step boundaries),
-        /// `\u` escapes and raw control characters.
+        /// It stops on a character boundary. Strings of plain text (multi-byte characters
+        /// also across 32-byte step boundaries), one-letter escapes (also at step
+        /// boundaries), `\u` escapes and raw control characters.
         #[test]
         fn pass_plain_reports_what_it_consumed(
             parts in proptest::collection::vec(
                 proptest::prop_oneof![
-                    "[a-z é]{0,40}",
+                    "[a-z é东]{0,40}",
                     proptest::strategy::Just("\\n".to_string()),
                     proptest::strategy::Just("\\\"".to_string()),
                     proptest::strategy::Just("\\\\".to_string()),
@@ -787,6 +813,7 @@ mod tests {
             sc.advance(lead + 1);
             let (passed, closed) = sc.pass_plain(room);
             proptest::prop_assert!(passed <= room);
+            proptest::prop_assert!(text.is_char_boundary(sc.pos()), "at {}", sc.pos());
             let consumed = text.get(lead + 1..sc.pos()).unwrap();
             let body = if closed { consumed.strip_suffix('"').unwrap() } else { consumed };
             let token = format!("\"{body}\"");
