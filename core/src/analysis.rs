@@ -269,20 +269,23 @@ impl<'e> Acc<'e> {
         // pieces go to the tally as they come).
         let mut deferred = (self.prefix.len() < self.prefix_limit).then_some(self.prefix.len());
         if deferred.is_some() {
-            // While the rendering has room for the next stretch and a character: copy
-            // stretches and one-letter escapes (nearly every escape of chat text) without
-            // the general loop's checks; anything else goes on below, unconsumed.
-            loop {
-                let n = sc.string_stretch();
-                if self.prefix.len() + n >= self.prefix_limit {
-                    break;
-                }
-                self.prefix.push_str(sc.ahead(n));
-                sc.advance(n);
-                match sc.one_letter_escape() {
-                    Some(b) => self.prefix.push(char::from(b)),
-                    None => break,
-                }
+            // While the rendering has room for a whole 32-byte step and one more byte:
+            // copy plain text and one-letter escapes (nearly every escape of chat text)
+            // without the general loop's checks (`Scanner::walk_plain`); the rest of the
+            // string, from a character boundary, goes on below. Each byte decodes to at
+            // most one, so the walk stays short of the limit, whose cut is the loop's.
+            let text = sc.text();
+            let room = self.prefix_limit.saturating_sub(self.prefix.len() + 1);
+            let prefix = &mut self.prefix;
+            let walk = sc.walk_plain(room, |plain, b| {
+                prefix.push_str(text.get(plain).unwrap_or_default());
+                prefix.push(char::from(b));
+            });
+            prefix.push_str(text.get(walk.plain).unwrap_or_default());
+            if walk.closed {
+                self.undefer(&mut deferred);
+                self.tally.end_text();
+                return Ok(ok);
             }
         }
         loop {

@@ -17,6 +17,7 @@
 //! holds the two to the same results.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 /// A syntax error: byte offset of the offending byte and what was expected there.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +34,29 @@ pub(crate) type Syn<T> = Result<T, SyntaxError>;
 /// a lone UTF-16 surrogate (`"\ud800"`): serde_json refuses such a string as `str`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BadString;
+
+/// Where [`Scanner::walk_plain`] stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Walk {
+    /// The closing quote was reached (and consumed).
+    pub closed: bool,
+    /// One-letter escapes walked over (each two bytes, decoded to one).
+    pub escapes: usize,
+    /// Byte range of the plain text after the last escape, up to where the walk stopped
+    /// (the closing quote excluded): walked, but not handed to the escape callback.
+    pub plain: Range<usize>,
+}
+
+impl Walk {
+    /// Decoded length of what a walk that started at byte `start` passed (the closing
+    /// quote excluded): its bytes less one per escape.
+    pub(crate) fn decoded_len(&self, start: usize) -> usize {
+        self.plain
+            .end
+            .saturating_sub(start)
+            .saturating_sub(self.escapes)
+    }
+}
 
 /// Cursor over a JSON text.
 pub(crate) struct Scanner<'a> {
@@ -314,6 +338,12 @@ impl<'a> Scanner<'a> {
         self.text.as_bytes().get(self.pos..).unwrap_or(&[])
     }
 
+    /// The whole text being scanned.
+    #[inline]
+    pub(crate) fn text(&self) -> &'a str {
+        self.text
+    }
+
     /// The text of `len` bytes from the current position (a `&str` when it ends on a
     /// character boundary, which it does before an ASCII delimiter).
     #[inline]
@@ -474,28 +504,32 @@ impl<'a> Scanner<'a> {
         Some(b)
     }
 
-    /// Inside a string: pass plain stretches and one-letter escapes while their decoded
-    /// length stays within `room` bytes. Returns the decoded bytes passed and whether the
-    /// closing quote was reached (and consumed). Stops, consuming nothing more, before a
-    /// stretch or escape that would pass `room`, at a `\u` escape, and at anything that
-    /// is not a string's next piece (the caller's piece-by-piece path then reads it and
-    /// reports any error at the same byte).
+    /// Inside a string: walk its plain text and one-letter escapes 32 bytes per step, over
+    /// at most `limit` bytes from the cursor. One mask of a step's quotes, backslashes and
+    /// control bytes ([`special_mask32`]) is computed, and its set bits are visited in
+    /// turn: an escape clears its letter's bit (carried into the next step when the
+    /// backslash is a step's last byte), so an escape costs no new scan. Chat text has an
+    /// escape every ~64 bytes, and restarting the scan after each cost ~120 Wasm
+    /// operations (docs/overhead.md).
     ///
-    /// While 32 bytes of text are left within `room` bytes of the start, it takes 32 bytes
-    /// per step: one mask of their special bytes ([`special_mask32`]), whose set bits are
-    /// visited in turn (an escape clears its letter's bit), so an escape costs no new scan.
-    /// Chat text has an escape every ~64 bytes; restarting the scan after each cost ~120
-    /// Wasm operations (docs/overhead.md). The rest goes stretch by stretch.
-    #[inline]
-    pub(crate) fn pass_plain(&mut self, room: u64) -> (u64, bool) {
+    /// At each one-letter escape, `escape(plain, byte)` gets the byte range of the plain
+    /// text since the previous escape (or the cursor) and the byte the escape stands for.
+    /// The walk stops at the closing quote (consumed), at a byte it does not take (a `\u`
+    /// escape, a control byte: the cursor is left on it), or before the first step that
+    /// would pass `limit` or the text's end; a step that ends inside a multi-byte
+    /// character stops before that character, so the cursor is always on a character
+    /// boundary. Only whole steps are walked: what is left is the caller's.
+    #[inline(always)]
+    pub(crate) fn walk_plain(
+        &mut self,
+        limit: usize,
+        mut escape: impl FnMut(Range<usize>, u8),
+    ) -> Walk {
         let bytes = self.text.as_bytes();
         let start = self.pos;
-        // Each byte decodes to at most one byte, so steps that end by `start + room` stay
-        // within the room; the decoded length is the bytes passed less one per escape.
-        let stop = bytes
-            .len()
-            .min(start.saturating_add(usize::try_from(room).unwrap_or(usize::MAX)));
+        let stop = bytes.len().min(start.saturating_add(limit));
         let mut escapes = 0usize;
+        let mut from = start;
         let mut base = start;
         // 1 when the previous step ended with an escape's backslash: this step's first
         // byte is that escape's letter.
@@ -512,21 +546,34 @@ impl<'a> Scanner<'a> {
                 match chunk.get(k) {
                     Some(b'"') => {
                         self.pos = p + 1;
-                        return ((p - start - escapes) as u64, true);
+                        return Walk {
+                            closed: true,
+                            escapes,
+                            plain: from..p,
+                        };
                     }
-                    Some(b'\\')
-                        if simple_escape(bytes.get(p + 1..).unwrap_or_default()).is_some() =>
-                    {
-                        // Every one-letter escape decodes to one byte.
+                    Some(b'\\') => {
+                        let Some(b) = simple_escape(bytes.get(p + 1..).unwrap_or_default()) else {
+                            break;
+                        };
+                        escape(from..p, b);
                         escapes += 1;
+                        from = p + 2;
                         m &= u64::MAX << (k + 2);
                         carry = u32::from(k == 31);
                     }
-                    _ => {
-                        self.pos = p;
-                        return ((p - start - escapes) as u64, false);
-                    }
+                    _ => break,
                 }
+            }
+            if m != 0 {
+                // Stopped at a byte the walk does not take.
+                let p = base + m.trailing_zeros() as usize;
+                self.pos = p;
+                return Walk {
+                    closed: false,
+                    escapes,
+                    plain: from..p,
+                };
             }
             base += 32;
         }
@@ -537,7 +584,32 @@ impl<'a> Scanner<'a> {
             end -= 1;
         }
         self.pos = end;
-        let mut passed = (end - start - escapes) as u64;
+        Walk {
+            closed: false,
+            escapes,
+            plain: from..end,
+        }
+    }
+
+    /// Inside a string: pass plain stretches and one-letter escapes while their decoded
+    /// length stays within `room` bytes. Returns the decoded bytes passed and whether the
+    /// closing quote was reached (and consumed). Stops, consuming nothing more, before a
+    /// stretch or escape that would pass `room`, at a `\u` escape, and at anything that
+    /// is not a string's next piece (the caller's piece-by-piece path then reads it and
+    /// reports any error at the same byte).
+    ///
+    /// Whole 32-byte steps within `room` bytes go through [`Self::walk_plain`]; the rest,
+    /// stretch by stretch. Stops on a character boundary.
+    #[inline]
+    pub(crate) fn pass_plain(&mut self, room: u64) -> (u64, bool) {
+        let start = self.pos;
+        // Each byte decodes to at most one byte: a walk within `room` bytes stays within
+        // the room.
+        let walk = self.walk_plain(usize::try_from(room).unwrap_or(usize::MAX), |_, _| {});
+        let mut passed = walk.decoded_len(start) as u64;
+        if walk.closed {
+            return (passed, true);
+        }
         loop {
             let n = self.string_stretch();
             if passed + n as u64 > room {
