@@ -177,7 +177,16 @@ struct Acc<'e> {
     media: MediaCounts,
     /// Prefix rendering set aside while a message's `content` is read before its `role`.
     aside: String,
+    /// A sampling window's text, decoded ahead of the tally ([`Self::string`]).
+    window: String,
 }
+
+/// Bytes of a sampling window decoded ahead in one round ([`Acc::string`]): a window and
+/// the word its end cuts fit; a tally that counts every byte reads on in rounds of this.
+const WINDOW_READ_BYTES: usize = 4096;
+/// Fewer bytes left to read than this go piece by piece (the walk takes whole 32-byte
+/// steps only).
+const WINDOW_READ_MIN_BYTES: usize = 64;
 
 impl<'e> Acc<'e> {
     /// `body_len`, the request body's size in bytes, sizes the prefix rendering once
@@ -194,6 +203,7 @@ impl<'e> Acc<'e> {
             exact: false,
             media: MediaCounts::default(),
             aside: String::new(),
+            window: String::new(),
         }
     }
 
@@ -298,6 +308,24 @@ impl<'e> Acc<'e> {
                     let (passed, closed) = sc.pass_plain(room);
                     self.tally.skip(passed);
                     if closed {
+                        break;
+                    }
+                }
+                // In a sampling window: its text is decoded ahead (`Scanner::walk_plain`,
+                // at most `WINDOW_READ_BYTES` per round) and fed to the tally in one call,
+                // not piece by piece.
+                let read = usize::try_from(self.tally.read_room()).unwrap_or(usize::MAX);
+                if read >= WINDOW_READ_MIN_BYTES {
+                    let text = sc.text();
+                    let window = &mut self.window;
+                    window.clear();
+                    let walk = sc.walk_plain(read.min(WINDOW_READ_BYTES), |plain, b| {
+                        window.push_str(text.get(plain).unwrap_or_default());
+                        window.push(char::from(b));
+                    });
+                    window.push_str(text.get(walk.plain).unwrap_or_default());
+                    self.tally.feed(self.window.as_bytes());
+                    if walk.closed {
                         break;
                     }
                 }

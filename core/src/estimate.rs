@@ -693,6 +693,24 @@ impl Tally {
         }
     }
 
+    /// Bytes that will be read (counted exactly) from here before the tally next skips
+    /// or has to finish a word: the rest of a sampled tally's head, or of the window it
+    /// is at or in; 0 between windows and while it finishes the word a limit cut;
+    /// `u64::MAX` for a tally that counts every byte. A caller may decode that many
+    /// bytes ahead and feed them in one call ([`Self::feed`] does not depend on how a text
+    /// is split).
+    #[inline]
+    pub fn read_room(&self) -> u64 {
+        match self.sample.as_deref() {
+            None => u64::MAX,
+            Some(st) => match st.phase {
+                Phase::Head => SAMPLE_HEAD_BYTES.saturating_sub(st.head_bytes),
+                Phase::Seek | Phase::Window => st.next.saturating_sub(st.tail_bytes),
+                Phase::HeadFinish | Phase::Skip | Phase::Finish => 0,
+            },
+        }
+    }
+
     /// Count `len` bytes of text as fed, unread: the same as feeding any `len` bytes when
     /// `len` ≤ [`Self::skip_room`] (callers hold to that; otherwise nothing is counted).
     #[inline]

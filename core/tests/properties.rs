@@ -290,7 +290,8 @@ proptest! {
     /// Any prefix limit, wherever it falls (inside a stretch, at an escape, inside a
     /// multi-byte character, in the role marker): the estimate is the plain text's, whether
     /// the tally read a string back from the rendering, piece by piece, or passed it between
-    /// sampling windows (`Scanner::pass_plain`); and the rendering is the unbounded one cut
+    /// sampling windows (`Scanner::pass_plain`) or decoded a window ahead; and the
+    /// rendering is the unbounded one cut
     /// at the first character boundary at or past the limit. Both key orders: `content`
     /// after `role` is rendered in place; before it (serde_json's sorted keys), aside and
     /// then appended.
@@ -313,6 +314,10 @@ proptest! {
             let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit).unwrap();
             prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
             prop_assert_eq!(&a.prefix_text, &full[..cut]);
+            // Counting every byte (read ahead in rounds past the rendering) too.
+            let every = Estimator::every_byte();
+            let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &every, limit).unwrap();
+            prop_assert_eq!(a.prompt_tokens, every.estimate_text(&text) + 6);
         }
     }
 }
