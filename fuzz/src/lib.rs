@@ -7,7 +7,7 @@
 //!
 //! | function | input | code under test | properties checked |
 //! |---|---|---|---|
-//! | [`analyze`] | a request body | `kvroute_core::analysis::analyze`, then the router's request description and KV demand, on every API path | never panics; deterministic; `n ≥ 1`; demand ≥ prompt tokens; prefix hashes ≤ `max_blocks`; exact token-id counts only for token-id prompts |
+//! | [`analyze`] | a request body | `kvroute_core::analysis::analyze` (and `analyze_bounded` at each of [`BOUNDS`]), then the router's request description and KV demand, on every API path | never panics; deterministic; a prefix limit changes nothing but the rendering's cut; `n ≥ 1`; demand ≥ prompt tokens; prefix hashes ≤ `max_blocks`; exact token-id counts only for token-id prompts |
 //! | [`snapshot`] | an ingest body | `Snapshot::decode` | never panics; a decoded snapshot validates, and re-encodes to bytes that decode to the same ids, version and numbers |
 //! | [`exposition`] | a `/metrics` body (or a llama.cpp `/slots` body) | `expo::Exposition`, every `adapters::extract` kind, `llamacpp::slots_usage` | never panics; a body the full parse accepts, the scrape path's filtered parse accepts too, keeping exactly the relevant samples and skipping no more lines; adapter output has `kv_usage` in 0..=1, non-zero block size and capacity, and passes `Snapshot::validate` as the wire form kvroute-cp pushes |
 //! | [`sse_usage`] | a streamed response body | `usage::SseUsageScanner` | never panics; the tail stays ≤ `max_tail`; the usage read from the body split into arbitrary chunks equals the usage read from it whole (when no event outgrew the tail) |
@@ -48,6 +48,11 @@ pub const PATHS: &[&str] = &[
     "/generate",
 ];
 
+/// Prefix limits (bytes of rendering) [`analyze`] also reads every body with: none, a
+/// short one (so fuzz-sized bodies reach the passes and windows past it), and the
+/// router's default.
+pub const BOUNDS: [usize; 3] = [0, 64, 16 * 1024];
+
 thread_local! {
     /// The router the filter builds from a default plugin config: built-in model profiles.
     static ROUTER: Option<Router> = Router::new(RouterConfig::default(), 0).ok();
@@ -70,6 +75,28 @@ pub fn analyze(data: &[u8]) {
             let first = analysis::analyze(api, data, &estimator);
             let again = analysis::analyze(api, data, &estimator);
             assert_eq!(first, again, "analysis is not deterministic on {path}");
+            // The router renders at most `max_bytes` of a prompt; past the limit the scan
+            // passes strings between sampling windows and decodes windows ahead. Only the
+            // rendering may differ from the unbounded analysis's, and only by its cut.
+            for limit in BOUNDS {
+                let bounded = analysis::analyze_bounded(api, data, &estimator, limit);
+                match (&first, &bounded) {
+                    (Ok(a), Ok(b)) => {
+                        assert!(
+                            a.prefix_text.starts_with(&b.prefix_text)
+                                && b.prefix_text.len() >= limit.min(a.prefix_text.len()),
+                            "rendering at limit {limit} is not the unbounded one cut on {path}"
+                        );
+                        let mut cut = a.clone();
+                        cut.prefix_text.clone_from(&b.prefix_text);
+                        assert_eq!(&cut, b, "limit {limit} changed the analysis on {path}");
+                    }
+                    (Err(a), Err(b)) => {
+                        assert_eq!(a, b, "limit {limit} changed the error on {path}")
+                    }
+                    _ => fail(&format!("limit {limit} changed the outcome on {path}")),
+                }
+            }
             match first {
                 Ok(a) => {
                     assert!(a.n >= 1, "n = {} on {path}", a.n);
