@@ -144,7 +144,7 @@ fn plain_len_simd128(b: &[u8]) -> usize {
 }
 
 /// Bit `i` set when `chunk[i]` is `"`, `\\` or below 0x20: every such byte, not only the
-/// first ([`Scanner::pass_plain`] visits them all). On Wasm SIMD, two 16-byte compares as
+/// first ([`Scanner::walk_plain`] visits them all). On Wasm SIMD, two 16-byte compares as
 /// in [`plain_len_simd128`]; elsewhere a byte loop (which LLVM vectorises on x86-64).
 #[inline(always)]
 fn special_mask32(chunk: &[u8; 32]) -> u32 {
