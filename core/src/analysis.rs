@@ -284,15 +284,8 @@ impl<'e> Acc<'e> {
             // without the general loop's checks (`Scanner::walk_plain`); the rest of the
             // string, from a character boundary, goes on below. Each byte decodes to at
             // most one, so the walk stays short of the limit, whose cut is the loop's.
-            let text = sc.text();
             let room = self.prefix_limit.saturating_sub(self.prefix.len() + 1);
-            let prefix = &mut self.prefix;
-            let walk = sc.walk_plain(room, |plain, b| {
-                prefix.push_str(text.get(plain).unwrap_or_default());
-                prefix.push(char::from(b));
-            });
-            prefix.push_str(text.get(walk.plain).unwrap_or_default());
-            if walk.closed {
+            if sc.decode_plain_into(room, &mut self.prefix).closed {
                 self.undefer(&mut deferred);
                 self.tally.end_text();
                 return Ok(ok);
@@ -316,14 +309,8 @@ impl<'e> Acc<'e> {
                 // not piece by piece.
                 let read = usize::try_from(self.tally.read_room()).unwrap_or(usize::MAX);
                 if read >= WINDOW_READ_MIN_BYTES {
-                    let text = sc.text();
-                    let window = &mut self.window;
-                    window.clear();
-                    let walk = sc.walk_plain(read.min(WINDOW_READ_BYTES), |plain, b| {
-                        window.push_str(text.get(plain).unwrap_or_default());
-                        window.push(char::from(b));
-                    });
-                    window.push_str(text.get(walk.plain).unwrap_or_default());
+                    self.window.clear();
+                    let walk = sc.decode_plain_into(read.min(WINDOW_READ_BYTES), &mut self.window);
                     self.tally.feed(self.window.as_bytes());
                     if walk.closed {
                         break;

@@ -338,12 +338,6 @@ impl<'a> Scanner<'a> {
         self.text.as_bytes().get(self.pos..).unwrap_or(&[])
     }
 
-    /// The whole text being scanned.
-    #[inline]
-    pub(crate) fn text(&self) -> &'a str {
-        self.text
-    }
-
     /// The text of `len` bytes from the current position (a `&str` when it ends on a
     /// character boundary, which it does before an ASCII delimiter).
     #[inline]
@@ -589,6 +583,19 @@ impl<'a> Scanner<'a> {
             escapes,
             plain: from..end,
         }
+    }
+
+    /// [`Self::walk_plain`], appending what it walked, decoded, to `out`: the plain text and
+    /// each one-letter escape's byte.
+    #[inline(always)]
+    pub(crate) fn decode_plain_into(&mut self, limit: usize, out: &mut String) -> Walk {
+        let text = self.text;
+        let walk = self.walk_plain(limit, |plain, b| {
+            out.push_str(text.get(plain).unwrap_or_default());
+            out.push(char::from(b));
+        });
+        out.push_str(text.get(walk.plain.clone()).unwrap_or_default());
+        walk
     }
 
     /// Inside a string: pass plain stretches and one-letter escapes while their decoded
