@@ -392,8 +392,8 @@ pub const SAMPLE_HEAD_BYTES: u64 = 2048;
 pub const SAMPLE_WINDOW_BYTES: u64 = 256;
 /// Bytes from one window's start to the next: 1 byte in 32 is counted past the head.
 /// Chosen on the accuracy table in docs/core.md: a 4 KiB stride measured 2.6 % / 6.1 %
-/// (median / p90, cl100k, prompts over 64 KiB) for ~14 % more Wasm operations per decision
-/// at 1 MiB, a 16 KiB stride 5.2 % / 12.5 % (p99 24.8 %).
+/// (median / p90, cl100k, prompts over 64 KiB) for ~16 % more Wasm operations per decision
+/// at 1 MiB (8.19 M against 7.03 M), a 16 KiB stride 5.2 % / 12.5 % (p99 24.8 %).
 pub const SAMPLE_STRIDE_BYTES: u64 = 8192;
 
 /// What a tally counted in the bytes it scanned: what [`Counts::tokens`] prices. Runs of
