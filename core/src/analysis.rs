@@ -181,8 +181,9 @@ struct Acc<'e> {
     window: String,
 }
 
-/// Bytes of a sampling window decoded ahead in one round ([`Acc::string`]): a window and
-/// the word its end cuts fit; a tally that counts every byte reads on in rounds of this.
+/// Bytes decoded ahead in one round ([`Acc::string`]): a sampling window (256 bytes) fits
+/// in one; a tally that counts every byte reads on in rounds of this. The word a window's
+/// end cuts is finished piece by piece.
 const WINDOW_READ_BYTES: usize = 4096;
 /// Fewer bytes left to read than this go piece by piece (the walk takes whole 32-byte
 /// steps only).

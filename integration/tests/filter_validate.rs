@@ -2,9 +2,7 @@
 //! bad plugin configuration is refused by `on_configure` with one clear log line.
 
 use kvroute_integration::harness::kvroute::ingest_plugin_config;
-use kvroute_integration::harness::{
-    free_port, render, templates, wasm_path, workspace_root, Envoy,
-};
+use kvroute_integration::harness::{render, templates, wasm_path, workspace_root, Envoy};
 
 /// Where the examples expect the module; replaced by the built one for validation.
 const EXAMPLE_WASM: &str = "/etc/envoy/kvroute_filter.wasm";
@@ -64,25 +62,30 @@ fn validate_rejects_a_broken_config() {
 
 #[tokio::test]
 async fn bad_plugin_config_is_refused_with_one_clear_line() {
-    let yaml = render(
-        templates::CLUSTER_MODE,
-        &[
-            ("LISTEN_PORT", free_port().unwrap().to_string()),
-            ("INGEST_PORT", free_port().unwrap().to_string()),
-            ("BUFFER_LIMIT", "1048576".into()),
-            ("WASM", wasm_path().display().to_string()),
-            ("PLUGIN_CONFIG", r#"{"max_body_bytes":0}"#.into()),
-            ("INGEST_CONFIG", ingest_plugin_config()),
-            ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-            ("DEFAULT_CLUSTER", "default".into()),
-            (
-                "CLUSTERS",
-                templates::static_cluster("default", &["127.0.0.1:9".into()]),
-            ),
-        ],
-    )
-    .unwrap();
-    let err = Envoy::start(&yaml, 1).await.unwrap_err().to_string();
+    // Started on free ports (again on new ones if one was taken), so the error that comes
+    // back is the config's.
+    let err = Envoy::start_on_free_ports(1, |[listen, ingest]| {
+        render(
+            templates::CLUSTER_MODE,
+            &[
+                ("LISTEN_PORT", listen.to_string()),
+                ("INGEST_PORT", ingest.to_string()),
+                ("BUFFER_LIMIT", "1048576".into()),
+                ("WASM", wasm_path().display().to_string()),
+                ("PLUGIN_CONFIG", r#"{"max_body_bytes":0}"#.into()),
+                ("INGEST_CONFIG", ingest_plugin_config()),
+                ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
+                ("DEFAULT_CLUSTER", "default".into()),
+                (
+                    "CLUSTERS",
+                    templates::static_cluster("default", &["127.0.0.1:9".into()]),
+                ),
+            ],
+        )
+    })
+    .await
+    .unwrap_err();
+    let err = format!("{err:#}");
     let line = "kvroute plugin config field `max_body_bytes` = 0: must be at least 1";
     assert_eq!(err.matches(line).count(), 1, "{err}");
 }
