@@ -570,8 +570,7 @@ fn fields<'a, const N: usize>(
         return Ok(Ok(out));
     }
     loop {
-        let k = sc.key()?;
-        match decode_str(k) {
+        match sc.key_name()? {
             Err(BadString) => {
                 bad = true;
                 sc.skip_value()?;
@@ -826,8 +825,7 @@ fn scan_top<'a>(
     if !sc.empty(b'}') {
         loop {
             let at = sc.pos();
-            let k = sc.key()?;
-            let name = decode_str(k).map_err(|_| SyntaxError {
+            let name = sc.key_name()?.map_err(|_| SyntaxError {
                 pos: at,
                 message: "invalid unicode code point in a key".into(),
             })?;
@@ -922,8 +920,7 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
     let mut calls_tok = None;
     if !sc.empty(b'}') {
         loop {
-            let k = sc.key()?;
-            let Ok(name) = decode_str(k) else {
+            let Ok(name) = sc.key_name()? else {
                 bad_object = true;
                 sc.skip_value()?;
                 if !sc.comma_or_close(b'}')? {
@@ -936,8 +933,11 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
                     bad_object |= role_seen;
                     role_seen = true;
                     if !sc.null()? {
-                        let t = sc.skip_value()?;
-                        match de_str(t, &|| path(".role")) {
+                        let role = match sc.plain_string() {
+                            Some(r) => Ok(Cow::Borrowed(r)),
+                            None => de_str(sc.skip_value()?, &|| path(".role")),
+                        };
+                        match role {
                             Ok(role) if !bad_object => {
                                 acc.role(&role);
                                 role_ok = true;
@@ -1068,8 +1068,7 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
     let mut text_read: Option<Sem> = None;
     if !sc.empty(b'}') {
         loop {
-            let k = sc.key()?;
-            let name = match decode_str(k) {
+            let name = match sc.key_name()? {
                 Ok(n) => Some(n),
                 Err(BadString) => {
                     bad = true;

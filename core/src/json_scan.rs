@@ -109,15 +109,15 @@ pub(crate) fn plain_len(b: &[u8]) -> usize {
 fn plain_len_simd128(b: &[u8]) -> usize {
     use core::arch::wasm32::{
         u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128, v128_any_true, v128_or,
+        v128_xor,
     };
-    let (quote, slash, space) = (u8x16_splat(b'"'), u8x16_splat(b'\\'), u8x16_splat(0x20));
+    let (two, slash, below) = (u8x16_splat(2), u8x16_splat(b'\\'), u8x16_splat(0x21));
+    // `x ^ 2 < 0x21` holds exactly for the controls (0x00..=0x1F, which XOR with 2
+    // permutes among themselves) and `"` (0x22 ^ 2 = 0x20): one compare for both.
     let special = |block: &[u8; 16]| -> v128 {
         let w = u128::from_le_bytes(*block);
         let v = u64x2(w as u64, (w >> 64) as u64);
-        v128_or(
-            v128_or(u8x16_eq(v, quote), u8x16_eq(v, slash)),
-            u8x16_lt(v, space),
-        )
+        v128_or(u8x16_lt(v128_xor(v, two), below), u8x16_eq(v, slash))
     };
     let mut i = 0;
     let mut pairs = b.chunks_exact(32);
@@ -151,9 +151,10 @@ fn special_mask32(chunk: &[u8; 32]) -> u32 {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     {
         use core::arch::wasm32::{
-            u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128_any_true, v128_or,
+            u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128_any_true, v128_or, v128_xor,
         };
-        let (quote, slash, space) = (u8x16_splat(b'"'), u8x16_splat(b'\\'), u8x16_splat(0x20));
+        let (two, slash, below) = (u8x16_splat(2), u8x16_splat(b'\\'), u8x16_splat(0x21));
+        // The controls and `"` in one compare, as in `plain_len_simd128`.
         let special = |i: usize| {
             let mut b = [0u8; 16];
             if let Some(h) = chunk.get(i..i + 16) {
@@ -161,10 +162,7 @@ fn special_mask32(chunk: &[u8; 32]) -> u32 {
             }
             let w = u128::from_le_bytes(b);
             let v = u64x2(w as u64, (w >> 64) as u64);
-            v128_or(
-                v128_or(u8x16_eq(v, quote), u8x16_eq(v, slash)),
-                u8x16_lt(v, space),
-            )
+            v128_or(u8x16_lt(v128_xor(v, two), below), u8x16_eq(v, slash))
         };
         let (lo, hi) = (special(0), special(16));
         // Plain text, the common case: one test, no bit masks.
@@ -356,7 +354,9 @@ impl<'a> Scanner<'a> {
     pub(crate) fn peek(&mut self) -> Option<u8> {
         let b = self.text.as_bytes();
         while let Some(&c) = b.get(self.pos) {
-            if !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
+            // Above the space, no byte is whitespace: one compare for nearly every call
+            // (compact JSON has none), before the four-way match.
+            if c > b' ' || !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
                 return Some(c);
             }
             self.pos += 1;
@@ -651,6 +651,39 @@ impl<'a> Scanner<'a> {
         Ok(self.since(start))
     }
 
+    /// At a string (after whitespace): when it has no escape, consume it and return its
+    /// text (between the quotes, borrowed); otherwise consume nothing and return `None`
+    /// (the general readers then take it, and report any error at the same byte). Object
+    /// keys, roles and type tags are such strings: one SIMD scan reads them, with no
+    /// token to decode afterwards.
+    #[inline(always)]
+    pub(crate) fn plain_string(&mut self) -> Option<&'a str> {
+        if self.peek() != Some(b'"') {
+            return None;
+        }
+        let start = self.pos + 1;
+        let n = plain_len(self.text.as_bytes().get(start..).unwrap_or_default());
+        if self.text.as_bytes().get(start + n) != Some(&b'"') {
+            return None;
+        }
+        let s = self.text.get(start..start + n)?;
+        self.pos = start + n + 1;
+        Some(s)
+    }
+
+    /// At an object key: read it and the `:` after it, and return the key decoded
+    /// (`Err(BadString)` for a lone surrogate escape, as [`decode_str`]). Syntax errors
+    /// are those of [`Self::key`].
+    #[inline]
+    pub(crate) fn key_name(&mut self) -> Syn<Result<Cow<'a, str>, BadString>> {
+        if let Some(name) = self.plain_string() {
+            self.expect(b':', "expected `:`")?;
+            return Ok(Ok(Cow::Borrowed(name)));
+        }
+        let k = self.key()?;
+        Ok(decode_str(k))
+    }
+
     /// At an object key (after `{` or `,`): read it and the `:` after it. The key is the
     /// raw token (quotes included); decode it with [`decode_str`] when it has a backslash.
     pub(crate) fn key(&mut self) -> Syn<&'a str> {
@@ -904,6 +937,109 @@ mod tests {
             } else {
                 // Stopped before the closing quote, at a piece boundary.
                 proptest::prop_assert!(inner.starts_with(body));
+            }
+        }
+    }
+
+    /// `key_name` as the general path reads a key: `key`, then `decode_str`.
+    fn key_then_decode(text: &str) -> (Syn<Result<String, BadString>>, usize) {
+        let mut sc = Scanner::new(text);
+        let r = sc.key().map(|k| decode_str(k).map(|c| c.into_owned()));
+        (r, sc.pos())
+    }
+
+    fn key_name_of(text: &str) -> (Syn<Result<String, BadString>>, usize) {
+        let mut sc = Scanner::new(text);
+        let r = sc
+            .key_name()
+            .map(|k| k.map(|c: Cow<'_, str>| c.into_owned()));
+        (r, sc.pos())
+    }
+
+    /// A key's text, what reading it gives, and the position after it when it was read.
+    type KeyCase = (&'static str, Syn<Result<&'static str, BadString>>, usize);
+
+    #[test]
+    fn key_name_reads_keys_as_key_and_decode_str_do() {
+        let cases: [KeyCase; 12] = [
+            ("\"role\":\"user\"", Ok(Ok("role")), 7),
+            ("  \"content\" :null", Ok(Ok("content")), 13),
+            ("\"\":1", Ok(Ok("")), 3),
+            ("\"r\\u006fle\":1", Ok(Ok("role")), 12),
+            ("\"a\\\"b\":1", Ok(Ok("a\"b")), 7),
+            ("\"caf\u{e9}\":1", Ok(Ok("caf\u{e9}")), 8),
+            ("\"\\ud800\":1", Ok(Err(BadString)), 9),
+            (
+                "\"role\"}",
+                Err(err::<()>(6, "expected `:`").unwrap_err()),
+                6,
+            ),
+            (
+                "\"role\"",
+                Err(err::<()>(6, "EOF while parsing an object").unwrap_err()),
+                6,
+            ),
+            (
+                "\"ro\u{1}le\":1",
+                Err(err::<()>(
+                    3,
+                    "control character (\\u0000-\\u001F) found while parsing a string",
+                )
+                .unwrap_err()),
+                3,
+            ),
+            (
+                "1:2",
+                Err(err::<()>(0, "key must be a string").unwrap_err()),
+                0,
+            ),
+            (
+                "\"rol",
+                Err(err::<()>(4, "EOF while parsing a string").unwrap_err()),
+                4,
+            ),
+        ];
+        for (text, want, pos) in cases {
+            let want = want.map(|r| r.map(str::to_owned));
+            let (got, at) = key_name_of(text);
+            assert_eq!(got, want, "{text:?}");
+            if got.is_ok() {
+                assert_eq!(at, pos, "{text:?}");
+            }
+            assert_eq!(key_then_decode(text).0, want, "{text:?}: the general path");
+        }
+    }
+
+    proptest::proptest! {
+        /// `key_name` (one scan for a key without escapes) gives what `key` and
+        /// `decode_str` give, on keys with and without escapes, whitespace, control
+        /// characters and truncations: the same name or error, and the same position
+        /// after a key it read.
+        #[test]
+        fn key_name_matches_key_then_decode_str(
+            lead in "[ \t\n]{0,2}",
+            name in "([a-z_é东]|\\\\n|\\\\\"|\\\\u00e9|\\\\ud800|\u{1}){0,12}",
+            gap in "[ \n]{0,2}",
+            after in proptest::prop_oneof![
+                proptest::strategy::Just(":1"),
+                proptest::strategy::Just("}"),
+                proptest::strategy::Just(""),
+            ],
+            cut in proptest::option::of(0usize..40),
+        ) {
+            let mut text = format!("{lead}\"{name}\"{gap}{after}");
+            if let Some(c) = cut {
+                let mut c = c.min(text.len());
+                while !text.is_char_boundary(c) {
+                    c -= 1;
+                }
+                text.truncate(c);
+            }
+            let (got, at) = key_name_of(&text);
+            let (want, want_at) = key_then_decode(&text);
+            proptest::prop_assert_eq!(&got, &want, "{:?}", text);
+            if got.is_ok() {
+                proptest::prop_assert_eq!(at, want_at, "{:?}", text);
             }
         }
     }

@@ -236,6 +236,8 @@ fn message() -> BoxedStrategy<String> {
     let role = prop_oneof![
         6 => prop::sample::select(vec!["system", "user", "assistant", "tool", "developer"])
             .prop_map(|r| format!("\"{r}\"")),
+        // Escaped: not the one-scan path, the general one.
+        1 => Just("\"us\\u0065r\"".to_string()),
         1 => any_value(),
     ];
     prop_oneof![
