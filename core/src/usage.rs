@@ -88,15 +88,8 @@ pub fn parse_json(body: &[u8]) -> Option<Usage> {
 /// to keep whole. The object is located by brace matching (usage objects hold only numbers
 /// and nested objects, no strings with braces). `None` when absent or cut off.
 pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
-    let key = b"\"usage\"";
-    let mut end = tail.len();
-    while let Some(pos) = tail.get(..end)?.windows(key.len()).rposition(|w| w == key) {
-        if let Some(u) = usage_object_at(tail, pos + key.len()) {
-            return Some(u);
-        }
-        end = pos;
-    }
-    None
+    memchr::memmem::rfind_iter(tail, USAGE_KEY)
+        .find_map(|pos| usage_object_at(tail, pos + USAGE_KEY.len()))
 }
 
 fn usage_object_at(buf: &[u8], mut i: usize) -> Option<Usage> {
@@ -209,7 +202,7 @@ fn find_boundary(buf: &[u8]) -> Option<(usize, usize)> {
     // One pass over the '\n' bytes: the first one that ends either pattern gives the
     // earliest boundary (a "\r\n\r\n" starting at i − 1 cannot hide an earlier "\n\n").
     let mut from = 0;
-    while let Some(off) = buf.get(from..)?.iter().position(|&b| b == b'\n') {
+    while let Some(off) = memchr::memchr(b'\n', buf.get(from..)?) {
         let i = from + off;
         if buf.get(i + 1) == Some(&b'\n') {
             return Some((i, 2));
@@ -222,6 +215,39 @@ fn find_boundary(buf: &[u8]) -> Option<(usize, usize)> {
         from = i + 1;
     }
     None
+}
+
+/// The `"usage"` key.
+const USAGE_KEY: &[u8] = b"\"usage\"";
+
+/// A searcher for [`USAGE_KEY`] (`memchr::memmem`, SIMD on Wasm and natively), built once:
+/// token events are read one by one as they stream, so their scan is per-chunk work of
+/// every streamed response, and building the searcher for each ~200-byte event cost more
+/// than the search.
+fn usage_finder() -> &'static memchr::memmem::Finder<'static> {
+    static FINDER: std::sync::OnceLock<memchr::memmem::Finder<'static>> =
+        std::sync::OnceLock::new();
+    FINDER.get_or_init(|| memchr::memmem::Finder::new(USAGE_KEY))
+}
+
+/// True when the JSON text `data` has a `"usage"` key whose value is an object (JSON
+/// whitespace around the `:`). An event whose data has none carries no usage for
+/// [`parse_json`] (the `"usage": null` some servers send in every token event) and is not
+/// parsed.
+fn has_usage_object(data: &[u8]) -> bool {
+    let skip_ws = |b: &[u8]| -> usize {
+        b.iter()
+            .position(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+            .unwrap_or(b.len())
+    };
+    usage_finder().find_iter(data).any(|at| {
+        let rest = data.get(at + USAGE_KEY.len()..).unwrap_or_default();
+        let rest = rest.get(skip_ws(rest)..).unwrap_or_default();
+        let Some(rest) = rest.strip_prefix(b":") else {
+            return false;
+        };
+        rest.get(skip_ws(rest)) == Some(&b'{')
+    })
 }
 
 impl SseUsageScanner {
@@ -287,7 +313,7 @@ impl SseUsageScanner {
     }
 
     fn scan_event(&mut self, event: &[u8]) {
-        if !event.windows(7).any(|w| w == b"\"usage\"") {
+        if usage_finder().find(event).is_none() {
             return;
         }
         // Concatenate the event's data lines (SSE: multiple `data:` lines join with "\n").
@@ -300,6 +326,9 @@ impl SseUsageScanner {
                 }
                 data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
             }
+        }
+        if !has_usage_object(&data) {
+            return;
         }
         if let Some(u) = parse_json(&data) {
             self.last = Some(u);
@@ -460,12 +489,80 @@ mod tests {
             prop_assert_eq!(find_boundary(&bytes), want);
         }
 
+        /// The gate before parsing never drops a usage `parse_json` reads: chat and
+        /// Responses events with `usage` an object, `null`, absent, or another value, with
+        /// any JSON whitespace around the `:`, and the word in a text value.
+        #[test]
+        fn the_usage_gate_never_hides_a_usage(
+            nested in any::<bool>(),
+            value in proptest::sample::select(vec![
+                "{\"prompt_tokens\":3,\"completion_tokens\":4}",
+                "{}",
+                "null",
+                "[]",
+                "7",
+                "{\"input_tokens\":5,\"output_tokens\":6}",
+            ]),
+            before in "[ \t\r\n]{0,2}",
+            after in "[ \t\r\n]{0,2}",
+            text in proptest::sample::select(vec!["hi", "the \\\"usage\\\": {x}", "usage"]),
+            keyed in any::<bool>(),
+        ) {
+            let usage = if keyed {
+                format!(",\"usage\"{before}:{after}{value}")
+            } else {
+                String::new()
+            };
+            let inner = format!("{{\"text\":\"{text}\"{usage}}}");
+            let event = if nested {
+                format!("{{\"type\":\"response.completed\",\"response\":{inner}}}")
+            } else {
+                inner
+            };
+            let parsed = parse_json(event.as_bytes());
+            if parsed.is_some() {
+                prop_assert!(has_usage_object(event.as_bytes()), "{}", event);
+            }
+            // As a stream: an event's line breaks continue it on further `data:` lines.
+            let mut s = SseUsageScanner::default();
+            s.feed(format!("data: {}\n\n", event.replace('\n', "\ndata: ")).as_bytes());
+            prop_assert_eq!(s.usage(), parsed, "{}", event);
+        }
+
         /// Arbitrary bytes never panic and never grow the tail past the bound.
         #[test]
         fn arbitrary_bytes(chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..100), 0..10)) {
             let mut s = SseUsageScanner::new(128);
             for c in chunks { s.feed(&c); prop_assert!(s.tail_len() <= 128); }
             s.finish();
+        }
+    }
+
+    #[test]
+    fn only_events_with_a_usage_object_are_parsed() {
+        for (event, want) in [
+            (
+                &br#"{"choices":[{"delta":{"content":"Hi"}}],"usage":null}"#[..],
+                false,
+            ),
+            (br#"{"choices":[{"delta":{"content":"Hi"}}]}"#, false),
+            (br#"{"choices":[],"usage":{"prompt_tokens":1}}"#, true),
+            (b"{\"usage\" :\r\n {\"prompt_tokens\":1}}", true),
+            (
+                br#"{"type":"response.completed","response":{"usage":{"input_tokens":1}}}"#,
+                true,
+            ),
+            (br#"{"usage":[1]}"#, false),
+            (br#"{"content":"the \"usage\": {x}"}"#, false),
+            (br#"{"usage":null,"x":{"usage":{"prompt_tokens":1}}}"#, true),
+            (br#""usage""#, false),
+        ] {
+            assert_eq!(
+                has_usage_object(event),
+                want,
+                "{}",
+                String::from_utf8_lossy(event)
+            );
         }
     }
 

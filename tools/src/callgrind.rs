@@ -26,7 +26,7 @@
 //! speed. Both are per-tick or per-push costs, not per-request ones; the idle rate is
 //! reported beside the per-request figure.
 
-use crate::overhead::{backend_yaml, chat_body, prompts, proxy_yaml, push, Options, VARIANTS};
+use crate::overhead::{chat_body, prompts, proxy_yaml, push, start_backend, Options, VARIANTS};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
@@ -208,8 +208,7 @@ pub async fn run(
     let n = cg.requests.max(1);
     for &size in &opts.sizes {
         let body = chat_body(size, &prompts);
-        let (_backend, [bport]) = Envoy::start_on_free_ports(1, |[p]| backend_yaml(p)).await?;
-        let backend = format!("127.0.0.1:{bport}");
+        let (_backend, backend) = start_backend(opts).await?;
         for variant in VARIANTS {
             if !cg.variants.is_empty() && !cg.variants.iter().any(|v| v == variant) {
                 continue;

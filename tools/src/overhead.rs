@@ -5,6 +5,9 @@
 //! ## Set-up
 //! - **backend**: one Envoy (`--concurrency 1`) that reads each request body whole (buffer
 //!   filter) and answers a fixed chat completion itself ([`templates::DIRECT_RESPONSE`]);
+//!   with `--stream-events N`, a hyper server that answers an event stream of `N` token
+//!   events, a `usage` event and `[DONE]`, each its own body chunk ([`stream_chunks`]), as a
+//!   model server streams a completion;
 //! - **plain**: Envoy 1.40, `--concurrency 1`, router only ([`templates::PLAIN`]);
 //! - **floor**: the same plus `bench/floor-filter`, a proxy-wasm filter that buffers the body
 //!   and copies it into the VM, nothing else ([`templates::FLOOR`]);
@@ -31,7 +34,7 @@
 //!   high-water mark) after the size's runs.
 
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
-use kvroute_integration::harness::{http, render, templates, Envoy};
+use kvroute_integration::harness::{http, render, templates, Envoy, RecordingBackend, Reply};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -46,6 +49,45 @@ pub const BUFFER_LIMIT: usize = 4 * 1024 * 1024;
 pub const STATS_FLUSH: Duration = Duration::from_secs(1);
 /// The backend's reply: a non-streamed chat completion with `usage`.
 pub const REPLY: &str = r#"{"id":"cmpl-bench","object":"chat.completion","model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":100,"completion_tokens":1,"total_tokens":101}}"#;
+
+/// [`REPLY`] as an event stream with `stream_options.include_usage`, as OpenAI's API
+/// reference describes it: `events` token events (`chat.completion.chunk`, a one-token
+/// delta, `"usage": null`), then a last event with empty `choices` and the request's
+/// `usage`, then `data: [DONE]`; each string is one body chunk.
+pub fn stream_chunks(events: usize) -> Vec<String> {
+    let token = r#"data: {"id":"cmpl-bench","object":"chat.completion.chunk","model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}],"usage":null}"#;
+    let mut chunks: Vec<String> = (0..events).map(|_| format!("{token}\n\n")).collect();
+    chunks.push(format!(
+        "data: {{\"id\":\"cmpl-bench\",\"object\":\"chat.completion.chunk\",\"model\":\"{MODEL}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":100,\"completion_tokens\":{events},\"total_tokens\":{}}}}}\n\n",
+        100 + events
+    ));
+    chunks.push("data: [DONE]\n\n".into());
+    chunks
+}
+
+/// The benchmark's model-server stand-in, stopped when dropped.
+#[derive(Debug)]
+pub enum Backend {
+    /// Envoy answering [`REPLY`] in one chunk.
+    Direct(Envoy),
+    /// A hyper server streaming [`stream_chunks`], `stream_gap` apart.
+    Stream(RecordingBackend),
+}
+
+/// Start the backend `opts` asks for; returns it and its `host:port`.
+pub async fn start_backend(opts: &Options) -> anyhow::Result<(Backend, String)> {
+    if opts.stream_events == 0 {
+        let (envoy, [port]) = Envoy::start_on_free_ports(1, |[p]| backend_yaml(p)).await?;
+        return Ok((Backend::Direct(envoy), format!("127.0.0.1:{port}")));
+    }
+    let reply = Reply::Sse {
+        chunks: stream_chunks(opts.stream_events),
+        gap: opts.stream_gap,
+    };
+    let b = RecordingBackend::start_unrecorded("bench", reply).await?;
+    let addr = b.address();
+    Ok((Backend::Stream(b), addr))
+}
 
 /// Proxy variants, in the order each repetition runs them.
 pub const VARIANTS: [&str; 3] = ["plain", "floor", "kvroute"];
@@ -69,6 +111,11 @@ pub struct Options {
     pub kvroute_wasm: PathBuf,
     /// `../shared/data`.
     pub data: PathBuf,
+    /// Token events per streamed response; 0: the one-chunk [`REPLY`] (see the module doc).
+    pub stream_events: usize,
+    /// Pause between a streamed response's chunks, so that each reaches the proxies as a
+    /// body chunk of its own.
+    pub stream_gap: Duration,
 }
 
 /// One wrk run against one proxy.
@@ -329,7 +376,7 @@ pub fn parse_quantile(line: &str, q: &str) -> Option<f64> {
 }
 
 struct Proxies {
-    backend: Envoy,
+    backend: Backend,
     plain: Envoy,
     floor: Envoy,
     kvroute: Envoy,
@@ -418,8 +465,7 @@ pub fn proxy_yaml(
 pub const PLUGIN_CONFIG: &str = r#"{"mode":"cluster"}"#;
 
 async fn start(opts: &Options) -> anyhow::Result<Proxies> {
-    let (backend, [bport]) = Envoy::start_on_free_ports(1, |[p]| backend_yaml(p)).await?;
-    let backend_addr = format!("127.0.0.1:{bport}");
+    let (backend, backend_addr) = start_backend(opts).await?;
     // Plain and floor have no ingest listener: the port is unused there.
     let yaml = |v: &str, [port, ingest]: [u16; 2]| {
         proxy_yaml(v, opts, port, ingest, &backend_addr, PLUGIN_CONFIG)
@@ -691,6 +737,28 @@ impl Report {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn stream_chunks_are_an_event_stream_whose_usage_the_filter_reads() {
+        let chunks = stream_chunks(3);
+        assert_eq!(chunks.len(), 5);
+        assert!(chunks
+            .iter()
+            .all(|c| c.starts_with("data: ") && c.ends_with("\n\n")));
+        assert_eq!(chunks.last().map(String::as_str), Some("data: [DONE]\n\n"));
+        assert_eq!(
+            kvroute_core::usage::BodyFraming::sniff(chunks[0].as_bytes()),
+            Some(kvroute_core::usage::BodyFraming::EventStream)
+        );
+        let mut sse =
+            kvroute_core::usage::SseUsageScanner::new(kvroute_core::usage::DEFAULT_MAX_TAIL);
+        for c in &chunks {
+            sse.feed(c.as_bytes());
+        }
+        sse.finish();
+        let u = sse.usage().unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (100, 3));
+    }
 
     #[test]
     fn parses_wrk_latency_output() {

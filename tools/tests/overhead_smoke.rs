@@ -26,6 +26,8 @@ async fn every_size_and_proxy_reports() {
         kvroute_wasm,
         data: std::env::var_os("KVROUTE_SHARED_DATA")
             .map_or_else(|| workspace_root().join("../shared/data"), PathBuf::from),
+        stream_events: 0,
+        stream_gap: Duration::ZERO,
     };
     let report = run(&opts, |l| eprintln!("{l}")).await.unwrap();
     assert_eq!(report.rows.len(), sizes.len() * VARIANTS.len());

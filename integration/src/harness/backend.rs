@@ -6,6 +6,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -78,6 +79,7 @@ pub struct RecordingBackend {
     name: String,
     addr: SocketAddr,
     requests: Arc<Mutex<Vec<Recorded>>>,
+    served: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -89,19 +91,32 @@ impl RecordingBackend {
 
     /// Like [`RecordingBackend::start`] on an explicit bind address (e.g. `[::1]:0`).
     pub async fn start_on(bind: &str, name: &str, reply: Reply) -> anyhow::Result<Self> {
+        Self::serve_on(bind, name, reply, true).await
+    }
+
+    /// Like [`RecordingBackend::start`], keeping no request (only [`Self::count`]): for
+    /// load generators, whose requests would otherwise fill memory.
+    pub async fn start_unrecorded(name: &str, reply: Reply) -> anyhow::Result<Self> {
+        Self::serve_on("127.0.0.1:0", name, reply, false).await
+    }
+
+    async fn serve_on(bind: &str, name: &str, reply: Reply, record: bool) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
         let requests: Arc<Mutex<Vec<Recorded>>> = Arc::default();
-        let (rec, reply, nm) = (requests.clone(), Arc::new(reply), name.to_owned());
+        let served: Arc<AtomicUsize> = Arc::default();
+        let rec = record.then(|| requests.clone());
+        let (count, reply, nm) = (served.clone(), Arc::new(reply), name.to_owned());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
-                let (rec, reply, nm) = (rec.clone(), reply.clone(), nm.clone());
+                let (rec, count, reply, nm) =
+                    (rec.clone(), count.clone(), reply.clone(), nm.clone());
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
-                        serve(req, rec.clone(), reply.clone(), nm.clone())
+                        serve(req, rec.clone(), count.clone(), reply.clone(), nm.clone())
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), svc)
@@ -113,6 +128,7 @@ impl RecordingBackend {
             name: name.to_owned(),
             addr,
             requests,
+            served,
             task,
         })
     }
@@ -132,14 +148,14 @@ impl RecordingBackend {
         self.addr.to_string()
     }
 
-    /// All requests so far.
+    /// All requests so far (none for [`Self::start_unrecorded`]).
     pub fn requests(&self) -> Vec<Recorded> {
         self.requests.lock().map(|r| r.clone()).unwrap_or_default()
     }
 
-    /// Number of requests so far.
+    /// Number of requests so far (each counted once its body is read).
     pub fn count(&self) -> usize {
-        self.requests.lock().map(|r| r.len()).unwrap_or(0)
+        self.served.load(Ordering::Relaxed)
     }
 }
 
@@ -153,7 +169,8 @@ type BoxBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 
 async fn serve(
     req: hyper::Request<hyper::body::Incoming>,
-    rec: Arc<Mutex<Vec<Recorded>>>,
+    rec: Option<Arc<Mutex<Vec<Recorded>>>>,
+    count: Arc<AtomicUsize>,
     reply: Arc<Reply>,
     name: String,
 ) -> Result<hyper::Response<BoxBody>, Infallible> {
@@ -177,7 +194,7 @@ async fn serve(
         Ok(b) => b.to_bytes(),
         Err(_) => Bytes::new(),
     };
-    if let Ok(mut r) = rec.lock() {
+    if let Some(Ok(mut r)) = rec.as_ref().map(|r| r.lock()) {
         r.push(Recorded {
             method,
             path,
@@ -185,6 +202,7 @@ async fn serve(
             body,
         });
     }
+    count.fetch_add(1, Ordering::Relaxed);
     let builder = hyper::Response::builder().header("x-backend", name);
     let resp = match &*reply {
         Reply::Json { status, body } => builder

@@ -63,6 +63,13 @@ struct Args {
     /// callgrind_control script (with --callgrind).
     #[arg(long, env = "CALLGRIND_CONTROL", default_value = "callgrind_control")]
     callgrind_control: PathBuf,
+    /// Answer every request with an event stream of N token events (and a `usage` event
+    /// and `[DONE]`), each its own body chunk, instead of one non-streamed completion.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    stream_events: usize,
+    /// Microseconds between a streamed response's chunks (with --stream-events).
+    #[arg(long, value_name = "US", default_value_t = 200)]
+    stream_gap_us: u64,
     /// Instead of running, write the benchmark's request bodies to DIR as
     /// `body-<size>.json`, one per size (`make bench-decision-ops` counts their decisions).
     #[arg(long, value_name = "DIR")]
@@ -90,6 +97,8 @@ async fn main() -> anyhow::Result<()> {
         data: a
             .data
             .unwrap_or_else(|| workspace_root().join("../shared/data")),
+        stream_events: a.stream_events,
+        stream_gap: Duration::from_micros(a.stream_gap_us),
     };
     if let Some(dir) = &a.write_bodies {
         let prompts = prompts(&opts.data)?;
