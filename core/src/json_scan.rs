@@ -654,8 +654,8 @@ impl<'a> Scanner<'a> {
     /// At a string (after whitespace): when it has no escape, consume it and return its
     /// text (between the quotes, borrowed); otherwise consume nothing and return `None`
     /// (the general readers then take it, and report any error at the same byte). Object
-    /// keys, roles and type tags are such strings: one SIMD scan reads them, with no
-    /// token to decode afterwards.
+    /// keys and a message's role are such strings: one SIMD scan reads them, with no token
+    /// to decode afterwards.
     #[inline(always)]
     pub(crate) fn plain_string(&mut self) -> Option<&'a str> {
         if self.peek() != Some(b'"') {
