@@ -98,8 +98,8 @@ pub(crate) fn plain_len(b: &[u8]) -> usize {
     }
 }
 
-/// [`plain_len`] on Wasm SIMD: each 16-byte block is compared with `"` and `\\` and
-/// against 0x20 (unsigned) in three lane-wise operations. Two blocks are taken per step
+/// [`plain_len`] on Wasm SIMD: each 16-byte block takes two lane-wise compares, one for
+/// the controls and `"` together (`x ^ 2 < 0x21`, unsigned) and one for `\\`. Two blocks are taken per step
 /// and tested together (`v128.any_true` of their combined compares), so a 32-byte stretch
 /// of plain text costs one branch; at a step that has a special byte, the lowest set bit of
 /// the two blocks' masks is the first one. A last 16-byte block is taken alone, and the
@@ -685,7 +685,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// At an object key (after `{` or `,`): read it and the `:` after it. The key is the
-    /// raw token (quotes included); decode it with [`decode_str`] when it has a backslash.
+    /// raw token (quotes included), for skipping; [`Self::key_name`] reads a key's name.
     pub(crate) fn key(&mut self) -> Syn<&'a str> {
         self.peek();
         let k = self.string_token()?;

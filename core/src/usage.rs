@@ -92,21 +92,28 @@ pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
         .find_map(|pos| usage_object_at(tail, pos + USAGE_KEY.len()))
 }
 
-fn usage_object_at(buf: &[u8], mut i: usize) -> Option<Usage> {
-    let skip_ws = |i: &mut usize| {
-        while buf.get(*i).is_some_and(|b| b.is_ascii_whitespace()) {
-            *i += 1;
-        }
+/// Where the object of a `"usage"` key starts: `i` is just past the key in `buf`, and what
+/// follows must be whitespace, `:`, whitespace and `{` (the index returned). `None` for any
+/// other value (`null` included).
+fn usage_object_start(buf: &[u8], i: usize) -> Option<usize> {
+    let skip_ws = |i: usize| {
+        i + buf
+            .get(i..)
+            .unwrap_or_default()
+            .iter()
+            .take_while(|b| b.is_ascii_whitespace())
+            .count()
     };
-    skip_ws(&mut i);
-    if buf.get(i) != Some(&b':') {
+    let colon = skip_ws(i);
+    if buf.get(colon) != Some(&b':') {
         return None;
     }
-    i += 1;
-    skip_ws(&mut i);
-    if buf.get(i) != Some(&b'{') {
-        return None;
-    }
+    let open = skip_ws(colon + 1);
+    (buf.get(open) == Some(&b'{')).then_some(open)
+}
+
+fn usage_object_at(buf: &[u8], i: usize) -> Option<Usage> {
+    let mut i = usage_object_start(buf, i)?;
     let start = i;
     let mut depth = 0usize;
     while let Some(b) = buf.get(i) {
@@ -230,24 +237,14 @@ fn usage_finder() -> &'static memchr::memmem::Finder<'static> {
     FINDER.get_or_init(|| memchr::memmem::Finder::new(USAGE_KEY))
 }
 
-/// True when the JSON text `data` has a `"usage"` key whose value is an object (JSON
-/// whitespace around the `:`). An event whose data has none carries no usage for
+/// True when the JSON text `data` has a `"usage"` key whose value is an object
+/// ([`usage_object_start`]). An event whose data has none carries no usage for
 /// [`parse_json`] (the `"usage": null` some servers send in every token event) and is not
 /// parsed.
 fn has_usage_object(data: &[u8]) -> bool {
-    let skip_ws = |b: &[u8]| -> usize {
-        b.iter()
-            .position(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
-            .unwrap_or(b.len())
-    };
-    usage_finder().find_iter(data).any(|at| {
-        let rest = data.get(at + USAGE_KEY.len()..).unwrap_or_default();
-        let rest = rest.get(skip_ws(rest)..).unwrap_or_default();
-        let Some(rest) = rest.strip_prefix(b":") else {
-            return false;
-        };
-        rest.get(skip_ws(rest)) == Some(&b'{')
-    })
+    usage_finder()
+        .find_iter(data)
+        .any(|at| usage_object_start(data, at + USAGE_KEY.len()).is_some())
 }
 
 impl SseUsageScanner {
