@@ -35,3 +35,4 @@ pub mod router;
 pub mod shared_data;
 pub mod snapshot;
 pub mod usage;
+pub mod usage_sample;

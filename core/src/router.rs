@@ -65,6 +65,7 @@ use crate::profile::{
     DEFAULT_EXPECTED_OUTPUT_FRACTION, DEFAULT_MAX_TOKENS,
 };
 use crate::snapshot::Snapshot;
+use crate::usage_sample::UsageSampler;
 
 /// Output-length quantile the KV demand reserves for once output lengths were learned
 /// (the median; [`Router::observe_output`]).
@@ -93,6 +94,12 @@ pub struct RouterConfig {
     pub models: Vec<ModelProfile>,
     /// Learn per-model calibration from response `usage` (default true).
     pub calibrate: bool,
+    /// Responses whose `usage` is read: a token bucket per model of
+    /// [`crate::usage_sample::BURST_READS`] reads, one back every this many milliseconds
+    /// (default [`crate::usage_sample::DEFAULT_INTERVAL_MS`], 5, i.e. up to 200 reads per
+    /// second per model once the bucket is empty; 0 reads every response). See
+    /// [`Router::sample_usage`].
+    pub usage_sample_ms: u64,
 }
 
 impl Default for RouterConfig {
@@ -104,6 +111,7 @@ impl Default for RouterConfig {
             prefix_index_blocks: DEFAULT_INDEX_CAPACITY,
             models: Vec::new(),
             calibrate: true,
+            usage_sample_ms: crate::usage_sample::DEFAULT_INTERVAL_MS,
         }
     }
 }
@@ -127,6 +135,9 @@ pub struct RequestInfo {
     pub n: u32,
     /// vLLM priority (lower is served first by the admission queue).
     pub priority: i32,
+    /// The request asks for a streamed response (`stream: true`): its first response
+    /// bytes are its first token.
+    pub stream: bool,
     /// Prefix block hashes (see [`crate::prefix`]).
     pub prefix_hashes: Vec<u64>,
 }
@@ -141,6 +152,7 @@ impl Default for RequestInfo {
             max_output_tokens: None,
             n: 1,
             priority: 0,
+            stream: false,
             prefix_hashes: Vec::new(),
         }
     }
@@ -163,6 +175,7 @@ impl RequestInfo {
             max_output_tokens: a.max_output_tokens,
             n: a.n,
             priority: a.priority,
+            stream: a.stream,
             prefix_hashes,
         }
     }
@@ -216,6 +229,8 @@ pub struct RequestFacts {
     pub prompt_tokens: u64,
     /// Exact (token ids)?
     pub exact: bool,
+    /// The request asked for a streamed response ([`RequestInfo::stream`]).
+    pub stream: bool,
     /// Work the `predicted_ttft` model charged the chosen endpoint ahead of the first token,
     /// tokens ([`crate::picker::predicted_ttft::TtftPrediction::effective_tokens`]); the host
     /// hands it back with the measured TTFT to [`Router::observe_first_token`]. 0 when unknown.
@@ -352,6 +367,8 @@ pub struct Router {
     by_short: BTreeMap<String, String>,
     generic: ModelProfile,
     calibrate: bool,
+    /// Which responses' `usage` the host reads ([`Router::sample_usage`]).
+    usage: UsageSampler,
     fleet: Fleet,
     scratch_inflight: Vec<InFlight>,
     /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
@@ -403,6 +420,7 @@ impl Router {
             by_short,
             generic: generic_profile(""),
             calibrate: config.calibrate,
+            usage: UsageSampler::new(config.usage_sample_ms),
             fleet: Fleet::default(),
             scratch_inflight: Vec::new(),
             outputs: OutputLengths::new(),
@@ -832,6 +850,7 @@ impl Router {
                         model: req.model.clone(),
                         prompt_tokens: req.prompt_tokens,
                         exact: req.prompt_tokens_exact,
+                        stream: req.stream,
                         predicted_work_tokens,
                     },
                     candidates,
@@ -846,6 +865,17 @@ impl Router {
                 size: demand,
             },
         }
+    }
+
+    /// Whether the host should read the `usage` of the response, beginning at `now_ms`
+    /// (the host's clock, ms), to a request routed with `facts`: a token bucket per model,
+    /// refilled at one read per `usage_sample_ms` ([`crate::usage_sample`]). Only read
+    /// responses feed [`Router::observe_usage`] and [`Router::observe_output`]; the first
+    /// token ([`Router::observe_first_token`]) needs no reading and is observed for every
+    /// streamed response.
+    pub fn sample_usage(&mut self, facts: &RequestFacts, now_ms: u64) -> bool {
+        self.usage
+            .sample(facts.model.as_deref().unwrap_or(""), now_ms)
     }
 
     /// Learn from a response's `usage.prompt_tokens` (`actual_prompt`) for a request routed
@@ -1220,6 +1250,7 @@ mod tests {
             model: Some("m".into()),
             prompt_tokens: 100,
             exact: false,
+            stream: false,
             predicted_work_tokens: 0.0,
         };
         assert_eq!(r.observe_usage(&facts, 200), Some(50));

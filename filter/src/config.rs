@@ -118,8 +118,8 @@ pub struct RawConfig {
     pub share_affinity: bool,
     /// Share the learners' observations between this Envoy's workers through shared data
     /// (default true; see `kvroute_filter::sharing`): every worker's prefill-throughput and
-    /// output-length learners then learn from every response the proxy sees, not from
-    /// 1/workers of them. Uses `affinity_sync_ms` and `affinity_journal_bytes` too.
+    /// output-length learners then learn from every first token the proxy sees and every
+    /// response it reads (`usage_sample_ms`), not from 1/workers of them. Uses `affinity_sync_ms` and `affinity_journal_bytes` too.
     pub share_learning: bool,
     /// How often each worker syncs the shared journals (affinity, observations),
     /// milliseconds (default 100): the longest a prefix routed, or a response seen, by one

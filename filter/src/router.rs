@@ -690,6 +690,13 @@ impl Worker {
         }
     }
 
+    /// Whether to read the `usage` of the response, beginning at `now_ms`, to a request
+    /// routed with `facts` ([`Router::sample_usage`]: a token bucket per model, one read
+    /// back every `usage_sample_ms`).
+    pub fn sample_usage(&mut self, facts: &RequestFacts, now_ms: u64) -> bool {
+        self.router.sample_usage(facts, now_ms)
+    }
+
     /// Learn from a response's `usage`: the router's per-model calibration, and the
     /// estimate-error metric.
     pub fn observe_usage<H: Host>(&mut self, host: &H, facts: &RequestFacts, actual_prompt: u64) {
@@ -1018,6 +1025,7 @@ mod tests {
             model: Some("m".into()),
             prompt_tokens: 100,
             exact: false,
+            stream: false,
             predicted_work_tokens: 0.0,
         };
         w.observe_usage(&h, &facts, 200);

@@ -9,12 +9,15 @@
 //!    decide by load alone and continue), then read the body and decide.
 //!
 //! Response side: never buffered, and its headers are not read (only a body-less
-//! response's `:status`). The time from decision to response headers is recorded as TTFB;
-//! the first body bytes tell SSE, JSON or neither apart ([`BodyFraming::sniff`]), and each
-//! body chunk is copied into a bounded `usage` scanner (SSE) or a bounded tail (JSON). An
-//! event stream's first bytes (before the end) mark the request's prefill done in the shared
-//! in-flight table (its pending prefill tokens drop to 0: a first token exists). At
-//! response end the usage calibrates the estimator and the reservation is released
+//! response's `:status`). The time from decision to response headers is recorded as TTFB,
+//! and the router's sampler chooses whether this response is read for `usage`
+//! ([`Worker::sample_usage`]: a token bucket per model). If it is, the first body bytes tell
+//! SSE, JSON or neither apart ([`BodyFraming::sniff`]), and each body chunk is copied into
+//! a bounded `usage` scanner (SSE) or a bounded tail (JSON); if not, no chunk is read and
+//! the request's `stream` field stands for the sniff. An event stream's first bytes
+//! (before the end) mark the request's prefill done in the shared in-flight table (its
+//! pending prefill tokens drop to 0: a first token exists) and give a TTFT sample. At
+//! response end the usage, if read, calibrates the estimator and the reservation is released
 //! (deferred to the worker's next reservation or tick: [`Worker::release`]). `on_done`
 //! releases too, so client resets and upstream errors release; a reservation is released
 //! exactly once ([`Option::take`]).
@@ -47,6 +50,9 @@ enum Resp {
     Pending(Vec<u8>),
     /// Neither SSE nor JSON (compressed, an HTML or text error): nothing to read.
     Other,
+    /// Not sampled for `usage` ([`Worker::sample_usage`]): no chunk is read; a streamed
+    /// request's first bytes still end its prefill, and the end releases it.
+    Unread,
     Sse(SseUsageScanner),
     Json {
         tail: Vec<u8>,
@@ -327,17 +333,26 @@ impl Stream {
                 return Flow::Pause;
             }
         }
+        // Only a response this filter routed has anything to learn from. Of those, a sample
+        // is read for `usage` (`kvroute_core::usage_sample`); the others cost no host call
+        // in their body callbacks.
+        self.resp = Resp::None;
         if self.decided_at_ms > 0 {
+            let now = host.now_ms();
             host.metric_record(
                 MetricKind::Histogram,
                 metric::TTFB_MS,
-                host.now_ms().saturating_sub(self.decided_at_ms),
+                now.saturating_sub(self.decided_at_ms),
             );
+            let read = self.worker.borrow_mut().sample_usage(&self.facts, now);
+            self.resp = match read {
+                true => Resp::Pending(Vec::new()),
+                false => Resp::Unread,
+            };
         }
         if self.worker.borrow().config.debug_header && !self.reason.is_empty() {
             host.set_response_header(DECISION_HEADER, &self.reason);
         }
-        self.resp = Resp::Pending(Vec::new());
         Flow::Continue
     }
 
@@ -348,8 +363,19 @@ impl Stream {
         size: usize,
         end_of_stream: bool,
     ) -> Flow {
-        if matches!(self.resp, Resp::None) {
-            return Flow::Continue;
+        match self.resp {
+            Resp::None => return Flow::Continue,
+            Resp::Unread => {
+                if size > 0 && !end_of_stream && self.facts.stream {
+                    self.first_token(host);
+                }
+                if end_of_stream {
+                    self.resp = Resp::None;
+                    self.release(host);
+                }
+                return Flow::Continue;
+            }
+            _ => {}
         }
         let cap = self.worker.borrow().config.usage_tail_bytes;
         let mut chunk = if size > 0 {
@@ -394,22 +420,7 @@ impl Stream {
         // is still running; a JSON body's first bytes come after the whole generation, just
         // before the release that clears the prefill anyway (two shared-data calls saved).
         if size > 0 && !end_of_stream && matches!(self.resp, Resp::Sse(_)) {
-            // First response bytes: the model server has produced its first token, so the
-            // request's prefill is over (release at the end clears it otherwise).
-            if let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) {
-                self.worker.borrow_mut().prefill_done(host, h);
-                h.prefill_tokens = 0;
-                // A streamed response's first event is its first token: time since the
-                // decision is this endpoint's TTFT, a prefill-throughput sample.
-                if self.decided_at_ms > 0 {
-                    let ttft_s = host.now_ms().saturating_sub(self.decided_at_ms) as f64 / 1e3;
-                    self.worker.borrow_mut().observe_first_token(
-                        &h.endpoint,
-                        self.facts.predicted_work_tokens,
-                        ttft_s,
-                    );
-                }
-            }
+            self.first_token(host);
         }
         if let Some(chunk) = chunk {
             match &mut self.resp {
@@ -422,7 +433,7 @@ impl Stream {
                         tail.drain(..cut);
                     }
                 }
-                Resp::None | Resp::Pending(_) | Resp::Other => {}
+                Resp::None | Resp::Pending(_) | Resp::Other | Resp::Unread => {}
             }
         }
         if end_of_stream {
@@ -438,7 +449,7 @@ impl Stream {
                         usage::parse_json_tail(&tail)
                     }
                 }
-                Resp::None | Resp::Pending(_) | Resp::Other => None,
+                Resp::None | Resp::Pending(_) | Resp::Other | Resp::Unread => None,
             };
             if let Some(u) = u {
                 let facts = self.facts.clone();
@@ -452,6 +463,26 @@ impl Stream {
             self.release(host);
         }
         Flow::Continue
+    }
+
+    /// A streamed response's first bytes arrived: the model server has produced its first
+    /// token, so the request's prefill is over (the release at the end clears it
+    /// otherwise), and the time since the decision is this endpoint's TTFT, a
+    /// prefill-throughput sample. Once per stream (the held prefill drops to 0).
+    fn first_token<H: Host>(&mut self, host: &H) {
+        let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) else {
+            return;
+        };
+        self.worker.borrow_mut().prefill_done(host, h);
+        h.prefill_tokens = 0;
+        if self.decided_at_ms > 0 {
+            let ttft_s = host.now_ms().saturating_sub(self.decided_at_ms) as f64 / 1e3;
+            self.worker.borrow_mut().observe_first_token(
+                &h.endpoint,
+                self.facts.predicted_work_tokens,
+                ttft_s,
+            );
+        }
     }
 
     fn adopt_resumed<H: Host>(&mut self, host: &H) {
@@ -957,6 +988,86 @@ mod tests {
         assert!(held(&h) > 0, "held until the tick or the next reservation");
         s.worker.borrow_mut().flush_releases(&h);
         assert_eq!(held(&h), 0);
+    }
+
+    /// A routed request of `body` up to its response headers, on a fresh stream.
+    fn to_response(h: &MockHost, w: &Rc<RefCell<Worker>>, body: &[u8]) -> (MockHost, Stream) {
+        let r = request(h, "/v1/chat/completions", body);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, body.len(), true);
+        s.on_response_headers(&r, false);
+        (r, s)
+    }
+
+    #[test]
+    fn only_sampled_responses_are_read_for_usage() {
+        use kvroute_core::usage_sample::BURST_READS;
+        let (h, w) = setup(r#"{"usage_sample_ms":1000}"#, vec![ep(0, 0.1)]);
+        let reply = br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}"#;
+        // A full bucket: the first responses of model `m` are all read.
+        for _ in 0..BURST_READS {
+            let (r, mut s) = to_response(&h, &w, BODY);
+            *r.resp_chunk.borrow_mut() = reply.to_vec();
+            s.on_response_body(&r, reply.len(), true);
+            assert_eq!(
+                r.take_calls().iter().find(|c| c.0 == "response_body"),
+                Some(&("response_body", 1))
+            );
+        }
+        let observed = h.metric(metric::ESTIMATE_ERROR_PCT);
+        s_flush(&w, &h);
+        assert_eq!(held(&h), 0);
+        // Past it, within the interval: a streamed request's chunks are not read, yet its
+        // first bytes end its prefill (and give a TTFT sample) and its end releases it.
+        let streamed =
+            br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}]}"#;
+        let (r, mut s) = to_response(&h, &w, streamed);
+        assert!(pending_prefill(&h) > 0);
+        r.take_calls();
+        *r.resp_chunk.borrow_mut() = b"data: {\"choices\":[]}\n\n".to_vec();
+        s.on_response_body(&r, 24, false);
+        assert_eq!(pending_prefill(&h), 0);
+        let calls = r.take_calls();
+        assert!(!calls.iter().any(|c| c.0 == "response_body"), "{calls:?}");
+        // prefill done: the in-flight table's read and CAS write; the TTFT clock
+        assert_eq!(calls, [("now_ms", 1), ("shared_get", 1), ("shared_set", 1)]);
+        s.on_response_body(&r, 24, false);
+        s.on_response_body(&r, 0, true);
+        assert_eq!(
+            r.take_calls(),
+            [],
+            "later chunks and the end cost no host call"
+        );
+        s_flush(&w, &h);
+        assert_eq!(held(&h), 0);
+        // A non-streamed one: its (only) chunk is not read and is not a first token.
+        let (r, mut s) = to_response(&h, &w, BODY);
+        let pending = pending_prefill(&h);
+        assert!(pending > 0);
+        r.take_calls();
+        s.on_response_body(&r, reply.len(), false);
+        assert_eq!(pending_prefill(&h), pending);
+        s.on_response_body(&r, 0, true);
+        assert_eq!(r.take_calls(), []);
+        s_flush(&w, &h);
+        assert_eq!(held(&h), 0);
+        assert_eq!(
+            h.metric(metric::ESTIMATE_ERROR_PCT),
+            observed,
+            "no usage was read"
+        );
+        // One interval later, the next response is read again.
+        *h.now.borrow_mut() += 1_000;
+        let (r, mut s) = to_response(&h, &w, BODY);
+        *r.resp_chunk.borrow_mut() = reply.to_vec();
+        s.on_response_body(&r, reply.len(), true);
+        assert!(r.take_calls().contains(&("response_body", 1)));
+        assert!(h.metric(metric::ESTIMATE_ERROR_PCT) > observed);
+    }
+
+    fn s_flush(w: &Rc<RefCell<Worker>>, h: &MockHost) {
+        w.borrow_mut().flush_releases(h);
     }
 
     #[test]

@@ -24,7 +24,12 @@
 //! syncs a second, a snapshot decode after each push) would be charged to each request many
 //! times over what it costs at real request rates, and it would vary with the machine's
 //! speed. Both are per-tick or per-push costs, not per-request ones; the idle rate is
-//! reported beside the per-request figure.
+//! reported beside the per-request figure. For the same reason `usage_sample_ms` is an
+//! hour: the responses whose `usage` the filter reads are chosen by a per-model token bucket
+//! refilled 200 times a second (`kvroute_core::usage_sample`), so at the timed benchmark's
+//! thousands of requests per second 4–7 % are read, while at valgrind's speed every one
+//! would be. With an hour, the bucket's first 100 reads fall in the warm-up and no counted
+//! response is read; `--plugin-config '{"usage_sample_ms":0}'` counts reading every one.
 
 use crate::overhead::{chat_body, prompts, proxy_yaml, push, start_backend, Options, VARIANTS};
 use bytes::Bytes;
@@ -66,9 +71,10 @@ pub struct CallgrindRow {
 
 /// kvroute's plugin configuration under callgrind: [`crate::overhead::PLUGIN_CONFIG`] with
 /// the journal sync slowed to once a minute and the snapshot fresh for an hour, so that
-/// one snapshot push serves the whole run (see the module doc).
-pub const CALLGRIND_PLUGIN_CONFIG: &str =
-    r#"{"mode":"cluster","affinity_sync_ms":60000,"picker":{"stale_after_ms":3600000}}"#;
+/// one snapshot push serves the whole run, and `usage_sample_ms` an hour, so that no
+/// response is read for `usage` after the first 100 (all in the warm-up): at full speed the
+/// benchmark's thousands of requests per second read 200 (see the module doc).
+pub const CALLGRIND_PLUGIN_CONFIG: &str = r#"{"mode":"cluster","affinity_sync_ms":60000,"picker":{"stale_after_ms":3600000},"usage_sample_ms":3600000}"#;
 
 /// Envoy under valgrind starts in tens of seconds, not one.
 const READY_WITHIN: Duration = Duration::from_secs(300);
@@ -202,6 +208,8 @@ pub async fn run(
     mut progress: impl FnMut(&str),
 ) -> anyhow::Result<Vec<CallgrindRow>> {
     let prompts = prompts(&opts.data)?;
+    let config =
+        crate::overhead::plugin_config(CALLGRIND_PLUGIN_CONFIG, opts.plugin_config.as_deref())?;
     let dir = std::env::temp_dir().join(format!("kvroute-callgrind-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let mut rows = Vec::new();
@@ -224,14 +232,7 @@ pub async fn run(
             ];
             let (proxy, [port, ingest]) =
                 Envoy::start_wrapped_on_free_ports(1, &wrapper, READY_WITHIN, |[port, ingest]| {
-                    proxy_yaml(
-                        variant,
-                        opts,
-                        port,
-                        ingest,
-                        &backend,
-                        CALLGRIND_PLUGIN_CONFIG,
-                    )
+                    proxy_yaml(variant, opts, port, ingest, &backend, &config)
                 })
                 .await?;
             if variant == "kvroute" {

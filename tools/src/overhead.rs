@@ -116,6 +116,9 @@ pub struct Options {
     /// Pause between a streamed response's chunks, so that each reaches the proxies as a
     /// body chunk of its own.
     pub stream_gap: Duration,
+    /// kvroute plugin settings (a JSON object) laid over the benchmark's own
+    /// ([`plugin_config`]).
+    pub plugin_config: Option<String>,
 }
 
 /// One wrk run against one proxy.
@@ -464,11 +467,29 @@ pub fn proxy_yaml(
 /// kvroute's plugin configuration in the benchmark: cluster mode, every default.
 pub const PLUGIN_CONFIG: &str = r#"{"mode":"cluster"}"#;
 
+/// The benchmark's plugin configuration `base` (a JSON object) with the top-level keys of
+/// `over` laid over it. Errors: either is not a JSON object.
+pub fn plugin_config(base: &str, over: Option<&str>) -> anyhow::Result<String> {
+    let object =
+        |s: &str, what: &str| -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
+            match serde_json::from_str(s) {
+                Ok(serde_json::Value::Object(m)) => Ok(m),
+                _ => anyhow::bail!("{what} is not a JSON object: {s}"),
+            }
+        };
+    let mut m = object(base, "the benchmark's plugin configuration")?;
+    if let Some(over) = over {
+        m.extend(object(over, "--plugin-config")?);
+    }
+    Ok(serde_json::Value::Object(m).to_string())
+}
+
 async fn start(opts: &Options) -> anyhow::Result<Proxies> {
+    let config = plugin_config(PLUGIN_CONFIG, opts.plugin_config.as_deref())?;
     let (backend, backend_addr) = start_backend(opts).await?;
     // Plain and floor have no ingest listener: the port is unused there.
     let yaml = |v: &str, [port, ingest]: [u16; 2]| {
-        proxy_yaml(v, opts, port, ingest, &backend_addr, PLUGIN_CONFIG)
+        proxy_yaml(v, opts, port, ingest, &backend_addr, &config)
     };
     let (plain, [pp]) = Envoy::start_on_free_ports(1, |[p]| yaml("plain", [p, 0])).await?;
     let (floor, [fp]) = Envoy::start_on_free_ports(1, |[p]| yaml("floor", [p, 0])).await?;
@@ -737,6 +758,28 @@ impl Report {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn plugin_settings_are_laid_over_the_benchmarks_own() {
+        assert_eq!(
+            plugin_config(PLUGIN_CONFIG, None).unwrap(),
+            r#"{"mode":"cluster"}"#
+        );
+        assert_eq!(
+            plugin_config(
+                PLUGIN_CONFIG,
+                Some(r#"{"usage_sample_ms":0,"mode":"endpoint"}"#)
+            )
+            .unwrap(),
+            r#"{"mode":"endpoint","usage_sample_ms":0}"#
+        );
+        for bad in ["[1]", "{", "3"] {
+            let e = plugin_config(PLUGIN_CONFIG, Some(bad))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(e, format!("--plugin-config is not a JSON object: {bad}"));
+        }
+    }
 
     #[test]
     fn stream_chunks_are_an_event_stream_whose_usage_the_filter_reads() {

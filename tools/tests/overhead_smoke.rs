@@ -28,6 +28,7 @@ async fn every_size_and_proxy_reports() {
             .map_or_else(|| workspace_root().join("../shared/data"), PathBuf::from),
         stream_events: 0,
         stream_gap: Duration::ZERO,
+        plugin_config: None,
     };
     let report = run(&opts, |l| eprintln!("{l}")).await.unwrap();
     assert_eq!(report.rows.len(), sizes.len() * VARIANTS.len());

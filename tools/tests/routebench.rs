@@ -200,6 +200,7 @@ fn the_filter_view_credits_a_long_shared_head_as_a_full_match() {
             max_output_tokens: None,
             n: 1,
             priority: 0,
+            stream: true,
             prefix_hashes: chain_ids(ids),
         };
         match by_ids.route_request(&snap, &table, &info, now).outcome {

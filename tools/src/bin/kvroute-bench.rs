@@ -81,6 +81,11 @@ struct Common {
     /// kvroute hybrid weight: prefix overlap.
     #[arg(long)]
     w_prefix: Option<f64>,
+    /// kvroute's `usage_sample_ms`: responses whose usage its learner reads (a token bucket
+    /// of 100 per model, one back every this many virtual ms; 0 = every response; default
+    /// the filter's).
+    #[arg(long)]
+    usage_sample_ms: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -187,6 +192,10 @@ fn setup(c: &Common) -> anyhow::Result<(EngineConfig, BenchConfig)> {
         push_delay_ms: c.push_delay_ms,
         picker,
         ..BenchConfig::new(1, 1.0, c.seed, &c.model)
+    };
+    let base = BenchConfig {
+        usage_sample_ms: c.usage_sample_ms.unwrap_or(base.usage_sample_ms),
+        ..base
     };
     Ok((replica.engine, base))
 }

@@ -70,6 +70,11 @@ struct Args {
     /// Microseconds between a streamed response's chunks (with --stream-events).
     #[arg(long, value_name = "US", default_value_t = 200)]
     stream_gap_us: u64,
+    /// JSON object of kvroute plugin settings laid over the benchmark's own (e.g.
+    /// `'{"usage_sample_ms":0}'` to read every response's usage); keys of the filter's
+    /// configuration reference (docs/filter.md).
+    #[arg(long, value_name = "JSON")]
+    plugin_config: Option<String>,
     /// Instead of running, write the benchmark's request bodies to DIR as
     /// `body-<size>.json`, one per size (`make bench-decision-ops` counts their decisions).
     #[arg(long, value_name = "DIR")]
@@ -99,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or_else(|| workspace_root().join("../shared/data")),
         stream_events: a.stream_events,
         stream_gap: Duration::from_micros(a.stream_gap_us),
+        plugin_config: a.plugin_config,
     };
     if let Some(dir) = &a.write_bodies {
         let prompts = prompts(&opts.data)?;

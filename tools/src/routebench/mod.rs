@@ -33,7 +33,9 @@
 //!   ([`kvroute_router`]): the row becomes a request of `input_length` exact prompt tokens
 //!   and no output limit (a router cannot know the output length), KV demand from the
 //!   router's learned output lengths ([`kvroute_core::router::Router::observe_output`], fed
-//!   with each finished row's usage) or the model's profile until enough were seen, the
+//!   with the usage of the finished rows the router's sampler chose at their first token,
+//!   [`kvroute_core::router::Router::sample_usage`], as the filter does) or the model's
+//!   profile until enough were seen, the
 //!   prefix index matched before the pick and recorded for the chosen endpoint;
 //!   the index holds the replica's KV capacity in 512-token blocks. A `NoCapacity` answer
 //!   (the gateway's 429) sends the request to the replica with the fewest in-flight requests
@@ -70,7 +72,7 @@ use kvroute_core::analysis::ApiKind;
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::percentile::percentile;
 use kvroute_core::picker::{PickerConfig, PolicyKind};
-use kvroute_core::router::{Outcome, RequestInfo, RouterConfig};
+use kvroute_core::router::{Outcome, RequestFacts, RequestInfo, RouterConfig};
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
 use baselines::dynamo::DynamoWorker;
@@ -232,6 +234,9 @@ pub struct BenchConfig {
     pub picker: PickerConfig,
     /// What kvroute's router sees of each row (default [`PrefixView::TraceIds`]).
     pub prefix_view: PrefixView,
+    /// kvroute's `usage_sample_ms`: which finished rows its output-length learner sees
+    /// ([`kvroute_core::router::Router::sample_usage`]; default the filter's, 0 = all).
+    pub usage_sample_ms: u64,
 }
 
 impl BenchConfig {
@@ -246,6 +251,7 @@ impl BenchConfig {
             model: model.to_string(),
             picker: PickerConfig::default(),
             prefix_view: PrefixView::default(),
+            usage_sample_ms: RouterConfig::default().usage_sample_ms,
         }
     }
 }
@@ -334,6 +340,9 @@ struct Req {
     prefill_charge: u64,
     /// kvroute's predicted effective prefill work at pick time (learner input), tokens.
     predicted_work: f64,
+    /// kvroute reads this response's `usage` (chosen at its first token by the router's
+    /// sampler, as the filter chooses at the response's headers).
+    usage_read: bool,
 }
 
 struct State {
@@ -565,6 +574,7 @@ pub fn kvroute_router(
     let config = |picker: PickerConfig| RouterConfig {
         picker: PickerConfig { policy, ..picker },
         prefix_index_blocks: index_blocks,
+        usage_sample_ms: cfg.usage_sample_ms,
         ..RouterConfig::default()
     };
     kvroute_core::router::Router::new(config(cfg.picker.clone()), cfg.seed)
@@ -598,14 +608,23 @@ fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[S
     let Router::Kv(router) = router else {
         return;
     };
+    let facts = RequestFacts {
+        model: Some(model.to_owned()),
+        stream: true,
+        ..RequestFacts::default()
+    };
     for (id, k, ttft) in firsts {
-        let (Some(r), Some(ep)) = (st.reqs.get(id as usize), ids.get(k)) else {
+        let (Some(r), Some(ep)) = (st.reqs.get_mut(id as usize), ids.get(k)) else {
             continue;
         };
         router.observe_first_token(ep, r.predicted_work, ttft);
+        // The response begins at its first token (all rows stream): the router's sampler
+        // chooses whether its usage is read, as in the filter.
+        let begins_ms = ((r.arrival + ttft) * 1e3).max(0.0) as u64;
+        r.usage_read = router.sample_usage(&facts, begins_ms);
     }
     for id in done {
-        if let Some(r) = st.reqs.get(id as usize) {
+        if let Some(r) = st.reqs.get(id as usize).filter(|r| r.usage_read) {
             router.observe_output(model, api, u64::from(r.prompt), u64::from(r.output));
         }
     }
@@ -740,6 +759,8 @@ pub fn run_router(
                     max_output_tokens: None,
                     n: 1,
                     priority: 0,
+                    // Trace rows stand for streamed requests (the benchmark times first tokens).
+                    stream: true,
                     prefix_hashes: hashes.clone(),
                 };
                 let decision = match cfg.prefix_view {
@@ -824,6 +845,7 @@ pub fn run_router(
                 done: false,
                 prefill_charge,
                 predicted_work,
+                usage_read: false,
             };
         }
         let req = SimRequest {
