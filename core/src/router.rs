@@ -871,8 +871,8 @@ impl Router {
     /// (the host's clock, ms), to a request routed with `facts`: a token bucket per model,
     /// refilled at one read per `usage_sample_ms` ([`crate::usage_sample`]). Only read
     /// responses feed [`Router::observe_usage`] and [`Router::observe_output`]; the first
-    /// token ([`Router::observe_first_token`]) needs no reading and is observed for every
-    /// streamed response.
+    /// token ([`Router::observe_first_token`]) needs no `usage` and is observed for every
+    /// response the host finds to be an event stream.
     pub fn sample_usage(&mut self, facts: &RequestFacts, now_ms: u64) -> bool {
         self.usage
             .sample(facts.model.as_deref().unwrap_or(""), now_ms)

@@ -5,9 +5,14 @@
 //! lengths ([`crate::router::Router::observe_output`]). Reading it is the dearest part of a
 //! response for the filter: every body chunk must be copied into the VM, a host call that
 //! returns data, because the usage event comes last and nothing marks the chunk that holds
-//! it. With OpenAI's streaming format that is one read per token event: ~5 k instructions
-//! per chunk inside Envoy's V8 beyond plain Envoy's ~3 k (docs/overhead.md, "Streamed
-//! responses"). The learners need tens of observations per second, not every response.
+//! it. With OpenAI's streaming format that is one read per token event: ~3.4 k
+//! instructions per chunk inside Envoy's V8 beyond what plain Envoy spends on it, against
+//! ~0.6 k for a chunk not read (docs/overhead.md, the ninth change). The learners need tens
+//! of observations per second, not every response.
+//!
+//! A read may yield nothing: an error reply, or a stream whose request did not ask for
+//! `stream_options.include_usage` (OpenAI and vLLM send no usage then). The bucket counts
+//! it all the same.
 //!
 //! **Rule** ([`UsageSampler::sample`]): a token bucket per model, as Envoy's local rate
 //! limit. A read takes one token; tokens come back one per `interval_ms`, up to
@@ -23,12 +28,13 @@
 //! length; the learners' windows (~1 000 observations for output lengths) then span more
 //! time, not fewer observations.
 //!
-//! What needs no reading is done for every response by the host: the end of prefill at the
-//! first bytes of a streamed response (the request's `stream` field says it streams), the
-//! TTFT sample, and the release of the reservation at the end.
+//! What needs no `usage` is done for every response by the host: the end of prefill at
+//! the first bytes of an event stream with its TTFT sample (the first chunk of a request
+//! with `stream: true` is read to tell an event stream from an error reply), and the
+//! release of the reservation at the end.
 //!
 //! Memory: one entry per model, at most [`MAX_MODELS`]; a new model past that replaces
-//! the one read least recently.
+//! the one whose last response is oldest.
 
 /// Bucket size: reads a model may take at once (and its first reads, all taken).
 pub const BURST_READS: u64 = 100;
@@ -47,7 +53,8 @@ struct Bucket {
     /// The bucket's content in milliseconds of refill: `interval_ms` per read, at most
     /// [`BURST_READS`] × `interval_ms`.
     credit_ms: u64,
-    /// Latest time seen, ms (the caller's clock; refill counts from here).
+    /// Time of the model's last response, ms (the caller's clock; refill counts from
+    /// here).
     last_ms: u64,
 }
 
@@ -75,8 +82,9 @@ impl UsageSampler {
 
     /// Whether to read the `usage` of a response to a request for `model` (`""` when the
     /// request named none) that begins at `now_ms` (the caller's clock, milliseconds; a
-    /// clock going backwards refills nothing until it passes the latest time seen). A
-    /// `true` takes a read from the model's bucket.
+    /// step backwards refills nothing, and refilling resumes from the new time, so a wall
+    /// clock stepped back by NTP does not stop reading). A `true` takes a read from the
+    /// model's bucket.
     pub fn sample(&mut self, model: &str, now_ms: u64) -> bool {
         let interval = self.interval_ms;
         if interval == 0 {
@@ -86,7 +94,7 @@ impl UsageSampler {
         if let Some(b) = self.buckets.iter_mut().find(|b| b.model == model) {
             let refill = now_ms.saturating_sub(b.last_ms);
             b.credit_ms = b.credit_ms.saturating_add(refill).min(full);
-            b.last_ms = b.last_ms.max(now_ms);
+            b.last_ms = now_ms;
             let read = b.credit_ms >= interval;
             if read {
                 b.credit_ms -= interval;
@@ -174,19 +182,21 @@ mod tests {
     }
 
     #[test]
-    fn a_clock_going_back_refills_nothing() {
+    fn a_clock_stepping_back_refills_nothing_then_refills_from_there() {
         let mut s = UsageSampler::new(10);
         for _ in 0..BURST_READS {
-            s.sample("m", 1_000);
+            s.sample("m", 4_000_000);
         }
+        // Stepped back an hour: the step refills nothing, then one read per 10 ms again
+        // (not an hour without reads).
         assert_eq!(
-            reads(&mut s, "m", [900, 1_005, 1_009, 1_010, 1_010]),
-            [1_010]
+            reads(&mut s, "m", [400_000, 400_005, 400_010, 400_015, 400_020]),
+            [400_010, 400_020]
         );
     }
 
     #[test]
-    fn models_past_the_bound_replace_the_one_read_least_recently() {
+    fn models_past_the_bound_replace_the_one_seen_least_recently() {
         let mut s = UsageSampler::new(10);
         for i in 0..MAX_MODELS as u64 {
             assert!(s.sample(&format!("m{i}"), 100 + i));

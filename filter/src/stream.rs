@@ -48,10 +48,9 @@ enum Resp {
     /// Response headers seen; the first body bytes tell the framing (held here until
     /// they do, at most [`SNIFF_MAX_BYTES`]).
     Pending(Vec<u8>),
-    /// Neither SSE nor JSON (compressed, an HTML or text error): nothing to read.
-    Other,
-    /// Not sampled for `usage` ([`Worker::sample_usage`]): no chunk is read; a streamed
-    /// request's first bytes still end its prefill, and the end releases it.
+    /// Nothing (more) to read: not chosen for `usage` ([`Worker::sample_usage`]), or
+    /// neither SSE nor JSON (compressed, an HTML or text error). No chunk is read; the end
+    /// releases the reservation.
     Unread,
     Sse(SseUsageScanner),
     Json {
@@ -80,6 +79,8 @@ pub struct Stream {
     decided_at_ms: u64,
     reason: String,
     resp: Resp,
+    /// This response is read for `usage` ([`Worker::sample_usage`], at its headers).
+    read_usage: bool,
 }
 
 /// Value of header `name` (ASCII case-insensitive) in `headers` as one host call returned
@@ -107,6 +108,7 @@ impl Stream {
             decided_at_ms: 0,
             reason: String::new(),
             resp: Resp::None,
+            read_usage: false,
         }
     }
 
@@ -344,8 +346,11 @@ impl Stream {
                 metric::TTFB_MS,
                 now.saturating_sub(self.decided_at_ms),
             );
-            let read = self.worker.borrow_mut().sample_usage(&self.facts, now);
-            self.resp = match read {
+            self.read_usage = self.worker.borrow_mut().sample_usage(&self.facts, now);
+            // An unread response to a streamed request still has its first bytes sniffed,
+            // so that an event stream's first token ends its prefill and gives a TTFT
+            // sample while an error reply (JSON, HTML) does not: one chunk read.
+            self.resp = match self.read_usage || self.facts.stream {
                 true => Resp::Pending(Vec::new()),
                 false => Resp::Unread,
             };
@@ -366,9 +371,6 @@ impl Stream {
         match self.resp {
             Resp::None => return Flow::Continue,
             Resp::Unread => {
-                if size > 0 && !end_of_stream && self.facts.stream {
-                    self.first_token(host);
-                }
                 if end_of_stream {
                     self.resp = Resp::None;
                     self.release(host);
@@ -383,6 +385,8 @@ impl Stream {
         } else {
             None
         };
+        // The framing, when this chunk decided it.
+        let mut framing_now = None;
         if let Resp::Pending(head) = &mut self.resp {
             if let Some(c) = chunk.take() {
                 // The usual case decides on the first chunk alone, without copying it.
@@ -406,20 +410,29 @@ impl Stream {
                 chunk = feed;
                 if let Some(f) = framing {
                     self.resp = match f {
+                        // Sniffed only: a first token is all it gives (below).
+                        _ if !self.read_usage => Resp::Unread,
                         BodyFraming::EventStream => Resp::Sse(SseUsageScanner::new(cap)),
                         BodyFraming::Json => Resp::Json {
                             tail: Vec::new(),
                             total: 0,
                         },
-                        BodyFraming::Other => Resp::Other,
+                        BodyFraming::Other => Resp::Unread,
                     };
+                    framing_now = Some(f);
                 }
             }
         }
         // Only a streamed response's first bytes mark the end of prefill while the request
         // is still running; a JSON body's first bytes come after the whole generation, just
         // before the release that clears the prefill anyway (two shared-data calls saved).
-        if size > 0 && !end_of_stream && matches!(self.resp, Resp::Sse(_)) {
+        let event_stream = match self.resp {
+            Resp::Sse(_) => true,
+            // Just sniffed as an event stream (an unread one is `Unread` from then on).
+            Resp::Unread => framing_now == Some(BodyFraming::EventStream),
+            _ => false,
+        };
+        if size > 0 && !end_of_stream && event_stream {
             self.first_token(host);
         }
         if let Some(chunk) = chunk {
@@ -433,7 +446,7 @@ impl Stream {
                         tail.drain(..cut);
                     }
                 }
-                Resp::None | Resp::Pending(_) | Resp::Other | Resp::Unread => {}
+                Resp::None | Resp::Pending(_) | Resp::Unread => {}
             }
         }
         if end_of_stream {
@@ -449,7 +462,7 @@ impl Stream {
                         usage::parse_json_tail(&tail)
                     }
                 }
-                Resp::None | Resp::Pending(_) | Resp::Other | Resp::Unread => None,
+                Resp::None | Resp::Pending(_) | Resp::Unread => None,
             };
             if let Some(u) = u {
                 let facts = self.facts.clone();
@@ -1018,20 +1031,38 @@ mod tests {
         let observed = h.metric(metric::ESTIMATE_ERROR_PCT);
         s_flush(&w, &h);
         assert_eq!(held(&h), 0);
-        // Past it, within the interval: a streamed request's chunks are not read, yet its
-        // first bytes end its prefill (and give a TTFT sample) and its end releases it.
+        // Past it, within the interval: a streamed request's first chunk is read only to
+        // tell an event stream from an error reply; being one, it ends the prefill and
+        // gives a TTFT sample; later chunks are not read; the end releases.
         let streamed =
             br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}]}"#;
+        let ttft_samples = || {
+            w.borrow()
+                .router()
+                .prefill_rates()
+                .estimate("pool/e0")
+                .observations
+        };
+        let samples = ttft_samples();
         let (r, mut s) = to_response(&h, &w, streamed);
         assert!(pending_prefill(&h) > 0);
         r.take_calls();
+        *h.now.borrow_mut() += 200;
         *r.resp_chunk.borrow_mut() = b"data: {\"choices\":[]}\n\n".to_vec();
         s.on_response_body(&r, 24, false);
         assert_eq!(pending_prefill(&h), 0);
-        let calls = r.take_calls();
-        assert!(!calls.iter().any(|c| c.0 == "response_body"), "{calls:?}");
-        // prefill done: the in-flight table's read and CAS write; the TTFT clock
-        assert_eq!(calls, [("now_ms", 1), ("shared_get", 1), ("shared_set", 1)]);
+        assert_eq!(ttft_samples(), samples + 1);
+        // the first chunk; prefill done: the in-flight table's read and CAS write; the
+        // TTFT clock
+        assert_eq!(
+            r.take_calls(),
+            [
+                ("now_ms", 1),
+                ("response_body", 1),
+                ("shared_get", 1),
+                ("shared_set", 1)
+            ]
+        );
         s.on_response_body(&r, 24, false);
         s.on_response_body(&r, 0, true);
         assert_eq!(
@@ -1039,6 +1070,21 @@ mod tests {
             [],
             "later chunks and the end cost no host call"
         );
+        s_flush(&w, &h);
+        assert_eq!(held(&h), 0);
+        // An error reply to a streamed request: its first chunk is sniffed as JSON, so it
+        // is no first token (no TTFT sample, the prefill stays until the release).
+        let (r, mut s) = to_response(&h, &w, streamed);
+        let pending = pending_prefill(&h);
+        r.take_calls();
+        *h.now.borrow_mut() += 5;
+        let error = br#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#;
+        *r.resp_chunk.borrow_mut() = error.to_vec();
+        s.on_response_body(&r, error.len(), false);
+        s.on_response_body(&r, 0, true);
+        assert_eq!(pending_prefill(&h), pending);
+        assert_eq!(ttft_samples(), samples + 1);
+        assert_eq!(r.take_calls(), [("response_body", 1)]);
         s_flush(&w, &h);
         assert_eq!(held(&h), 0);
         // A non-streamed one: its (only) chunk is not read and is not a first token.

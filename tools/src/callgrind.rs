@@ -215,7 +215,7 @@ pub async fn run(
     let mut rows = Vec::new();
     let n = cg.requests.max(1);
     for &size in &opts.sizes {
-        let body = chat_body(size, &prompts);
+        let body = chat_body(size, &prompts, opts.stream_events > 0);
         let (_backend, backend) = start_backend(opts).await?;
         for variant in VARIANTS {
             if !cg.variants.is_empty() && !cg.variants.iter().any(|v| v == variant) {

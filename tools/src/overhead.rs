@@ -210,14 +210,20 @@ pub fn prompts(data: &Path) -> anyhow::Result<Vec<String>> {
 
 /// A chat completion body of at most `size` bytes (short by at most one message's JSON
 /// framing, ~40 bytes): a system message, then the prompts in
-/// order as alternating user/assistant turns, the last one cut to fit.
-pub fn chat_body(size: usize, prompts: &[String]) -> Vec<u8> {
+/// order as alternating user/assistant turns, the last one cut to fit. With `stream`, it
+/// asks for a streamed answer with its usage (`"stream": true`, `stream_options`
+/// `include_usage`), as a client of the `--stream-events` backend would.
+pub fn chat_body(size: usize, prompts: &[String], stream: bool) -> Vec<u8> {
     let make = |messages: &[serde_json::Value]| {
-        serde_json::json!({
-            "model": MODEL, "max_tokens": 256, "temperature": 0.7, "stream": false,
+        let mut body = serde_json::json!({
+            "model": MODEL, "max_tokens": 256, "temperature": 0.7, "stream": stream,
             "messages": messages,
-        })
-        .to_string()
+        });
+        if let Some(fields) = body.as_object_mut().filter(|_| stream) {
+            let usage = serde_json::json!({"include_usage": true});
+            fields.insert("stream_options".into(), usage);
+        }
+        body.to_string()
     };
     let mut messages = vec![serde_json::json!({
         "role": "system", "content": "You are a helpful assistant. Answer concisely."
@@ -607,7 +613,7 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
     let mut report = Report::default();
     let mut version = now_ms();
     for &size in &opts.sizes {
-        let body = chat_body(size, &prompts);
+        let body = chat_body(size, &prompts, opts.stream_events > 0);
         let body_path = dir.join(format!("body-{size}.json"));
         std::fs::write(&body_path, &body)?;
         let script = dir.join(format!("post-{size}.lua"));
@@ -841,8 +847,13 @@ Transfer/sec:      1.22MB
     #[test]
     fn bodies_have_the_requested_size_and_parse() {
         let prompts: Vec<String> = (0..10).map(|i| format!("prompt {i} ").repeat(50)).collect();
-        for size in [1024, 16 * 1024, 256 * 1024] {
-            let b = chat_body(size, &prompts);
+        for (size, stream) in [
+            (1024, false),
+            (16 * 1024, false),
+            (256 * 1024, false),
+            (1024, true),
+        ] {
+            let b = chat_body(size, &prompts, stream);
             assert!(
                 b.len() <= size && b.len() + 64 >= size,
                 "{size}: {}",
@@ -850,6 +861,11 @@ Transfer/sec:      1.22MB
             );
             let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
             assert_eq!(v["model"], MODEL);
+            assert_eq!(v["stream"], stream);
+            assert_eq!(
+                v["stream_options"]["include_usage"].as_bool(),
+                stream.then_some(true)
+            );
         }
     }
 

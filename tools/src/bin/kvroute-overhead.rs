@@ -111,7 +111,7 @@ async fn main() -> anyhow::Result<()> {
         std::fs::create_dir_all(dir)?;
         for &size in &opts.sizes {
             let path = dir.join(format!("body-{size}.json"));
-            std::fs::write(&path, chat_body(size, &prompts))?;
+            std::fs::write(&path, chat_body(size, &prompts, opts.stream_events > 0))?;
             println!("{}", path.display());
         }
         return Ok(());
