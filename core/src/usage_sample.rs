@@ -5,9 +5,9 @@
 //! lengths ([`crate::router::Router::observe_output`]). Reading it is the dearest part of a
 //! response for the filter: every body chunk must be copied into the VM, a host call that
 //! returns data, because the usage event comes last and nothing marks the chunk that holds
-//! it. With OpenAI's streaming format that is one read per token event: ~3.4 k
-//! instructions per chunk inside Envoy's V8 beyond what plain Envoy spends on it, against
-//! ~0.6 k for a chunk not read (docs/overhead.md, the ninth change). The learners need tens
+//! it. With OpenAI's streaming format that is one read per token event: ~4 k instructions
+//! per chunk inside Envoy's V8 beyond what plain Envoy spends on it, against ~0.7 k for a
+//! chunk not read (docs/overhead.md, the ninth change). The learners need tens
 //! of observations per second, not every response.
 //!
 //! A read may yield nothing: an error reply, or a stream whose request did not ask for
