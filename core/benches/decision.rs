@@ -140,5 +140,37 @@ mod native {
         });
     }
 
-    criterion_group!(benches, bench_decision, bench_full_path);
+    /// What a request paid for one in-flight table shared by every worker (decode at the
+    /// decision, reserve, encode for the CAS write: the filter before 2026-12-02) against
+    /// what it pays for its worker's own table (reserve, release in memory), by the number
+    /// of reservations in flight. Host calls excluded (docs/overhead.md, "Tenth change").
+    fn bench_inflight(c: &mut Criterion) {
+        let (snap, _, _) = fleet(16);
+        let mut g = c.benchmark_group("inflight");
+        for n in [8u64, 128, 1024] {
+            let mut table = InflightTable::new(65_536);
+            for id in 0..n {
+                let e = &snap.endpoints[(id % 16) as usize].id;
+                table.reserve_with_prefill(id, e, 900, 300, NOW, 600_000);
+            }
+            let bytes = table.encode();
+            let e = snap.endpoints[3].id.clone();
+            g.bench_function(format!("shared_round_trip/{n}_in_flight"), |b| {
+                b.iter(|| {
+                    let mut t = InflightTable::decode(black_box(&bytes)).unwrap_or_default();
+                    t.reserve_with_prefill(u64::MAX, &e, 900, 300, NOW, 600_000);
+                    black_box(t.encode())
+                })
+            });
+            g.bench_function(format!("own_table/{n}_in_flight"), |b| {
+                b.iter(|| {
+                    table.reserve_with_prefill(u64::MAX, &e, 900, 300, NOW, 600_000);
+                    black_box(table.release(black_box(u64::MAX)))
+                })
+            });
+        }
+        g.finish();
+    }
+
+    criterion_group!(benches, bench_decision, bench_full_path, bench_inflight);
 }

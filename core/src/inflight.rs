@@ -1,4 +1,6 @@
-//! Router-local in-flight reservations, shared by all Envoy worker threads.
+//! Router-local in-flight reservations. In the filter each Envoy worker keeps its own
+//! table and publishes a copy for the other workers (`kvroute_filter::inflight`); a
+//! decision counts its own table and its copy of the others' together ([`Reservations`]).
 //!
 //! When the filter routes a request it *reserves* the request's estimated KV demand
 //! (tokens) on the chosen endpoint, so that the next decisions see that load before the
@@ -37,9 +39,9 @@
 //! - The table is bounded ([`InflightTable::new`]'s `max_entries`): when full, the entry that
 //!   expires first is evicted, so memory stays bounded under any load.
 //! - Wire format: a compact binary layout ([`WIRE_MAGIC`]) via [`InflightTable::encode`] /
-//!   [`InflightTable::decode`], stored in proxy-wasm shared data and updated with
-//!   compare-and-swap (the filter retries on a CAS mismatch). The filter reads and writes it
-//!   several times per request, so it is a flat copy, not JSON.
+//!   [`InflightTable::decode`], stored in proxy-wasm shared data, one key per worker,
+//!   written by that worker only. It is a flat copy, not JSON: the filter once read and
+//!   wrote one shared table several times per request (docs/overhead.md).
 //!
 //! Default TTL: [`DEFAULT_TTL_MS`] = 10 minutes, longer than a typical completion
 //! (vLLM's default request timeout is unbounded; Envoy's default route timeout is 15 s,
@@ -105,7 +107,7 @@ pub enum InflightError {
     Decode(String),
 }
 
-/// The shared reservation table.
+/// A reservation table (one per filter worker, or the routing benchmark's one).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InflightTable {
     /// Live reservations by id.
@@ -223,6 +225,31 @@ impl InflightTable {
     /// The reservation held under `id`, if any.
     pub fn get(&self, id: u64) -> Option<&Reservation> {
         self.entries.get(&id)
+    }
+
+    /// Move every reservation of `other` into this table (an id held by both keeps
+    /// `other`'s). Past `max_entries`, the reservations expiring first are evicted, as in
+    /// [`InflightTable::reserve`]. The filter merges the other workers' published tables
+    /// with it.
+    pub fn absorb(&mut self, mut other: InflightTable) {
+        self.entries.append(&mut other.entries);
+        let over = self.entries.len().saturating_sub(self.max_entries);
+        if over > 0 {
+            let mut by_expiry: Vec<(u64, u64)> = self
+                .entries
+                .iter()
+                .map(|(k, r)| (r.expires_at_ms, *k))
+                .collect();
+            by_expiry.sort_unstable();
+            for (_, k) in by_expiry.into_iter().take(over) {
+                self.entries.remove(&k);
+            }
+        }
+    }
+
+    /// Drop every reservation.
+    pub fn clear(&mut self) {
+        self.entries.clear();
     }
 
     /// Drop every reservation with `expires_at_ms <= now_ms`; returns how many.
@@ -407,6 +434,37 @@ impl InflightTable {
     }
 }
 
+/// Reservations a decision counts: one [`InflightTable`], or several read together (a
+/// filter worker's own table beside its copy of the other workers' tables). The router is
+/// generic over it so that the tables need no merging per decision.
+pub trait Reservations {
+    /// Add the unseen load of every table into `out`, by position
+    /// ([`InflightTable::add_unseen`]).
+    fn add_unseen_into<F>(&self, now_ms: u64, slot: F, out: &mut [InFlight])
+    where
+        F: Fn(&str) -> Option<(usize, u64)>;
+}
+
+impl Reservations for InflightTable {
+    fn add_unseen_into<F>(&self, now_ms: u64, slot: F, out: &mut [InFlight])
+    where
+        F: Fn(&str) -> Option<(usize, u64)>,
+    {
+        self.add_unseen(now_ms, slot, out);
+    }
+}
+
+impl Reservations for [&InflightTable] {
+    fn add_unseen_into<F>(&self, now_ms: u64, slot: F, out: &mut [InFlight])
+    where
+        F: Fn(&str) -> Option<(usize, u64)>,
+    {
+        for t in self {
+            t.add_unseen(now_ms, &slot, out);
+        }
+    }
+}
+
 /// First bytes of the binary table (format version 1). Layout, little-endian: magic, then
 /// `max_entries` u32, endpoint count u16, each endpoint id as length u16 + UTF-8 bytes,
 /// reservation count u32, then per reservation id u64, endpoint index u16, tokens u64,
@@ -477,6 +535,63 @@ mod tests {
     use proptest::prelude::*;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn tables_read_together_count_like_one_merged_table() {
+        let mut own = InflightTable::new(8);
+        own.reserve_with_prefill(1, "a", 100, 30, 1_000, 60_000);
+        own.reserve_with_prefill(2, "b", 50, 0, 500, 60_000);
+        let mut peers = InflightTable::new(8);
+        peers.reserve_with_prefill(3, "a", 7, 5, 1_000, 60_000);
+        peers.reserve_with_prefill(4, "c", 9, 0, 1_000, 60_000);
+        // "a" at slot 0 scraped at 900, "b" at slot 1 scraped at 900 (its reservation was
+        // made before: seen), "c" not in the snapshot.
+        let slot = |id: &str| match id {
+            "a" => Some((0, 900)),
+            "b" => Some((1, 900)),
+            _ => None,
+        };
+        let mut split = vec![InFlight::default(); 2];
+        [&own, &peers][..].add_unseen_into(1_000, slot, &mut split);
+        let mut merged = own.clone();
+        merged.absorb(peers);
+        let mut one = vec![InFlight::default(); 2];
+        merged.add_unseen_into(1_000, slot, &mut one);
+        assert_eq!(split, one);
+        assert_eq!(
+            split,
+            [
+                InFlight {
+                    requests: 2,
+                    tokens: 107,
+                    prefill_tokens: 35
+                },
+                InFlight::default()
+            ]
+        );
+    }
+
+    #[test]
+    fn absorbing_past_the_bound_evicts_what_expires_first() {
+        let mut t = InflightTable::new(3);
+        t.reserve(1, "a", 1, 0, 10);
+        t.reserve(2, "a", 1, 0, 40);
+        let mut other = InflightTable::new(3);
+        other.reserve(3, "b", 1, 0, 20);
+        other.reserve(4, "b", 1, 0, 30);
+        other.reserve(2, "b", 5, 0, 50);
+        t.absorb(other);
+        assert_eq!(t.len(), 3);
+        // 4 ids (2 is in both: the absorbed one wins), bound 3: the one expiring at 10 goes.
+        assert!(t.get(1).is_none());
+        assert_eq!(
+            t.get(2).map(|r| (r.endpoint.as_str(), r.tokens)),
+            Some(("b", 5))
+        );
+        assert!(t.get(3).is_some() && t.get(4).is_some());
+        t.clear();
+        assert!(t.is_empty());
+    }
 
     #[test]
     fn reserve_release_exactly_once() {

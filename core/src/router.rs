@@ -24,7 +24,7 @@
 //!    p50 350 / p90 597; see [`crate::profile`]), so known and unknown models share one rule
 //!    and one source.
 //! 4. **Pick.** Prefix blocks are matched in the per-router [`PrefixIndex`], in-flight load
-//!    is the table's unseen load ([`InflightTable::add_unseen`], by snapshot position through a
+//!    is the table's unseen load ([`crate::inflight::InflightTable::add_unseen`], by snapshot position through a
 //!    map built once per snapshot version; reservations the snapshot cannot
 //!    show yet, plus all pending prefill) plus the other gateway replicas' unseen load that
 //!    the control plane merged into the snapshot ([`crate::peer::add_peer_load`]), and the
@@ -51,7 +51,7 @@ use std::collections::BTreeMap;
 
 use crate::analysis::{analyze_bounded, AnalysisError, ApiKind, RequestAnalysis};
 use crate::estimate::{Estimator, EstimatorConfig};
-use crate::inflight::InflightTable;
+use crate::inflight::Reservations;
 use crate::observation::Observation;
 use crate::output_len::OutputLengths;
 use crate::picker::{
@@ -640,10 +640,10 @@ impl Router {
 
     /// Decide for a request to `path` with `body` (`None`: the host did not read it) over
     /// `snapshot` and the in-flight `table` at `now_ms` (Unix ms). Never panics.
-    pub fn route(
+    pub fn route<T: Reservations + ?Sized>(
         &mut self,
         snapshot: &Snapshot,
-        table: &InflightTable,
+        table: &T,
         path: &str,
         body: Option<&[u8]>,
         now_ms: u64,
@@ -696,10 +696,10 @@ impl Router {
 
     /// Decide for a request already described by `req` (e.g. a trace row). Same pipeline as
     /// [`Router::route`] from step 3 on; the basis is [`Basis::Body`].
-    pub fn route_request(
+    pub fn route_request<T: Reservations + ?Sized>(
         &mut self,
         snapshot: &Snapshot,
-        table: &InflightTable,
+        table: &T,
         req: &RequestInfo,
         now_ms: u64,
     ) -> Decision {
@@ -751,10 +751,10 @@ impl Router {
         self.fleet = fleet;
     }
 
-    fn decide(
+    fn decide<T: Reservations + ?Sized>(
         &mut self,
         snap: &Snapshot,
-        table: &InflightTable,
+        table: &T,
         req: &RequestInfo,
         now_ms: u64,
     ) -> Outcome {
@@ -765,7 +765,7 @@ impl Router {
         let mut inflight = std::mem::take(&mut self.scratch_inflight);
         inflight.clear();
         inflight.resize(snap.endpoints.len(), InFlight::default());
-        table.add_unseen(now_ms, |id| slots.get(id).copied(), &mut inflight);
+        table.add_unseen_into(now_ms, |id| slots.get(id).copied(), &mut inflight);
         crate::peer::add_peer_load(snap, &mut inflight);
         let matches = self.index.match_snapshot(&req.prefix_hashes, snap);
         let pick_req = PickRequest {
@@ -912,6 +912,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inflight::InflightTable;
     use crate::snapshot::EndpointStats;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;

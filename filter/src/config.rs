@@ -89,6 +89,12 @@ pub struct RawConfig {
     pub vm_id: String,
     /// Reservation lifetime, milliseconds (default 600000).
     pub reservation_ttl_ms: u64,
+    /// How old a worker's copy of the other workers' in-flight reservations may get before
+    /// its next decision reads them again, and how often at most a worker that keeps
+    /// reserving publishes its own, milliseconds (default 20,
+    /// `kvroute_filter::inflight::DEFAULT_SHARE_MS`; 0: every decision reads and every
+    /// reservation publishes; at most 10000). See `kvroute_filter::inflight`.
+    pub inflight_share_ms: u64,
     /// The router's own keys, at the top level of the JSON: `picker` (policy,
     /// `stale_after_ms`, headroom, weights, classes, fallbacks), `estimator` (media
     /// allowances, per-model calibration), `prefix` (block size in characters, max blocks),
@@ -153,6 +159,7 @@ impl Default for RawConfig {
             queue_name: "kvroute.snapshots".into(),
             vm_id: "kvroute".into(),
             reservation_ttl_ms: kvroute_core::inflight::DEFAULT_TTL_MS,
+            inflight_share_ms: crate::inflight::DEFAULT_SHARE_MS,
             router: RouterConfig::default(),
             admission: AdmissionConfig::default(),
             fail_open: true,
@@ -252,6 +259,13 @@ impl TryFrom<RawConfig> for Config {
         }
         if raw.reservation_ttl_ms == 0 {
             return Err(invalid("reservation_ttl_ms", 0, "must be at least 1"));
+        }
+        if raw.inflight_share_ms > 10_000 {
+            return Err(invalid(
+                "inflight_share_ms",
+                raw.inflight_share_ms,
+                "must be at most 10000",
+            ));
         }
         if raw.admission.enabled && raw.admission.max_queue == 0 {
             return Err(invalid(
@@ -378,6 +392,10 @@ mod tests {
             (r#"{"ingest_max_bytes":0}"#, "field `ingest_max_bytes`"),
             (r#"{"queue_name":""}"#, "field `queue_name`"),
             (r#"{"reservation_ttl_ms":0}"#, "field `reservation_ttl_ms`"),
+            (
+                r#"{"inflight_share_ms":10001}"#,
+                "field `inflight_share_ms`",
+            ),
             (
                 r#"{"admission":{"enabled":true,"max_queue":0}}"#,
                 "field `admission.max_queue`",

@@ -9,7 +9,8 @@
 //! | [`host`] | the host seam (trait); its in-memory mock only under `cfg(test)` or the `testing` feature |
 //! | [`names`] | every header, shared-data key and metric name |
 //! | [`reply`] | every reply the filter makes itself (OpenAI error object, `GET /v1/models`) |
-//! | [`shared`] | snapshot publication/cache and the in-flight table in shared data (CAS) |
+//! | [`shared`] | snapshot publication/cache, the keys updated with CAS, the worker counter |
+//! | [`inflight`] | each worker's in-flight reservations, published to and read from the other workers |
 //! | [`sharing`] | the journals the workers share on their tick: prefix affinity, learner observations |
 //! | [`ingest`] | role `ingest`: the upload checks, its stream type, the shared-queue consumer |
 //! | [`router`] | role `route`: per-worker state, host I/O around `kvroute_core::router::Router`, applying a decision, admission tick |
@@ -20,6 +21,7 @@
 
 pub mod config;
 pub mod host;
+pub mod inflight;
 pub mod ingest;
 pub mod names;
 pub mod reply;

@@ -19,8 +19,10 @@ pub const SNAPSHOT_VERSION_KEY: &str = "kvroute.snapshot.version";
 /// [`SNAPSHOT_VERSION_KEY`], because reading an empty value costs no allocation inside the
 /// VM (see `crate::shared`).
 pub const SNAPSHOT_SIGNAL_KEY: &str = "kvroute.snapshot.signal";
-/// Shared-data key of the in-flight reservation table (`InflightTable::encode`).
-pub const INFLIGHT_KEY: &str = "kvroute.inflight";
+/// Prefix of each worker's shared-data key for its in-flight reservations: the worker's
+/// number follows, e.g. `kvroute.inflight.3` (publication time, then
+/// `InflightTable::encode`; see [`crate::inflight`]).
+pub const INFLIGHT_KEY_PREFIX: &str = "kvroute.inflight.";
 /// Shared-data key of the prefix-affinity journal shared by the workers
 /// (`kvroute_core::affinity` wire format, see [`crate::sharing`]).
 pub const AFFINITY_KEY: &str = "kvroute.affinity";

@@ -1,13 +1,15 @@
 //! Per-worker state and host I/O around the core routing pipeline
-//! ([`kvroute_core::router::Router`]): read the snapshot and the in-flight table from shared
-//! data, call the router, count and log its decision, and apply it (header, reservation).
+//! ([`kvroute_core::router::Router`]): read the snapshot from shared data, call the router
+//! over the in-flight reservations of every worker, count and log its decision, and apply
+//! it (header, reservation).
 //! No routing logic lives here.
 //!
 //! Decision outcomes:
 //! - a pick sets the routing header (cluster name, or `host:port[,fallback...]`; Envoy
 //!   then recomputes the route), and reserves the request's KV demand (tokens) and pending
-//!   prefill on the chosen endpoint in the shared in-flight table ([`Worker::apply_route`],
-//!   the one place a decision is applied);
+//!   prefill on the chosen endpoint in the worker's in-flight table, which the other
+//!   workers read from shared data ([`Worker::apply_route`], the one place a decision is
+//!   applied; [`crate::inflight`]);
 //! - no endpoint for the model → 404 `model_not_found` when no endpoint lists it, else 503
 //!   `no_healthy_endpoint` with `retry-after` ([`crate::reply`], OpenAI's error object);
 //! - every endpoint saturated → held in the admission queue when enabled, else 429
@@ -22,7 +24,7 @@
 use crate::config::{Config, Mode};
 use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY};
-use crate::shared::{self, SnapshotCache};
+use crate::shared::SnapshotCache;
 use crate::sharing::{Journal, Synced};
 use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
@@ -37,7 +39,7 @@ pub use kvroute_core::router::RequestFacts;
 /// A reservation held by one stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
-    /// Reservation id in the shared table.
+    /// Reservation id (unique across workers: [`Worker::next_id`]).
     pub id: u64,
     /// Endpoint id.
     pub endpoint: String,
@@ -65,12 +67,6 @@ pub struct Routed {
     pub route: Route,
     /// When the decision was made, Unix ms: the reservation's start and the TTFB clock's.
     pub at_ms: u64,
-    /// The in-flight table the decision read, with its CAS token: [`Worker::apply_route`]
-    /// reserves on it instead of reading the table again (`None`: read afresh).
-    pub inflight: Option<shared::InflightRead>,
-    /// How many of this worker's pending releases the decision removed from that table
-    /// (counted as released once the reservation's write lands).
-    pub released: usize,
 }
 
 /// A decision to apply.
@@ -144,26 +140,18 @@ pub struct Worker {
     /// dropped, so they stay bounded by the fleet in force (endpoint churn).
     gauge_endpoints: std::collections::BTreeSet<String>,
     gauge_version: u64,
-    /// Reservations of streams that ended, not yet removed from the shared table (see
-    /// [`Worker::release`]).
-    pending_releases: Vec<u64>,
+    /// This worker's reservations and its copy of the other workers'.
+    inflight: crate::inflight::WorkerInflight,
+    /// Releases not yet added to the `released` counter (added with the next reservation's
+    /// counters, or on the tick: no host call of their own).
+    released_uncounted: i64,
 }
 
-/// Pending releases that make [`Worker::release`] write the table at once (bounds the list
-/// when decisions stop writing, e.g. every request fails open).
-pub const MAX_PENDING_RELEASES: usize = 64;
-
-/// The route role's tick is at most this long, ms, so a worker's deferred releases reach
-/// the shared table within it ([`Worker::release`]) whatever the sharing settings. Scraped
-/// KV stats are older than this anyway (the control plane scrapes once a second).
+/// The route role's tick is at most this long, ms, so a worker's releases, and
+/// reservations made within `inflight_share_ms` of its last publication, reach the other
+/// workers within it ([`crate::inflight`]) whatever the sharing settings. Scraped KV stats
+/// are older than this anyway (the control plane scrapes once a second).
 pub const RELEASE_FLUSH_MS: u64 = 100;
-
-/// Remove `ids` from `table`; how many were there.
-fn release_all(table: &mut kvroute_core::inflight::InflightTable, ids: &[u64]) -> usize {
-    ids.iter()
-        .filter(|id| table.release(**id).is_some())
-        .count()
-}
 
 /// The decision's reason as the debug header and the decision record show it: policy (or
 /// `stale_fallback`), endpoint, prefix blocks matched / hashed, the load-only cause, the
@@ -242,7 +230,6 @@ impl Worker {
         let admission = AdmissionQueue::new(config.admission.max_queue);
         let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Self {
-            config,
             router,
             cache: SnapshotCache::default(),
             id_prefix: rng.u64(..) & 0xFFFF_FFFF_0000_0000,
@@ -257,7 +244,12 @@ impl Worker {
             exported_unseen: std::collections::BTreeSet::new(),
             gauge_endpoints: std::collections::BTreeSet::new(),
             gauge_version: 0,
-            pending_releases: Vec::new(),
+            inflight: crate::inflight::WorkerInflight::new(
+                kvroute_core::inflight::DEFAULT_MAX_ENTRIES,
+                config.inflight_share_ms,
+            ),
+            released_uncounted: 0,
+            config,
         })
     }
 
@@ -277,8 +269,10 @@ impl Worker {
     }
 
     /// Make reservation ids unique across workers: `worker` (from
-    /// [`crate::shared::next_worker_number`]) becomes the upper 16 bits.
+    /// [`crate::shared::next_worker_number`]) becomes the upper 16 bits. It also names the
+    /// worker's in-flight key: until it is set, the worker shares no reservations.
     pub fn set_worker_number(&mut self, worker: u32) {
+        self.inflight.set_worker(worker);
         // Keep 16 random bits beside a 16-bit worker number: even if two workers raced to
         // the same number (see `shared::ensure_keys`), their ids still differ.
         self.id_prefix =
@@ -286,15 +280,17 @@ impl Worker {
         self.worker_number = worker;
     }
 
-    /// The tick: the admission queue when enabled, then the sync of the shared journals
-    /// (prefix affinity, learner observations) with the other workers when
+    /// The tick: publish this worker's in-flight table when it changed (or for the
+    /// heartbeat), the admission queue when enabled, the gauges, then the sync of the shared
+    /// journals (prefix affinity, learner observations) with the other workers when
     /// `affinity_sync_ms` has passed since the last one.
     pub fn periodic<H: Host>(&mut self, host: &H) {
-        self.flush_releases(host);
         if self.config.admission.enabled {
             self.tick(host);
         }
         let now = host.now_ms();
+        self.publish_inflight(host, now);
+        self.inflight.refresh_peers(host, now);
         // One read of the snapshot version for the whole tick.
         let snap = self.cache.current(host).ok().flatten();
         self.gauges_with(host, now, snap.as_deref());
@@ -307,9 +303,10 @@ impl Worker {
     }
 
     /// The gauges that describe shared state, refreshed on the tick rather than per request
-    /// (two host calls fewer per request): live reservations in the shared table (all
-    /// workers) and the age of the snapshot in force.
+    /// (two host calls fewer per request): live reservations (all workers, the others' as
+    /// of the worker's last read) and the age of the snapshot in force.
     pub fn record_gauges<H: Host>(&mut self, host: &H, now: u64) {
+        self.inflight.refresh_peers(host, now);
         let snap = self.cache.current(host).ok().flatten();
         self.gauges_with(host, now, snap.as_deref());
     }
@@ -319,13 +316,14 @@ impl Worker {
     /// [`metric::INFLIGHT_UNSEEN_TOKENS`] + endpoint id): the requests and reserved tokens
     /// of the shared table (every worker of this Envoy) made since that endpoint's
     /// `scraped_at_ms`, the rule the picker applies to its own reservations. Every worker
-    /// computes them from the same shared table, so whichever writes last writes this
-    /// Envoy's total; no per-worker sum is needed. A gauge whose load is gone is set to 0
-    /// by the worker that last set it. Endpoints without load cost nothing.
+    /// computes them over every worker's reservations (its own, and its copy of the
+    /// others', read on the same tick), so whichever writes last writes this Envoy's total;
+    /// no per-worker sum is needed. A gauge whose load is gone is set to 0 by the worker
+    /// that last set it. Endpoints without load cost nothing.
     fn gauges_with<H: Host>(&mut self, host: &H, now: u64, snap: Option<&Snapshot>) {
-        if let Ok(mut t) = shared::read_inflight(host) {
-            t.purge_expired(now);
-            host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.len() as u64);
+        {
+            let t = &self.inflight;
+            host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.live(now) as u64);
             if let Some(snap) = snap {
                 let scraped: BTreeMap<&str, u64> = snap
                     .endpoints
@@ -448,8 +446,9 @@ impl Worker {
     }
 
     /// Decide for a request to `path` with `body` (`None`: decided without the body) at
-    /// `now` (Unix ms, the caller's one clock read): shared-data reads, the core router,
-    /// decision counters and logs.
+    /// `now` (Unix ms, the caller's one clock read): the snapshot signal, the other
+    /// workers' in-flight tables when this worker's copy is `inflight_share_ms` old, the
+    /// core router over every worker's reservations, decision counters and logs.
     pub fn decide<H: Host>(
         &mut self,
         host: &H,
@@ -462,16 +461,10 @@ impl Worker {
             Ok(None) => return Decision::FailOpen("no snapshot received yet".into()),
             Err(e) => return Decision::FailOpen(format!("snapshot unreadable: {e}")),
         };
-        let mut read =
-            match shared::read_inflight_cas(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES) {
-                Ok(r) => r,
-                Err(e) => return Decision::FailOpen(format!("in-flight table unreadable: {e}")),
-            };
-        // This worker's ended streams leave the table the decision sees; the reservation's
-        // write makes that shared.
-        let released = release_all(&mut read.table, &self.pending_releases);
-        let table = &read.table;
-        let d = self.router.route(&snap, table, path, body, now);
+        self.inflight.refresh_peers(host, now);
+        let d = self
+            .router
+            .route(&snap, &self.inflight.view()[..], path, body, now);
         if let Some(e) = &d.parse_error {
             host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
             host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
@@ -527,8 +520,6 @@ impl Worker {
                     reason,
                     route,
                     at_ms: now,
-                    inflight: Some(read),
-                    released,
                 }))
             }
             Outcome::NoEndpoints => Decision::NoEndpoints,
@@ -538,13 +529,12 @@ impl Worker {
     }
 
     /// Apply a routed decision, the one place this happens: set the routing header (and the
-    /// debug header), and reserve the route's KV demand and pending prefill in the shared
-    /// in-flight table, starting from the table the decision read (one CAS write; a re-read
-    /// only if another worker wrote in between). Envoy recomputes the route itself after a
+    /// debug header), and reserve the route's KV demand and pending prefill in this worker's
+    /// in-flight table (in memory; published to the other workers at most once per
+    /// `inflight_share_ms`, [`crate::inflight`]). Envoy recomputes the route itself after a
     /// Wasm filter changes a request header (see `docs/filter.md`, "The route cache").
-    /// Returns the reservation (none when the shared table could not be updated: routing
-    /// still proceeds, counted as fail-open).
-    pub fn apply_route<H: Host>(&mut self, host: &H, routed: &mut Routed) -> Option<Held> {
+    /// Returns the reservation.
+    pub fn apply_route<H: Host>(&mut self, host: &H, routed: &mut Routed) -> Held {
         host.set_request_header(&routed.header, Some(&routed.value));
         if self.config.debug_header {
             host.set_request_header(DECISION_HEADER, Some(&routed.reason));
@@ -554,48 +544,35 @@ impl Worker {
         }
         let id = self.next_id();
         let r = &routed.route;
-        let (endpoint, tokens, prefill_tokens) =
-            (r.endpoint.as_str(), r.reserve_tokens, r.prefill_tokens);
-        let (now, ttl, max) = (
-            routed.at_ms,
+        let now = routed.at_ms;
+        self.inflight.reserve(
+            id,
+            &r.endpoint,
+            r.reserve_tokens,
+            r.prefill_tokens,
+            now,
             self.config.reservation_ttl_ms,
-            kvroute_core::inflight::DEFAULT_MAX_ENTRIES,
         );
-        // This worker's pending releases go out with the reservation: the decision already
-        // removed them from its read (`routed.released` of them were there); a retry after
-        // another worker's write removes them from the fresh read.
-        let pending = std::mem::take(&mut self.pending_releases);
-        let mut released = routed.released;
-        let mut first = true;
-        match shared::update_inflight_from(host, max, routed.inflight.take(), |t| {
-            let here = release_all(t, &pending);
-            released = if first { released + here } else { here };
-            first = false;
-            t.purge_expired(now);
-            t.reserve_with_prefill(id, endpoint, tokens, prefill_tokens, now, ttl);
-        }) {
-            Ok(()) => {
-                host.metric_add(MetricKind::Counter, metric::RESERVED, 1);
-                if released > 0 {
-                    host.metric_add(MetricKind::Counter, metric::RELEASED, released as i64);
-                }
-                Some(Held {
-                    id,
-                    endpoint: endpoint.to_owned(),
-                    tokens,
-                    prefill_tokens,
-                })
-            }
-            Err(e) => {
-                // Kept for the next write (or they expire with their TTL).
-                self.pending_releases = pending;
-                host.metric_add(MetricKind::Counter, metric::FAIL_OPEN, 1);
-                host.log(
-                    Level::Warn,
-                    &format!("kvroute: reservation not recorded: {e}"),
-                );
-                None
-            }
+        host.metric_add(MetricKind::Counter, metric::RESERVED, 1);
+        self.count_releases(host);
+        self.inflight.publish(host, now, false);
+        Held {
+            id,
+            endpoint: r.endpoint.clone(),
+            tokens: r.reserve_tokens,
+            prefill_tokens: r.prefill_tokens,
+        }
+    }
+
+    /// Add the releases not yet counted to the `released` counter (one host call).
+    fn count_releases<H: Host>(&mut self, host: &H) {
+        if self.released_uncounted > 0 {
+            host.metric_add(
+                MetricKind::Counter,
+                metric::RELEASED,
+                self.released_uncounted,
+            );
+            self.released_uncounted = 0;
         }
     }
 
@@ -623,71 +600,34 @@ impl Worker {
     }
 
     /// The first response bytes of `held`'s stream arrived: its prefill is done, so its
-    /// pending prefill in the shared table drops to 0 (same CAS update path as
-    /// [`Worker::release`]; a failure only leaves the prefill counted until release).
-    pub fn prefill_done<H: Host>(&mut self, host: &H, held: &Held) {
-        if let Err(e) =
-            shared::update_inflight(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES, |t| {
-                t.first_token(held.id)
-            })
-        {
-            host.log(
-                Level::Warn,
-                &format!("kvroute: prefill-done update failed (kept until release): {e}"),
-            );
-        }
+    /// pending prefill drops to 0 (in memory; the other workers see it with the next
+    /// publication).
+    pub fn prefill_done(&mut self, held: &Held) {
+        self.inflight.first_token(held.id);
     }
 
     /// Release a reservation (call exactly once per [`Held`]; a second call is harmless).
     ///
-    /// The release is *deferred*: the id joins this worker's pending releases, and leaves
-    /// the shared table with the worker's next reservation, whose decision already reads
-    /// and writes the table (so its own decisions never see it), or on the next tick
-    /// ([`Worker::flush_releases`]), whichever comes first. That saves a read and a write
-    /// of the shared table per request, the read being a host call that allocates inside
-    /// the VM (~10 k instructions in Envoy's V8; docs/overhead.md). Other workers see the
-    /// release up to one tick later ([`RELEASE_FLUSH_MS`], or `affinity_sync_ms` /
-    /// `admission.tick_ms` when shorter), or as soon as this worker routes again; until
-    /// then they count its load, so on a fleet at its KV limit one of them may queue (or,
-    /// without admission, answer 429) a request it would have placed. With
-    /// [`MAX_PENDING_RELEASES`] pending, the table is written at once. A worker replaced by
-    /// a plugin reconfiguration never ticks again: its pending releases expire with the
-    /// reservations' TTL (`reservation_ttl_ms`).
-    pub fn release<H: Host>(&mut self, host: &H, held: &Held) {
-        if !self.pending_releases.contains(&held.id) {
-            self.pending_releases.push(held.id);
-        }
-        if self.pending_releases.len() >= MAX_PENDING_RELEASES {
-            self.flush_releases(host);
+    /// The reservation leaves this worker's table at once, so its next decision no longer
+    /// counts it; the other workers see the release with the next publication: the
+    /// worker's next reservation once its last publication is `inflight_share_ms` old, or
+    /// its tick ([`RELEASE_FLUSH_MS`]), whichever comes first. No host call.
+    pub fn release(&mut self, held: &Held) {
+        if self.inflight.release(held.id) {
+            self.released_uncounted += 1;
         }
     }
 
-    /// Reservation ids released by this worker and not yet removed from the shared table
-    /// (see [`Worker::release`]); its decisions already treat them as gone.
-    pub fn pending_releases(&self) -> &[u64] {
-        &self.pending_releases
+    /// This worker's reservations and its copy of the other workers'.
+    pub fn inflight(&self) -> &crate::inflight::WorkerInflight {
+        &self.inflight
     }
 
-    /// Remove the pending releases from the shared table now (one read and CAS write).
-    /// Expired entries are purged by the next reservation, so this reads no clock.
-    pub fn flush_releases<H: Host>(&mut self, host: &H) {
-        if self.pending_releases.is_empty() {
-            return;
-        }
-        let pending = std::mem::take(&mut self.pending_releases);
-        match shared::update_inflight(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES, |t| {
-            release_all(t, &pending)
-        }) {
-            Ok(released) => {
-                if released > 0 {
-                    host.metric_add(MetricKind::Counter, metric::RELEASED, released as i64);
-                }
-            }
-            Err(e) => host.log(
-                Level::Warn,
-                &format!("kvroute: release failed (reservations will expire): {e}"),
-            ),
-        }
+    /// Publish this worker's in-flight table now if it changed since the last publication
+    /// (or for the heartbeat), and count the releases not yet counted: what the tick does.
+    pub fn publish_inflight<H: Host>(&mut self, host: &H, now: u64) {
+        self.count_releases(host);
+        self.inflight.publish(host, now, true);
     }
 
     /// Whether to read the `usage` of the response, beginning at `now_ms`, to a request
@@ -761,10 +701,9 @@ impl Worker {
                 Decision::NoCapacity { .. } => break,
                 Decision::Route(mut routed) => {
                     self.admission.pop();
-                    if let Some(held) = self.apply_route(host, &mut routed) {
-                        self.resumed
-                            .insert(p.context_id, (held, routed.route.facts.clone(), now));
-                    }
+                    let held = self.apply_route(host, &mut routed);
+                    self.resumed
+                        .insert(p.context_id, (held, routed.route.facts.clone(), now));
                     host.resume_request();
                     resumed += 1;
                 }
@@ -806,59 +745,66 @@ mod tests {
         Worker::new(Config::parse(json.as_bytes()).unwrap(), 7).unwrap()
     }
 
+    /// A worker with its number, as `on_configure` makes it.
+    fn numbered(h: &MockHost, json: &str) -> Worker {
+        let mut w = worker(json);
+        w.set_worker_number(crate::shared::next_worker_number(h).unwrap());
+        w
+    }
+
     #[test]
-    fn unseen_inflight_gauges_per_endpoint_follow_the_shared_table() {
+    fn unseen_inflight_gauges_per_endpoint_follow_every_workers_reservations() {
         let h = MockHost::new(1_000);
+        crate::shared::ensure_keys(&h).unwrap();
         let other_worker = h.sibling();
         // e0 scraped at 900, e1 at 1,500 (after the reservations below are made).
         let mut eps = vec![endpoint(0, 900), endpoint(1, 900)];
         eps[1].scraped_at_ms = 1_500;
-        shared::publish_snapshot(&h, &Snapshot::new(1, 900, eps).encode()).unwrap();
-        shared::update_inflight(&h, 16, |t| {
-            t.reserve(1, "pool/e0", 100, 1_000, 60_000);
-            t.reserve(2, "pool/e0", 50, 1_000, 60_000);
-            t.reserve(3, "pool/e1", 70, 1_000, 60_000);
-        })
-        .unwrap();
-        let mut w = worker("{}");
+        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 900, eps).encode()).unwrap();
+        let mut w = numbered(&h, "{}");
+        let mut w2 = numbered(&other_worker, "{}");
+        w.inflight.reserve(1, "pool/e0", 100, 0, 1_000, 60_000);
+        w2.inflight.reserve(2, "pool/e0", 50, 0, 1_000, 60_000);
+        w.inflight.reserve(3, "pool/e1", 70, 0, 1_000, 60_000);
+        w2.publish_inflight(&other_worker, 1_000);
         let g = |name: &str| h.named_gauges.borrow().get(name).copied();
         w.record_gauges(&h, 1_000);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(2));
         assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(150));
+        assert_eq!(h.metric(metric::INFLIGHT), 3);
         // e1's reservation predates its scrape: the snapshot shows it, no gauge.
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e1"), None);
         assert_eq!(h.named_gauges.borrow().len(), 2);
-        // Another worker releases one: any worker's tick writes the Envoy-wide figure.
-        shared::update_inflight(&other_worker, 16, |t| t.release(1)).unwrap();
-        let mut w2 = worker("{}");
-        w2.record_gauges(&other_worker, 1_000);
+        // w releases one: any worker's tick writes the Envoy-wide figure, w2's once it read
+        // w's publication.
+        w.inflight.release(1);
+        w.publish_inflight(&h, 1_000);
+        w2.record_gauges(&other_worker, 1_020);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(1));
         assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(50));
         // All gone: the worker that set the gauges sets them back to 0.
-        shared::update_inflight(&h, 16, |t| t.release(2)).unwrap();
-        w.record_gauges(&h, 1_000);
+        w2.inflight.release(2);
+        w2.publish_inflight(&other_worker, 1_020);
+        w.record_gauges(&h, 1_040);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(0));
         assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(0));
         // Nothing is written for endpoints that never had load.
         *h.named_gauges.borrow_mut() = BTreeMap::new();
-        w.record_gauges(&h, 1_000);
+        w.record_gauges(&h, 1_040);
         assert!(h.named_gauges.borrow().is_empty());
         assert!(h.forgotten_gauges.borrow().is_empty());
         // e0 leaves the fleet with a reservation still live: its gauges go to 0, their
         // handles are dropped, and nothing is exported for it any more.
-        shared::update_inflight(&h, 16, |t| {
-            t.reserve(4, "pool/e0", 10, 1_000, 60_000);
-        })
-        .unwrap();
-        w.record_gauges(&h, 1_000);
+        w.inflight.reserve(4, "pool/e0", 10, 0, 1_000, 60_000);
+        w.record_gauges(&h, 1_040);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(1));
         // e1 stays, scraped after its reservation as before.
-        shared::publish_snapshot(
+        crate::shared::publish_snapshot(
             &h,
             &Snapshot::new(2, 1_000, vec![endpoint(1, 1_500)]).encode(),
         )
         .unwrap();
-        w.record_gauges(&h, 1_001);
+        w.record_gauges(&h, 1_041);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(0));
         assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(0));
         assert_eq!(
@@ -869,7 +815,7 @@ mod tests {
             ]
         );
         *h.named_gauges.borrow_mut() = BTreeMap::new();
-        w.record_gauges(&h, 1_002);
+        w.record_gauges(&h, 1_042);
         assert!(h.named_gauges.borrow().is_empty());
     }
 
@@ -907,40 +853,41 @@ mod tests {
                 candidates: vec![],
             },
             at_ms: 1000,
-            inflight: None,
-            released: 0,
         };
-        let held = w.apply_route(&h, &mut routed).unwrap();
+        let held = w.apply_route(&h, &mut routed);
         assert_eq!(h.header("x-kvroute-cluster").as_deref(), Some("c1"));
+        let own = |w: &Worker| w.inflight.own().totals(1000).get("pool/e1").copied();
         assert_eq!(
-            shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"],
-            InFlight {
+            own(&w),
+            Some(InFlight {
                 requests: 1,
                 tokens: 500,
                 prefill_tokens: 300,
-            }
+            })
         );
-        w.prefill_done(&h, &held);
+        h.take_calls();
+        w.prefill_done(&held);
+        assert_eq!(h.take_calls(), [], "in memory: no host call");
         assert_eq!(
-            shared::read_inflight(&h).unwrap().totals(1000)["pool/e1"],
-            InFlight {
+            own(&w),
+            Some(InFlight {
                 requests: 1,
                 tokens: 500,
                 prefill_tokens: 0,
-            }
+            })
         );
         // The in-flight gauge is the tick's job, not the request's.
         assert_eq!(h.metric(metric::INFLIGHT), 0);
         w.record_gauges(&h, 1000);
         assert_eq!(h.metric(metric::INFLIGHT), 1);
         h.take_calls();
-        w.release(&h, &held);
-        w.release(&h, &held);
-        // Deferred: no host call, the table still holds it until the tick.
-        assert_eq!(h.take_calls(), []);
-        assert_eq!(shared::read_inflight(&h).unwrap().len(), 1);
+        w.release(&held);
+        w.release(&held);
+        assert_eq!(h.take_calls(), [], "in memory: no host call");
+        assert_eq!(own(&w), None);
+        // Counted on the tick (or with the next reservation's counters), once.
+        assert_eq!(h.metric(metric::RELEASED), 0);
         w.periodic(&h);
-        assert!(shared::read_inflight(&h).unwrap().totals(1000).is_empty());
         assert_eq!(h.metric(metric::RESERVED), 1);
         assert_eq!(h.metric(metric::RELEASED), 1);
         w.record_gauges(&h, 1000);
@@ -948,73 +895,63 @@ mod tests {
     }
 
     #[test]
-    fn pending_releases_leave_with_the_next_reservation() {
+    fn decisions_count_other_workers_reservations_once_published_and_read() {
         let h = MockHost::new(1000);
-        let mut w = worker("{}");
-        let eps = vec![endpoint(0, 1000), endpoint(1, 1000)];
-        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
-        let route = |w: &mut Worker| match w.decide(&h, "/v1/chat/completions", None, 1000) {
-            Decision::Route(mut r) => w.apply_route(&h, &mut r).unwrap(),
-            d => panic!("{d:?}"),
-        };
-        let a = route(&mut w);
-        let b = route(&mut w);
-        w.release(&h, &a);
-        assert_eq!(shared::read_inflight(&h).unwrap().len(), 2);
-        // The next decision does not see `a`, and its one write removes it for everyone.
-        h.take_calls();
-        let c = route(&mut w);
-        let calls = h.take_calls();
-        assert!(calls.contains(&("shared_get", 2)), "{calls:?}");
-        assert!(calls.contains(&("shared_set", 1)), "{calls:?}");
-        let t = shared::read_inflight(&h).unwrap();
-        assert_eq!(t.len(), 2);
-        assert_eq!(h.metric(metric::RELEASED), 1);
-        // Another worker wrote in between: the retry removes it from the fresh read,
-        // counted once.
-        w.release(&h, &b);
+        crate::shared::ensure_keys(&h).unwrap();
         let other = h.sibling();
-        shared::update_inflight(&other, 16, |t| {
-            t.reserve_with_prefill(77, "pool/e0", 1, 0, 1000, 60_000)
-        })
-        .unwrap();
-        let read = shared::read_inflight_cas(&h, 16).unwrap();
-        shared::update_inflight(&other, 16, |t| {
-            t.reserve_with_prefill(78, "pool/e0", 1, 0, 1000, 60_000)
-        })
-        .unwrap();
-        let mut table = read.table.clone();
-        let released = super::release_all(&mut table, &[b.id]);
-        assert_eq!(released, 1);
-        let mut routed = match w.decide(&h, "/v1/chat/completions", None, 1000) {
-            Decision::Route(r) => r,
+        let eps = vec![endpoint(0, 1000), endpoint(1, 1000)];
+        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
+        let mut a = numbered(&h, "{}");
+        let mut b = numbered(&other, "{}");
+        let route = |w: &mut Worker, host: &MockHost, now: u64| match w.decide(
+            host,
+            "/v1/chat/completions",
+            None,
+            now,
+        ) {
+            Decision::Route(mut r) => {
+                r.at_ms = now;
+                w.apply_route(host, &mut r)
+            }
             d => panic!("{d:?}"),
         };
-        routed.inflight = Some(shared::InflightRead {
-            table,
-            cas: read.cas,
-        });
-        routed.released = released;
-        let d = w.apply_route(&h, &mut routed).unwrap();
-        let t = shared::read_inflight(&h).unwrap();
-        assert_eq!(h.metric(metric::RELEASED), 2);
-        assert_eq!(t.len(), 4, "c, d, and the other worker's 77 and 78");
-        for id in [c.id, d.id, 77, 78] {
-            assert!(t.clone().release(id).is_some(), "{id} missing");
+        // Load only: each worker spreads its own requests at once.
+        let a1 = route(&mut a, &h, 1000);
+        let a2 = route(&mut a, &h, 1001);
+        assert_ne!(a1.endpoint, a2.endpoint);
+        // b read a's table at its first decision (a published its first reservation at
+        // once): its first pick avoids a1's endpoint... and a2's is not seen yet.
+        let b1 = route(&mut b, &other, 1001);
+        assert_eq!(b1.endpoint, a2.endpoint, "a2 was not published yet");
+        // 20 ms on, a's next reservation publishes; b's next decision reads it.
+        h.take_calls();
+        let a3 = route(&mut a, &h, 1021);
+        let calls = h.take_calls();
+        assert!(calls.contains(&("shared_set", 1)), "{calls:?}");
+        assert_eq!(a.inflight.own().len(), 3);
+        assert_eq!(b.inflight.live(1021), 2, "b1, and a1 as read at 1001");
+        b.inflight.refresh_peers(&other, 1021);
+        assert_eq!(b.inflight.live(1021), 4, "b1 and a1..a3");
+        // Within the interval a decision reads only the snapshot signal; b's own table,
+        // last published at 1001, is due for publication (one write).
+        other.take_calls();
+        route(&mut b, &other, 1030);
+        let calls = other.take_calls();
+        assert!(calls.contains(&("shared_get", 1)), "{calls:?}");
+        assert!(calls.contains(&("shared_set", 1)), "{calls:?}");
+        // Then, within the interval of both, none but the signal.
+        route(&mut b, &other, 1035);
+        let calls = other.take_calls();
+        assert!(calls.contains(&("shared_get", 1)), "{calls:?}");
+        assert!(!calls.iter().any(|(c, _)| *c == "shared_set"), "{calls:?}");
+        // Releases reach b with a's tick.
+        for held in [&a1, &a2, &a3] {
+            a.release(held);
         }
-        // A worker that stops routing writes its pending releases at the bound.
-        for i in 0..super::MAX_PENDING_RELEASES as u64 {
-            w.release(
-                &h,
-                &Held {
-                    id: 1_000 + i,
-                    endpoint: "pool/e0".into(),
-                    tokens: 1,
-                    prefill_tokens: 0,
-                },
-            );
-        }
-        assert!(w.pending_releases.is_empty());
+        a.periodic(&h);
+        assert_eq!(h.metric(metric::RELEASED), 3);
+        b.inflight.refresh_peers(&other, 1050);
+        assert_eq!(b.inflight.live(1050), 3, "b's own three");
     }
 
     #[test]
@@ -1045,7 +982,7 @@ mod tests {
         let mut e = (0..2).map(|i| endpoint(i, 1000)).collect::<Vec<_>>();
         e[0].process_start_ms = Some(1);
         e[1].process_start_ms = Some(1);
-        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, e.clone()).encode()).unwrap();
+        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 1000, e.clone()).encode()).unwrap();
         let mut w = worker(r#"{"picker":{"policy":"round_robin"}}"#);
         let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
         for _ in 0..2 {
@@ -1058,7 +995,7 @@ mod tests {
         assert_eq!(w.prefix_blocks("pool/e1"), 10);
         e[0].process_start_ms = Some(2);
         let e1 = e.remove(1);
-        shared::publish_snapshot(&h, &Snapshot::new(2, 1000, e).encode()).unwrap();
+        crate::shared::publish_snapshot(&h, &Snapshot::new(2, 1000, e).encode()).unwrap();
         let _ = w.decide(&h, "/v1/models", None, h.now_ms());
         assert_eq!(w.prefix_blocks("pool/e0"), 0, "restarted");
         assert_eq!(w.prefix_blocks(&e1.id), 0, "removed");
@@ -1075,8 +1012,8 @@ mod tests {
     fn two_workers(endpoints: usize) -> (MockHost, Worker, Worker) {
         let h = MockHost::new(1000);
         let snap = Snapshot::new(1, 1000, (0..endpoints).map(|i| endpoint(i, 1000)).collect());
-        shared::publish_snapshot(&h, &snap.encode()).unwrap();
-        shared::ensure_keys(&h).unwrap();
+        crate::shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        crate::shared::ensure_keys(&h).unwrap();
         let (mut a, mut b) = (worker("{}"), worker("{}"));
         a.set_worker_number(1);
         b.set_worker_number(2);
@@ -1227,7 +1164,7 @@ mod tests {
     fn decision_reason_names_endpoint_and_load_only_cause() {
         let h = MockHost::new(1000);
         let snap = Snapshot::new(1, 1000, vec![endpoint(0, 1000)]);
-        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        crate::shared::publish_snapshot(&h, &snap.encode()).unwrap();
         let mut w = worker(r#"{"debug_header":true}"#);
         let reason = |d: Decision| match d {
             Decision::Route(r) => r.reason,
@@ -1259,7 +1196,7 @@ mod tests {
             r.reason,
             "policy:hybrid;endpoint=pool/e0;load_only=body_not_read"
         );
-        w.apply_route(&h, &mut r).unwrap();
+        w.apply_route(&h, &mut r);
         assert_eq!(
             h.header(DECISION_HEADER).as_deref(),
             Some(r.reason.as_str())
@@ -1271,7 +1208,7 @@ mod tests {
         let h = MockHost::new(1000);
         let mut eps: Vec<EndpointStats> = (0..2).map(|i| endpoint(i, 1000)).collect();
         eps[1].kv_usage = Some(0.6);
-        shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
+        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 1000, eps).encode()).unwrap();
         let body = br#"{"model":"m","prompt":"hello","max_tokens":100}"#;
         // Off (the default): no record, no property.
         let mut w = worker("{}");
@@ -1280,11 +1217,9 @@ mod tests {
         };
         // Neither the debug header nor the record shows it: not built.
         assert_eq!(r.reason, "");
-        let held = w.apply_route(&h, &mut r).unwrap();
+        let held = w.apply_route(&h, &mut r);
         assert_eq!(h.property(&[DECISION_PROPERTY]), None);
-        w.release(&h, &held);
-        // The tick writes it for the next worker to see.
-        w.flush_releases(&h);
+        w.release(&held);
         // On: the reason gains the ranked candidates, and becomes filter state.
         let mut w = worker(r#"{"decision_record":true}"#);
         let Decision::Route(mut r) = w.decide(&h, "/v1/completions", Some(body), h.now_ms()) else {
@@ -1317,7 +1252,7 @@ mod tests {
             );
             assert!(c.contains(",ttft_ms="), "{c}");
         }
-        w.apply_route(&h, &mut r).unwrap();
+        w.apply_route(&h, &mut r);
         assert_eq!(h.property(&[DECISION_PROPERTY]), Some(r.reason.clone()));
     }
 
@@ -1325,7 +1260,7 @@ mod tests {
     fn endpoint_mode_header_lists_fallbacks() {
         let h = MockHost::new(1000);
         let snap = Snapshot::new(1, 1000, (0..3).map(|i| endpoint(i, 1000)).collect());
-        shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        crate::shared::publish_snapshot(&h, &snap.encode()).unwrap();
         let mut w =
             worker(r#"{"mode":"endpoint","picker":{"policy":"round_robin","max_fallbacks":2}}"#);
         match w.decide(&h, "/v1/models", None, h.now_ms()) {

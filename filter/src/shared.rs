@@ -1,6 +1,7 @@
 //! Process-wide state in proxy-wasm shared data: the current snapshot (published by the
-//! queue consumer, read through a per-worker cache) and the in-flight reservation table
-//! (updated with compare-and-swap).
+//! queue consumer, read through a per-worker cache), the keys later updated with
+//! compare-and-swap, and the worker counter. Each worker's in-flight table is in
+//! [`crate::inflight`].
 //!
 //! Snapshot publication writes [`SNAPSHOT_KEY`] first and [`SNAPSHOT_VERSION_KEY`] second,
 //! the latter with CAS, so two consumers racing cannot move the version backwards, and a
@@ -26,10 +27,9 @@
 
 use crate::host::{Host, HostError};
 use crate::names::{
-    AFFINITY_KEY, INFLIGHT_KEY, LEARNED_KEY, SNAPSHOT_KEY, SNAPSHOT_SIGNAL_KEY,
-    SNAPSHOT_VERSION_KEY, WORKER_SEQ_KEY,
+    AFFINITY_KEY, LEARNED_KEY, SNAPSHOT_KEY, SNAPSHOT_SIGNAL_KEY, SNAPSHOT_VERSION_KEY,
+    WORKER_SEQ_KEY,
 };
-use kvroute_core::inflight::InflightTable;
 use kvroute_core::snapshot::{Snapshot, SnapshotError};
 use std::rc::Rc;
 
@@ -66,9 +66,6 @@ pub enum SharedError {
     /// CAS kept failing.
     #[error("shared data `{0}` stayed contended after {CAS_RETRIES} attempts")]
     Contended(&'static str),
-    /// The in-flight table in shared data is corrupt.
-    #[error("in-flight table: {0}")]
-    Inflight(String),
 }
 
 fn decode_version(bytes: Option<&[u8]>) -> Option<u64> {
@@ -138,15 +135,11 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
 /// Create the shared keys that are later updated with compare-and-swap, if absent.
 ///
 /// proxy-wasm's CAS value 0 means "no check": an update of a key that does not exist yet
-/// is unconditional, so two workers making their first reservation at the same moment
-/// would each overwrite the other's table and lose a reservation (seen as one release
-/// too few in the herd test). Creating the keys at configure time, before any request,
-/// makes every later update a real CAS. A race here only writes the same empty value twice.
+/// is unconditional, so two workers making their first update at the same moment would
+/// each overwrite the other's (two workers would get the same number, two journal records
+/// would be lost). Creating the keys at configure time, before any request, makes every
+/// later update a real CAS. A race here only writes the same initial value twice.
 pub fn ensure_keys<H: Host>(host: &H) -> Result<(), SharedError> {
-    let (inflight, _) = host.shared_get(INFLIGHT_KEY)?;
-    if inflight.is_none() {
-        host.shared_set(INFLIGHT_KEY, &InflightTable::default().encode(), None)?;
-    }
     let (seq, _) = host.shared_get(WORKER_SEQ_KEY)?;
     if seq.is_none() {
         host.shared_set(WORKER_SEQ_KEY, &0u64.to_be_bytes(), None)?;
@@ -228,70 +221,6 @@ impl SnapshotCache {
     }
 }
 
-/// The in-flight table as one read returned it, with the CAS token to write it back with
-/// ([`update_inflight_from`]). `cas` is `None` when the key did not exist.
-#[derive(Debug, Clone, PartialEq)]
-pub struct InflightRead {
-    /// The decoded table (a fresh one when the key did not exist).
-    pub table: InflightTable,
-    /// The CAS token of that read.
-    pub cas: Option<u32>,
-}
-
-/// Apply `f` to the shared in-flight table with CAS, retrying on races. Returns `f`'s
-/// result from the attempt that was written.
-pub fn update_inflight<H: Host, R>(
-    host: &H,
-    max_entries: usize,
-    f: impl FnMut(&mut InflightTable) -> R,
-) -> Result<R, SharedError> {
-    update_inflight_from(host, max_entries, None, f)
-}
-
-/// [`update_inflight`] whose first attempt starts from `first`, a read this callback already
-/// made (the decision's), instead of reading the table again: one shared-data read and one
-/// decode fewer per request. If another worker wrote in between, the CAS fails and the
-/// later attempts read afresh, exactly as [`update_inflight`] does.
-pub fn update_inflight_from<H: Host, R>(
-    host: &H,
-    max_entries: usize,
-    mut first: Option<InflightRead>,
-    mut f: impl FnMut(&mut InflightTable) -> R,
-) -> Result<R, SharedError> {
-    for _ in 0..CAS_RETRIES {
-        let InflightRead { mut table, cas } = match first.take() {
-            Some(r) => r,
-            None => read_inflight_cas(host, max_entries)?,
-        };
-        let out = f(&mut table);
-        match host.shared_set(INFLIGHT_KEY, &table.encode(), Some(cas.unwrap_or(0))) {
-            Ok(()) => return Ok(out),
-            Err(HostError::CasMismatch) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(SharedError::Contended(INFLIGHT_KEY))
-}
-
-/// Read the shared in-flight table and its CAS token (an empty table bounded by
-/// `max_entries` when never written).
-pub fn read_inflight_cas<H: Host>(
-    host: &H,
-    max_entries: usize,
-) -> Result<InflightRead, SharedError> {
-    let (bytes, cas) = host.shared_get(INFLIGHT_KEY)?;
-    let table = match bytes.as_deref() {
-        Some(b) => InflightTable::decode(b).map_err(|e| SharedError::Inflight(e.to_string()))?,
-        None => InflightTable::new(max_entries),
-    };
-    Ok(InflightRead { table, cas })
-}
-
-/// Read the shared in-flight table (empty when never written).
-pub fn read_inflight<H: Host>(host: &H) -> Result<InflightTable, SharedError> {
-    read_inflight_cas(host, kvroute_core::inflight::DEFAULT_MAX_ENTRIES).map(|r| r.table)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,14 +293,13 @@ mod tests {
     }
 
     #[test]
-    fn ensure_keys_creates_once_and_keeps_live_reservations() {
+    fn ensure_keys_creates_once_and_keeps_the_worker_count() {
         let h = MockHost::new(0);
         ensure_keys(&h).unwrap();
-        assert!(read_inflight(&h).unwrap().is_empty());
-        update_inflight(&h, 10, |t| t.reserve(7, "a", 5, 0, 100)).unwrap();
-        // A reconfigure (second call) must not wipe the table.
+        assert_eq!(next_worker_number(&h).unwrap(), 1);
+        // A reconfigure (second call) must not reset the count.
         ensure_keys(&h).unwrap();
-        assert_eq!(read_inflight(&h).unwrap().len(), 1);
+        assert_eq!(next_worker_number(&h).unwrap(), 2);
     }
 
     #[test]
@@ -449,42 +377,14 @@ mod tests {
     }
 
     #[test]
-    fn an_update_from_a_stale_read_retries_from_a_fresh_one() {
+    fn a_cas_update_that_stays_contended_is_an_error() {
         let h = MockHost::new(0);
-        let stale = read_inflight_cas(&h, 10).unwrap();
-        // Another worker writes between this worker's read and its reservation.
-        update_inflight(&h, 10, |t| t.reserve(1, "a", 5, 0, 100)).unwrap();
-        h.take_calls();
-        update_inflight_from(&h, 10, Some(stale), |t| t.reserve(2, "b", 7, 0, 100)).unwrap();
-        // The stale write was refused; one fresh read and its write followed.
-        assert_eq!(h.take_calls(), [("shared_get", 1), ("shared_set", 2)]);
-        let t = read_inflight(&h).unwrap().totals(0);
-        assert_eq!(
-            (t["a"].tokens, t["b"].tokens),
-            (5, 7),
-            "neither write is lost"
-        );
-        // From a read nobody overtook: the write alone.
-        let fresh = read_inflight_cas(&h, 10).unwrap();
-        h.take_calls();
-        assert_eq!(
-            update_inflight_from(&h, 10, Some(fresh), |t| t.release(1).is_some()),
-            Ok(true)
-        );
-        assert_eq!(h.take_calls(), [("shared_set", 1)]);
-        assert_eq!(read_inflight(&h).unwrap().totals(0).len(), 1);
-    }
-
-    #[test]
-    fn inflight_update_retries_cas() {
-        let h = MockHost::new(0);
-        h.shared.borrow_mut().fail_cas = 3;
-        update_inflight(&h, 10, |t| t.reserve(1, "a", 5, 0, 100)).unwrap();
-        assert_eq!(read_inflight(&h).unwrap().totals(0)["a"].tokens, 5);
+        ensure_keys(&h).unwrap();
         h.shared.borrow_mut().fail_cas = CAS_RETRIES;
         assert_eq!(
-            update_inflight(&h, 10, |t| t.release(1)).unwrap_err(),
-            SharedError::Contended(INFLIGHT_KEY)
+            next_worker_number(&h).unwrap_err(),
+            SharedError::Contended(WORKER_SEQ_KEY)
         );
+        assert_eq!(next_worker_number(&h).unwrap(), 1, "nothing was taken");
     }
 }

@@ -228,7 +228,7 @@ impl Stream {
         };
         match decision {
             Decision::Route(mut routed) => {
-                self.held = self.worker.borrow_mut().apply_route(host, &mut routed);
+                self.held = Some(self.worker.borrow_mut().apply_route(host, &mut routed));
                 let Routed {
                     reason,
                     route,
@@ -373,7 +373,7 @@ impl Stream {
             Resp::Unread => {
                 if end_of_stream {
                     self.resp = Resp::None;
-                    self.release(host);
+                    self.release();
                 }
                 return Flow::Continue;
             }
@@ -473,7 +473,7 @@ impl Stream {
                     w.observe_output(model, api, u.prompt_tokens, u.completion_tokens);
                 }
             }
-            self.release(host);
+            self.release();
         }
         Flow::Continue
     }
@@ -486,7 +486,7 @@ impl Stream {
         let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) else {
             return;
         };
-        self.worker.borrow_mut().prefill_done(host, h);
+        self.worker.borrow_mut().prefill_done(h);
         h.prefill_tokens = 0;
         if self.decided_at_ms > 0 {
             let ttft_s = host.now_ms().saturating_sub(self.decided_at_ms) as f64 / 1e3;
@@ -511,9 +511,9 @@ impl Stream {
         let _ = host;
     }
 
-    fn release<H: Host>(&mut self, host: &H) {
+    fn release(&mut self) {
         if let Some(h) = self.held.take() {
-            self.worker.borrow_mut().release(host, &h);
+            self.worker.borrow_mut().release(&h);
         }
     }
 
@@ -531,7 +531,7 @@ impl Stream {
                 w.admission.len() as u64,
             );
         }
-        self.release(host);
+        self.release();
     }
 }
 
@@ -559,7 +559,9 @@ mod tests {
         if !eps.is_empty() {
             shared::publish_snapshot(&h, &Snapshot::new(1, NOW, eps).encode()).unwrap();
         }
-        let w = Worker::new(Config::parse(cfg.as_bytes()).unwrap(), 1).unwrap();
+        shared::ensure_keys(&h).unwrap();
+        let mut w = Worker::new(Config::parse(cfg.as_bytes()).unwrap(), 1).unwrap();
+        w.set_worker_number(shared::next_worker_number(&h).unwrap());
         (h, Rc::new(RefCell::new(w)))
     }
 
@@ -586,13 +588,16 @@ mod tests {
         (r, s, est)
     }
 
+    /// The worker's in-flight table as it last published it for the other workers
+    /// (`crate::inflight`: 8 bytes of publication time, then the table).
+    fn published(h: &MockHost) -> kvroute_core::inflight::InflightTable {
+        let (v, _) = h.shared_get("kvroute.inflight.1").unwrap();
+        let v = v.unwrap_or_default();
+        kvroute_core::inflight::InflightTable::decode(v.get(8..).unwrap_or_default()).unwrap()
+    }
+
     fn held(h: &MockHost) -> u64 {
-        shared::read_inflight(h)
-            .unwrap()
-            .totals(NOW)
-            .values()
-            .map(|v| v.tokens)
-            .sum()
+        published(h).totals(NOW).values().map(|v| v.tokens).sum()
     }
 
     #[test]
@@ -616,8 +621,8 @@ mod tests {
         assert_eq!(h.metric(metric::DECISIONS_POLICY), 1);
         s.on_done(&r);
         s.on_done(&r);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
         assert_eq!(h.metric(metric::RESERVED), 1);
         assert_eq!(h.metric(metric::RELEASED), 1);
@@ -643,8 +648,8 @@ mod tests {
             s.on_done(&r);
         }
         assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 4);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        w.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        w.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
     }
 
@@ -779,8 +784,8 @@ mod tests {
             .iter()
             .any(|l| l.contains("Envoy has no cluster `c0` (chosen for endpoint `pool/e0`)")));
         s.on_done(&r);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(h.metric(metric::RELEASED), 1);
     }
 
@@ -798,9 +803,12 @@ mod tests {
         assert_eq!(r.replies()[0].status, 503);
     }
 
-    fn pending_prefill(h: &MockHost) -> u64 {
-        shared::read_inflight(h)
-            .unwrap()
+    /// Pending prefill in the worker's own table (in memory: a first token changes it at
+    /// once, and the other workers see it with the next publication).
+    fn pending_prefill(w: &RefCell<Worker>) -> u64 {
+        w.borrow()
+            .inflight()
+            .own()
             .totals(NOW)
             .values()
             .map(|v| v.prefill_tokens)
@@ -817,26 +825,26 @@ mod tests {
         // No prefix sent to this endpoint before: the whole estimated prompt is pending.
         let est = s.facts.prompt_tokens;
         assert!(est > 0);
-        assert_eq!(pending_prefill(&h), est);
+        assert_eq!(pending_prefill(&s.worker), est);
         let kv = held(&h);
         r.resp_headers
             .borrow_mut()
             .insert("content-type".into(), "text/event-stream".into());
         s.on_response_headers(&r, false);
         // Headers alone do not end prefill (servers may send them before the first token).
-        assert_eq!(pending_prefill(&h), est);
+        assert_eq!(pending_prefill(&s.worker), est);
         let chunk = b"data: {\"choices\":[]}\n\n".to_vec();
         *r.resp_chunk.borrow_mut() = chunk.clone();
         s.on_response_body(&r, chunk.len(), false);
-        assert_eq!(pending_prefill(&h), 0);
+        assert_eq!(pending_prefill(&s.worker), 0);
         assert_eq!(held(&h), kv, "the KV reservation stays until the end");
         s.on_response_body(&r, chunk.len(), false);
-        assert_eq!(pending_prefill(&h), 0);
+        assert_eq!(pending_prefill(&s.worker), 0);
         s.on_response_body(&r, 0, true);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
-        assert!(shared::read_inflight(&h).unwrap().is_empty());
+        assert!(published(&h).is_empty());
     }
 
     #[test]
@@ -870,8 +878,8 @@ mod tests {
             kvroute_core::output_len::OutputLengths::new()
         );
         s.on_response_body(&r, b.len(), true);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
         // usage.completion_tokens (3) was learned for (m, chat completions).
         let mut expected = kvroute_core::output_len::OutputLengths::new();
@@ -909,11 +917,11 @@ mod tests {
                 w.borrow().router().prefill_rates().is_empty(),
                 "{name}: learned a TTFT"
             );
-            assert_eq!(pending_prefill(&h), est, "{name}: prefill ended early");
+            assert_eq!(pending_prefill(&w), est, "{name}: prefill ended early");
             *r.resp_chunk.borrow_mut() = rest.to_vec();
             s.on_response_body(&r, rest.len(), true);
             assert_eq!(h.metric(metric::ESTIMATE_ERROR_PCT), 0, "{name}");
-            s.worker.borrow_mut().flush_releases(&h);
+            s.worker.borrow_mut().publish_inflight(&h, NOW);
             assert_eq!(held(&h), 0, "{name}");
         }
     }
@@ -946,10 +954,11 @@ mod tests {
     /// JSON response in one chunk, the snapshot already decoded): every call crosses the
     /// Wasm boundary, and those that return data call back into the VM to allocate, so
     /// this is the filter's per-request cost outside its own code (`docs/overhead.md`).
-    /// Counted in the steady state: the request before it has ended, and its release
-    /// leaves the shared table with this request's reservation.
+    /// Counted in the steady state: the request before it has ended (its release is
+    /// counted with this request's counters), and the worker published its in-flight table
+    /// less than `inflight_share_ms` ago (this reservation waits for the next publication).
     #[test]
-    fn a_routed_request_costs_seventeen_host_calls() {
+    fn a_routed_request_costs_fifteen_host_calls() {
         let (h, w) = setup("{}", vec![ep(0, 0.1), ep(1, 0.2)]);
         let plain = |h: &MockHost| {
             h.sibling()
@@ -973,7 +982,7 @@ mod tests {
             r.take_calls(),
             [
                 // decisions.policy, decisions.policy.hybrid, reserved, released (the
-                // request before, whose release this reservation's write carries)
+                // request before)
                 ("metric_add", 4),
                 // decision_us
                 ("metric_record", 1),
@@ -982,10 +991,9 @@ mod tests {
                 ("request_body", 1),
                 // the routing header
                 ("set_request_header", 1),
-                // the snapshot signal (an empty value: nothing allocated in the VM), the
-                // in-flight table (the reservation reuses this read)
-                ("shared_get", 2),
-                ("shared_set", 1),
+                // the snapshot signal (an empty value: nothing allocated in the VM); the
+                // in-flight reservation is this worker's own, in memory
+                ("shared_get", 1),
             ]
         );
         s.on_response_headers(&r, false);
@@ -994,12 +1002,15 @@ mod tests {
         let reply = br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1}}"#;
         *r.resp_chunk.borrow_mut() = reply.to_vec();
         s.on_response_body(&r, reply.len(), true);
-        // estimate_error_pct; the release is deferred (no shared-table read or write)
+        // estimate_error_pct; the release is in memory
         assert_eq!(r.take_calls(), [("metric_record", 1), ("response_body", 1)]);
         s.on_done(&r);
         assert_eq!(r.take_calls(), []);
-        assert!(held(&h) > 0, "held until the tick or the next reservation");
-        s.worker.borrow_mut().flush_releases(&h);
+        assert!(
+            held(&h) > 0,
+            "published for the other workers with the tick"
+        );
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
     }
 
@@ -1045,24 +1056,15 @@ mod tests {
         };
         let samples = ttft_samples();
         let (r, mut s) = to_response(&h, &w, streamed);
-        assert!(pending_prefill(&h) > 0);
+        assert!(pending_prefill(&w) > 0);
         r.take_calls();
         *h.now.borrow_mut() += 200;
         *r.resp_chunk.borrow_mut() = b"data: {\"choices\":[]}\n\n".to_vec();
         s.on_response_body(&r, 24, false);
-        assert_eq!(pending_prefill(&h), 0);
+        assert_eq!(pending_prefill(&w), 0);
         assert_eq!(ttft_samples(), samples + 1);
-        // the first chunk; prefill done: the in-flight table's read and CAS write; the
-        // TTFT clock
-        assert_eq!(
-            r.take_calls(),
-            [
-                ("now_ms", 1),
-                ("response_body", 1),
-                ("shared_get", 1),
-                ("shared_set", 1)
-            ]
-        );
+        // the first chunk and the TTFT clock (prefill done is in memory)
+        assert_eq!(r.take_calls(), [("now_ms", 1), ("response_body", 1)]);
         s.on_response_body(&r, 24, false);
         s.on_response_body(&r, 0, true);
         assert_eq!(
@@ -1075,25 +1077,25 @@ mod tests {
         // An error reply to a streamed request: its first chunk is sniffed as JSON, so it
         // is no first token (no TTFT sample, the prefill stays until the release).
         let (r, mut s) = to_response(&h, &w, streamed);
-        let pending = pending_prefill(&h);
+        let pending = pending_prefill(&w);
         r.take_calls();
         *h.now.borrow_mut() += 5;
         let error = br#"{"error":{"message":"too long","type":"BadRequestError","code":400}}"#;
         *r.resp_chunk.borrow_mut() = error.to_vec();
         s.on_response_body(&r, error.len(), false);
+        assert_eq!(pending_prefill(&w), pending);
         s.on_response_body(&r, 0, true);
-        assert_eq!(pending_prefill(&h), pending);
         assert_eq!(ttft_samples(), samples + 1);
         assert_eq!(r.take_calls(), [("response_body", 1)]);
         s_flush(&w, &h);
         assert_eq!(held(&h), 0);
         // A non-streamed one: its (only) chunk is not read and is not a first token.
         let (r, mut s) = to_response(&h, &w, BODY);
-        let pending = pending_prefill(&h);
+        let pending = pending_prefill(&w);
         assert!(pending > 0);
         r.take_calls();
         s.on_response_body(&r, reply.len(), false);
-        assert_eq!(pending_prefill(&h), pending);
+        assert_eq!(pending_prefill(&w), pending);
         s.on_response_body(&r, 0, true);
         assert_eq!(r.take_calls(), []);
         s_flush(&w, &h);
@@ -1113,7 +1115,7 @@ mod tests {
     }
 
     fn s_flush(w: &Rc<RefCell<Worker>>, h: &MockHost) {
-        w.borrow_mut().flush_releases(h);
+        w.borrow_mut().publish_inflight(h, NOW);
     }
 
     #[test]
@@ -1130,8 +1132,8 @@ mod tests {
         s.on_response_body(&r, a.len(), false);
         *r.resp_chunk.borrow_mut() = b.to_vec();
         s.on_response_body(&r, b.len(), true);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
         assert!((w.borrow().estimator().calibration(Some("m")) - 1.0).abs() < 1e-9);
         assert!(w.borrow().router().prefill_rates().is_empty());
@@ -1167,8 +1169,8 @@ mod tests {
         assert!(held(&h) > 0);
         s.on_response_headers(&r, false);
         s.on_done(&r);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
 
         // A second one times out with a 429 and retry-after.
@@ -1236,8 +1238,8 @@ mod tests {
             assert_eq!(h.metric(metric::DEMAND_OVER_CAPACITY), 1, "{cfg}");
             s.on_response_headers(&r, false);
             s.on_done(&r);
-            // Releases are deferred to the tick or the next reservation (`Worker::release`).
-            s.worker.borrow_mut().flush_releases(&h);
+            // Releases reach the other workers (and the counter) with the tick.
+            s.worker.borrow_mut().publish_inflight(&h, NOW);
             assert_eq!(held(&h), 0, "{cfg}");
         }
     }
@@ -1263,8 +1265,8 @@ mod tests {
             "the body was read"
         );
         s.on_done(&r);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
     }
 
@@ -1289,8 +1291,8 @@ mod tests {
         assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
         assert_eq!(h.metric(metric::RESERVED), 1);
         s.on_done(&r);
-        // Releases are deferred to the tick or the next reservation (`Worker::release`).
-        s.worker.borrow_mut().flush_releases(&h);
+        // Releases reach the other workers (and the counter) with the tick.
+        s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(h.metric(metric::RELEASED), 1);
     }
 

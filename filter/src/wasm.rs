@@ -235,9 +235,10 @@ impl RootContext for Root {
             self.serving = Some(Serving::Ingest(Rc::new(config)));
             return true;
         }
-        // The tick writes deferred releases and refreshes the Wasm memory gauge (every
-        // RELEASE_FLUSH_MS), runs admission and syncs the shared journals (affinity,
-        // learner observations): as often as the most frequent needs.
+        // The tick publishes this worker's in-flight table (releases, reservations that
+        // waited) and refreshes the Wasm memory gauge (every RELEASE_FLUSH_MS), runs
+        // admission and syncs the shared journals (affinity, learner observations): as
+        // often as the most frequent needs.
         let mut tick = crate::router::RELEASE_FLUSH_MS;
         if config.admission.enabled {
             tick = tick.min(config.admission.tick_ms);

@@ -1,0 +1,421 @@
+//! In-flight reservations across this Envoy's workers: each worker keeps its own table in
+//! its VM and publishes a copy under its own shared-data key; it reads the other workers'
+//! copies at most once per `inflight_share_ms` (config; 20 ms by default).
+//!
+//! Why per worker: one table shared by every worker had to be read (a host call that
+//! returns data allocates inside the VM: ~10 k instructions in Envoy's V8) and decoded at
+//! each decision, then encoded and written back with compare-and-swap at each reservation,
+//! and read and written again when the first response bytes arrived; that work also grew
+//! with the number of requests in flight, since the whole table travelled each time.
+//! Now a reservation, a first token and a release touch only the worker's own table in
+//! memory; the shared-data traffic happens at most once per interval (and on the tick),
+//! whatever the request rate, and never on a proxy with one worker
+//! (docs/overhead.md, "Tenth change").
+//!
+//! What it costs: a decision sees its own worker's reservations at once, and the other
+//! workers' as of at most `inflight_share_ms` + their publication delay ago (a worker
+//! publishes when it reserves and its last publication is at least `inflight_share_ms` old,
+//! else on its next tick, ≤ [`crate::router::RELEASE_FLUSH_MS`]). The shared table already
+//! made releases wait for the tick; reservations now wait too, across workers only.
+//!
+//! Liveness: a worker holding reservations republishes its table at least every
+//! [`HEARTBEAT_MS`]; readers ignore a copy older than [`PEER_STALE_MS`] (a worker whose VM
+//! was replaced by a reconfiguration stops counting within seconds, where its entries in
+//! the shared table lasted until their TTL, 10 minutes by default), and stop reading, for
+//! good, the key of a worker silent for [`PEER_DEAD_MS`] (worker numbers are never
+//! reused: `shared::next_worker_number`).
+//!
+//! The value under `kvroute.inflight.<worker number>`: the publication time (Unix ms, u64
+//! big-endian), then `InflightTable::encode`.
+
+use crate::host::{Host, Level};
+use crate::names::{INFLIGHT_KEY_PREFIX, WORKER_SEQ_KEY};
+use kvroute_core::inflight::{InFlight, InflightTable};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A worker holding reservations republishes its table at least this often, ms.
+pub const HEARTBEAT_MS: u64 = 1_000;
+/// A worker's published table older than this is ignored, ms (five heartbeats).
+pub const PEER_STALE_MS: u64 = 5_000;
+/// A worker whose table is older than this is never read again, ms.
+pub const PEER_DEAD_MS: u64 = 60_000;
+/// Only the latest this many worker numbers are read (each reconfiguration of the plugin
+/// numbers its workers anew).
+pub const PEER_SCAN: u32 = 256;
+/// Default `inflight_share_ms`: how long a worker's view of the others' reservations may
+/// age before its next decision reads them again, ms.
+pub const DEFAULT_SHARE_MS: u64 = 20;
+
+/// This worker's reservations and its latest copy of the other workers'.
+#[derive(Debug)]
+pub struct WorkerInflight {
+    /// Reservations this worker made and has not released.
+    own: InflightTable,
+    /// The other workers' reservations, as last read.
+    peers: InflightTable,
+    /// This worker's number (0: none, then nothing is published or read).
+    worker: u32,
+    /// `kvroute.inflight.<worker>`.
+    key: String,
+    share_ms: u64,
+    /// When `peers` was last read (Unix ms); `None` before the first read.
+    read_ms: Option<u64>,
+    /// When `own` was last published (Unix ms).
+    published_ms: u64,
+    /// `own` changed since it was last published.
+    dirty: bool,
+    /// Worker numbers found silent for [`PEER_DEAD_MS`].
+    dead: BTreeSet<u32>,
+}
+
+/// Outcome of one read of the other workers' tables ([`WorkerInflight::refresh_peers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PeerRead {
+    /// Workers whose table was read and counted.
+    pub counted: u32,
+    /// Workers whose table was older than [`PEER_STALE_MS`] (ignored).
+    pub stale: u32,
+    /// Workers whose value could not be decoded (ignored, logged).
+    pub corrupt: u32,
+}
+
+impl WorkerInflight {
+    /// An empty view, bounded like `InflightTable::new(max_entries)` per table, reading the
+    /// other workers at most once per `share_ms`.
+    pub fn new(max_entries: usize, share_ms: u64) -> Self {
+        Self {
+            own: InflightTable::new(max_entries),
+            peers: InflightTable::new(max_entries),
+            worker: 0,
+            key: String::new(),
+            share_ms,
+            read_ms: None,
+            published_ms: 0,
+            dirty: false,
+            dead: BTreeSet::new(),
+        }
+    }
+
+    /// Set this worker's number (`shared::next_worker_number`), which names its key.
+    pub fn set_worker(&mut self, worker: u32) {
+        self.worker = worker;
+        self.key = format!("{INFLIGHT_KEY_PREFIX}{worker}");
+    }
+
+    /// The tables a decision counts: this worker's, then the others' copy (the router takes
+    /// them as `kvroute_core::inflight::Reservations`).
+    pub fn view(&self) -> [&InflightTable; 2] {
+        [&self.own, &self.peers]
+    }
+
+    /// This worker's own table.
+    pub fn own(&self) -> &InflightTable {
+        &self.own
+    }
+
+    /// Reserve on this worker's table (`InflightTable::reserve_with_prefill`).
+    pub fn reserve(
+        &mut self,
+        id: u64,
+        endpoint: &str,
+        tokens: u64,
+        prefill_tokens: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) {
+        self.own
+            .reserve_with_prefill(id, endpoint, tokens, prefill_tokens, now_ms, ttl_ms);
+        self.dirty = true;
+    }
+
+    /// `id`'s first token arrived: its pending prefill drops to 0.
+    pub fn first_token(&mut self, id: u64) {
+        if self.own.first_token(id).is_some_and(|cleared| cleared > 0) {
+            self.dirty = true;
+        }
+    }
+
+    /// Release `id`; true the first time (false for an unknown or released id).
+    pub fn release(&mut self, id: u64) -> bool {
+        let released = self.own.release(id).is_some();
+        self.dirty |= released;
+        released
+    }
+
+    /// Live reservations counted, this worker's and the others' (expired ones excluded).
+    pub fn live(&self, now_ms: u64) -> usize {
+        self.view()
+            .iter()
+            .map(|t| {
+                t.totals(now_ms)
+                    .values()
+                    .map(|l| l.requests as usize)
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// Per-endpoint load the snapshot does not show yet, over both tables
+    /// (`InflightTable::unseen_totals`).
+    pub fn unseen_totals<F>(&self, now_ms: u64, scraped_at_ms: F) -> BTreeMap<String, InFlight>
+    where
+        F: Fn(&str) -> Option<u64>,
+    {
+        let mut out = self.own.unseen_totals(now_ms, &scraped_at_ms);
+        for (id, l) in self.peers.unseen_totals(now_ms, &scraped_at_ms) {
+            let o = out.entry(id).or_default();
+            o.requests = o.requests.saturating_add(l.requests);
+            o.tokens = o.tokens.saturating_add(l.tokens);
+            o.prefill_tokens = o.prefill_tokens.saturating_add(l.prefill_tokens);
+        }
+        out
+    }
+
+    /// Read the other workers' tables again if the copy is `inflight_share_ms` old (or the
+    /// clock stepped back). `None` when the copy was fresh enough, or this worker has no
+    /// number. A host error keeps the old copy (logged) and retries next interval.
+    pub fn refresh_peers<H: Host>(&mut self, host: &H, now_ms: u64) -> Option<PeerRead> {
+        if self.worker == 0 {
+            return None;
+        }
+        if let Some(t) = self.read_ms {
+            if now_ms >= t && now_ms - t < self.share_ms.max(1) {
+                return None;
+            }
+        }
+        self.read_ms = Some(now_ms);
+        let highest = match host.shared_get(WORKER_SEQ_KEY) {
+            Ok((Some(b), _)) => b
+                .get(..8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_be_bytes),
+            Ok((None, _)) => 0,
+            Err(e) => {
+                host.log(
+                    Level::Warn,
+                    &format!("kvroute: worker count unreadable: {e}"),
+                );
+                return None;
+            }
+        };
+        let highest = u32::try_from(highest).unwrap_or(u32::MAX);
+        let mut read = PeerRead::default();
+        self.peers.clear();
+        let mut key = String::with_capacity(INFLIGHT_KEY_PREFIX.len() + 10);
+        for n in highest.saturating_sub(PEER_SCAN - 1).max(1)..=highest {
+            if n == self.worker || self.dead.contains(&n) {
+                continue;
+            }
+            key.clear();
+            key.push_str(INFLIGHT_KEY_PREFIX);
+            let _ = std::fmt::Write::write_fmt(&mut key, format_args!("{n}"));
+            let Ok((Some(bytes), _)) = host.shared_get(&key) else {
+                continue; // not published yet (or unreadable: counted as nothing)
+            };
+            let Some((at, table)) = bytes.split_first_chunk::<8>() else {
+                read.corrupt += 1;
+                continue;
+            };
+            let age = now_ms.saturating_sub(u64::from_be_bytes(*at));
+            if age >= PEER_DEAD_MS {
+                self.dead.insert(n);
+            }
+            if age >= PEER_STALE_MS {
+                read.stale += 1;
+                continue;
+            }
+            match InflightTable::decode(table) {
+                Ok(t) => {
+                    self.peers.absorb(t);
+                    read.counted += 1;
+                }
+                Err(e) => {
+                    read.corrupt += 1;
+                    host.log(Level::Warn, &format!("kvroute: worker {n}'s {e}"));
+                }
+            }
+        }
+        Some(read)
+    }
+
+    /// Publish this worker's table under its key when it changed and the last publication
+    /// is `inflight_share_ms` old (`force`: whenever it changed), or when it holds
+    /// reservations and the last publication is [`HEARTBEAT_MS`] old. Expired reservations
+    /// are dropped first. True when written; a host error leaves it to the next call.
+    pub fn publish<H: Host>(&mut self, host: &H, now_ms: u64, force: bool) -> bool {
+        if self.worker == 0 {
+            return false;
+        }
+        let since = now_ms.saturating_sub(self.published_ms);
+        let due = (self.dirty && (force || since >= self.share_ms))
+            || (!self.own.is_empty() && since >= HEARTBEAT_MS);
+        if !due {
+            return false;
+        }
+        self.own.purge_expired(now_ms);
+        let table = self.own.encode();
+        let mut value = Vec::with_capacity(8 + table.len());
+        value.extend_from_slice(&now_ms.to_be_bytes());
+        value.extend_from_slice(&table);
+        match host.shared_set(&self.key, &value, None) {
+            Ok(()) => {
+                self.published_ms = now_ms;
+                self.dirty = false;
+                true
+            }
+            Err(e) => {
+                host.log(
+                    Level::Warn,
+                    &format!("kvroute: in-flight table not published: {e}"),
+                );
+                false
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::mock::MockHost;
+
+    const NOW: u64 = 1_000_000;
+
+    fn numbered(h: &MockHost) -> WorkerInflight {
+        let mut w = WorkerInflight::new(64, 20);
+        w.set_worker(crate::shared::next_worker_number(h).unwrap());
+        w
+    }
+
+    fn requests(t: &[&InflightTable; 2], i: usize) -> u32 {
+        t[i].totals(NOW + 10_000).values().map(|l| l.requests).sum()
+    }
+
+    #[test]
+    fn a_worker_sees_its_own_reservations_at_once_and_others_after_the_interval() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let (ha, hb) = (h.sibling(), h.sibling());
+        let (mut a, mut b) = (numbered(&ha), numbered(&hb));
+        assert_eq!(b.refresh_peers(&hb, NOW), Some(PeerRead::default()));
+        a.reserve(1, "e0", 100, 40, NOW, 600_000);
+        assert_eq!(requests(&a.view(), 0), 1);
+        assert!(
+            a.publish(&ha, NOW, false),
+            "first change: published at once"
+        );
+        a.reserve(2, "e1", 50, 0, NOW + 5, 600_000);
+        assert!(
+            !a.publish(&ha, NOW + 5, false),
+            "within the interval: waits"
+        );
+        // b's copy is fresh until 20 ms have passed; then it reads a's publication.
+        assert_eq!(b.refresh_peers(&hb, NOW + 19), None);
+        assert_eq!(requests(&b.view(), 1), 0);
+        assert_eq!(
+            b.refresh_peers(&hb, NOW + 20),
+            Some(PeerRead {
+                counted: 1,
+                ..PeerRead::default()
+            })
+        );
+        assert_eq!(b.peers.totals(NOW + 20)["e0"].prefill_tokens, 40);
+        assert_eq!(requests(&b.view(), 1), 1);
+        // The tick publishes what waited; first token and release reach b likewise.
+        assert!(a.publish(&ha, NOW + 30, true));
+        a.first_token(1);
+        assert!(a.release(2));
+        assert!(!a.release(2), "a second release is a no-op");
+        assert!(a.publish(&ha, NOW + 60, false));
+        b.refresh_peers(&hb, NOW + 60);
+        let t = b.peers.totals(NOW + 60);
+        assert_eq!(t["e0"].prefill_tokens, 0);
+        assert_eq!(t["e0"].tokens, 100);
+        assert!(!t.contains_key("e1"));
+        assert_eq!(b.live(NOW + 60), 1);
+        assert_eq!(a.live(NOW + 60), 1, "a does not read its own key back");
+    }
+
+    #[test]
+    fn a_silent_worker_stops_counting_and_is_then_skipped() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let (ha, hb) = (h.sibling(), h.sibling());
+        let (mut a, mut b) = (numbered(&ha), numbered(&hb));
+        a.reserve(1, "e0", 100, 0, NOW, 600_000);
+        assert!(a.publish(&ha, NOW, false));
+        // A live worker with reservations heartbeats even without changes.
+        assert!(!a.publish(&ha, NOW + HEARTBEAT_MS - 1, true));
+        assert!(a.publish(&ha, NOW + HEARTBEAT_MS, false));
+        let at = NOW + HEARTBEAT_MS;
+        // Then it goes silent (its VM was replaced).
+        assert_eq!(
+            b.refresh_peers(&hb, at + PEER_STALE_MS - 20)
+                .unwrap()
+                .counted,
+            1
+        );
+        let r = b.refresh_peers(&hb, at + PEER_STALE_MS).unwrap();
+        assert_eq!((r.counted, r.stale), (0, 1));
+        assert_eq!(b.live(at + PEER_STALE_MS), 0);
+        assert_eq!(b.refresh_peers(&hb, at + PEER_DEAD_MS).unwrap().stale, 1);
+        hb.take_calls();
+        assert_eq!(
+            b.refresh_peers(&hb, at + PEER_DEAD_MS + 100),
+            Some(PeerRead::default())
+        );
+        assert_eq!(
+            hb.take_calls(),
+            [("shared_get", 1)],
+            "only the worker count is read: the dead worker's key is skipped"
+        );
+    }
+
+    #[test]
+    fn corrupt_or_truncated_peer_tables_are_ignored() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let (ha, hb) = (h.sibling(), h.sibling());
+        let (a, mut b) = (numbered(&ha), numbered(&hb));
+        ha.shared_set(&a.key, b"\x00\x01", None).unwrap();
+        assert_eq!(b.refresh_peers(&hb, NOW).unwrap().corrupt, 1);
+        let mut v = NOW.to_be_bytes().to_vec();
+        v.extend_from_slice(b"KVI1\x01");
+        ha.shared_set(&a.key, &v, None).unwrap();
+        assert_eq!(b.refresh_peers(&hb, NOW + 20).unwrap().corrupt, 1);
+        assert!(hb
+            .logs
+            .borrow()
+            .iter()
+            .any(|l| l.contains("in-flight table")));
+        assert_eq!(b.live(NOW + 20), 0);
+    }
+
+    #[test]
+    fn without_a_worker_number_nothing_is_shared() {
+        let h = MockHost::new(NOW);
+        let mut w = WorkerInflight::new(64, 20);
+        w.reserve(1, "e0", 10, 0, NOW, 600_000);
+        h.take_calls();
+        assert!(!w.publish(&h, NOW, true));
+        assert_eq!(w.refresh_peers(&h, NOW), None);
+        assert!(h.take_calls().is_empty());
+        assert_eq!(w.live(NOW), 1);
+    }
+
+    #[test]
+    fn one_worker_reads_only_the_worker_count_per_interval() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let mut w = numbered(&h);
+        h.take_calls();
+        for i in 0..100 {
+            w.refresh_peers(&h, NOW + i);
+        }
+        assert_eq!(
+            h.take_calls(),
+            [("shared_get", 5)],
+            "once per 20 ms over 100 ms"
+        );
+    }
+}
