@@ -522,7 +522,7 @@ fn unseen_load(r: &Reservation, scraped_at_ms: Option<u64>) -> Option<InFlight> 
 
 impl InFlight {
     /// Add `o` field by field (saturating).
-    fn add(&mut self, o: &InFlight) {
+    pub fn add(&mut self, o: &InFlight) {
         self.requests = self.requests.saturating_add(o.requests);
         self.tokens = self.tokens.saturating_add(o.tokens);
         self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);

@@ -163,10 +163,7 @@ impl WorkerInflight {
     {
         let mut out = self.own.unseen_totals(now_ms, &scraped_at_ms);
         for (id, l) in self.peers.unseen_totals(now_ms, &scraped_at_ms) {
-            let o = out.entry(id).or_default();
-            o.requests = o.requests.saturating_add(l.requests);
-            o.tokens = o.tokens.saturating_add(l.tokens);
-            o.prefill_tokens = o.prefill_tokens.saturating_add(l.prefill_tokens);
+            out.entry(id).or_default().add(&l);
         }
         out
     }
