@@ -9,8 +9,7 @@
 //! with the number of requests in flight, since the whole table travelled each time.
 //! Now a reservation, a first token and a release touch only the worker's own table in
 //! memory; the shared-data traffic happens at most once per interval (and on the tick),
-//! whatever the request rate, and never on a proxy with one worker
-//! (docs/overhead.md, "Tenth change").
+//! whatever the request rate (docs/overhead.md, "Per-worker in-flight tables").
 //!
 //! What it costs: a decision sees its own worker's reservations at once, and the other
 //! workers' as of at most `inflight_share_ms` + their publication delay ago (a worker
@@ -19,29 +18,47 @@
 //! made releases wait for the tick; reservations now wait too, across workers only.
 //!
 //! Liveness: a worker holding reservations republishes its table at least every
-//! [`HEARTBEAT_MS`]; readers ignore a copy older than [`PEER_STALE_MS`] (a worker whose VM
-//! was replaced by a reconfiguration stops counting within seconds, where its entries in
-//! the shared table lasted until their TTL, 10 minutes by default), and stop reading, for
-//! good, the key of a worker silent for [`PEER_DEAD_MS`] (worker numbers are never
-//! reused: `shared::next_worker_number`).
+//! [`HEARTBEAT_MS`]; a worker whose table is empty publishes an empty value, once, and
+//! needs no heartbeat (an empty key counts nothing, and reading it allocates nothing in the
+//! VM). Readers ignore a non-empty copy older than [`PEER_STALE_MS`]: a worker whose VM was
+//! replaced by a reconfiguration stops counting within seconds, where its entries in the
+//! shared table lasted until their TTL, 10 minutes by default. A key a reader has found
+//! stale, with the same publication time, across [`PEER_DEAD_MS`] of its own reads (a dead
+//! worker's, never a live one's: a live worker with reservations heartbeats every second,
+//! also after a pause of the whole process or a step of the clock) is then read only once
+//! per [`PEER_DEAD_MS`], and counted again as soon as it moves.
 //!
-//! The value under `kvroute.inflight.<worker number>`: the publication time (Unix ms, u64
-//! big-endian), then `InflightTable::encode`.
+//! The value under `kvroute.inflight.<worker number>`: empty, or the publication time (Unix
+//! ms, u64 big-endian) then `InflightTable::encode`.
 
 use crate::host::{Host, Level};
 use crate::names::{INFLIGHT_KEY_PREFIX, WORKER_SEQ_KEY};
 use kvroute_core::inflight::{InFlight, InflightTable};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// A worker holding reservations republishes its table at least this often, ms.
 pub const HEARTBEAT_MS: u64 = 1_000;
 /// A worker's published table older than this is ignored, ms (five heartbeats).
 pub const PEER_STALE_MS: u64 = 5_000;
-/// A worker whose table is older than this is never read again, ms.
+/// A key found stale with the same publication time for this long of a reader's time is
+/// read only once per this interval afterwards, ms.
 pub const PEER_DEAD_MS: u64 = 60_000;
 /// Only the latest this many worker numbers are read (each reconfiguration of the plugin
-/// numbers its workers anew).
+/// numbers its workers anew): a worker more than this many numbers older than the newest
+/// is not counted by the others (a plugin instance that outlived 256 newer workers of
+/// reconfigured ones).
 pub const PEER_SCAN: u32 = 256;
+
+/// What a reader remembers of a worker whose non-empty table it found stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Silent {
+    /// The publication time it found.
+    published_at: u64,
+    /// When it first found that publication stale (reader's clock, Unix ms).
+    since_ms: u64,
+    /// Not read again before this time (0: read at every refresh).
+    skip_until_ms: u64,
+}
 /// Default `inflight_share_ms`: how long a worker's view of the others' reservations may
 /// age before its next decision reads them again, ms.
 pub const DEFAULT_SHARE_MS: u64 = 20;
@@ -64,8 +81,8 @@ pub struct WorkerInflight {
     published_ms: u64,
     /// `own` changed since it was last published.
     dirty: bool,
-    /// Worker numbers found silent for [`PEER_DEAD_MS`].
-    dead: BTreeSet<u32>,
+    /// Workers whose table was found stale, by number (within the scan window).
+    silent: BTreeMap<u32, Silent>,
 }
 
 /// Outcome of one read of the other workers' tables ([`WorkerInflight::refresh_peers`]).
@@ -75,6 +92,9 @@ pub struct PeerRead {
     pub counted: u32,
     /// Workers whose table was older than [`PEER_STALE_MS`] (ignored).
     pub stale: u32,
+    /// Workers not read: found stale with the same publication time for
+    /// [`PEER_DEAD_MS`], read again once per that interval.
+    pub skipped: u32,
     /// Workers whose value could not be decoded (ignored, logged).
     pub corrupt: u32,
 }
@@ -92,7 +112,7 @@ impl WorkerInflight {
             read_ms: None,
             published_ms: 0,
             dirty: false,
-            dead: BTreeSet::new(),
+            silent: BTreeMap::new(),
         }
     }
 
@@ -168,15 +188,18 @@ impl WorkerInflight {
         out
     }
 
-    /// Read the other workers' tables again if the copy is `inflight_share_ms` old (or the
-    /// clock stepped back). `None` when the copy was fresh enough, or this worker has no
-    /// number. A host error keeps the old copy (logged) and retries next interval.
+    /// Read the other workers' tables again if the copy is `inflight_share_ms` old (0: at
+    /// every call), or the clock stepped back. `None` when the copy was fresh enough, or
+    /// this worker has no number. A host error keeps the old copy (logged) and retries next
+    /// interval. Costs one read of the worker counter and one per other worker number in
+    /// the scan window: a data-returning read for a worker holding reservations, an empty
+    /// or absent one (no allocation in the VM) for the others.
     pub fn refresh_peers<H: Host>(&mut self, host: &H, now_ms: u64) -> Option<PeerRead> {
         if self.worker == 0 {
             return None;
         }
         if let Some(t) = self.read_ms {
-            if now_ms >= t && now_ms - t < self.share_ms.max(1) {
+            if now_ms >= t && now_ms - t < self.share_ms {
                 return None;
             }
         }
@@ -199,28 +222,51 @@ impl WorkerInflight {
         let mut read = PeerRead::default();
         self.peers.clear();
         let mut key = String::with_capacity(INFLIGHT_KEY_PREFIX.len() + 10);
-        for n in highest.saturating_sub(PEER_SCAN - 1).max(1)..=highest {
-            if n == self.worker || self.dead.contains(&n) {
+        let low = highest.saturating_sub(PEER_SCAN - 1).max(1);
+        self.silent.retain(|n, _| *n >= low);
+        for n in low..=highest {
+            if n == self.worker {
                 continue;
+            }
+            if let Some(s) = self.silent.get(&n) {
+                // Skipped until the interval ends (or the clock stepped back past it).
+                if now_ms < s.skip_until_ms && s.skip_until_ms - now_ms <= PEER_DEAD_MS {
+                    read.skipped += 1;
+                    continue;
+                }
             }
             key.clear();
             key.push_str(INFLIGHT_KEY_PREFIX);
             let _ = std::fmt::Write::write_fmt(&mut key, format_args!("{n}"));
-            let Ok((Some(bytes), _)) = host.shared_get(&key) else {
-                continue; // not published yet (or unreadable: counted as nothing)
+            let bytes = match host.shared_get(&key) {
+                Ok((Some(b), _)) if !b.is_empty() => b,
+                // Not published yet, or an empty table (or unreadable: counted as nothing).
+                _ => {
+                    self.silent.remove(&n);
+                    continue;
+                }
             };
             let Some((at, table)) = bytes.split_first_chunk::<8>() else {
                 read.corrupt += 1;
                 continue;
             };
-            let age = now_ms.saturating_sub(u64::from_be_bytes(*at));
-            if age >= PEER_DEAD_MS {
-                self.dead.insert(n);
-            }
-            if age >= PEER_STALE_MS {
+            let at = u64::from_be_bytes(*at);
+            if now_ms.saturating_sub(at) >= PEER_STALE_MS {
                 read.stale += 1;
+                let fresh = Silent {
+                    published_at: at,
+                    since_ms: now_ms,
+                    skip_until_ms: 0,
+                };
+                let s = self.silent.entry(n).or_insert(fresh);
+                if s.published_at != at || now_ms < s.since_ms {
+                    *s = fresh;
+                } else if now_ms - s.since_ms >= PEER_DEAD_MS {
+                    s.skip_until_ms = now_ms.saturating_add(PEER_DEAD_MS);
+                }
                 continue;
             }
+            self.silent.remove(&n);
             match InflightTable::decode(table) {
                 Ok(t) => {
                     self.peers.absorb(t);
@@ -238,7 +284,8 @@ impl WorkerInflight {
     /// Publish this worker's table under its key when it changed and the last publication
     /// is `inflight_share_ms` old (`force`: whenever it changed), or when it holds
     /// reservations and the last publication is [`HEARTBEAT_MS`] old. Expired reservations
-    /// are dropped first. True when written; a host error leaves it to the next call.
+    /// are dropped first; an empty table is published as an empty value. True when
+    /// written; a host error leaves it to the next call.
     pub fn publish<H: Host>(&mut self, host: &H, now_ms: u64, force: bool) -> bool {
         if self.worker == 0 {
             return false;
@@ -250,10 +297,13 @@ impl WorkerInflight {
             return false;
         }
         self.own.purge_expired(now_ms);
-        let table = self.own.encode();
-        let mut value = Vec::with_capacity(8 + table.len());
-        value.extend_from_slice(&now_ms.to_be_bytes());
-        value.extend_from_slice(&table);
+        let mut value = Vec::new();
+        if !self.own.is_empty() {
+            let table = self.own.encode();
+            value.reserve_exact(8 + table.len());
+            value.extend_from_slice(&now_ms.to_be_bytes());
+            value.extend_from_slice(&table);
+        }
         match host.shared_set(&self.key, &value, None) {
             Ok(()) => {
                 self.published_ms = now_ms;
@@ -334,7 +384,7 @@ mod tests {
     }
 
     #[test]
-    fn a_silent_worker_stops_counting_and_is_then_skipped() {
+    fn a_silent_worker_stops_counting_and_is_then_read_once_a_minute() {
         let h = MockHost::new(NOW);
         crate::shared::ensure_keys(&h).unwrap();
         let (ha, hb) = (h.sibling(), h.sibling());
@@ -355,17 +405,98 @@ mod tests {
         let r = b.refresh_peers(&hb, at + PEER_STALE_MS).unwrap();
         assert_eq!((r.counted, r.stale), (0, 1));
         assert_eq!(b.live(at + PEER_STALE_MS), 0);
-        assert_eq!(b.refresh_peers(&hb, at + PEER_DEAD_MS).unwrap().stale, 1);
-        hb.take_calls();
+        // Found stale with the same publication time for a minute of b's reads: skipped.
+        let first_stale = at + PEER_STALE_MS;
         assert_eq!(
-            b.refresh_peers(&hb, at + PEER_DEAD_MS + 100),
-            Some(PeerRead::default())
+            b.refresh_peers(&hb, first_stale + PEER_DEAD_MS - 20)
+                .unwrap()
+                .stale,
+            1
         );
+        assert_eq!(
+            b.refresh_peers(&hb, first_stale + PEER_DEAD_MS)
+                .unwrap()
+                .stale,
+            1
+        );
+        hb.take_calls();
+        let r = b
+            .refresh_peers(&hb, first_stale + PEER_DEAD_MS + 100)
+            .unwrap();
+        assert_eq!((r.skipped, r.stale), (1, 0));
         assert_eq!(
             hb.take_calls(),
             [("shared_get", 1)],
-            "only the worker count is read: the dead worker's key is skipped"
+            "only the worker count is read: the silent worker's key is skipped"
         );
+        // A minute later it is read again; had it moved, it counts at once.
+        a.reserve(2, "e0", 5, 0, first_stale + 2 * PEER_DEAD_MS, 600_000);
+        assert!(a.publish(&ha, first_stale + 2 * PEER_DEAD_MS, false));
+        let r = b
+            .refresh_peers(&hb, first_stale + 2 * PEER_DEAD_MS)
+            .unwrap();
+        assert_eq!((r.counted, r.skipped), (1, 0));
+        assert_eq!(b.live(first_stale + 2 * PEER_DEAD_MS), 2);
+    }
+
+    #[test]
+    fn an_idle_worker_publishes_an_empty_value_and_counts_again_when_it_reserves() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let (ha, hb) = (h.sibling(), h.sibling());
+        let (mut a, mut b) = (numbered(&ha), numbered(&hb));
+        a.reserve(1, "e0", 100, 0, NOW, 600_000);
+        assert!(a.publish(&ha, NOW, false));
+        assert!(a.release(1));
+        assert!(a.publish(&ha, NOW + 100, true));
+        assert_eq!(ha.shared_get(&a.key).unwrap().0.as_deref(), Some(&[][..]));
+        // Idle for two minutes: nothing to heartbeat, and b's reads find nothing stale.
+        let mut t = NOW + 100;
+        while t < NOW + 120_000 {
+            t += 100;
+            assert!(!a.publish(&ha, t, true));
+            let r = b.refresh_peers(&hb, t).unwrap();
+            assert_eq!((r.counted, r.stale, r.skipped), (0, 0, 0));
+        }
+        for id in 10..15 {
+            a.reserve(id, "e0", 100, 0, t, 600_000);
+        }
+        assert!(a.publish(&ha, t, false));
+        assert_eq!(b.refresh_peers(&hb, t + 20).unwrap().counted, 1);
+        assert_eq!(b.live(t + 20), 5);
+    }
+
+    #[test]
+    fn a_pause_of_the_whole_process_or_a_clock_step_marks_no_worker_silent_for_good() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let (ha, hb) = (h.sibling(), h.sibling());
+        let (mut a, mut b) = (numbered(&ha), numbered(&hb));
+        a.reserve(1, "e0", 100, 0, NOW, 600_000);
+        assert!(a.publish(&ha, NOW, false));
+        assert_eq!(b.refresh_peers(&hb, NOW + 20).unwrap().counted, 1);
+        // 61 s later (paused, or the clock stepped): b reads first and finds a stale...
+        let t = NOW + 61_000;
+        assert_eq!(b.refresh_peers(&hb, t).unwrap().stale, 1);
+        // ...then a heartbeats, reserves again, and b counts both at its next read.
+        assert!(a.publish(&ha, t + 1, true));
+        a.reserve(2, "e0", 100, 0, t + 5, 600_000);
+        assert!(a.publish(&ha, t + 30, false));
+        b.refresh_peers(&hb, t + 30);
+        assert_eq!(b.live(t + 30), 2);
+    }
+
+    #[test]
+    fn share_interval_zero_reads_and_publishes_at_every_call() {
+        let h = MockHost::new(NOW);
+        crate::shared::ensure_keys(&h).unwrap();
+        let mut w = WorkerInflight::new(64, 0);
+        w.set_worker(crate::shared::next_worker_number(&h).unwrap());
+        for i in 0..3 {
+            assert!(w.refresh_peers(&h, NOW).is_some(), "read {i}");
+            w.reserve(i, "e0", 1, 0, NOW, 600_000);
+            assert!(w.publish(&h, NOW, false), "publication {i}");
+        }
     }
 
     #[test]

@@ -75,6 +75,82 @@ async fn herd_of_identical_requests_is_spread() {
     assert_no_leak(&fleet).await.unwrap();
 }
 
+/// Each worker keeps its own in-flight reservations and shares them through shared data
+/// (`kvroute_filter::inflight`, every `inflight_share_ms` = 20 ms or on the 100 ms tick):
+/// with 8 streams held across 4 workers, every later decision, on whichever worker, counts
+/// all 8 in its candidates' load (the decision record's `load=`: running + waiting +
+/// in-flight; the snapshot reports no running or waiting requests).
+#[tokio::test]
+async fn inflight_load_of_every_worker_reaches_every_decision() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 2,
+        concurrency: 4,
+        reply: sse_reply(3_000),
+        route_config:
+            r#""picker":{"stale_after_ms":600000},"debug_header":true,"decision_record":true"#
+                .into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let eps = (0..2).map(|i| fleet.endpoint(i, 0.2, now)).collect();
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    let exchange = |text: String, read_ms: u64| {
+        let port = fleet.port;
+        async move {
+            let body = chat(&text);
+            let mut req = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            req.extend_from_slice(&body);
+            raw_exchange(
+                port,
+                &[(&req, Duration::ZERO)],
+                Duration::from_millis(read_ms),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // Every worker decides once first, so each has read the others' tables before any
+    // stream is held (without sharing, or with a slow interval, later decisions would miss
+    // the other workers' streams: checked with `"inflight_share_ms":10000`).
+    for i in 0..16 {
+        exchange(format!("warm {i}"), 100).await;
+    }
+    // 8 streams held for 3 s, each on its own connection.
+    let held: Vec<_> = (0..8)
+        .map(|i| tokio::spawn(exchange(format!("held {i}"), 3_500)))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut seen = Vec::new();
+    for i in 0..12 {
+        // A fresh connection each: Envoy hands it to any of its 4 workers.
+        let r = exchange(format!("probe {i}"), 150).await;
+        let line = r
+            .lines()
+            .find(|l| l.to_ascii_lowercase().starts_with("x-kvroute-decision:"))
+            .unwrap_or_else(|| panic!("no decision header: {r}"));
+        let load: u64 = line
+            .split("load=")
+            .skip(1)
+            .filter_map(|rest| rest.split(']').next()?.parse::<u64>().ok())
+            .sum();
+        seen.push(load);
+    }
+    for h in held {
+        h.await.unwrap();
+    }
+    assert!(
+        seen.iter().all(|&l| l >= 8),
+        "load each probe saw: {seen:?}"
+    );
+    assert_no_leak(&fleet).await.unwrap();
+}
+
 /// Prefix affinity learned by one Envoy worker reaches the others through the shared
 /// journal (`share_affinity`, synced every 100 ms), and so do the learners' observations
 /// (`share_learning`): follow-up turns arriving on new
