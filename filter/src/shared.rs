@@ -138,7 +138,10 @@ pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, Sh
 /// is unconditional, so two workers making their first update at the same moment would
 /// each overwrite the other's (two workers would get the same number, two journal records
 /// would be lost). Creating the keys at configure time, before any request, makes every
-/// later update a real CAS. A race here only writes the same initial value twice.
+/// later update a real CAS. proxy-wasm has no create-if-absent write, so two first
+/// configurations racing here could still reset a key another had just updated (the worker
+/// counter: two workers would get one number); Envoy configures the plugin's main-thread
+/// instance before its workers', so they find the keys created.
 pub fn ensure_keys<H: Host>(host: &H) -> Result<(), SharedError> {
     let (seq, _) = host.shared_get(WORKER_SEQ_KEY)?;
     if seq.is_none() {
