@@ -115,6 +115,9 @@ pub mod mock {
         pub queues: BTreeMap<String, Vec<Vec<u8>>>,
         /// Forced CAS failures remaining (to test retries).
         pub fail_cas: u32,
+        /// Forced failures of the next `shared_set` calls, whatever their CAS (a host
+        /// error other than a CAS mismatch).
+        pub fail_sets: u32,
     }
 
     /// A local reply sent by the filter.
@@ -315,6 +318,10 @@ pub mod mock {
         fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
             self.count("shared_set");
             let mut s = self.shared.borrow_mut();
+            if s.fail_sets > 0 {
+                s.fail_sets -= 1;
+                return Err(HostError::Other("injected shared_set failure".into()));
+            }
             if cas.is_some() && s.fail_cas > 0 {
                 s.fail_cas -= 1;
                 return Err(HostError::CasMismatch);
