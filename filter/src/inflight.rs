@@ -40,7 +40,8 @@ use std::collections::BTreeMap;
 
 /// A worker holding reservations republishes its table at least this often, ms.
 pub const HEARTBEAT_MS: u64 = 1_000;
-/// A worker's published table older than this is ignored, ms (five heartbeats).
+/// A worker's published table dated more than this from the reader's clock (older, or in
+/// its future after the clock stepped back) is ignored, ms (five heartbeats).
 pub const PEER_STALE_MS: u64 = 5_000;
 /// A key found stale with the same publication time for this long of a reader's time is
 /// read only once per this interval afterwards, ms.
@@ -50,6 +51,10 @@ pub const PEER_DEAD_MS: u64 = 60_000;
 /// is not counted by the others (a plugin instance that outlived 256 newer workers of
 /// reconfigured ones).
 pub const PEER_SCAN: u32 = 256;
+
+/// Default `inflight_share_ms`: how long a worker's view of the others' reservations may
+/// age before its next decision reads them again, ms.
+pub const DEFAULT_SHARE_MS: u64 = 20;
 
 /// What a reader remembers of a worker whose non-empty table it found stale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,9 +66,6 @@ struct Silent {
     /// Not read again before this time (0: read at every refresh).
     skip_until_ms: u64,
 }
-/// Default `inflight_share_ms`: how long a worker's view of the others' reservations may
-/// age before its next decision reads them again, ms.
-pub const DEFAULT_SHARE_MS: u64 = 20;
 
 /// This worker's reservations and its latest copy of the other workers'.
 #[derive(Debug)]
@@ -92,7 +94,8 @@ pub struct WorkerInflight {
 pub struct PeerRead {
     /// Workers whose table was read and counted.
     pub counted: u32,
-    /// Workers whose table was older than [`PEER_STALE_MS`] (ignored).
+    /// Workers whose table was dated more than [`PEER_STALE_MS`] from the reader's clock
+    /// (ignored).
     pub stale: u32,
     /// Workers not read: found stale with the same publication time for
     /// [`PEER_DEAD_MS`], read again once per that interval.

@@ -118,8 +118,8 @@ pub mod metric {
     /// tick, not per request).
     pub const INFLIGHT: &str = "kvroute.inflight";
     /// Prefix of the per-endpoint gauge of in-flight requests this Envoy routed to an
-    /// endpoint since that endpoint's scrape in the snapshot in force (all workers: read
-    /// from the shared table), e.g. `kvroute.inflight_unseen.requests.pool/e0`
+    /// endpoint since that endpoint's scrape in the snapshot in force (all workers: each
+    /// worker's own table and its copy of the others', [`crate::inflight`]), e.g. `kvroute.inflight_unseen.requests.pool/e0`
     /// (`kvroute_inflight_unseen_requests_pool_e0` in `/stats/prometheus`). The control
     /// plane reads it to share load between gateway replicas (`kvroute_core::peer`).
     pub const INFLIGHT_UNSEEN_REQUESTS: &str = "kvroute.inflight_unseen.requests.";

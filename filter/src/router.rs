@@ -314,10 +314,10 @@ impl Worker {
     /// The tick's gauges. Besides the totals, each endpoint with load the snapshot in force
     /// does not show yet gets two gauges ([`metric::INFLIGHT_UNSEEN_REQUESTS`],
     /// [`metric::INFLIGHT_UNSEEN_TOKENS`] + endpoint id): the requests and reserved tokens
-    /// of the shared table (every worker of this Envoy) made since that endpoint's
-    /// `scraped_at_ms`, the rule the picker applies to its own reservations. Every worker
-    /// computes them over every worker's reservations (its own, and its copy of the
-    /// others', read on the same tick), so whichever writes last writes this Envoy's total;
+    /// of every worker of this Envoy made since that endpoint's `scraped_at_ms`, the rule
+    /// the picker applies to its own reservations. Every worker computes them over every
+    /// worker's reservations (its own, and its copy of the others', read on the same
+    /// tick), so whichever writes last writes this Envoy's total;
     /// no per-worker sum is needed. A gauge whose load is gone is set to 0 by the worker
     /// that last set it. Endpoints without load cost nothing.
     fn gauges_with<H: Host>(&mut self, host: &H, now: u64, snap: Option<&Snapshot>) {

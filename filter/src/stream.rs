@@ -15,10 +15,10 @@
 //! SSE, JSON or neither apart ([`BodyFraming::sniff`]), and each body chunk is copied into
 //! a bounded `usage` scanner (SSE) or a bounded tail (JSON); if not, no chunk is read and
 //! the request's `stream` field stands for the sniff. An event stream's first bytes
-//! (before the end) mark the request's prefill done in the shared in-flight table (its
+//! (before the end) mark the request's prefill done in the worker's in-flight table (its
 //! pending prefill tokens drop to 0: a first token exists) and give a TTFT sample. At
 //! response end the usage, if read, calibrates the estimator and the reservation is released
-//! (deferred to the worker's next reservation or tick: [`Worker::release`]). `on_done`
+//! (in memory; the other workers see it with the next publication: [`Worker::release`]). `on_done`
 //! releases too, so client resets and upstream errors release; a reservation is released
 //! exactly once ([`Option::take`]).
 //!
