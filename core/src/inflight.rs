@@ -136,6 +136,14 @@ impl InflightTable {
         self.entries.len()
     }
 
+    /// Unexpired reservations at `now_ms` (those [`InflightTable::totals`] counts).
+    pub fn live(&self, now_ms: u64) -> usize {
+        self.entries
+            .values()
+            .filter(|r| r.expires_at_ms > now_ms)
+            .count()
+    }
+
     /// True when no reservation is held.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -555,6 +563,10 @@ mod tests {
         [&own, &peers][..].add_unseen_into(1_000, slot, &mut split);
         let mut merged = own.clone();
         merged.absorb(peers);
+        // Unexpired at 1,000; "b"'s, reserved at 500, lapses at 60,500, the others at 61,000.
+        assert_eq!(merged.live(1_000), 4);
+        assert_eq!(merged.live(60_500), 3);
+        assert_eq!(merged.live(61_000), 0);
         let mut one = vec![InFlight::default(); 2];
         merged.add_unseen_into(1_000, slot, &mut one);
         assert_eq!(split, one);

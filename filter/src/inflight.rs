@@ -169,15 +169,7 @@ impl WorkerInflight {
 
     /// Live reservations counted, this worker's and the others' (expired ones excluded).
     pub fn live(&self, now_ms: u64) -> usize {
-        self.view()
-            .iter()
-            .map(|t| {
-                t.totals(now_ms)
-                    .values()
-                    .map(|l| l.requests as usize)
-                    .sum::<usize>()
-            })
-            .sum()
+        self.own.live(now_ms) + self.peers.live(now_ms)
     }
 
     /// Per-endpoint load the snapshot does not show yet, over both tables

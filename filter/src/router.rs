@@ -317,67 +317,65 @@ impl Worker {
     /// of every worker of this Envoy made since that endpoint's `scraped_at_ms`, the rule
     /// the picker applies to its own reservations. Every worker computes them over every
     /// worker's reservations (its own, and its copy of the others', read on the same
-    /// tick), so whichever writes last writes this Envoy's total;
-    /// no per-worker sum is needed. A gauge whose load is gone is set to 0 by the worker
-    /// that last set it. Endpoints without load cost nothing.
+    /// tick), so whichever writes last writes this Envoy's total; no per-worker sum is
+    /// needed. A gauge whose load is gone is set to 0 by the worker that last set it.
+    /// Endpoints without load cost nothing.
     fn gauges_with<H: Host>(&mut self, host: &H, now: u64, snap: Option<&Snapshot>) {
-        {
-            let t = &self.inflight;
-            host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.live(now) as u64);
-            if let Some(snap) = snap {
-                let scraped: BTreeMap<&str, u64> = snap
-                    .endpoints
+        let t = &self.inflight;
+        host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.live(now) as u64);
+        if let Some(snap) = snap {
+            let scraped: BTreeMap<&str, u64> = snap
+                .endpoints
+                .iter()
+                .map(|e| (e.id.as_str(), e.scraped_at_ms))
+                .collect();
+            // Only endpoints of the snapshot in force: load on one that left is of no
+            // use to the other gateways.
+            let mut unseen = t.unseen_totals(now, |id| scraped.get(id).copied());
+            unseen.retain(|id, _| scraped.contains_key(id.as_str()));
+            let mut name = String::new();
+            let mut set = |prefix: &str, id: &str, v: u64| {
+                name.clear();
+                name.push_str(prefix);
+                name.push_str(id);
+                host.gauge_set_named(&name, v);
+            };
+            for (id, l) in unseen.iter().filter(|(_, l)| l.requests > 0) {
+                set(metric::INFLIGHT_UNSEEN_REQUESTS, id, u64::from(l.requests));
+                set(metric::INFLIGHT_UNSEEN_TOKENS, id, l.tokens);
+            }
+            for id in &self.exported_unseen {
+                if unseen.get(id).is_none_or(|l| l.requests == 0) {
+                    set(metric::INFLIGHT_UNSEEN_REQUESTS, id, 0);
+                    set(metric::INFLIGHT_UNSEEN_TOKENS, id, 0);
+                }
+            }
+            self.exported_unseen = unseen
+                .into_iter()
+                .filter(|(_, l)| l.requests > 0)
+                .map(|(id, _)| id)
+                .collect();
+            self.gauge_endpoints
+                .extend(self.exported_unseen.iter().cloned());
+            if snap.version != self.gauge_version {
+                self.gauge_version = snap.version;
+                let gone: Vec<String> = self
+                    .gauge_endpoints
                     .iter()
-                    .map(|e| (e.id.as_str(), e.scraped_at_ms))
+                    .filter(|id| !scraped.contains_key(id.as_str()))
+                    .cloned()
                     .collect();
-                // Only endpoints of the snapshot in force: load on one that left is of no
-                // use to the other gateways.
-                let mut unseen = t.unseen_totals(now, |id| scraped.get(id).copied());
-                unseen.retain(|id, _| scraped.contains_key(id.as_str()));
-                let mut name = String::new();
-                let mut set = |prefix: &str, id: &str, v: u64| {
-                    name.clear();
-                    name.push_str(prefix);
-                    name.push_str(id);
-                    host.gauge_set_named(&name, v);
-                };
-                for (id, l) in unseen.iter().filter(|(_, l)| l.requests > 0) {
-                    set(metric::INFLIGHT_UNSEEN_REQUESTS, id, u64::from(l.requests));
-                    set(metric::INFLIGHT_UNSEEN_TOKENS, id, l.tokens);
-                }
-                for id in &self.exported_unseen {
-                    if unseen.get(id).is_none_or(|l| l.requests == 0) {
-                        set(metric::INFLIGHT_UNSEEN_REQUESTS, id, 0);
-                        set(metric::INFLIGHT_UNSEEN_TOKENS, id, 0);
-                    }
-                }
-                self.exported_unseen = unseen
-                    .into_iter()
-                    .filter(|(_, l)| l.requests > 0)
-                    .map(|(id, _)| id)
-                    .collect();
-                self.gauge_endpoints
-                    .extend(self.exported_unseen.iter().cloned());
-                if snap.version != self.gauge_version {
-                    self.gauge_version = snap.version;
-                    let gone: Vec<String> = self
-                        .gauge_endpoints
-                        .iter()
-                        .filter(|id| !scraped.contains_key(id.as_str()))
-                        .cloned()
-                        .collect();
-                    for id in gone {
-                        self.gauge_endpoints.remove(&id);
-                        for prefix in [
-                            metric::INFLIGHT_UNSEEN_REQUESTS,
-                            metric::INFLIGHT_UNSEEN_TOKENS,
-                        ] {
-                            name.clear();
-                            name.push_str(prefix);
-                            name.push_str(&id);
-                            host.gauge_set_named(&name, 0);
-                            host.forget_named_gauge(&name);
-                        }
+                for id in gone {
+                    self.gauge_endpoints.remove(&id);
+                    for prefix in [
+                        metric::INFLIGHT_UNSEEN_REQUESTS,
+                        metric::INFLIGHT_UNSEEN_TOKENS,
+                    ] {
+                        name.clear();
+                        name.push_str(prefix);
+                        name.push_str(&id);
+                        host.gauge_set_named(&name, 0);
+                        host.forget_named_gauge(&name);
                     }
                 }
             }

@@ -350,9 +350,10 @@ impl Stream {
             // An unread response to a streamed request still has its first bytes sniffed,
             // so that an event stream's first token ends its prefill and gives a TTFT
             // sample while an error reply (JSON, HTML) does not: one chunk read.
-            self.resp = match self.read_usage || self.facts.stream {
-                true => Resp::Pending(Vec::new()),
-                false => Resp::Unread,
+            self.resp = if self.read_usage || self.facts.stream {
+                Resp::Pending(Vec::new())
+            } else {
+                Resp::Unread
             };
         }
         if self.worker.borrow().config.debug_header && !self.reason.is_empty() {
