@@ -182,6 +182,31 @@ fn chain_step(block: &[u8], prev: u64) -> u64 {
 /// GIE's `DefaultLRUCapacityPerServer` (see the module doc), in blocks.
 pub const DEFAULT_INDEX_CAPACITY: usize = 31_250;
 
+/// Largest product of the index's endpoints and a snapshot's for which
+/// [`PrefixIndex::match_snapshot_last`] compares ids pairwise rather than looking each
+/// snapshot endpoint up.
+pub const PAIRWISE_MAX: usize = 256;
+
+/// `a == b` for endpoint ids, eight bytes per step (a string `==` calls wasi-libc's
+/// byte-at-a-time `memcmp` on wasm32). The last bytes are compared first: ids of one
+/// pool (`pool/e3`, `pool/e5`) differ at their end.
+#[inline]
+fn same_id(a: &str, b: &str) -> bool {
+    let (mut a, mut b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() || a.last() != b.last() {
+        return false;
+    }
+    while let (Some((x, ra)), Some((y, rb))) =
+        (a.split_first_chunk::<8>(), b.split_first_chunk::<8>())
+    {
+        if u64::from_ne_bytes(*x) != u64::from_ne_bytes(*y) {
+            return false;
+        }
+        (a, b) = (ra, rb);
+    }
+    a.iter().zip(b).all(|(x, y)| x == y)
+}
+
 /// Hasher of the per-endpoint maps: `foldhash` with a per-index seed (see the module doc).
 type Seeded = foldhash::fast::FixedState;
 
@@ -198,10 +223,57 @@ impl Lru {
         }
     }
 
+    /// Whether the most recently recorded blocks are `chain`, in order (the back of the
+    /// list is its last block). Walks the list's links only: no hashing.
+    fn ends_with(&self, chain: &[u64]) -> bool {
+        self.blocks.len() >= chain.len()
+            && self
+                .blocks
+                .keys()
+                .rev()
+                .zip(chain.iter().rev())
+                .all(|(held, h)| held == h)
+    }
+
+    /// Leading blocks of `hashes` held, and whether `hashes` are the blocks recorded last
+    /// (then all are held). The same chain recorded last here (the same prompt again) is
+    /// found by comparing the list's links, with no block looked up.
+    fn leading(&self, hashes: &[u64]) -> (u32, bool) {
+        let last = self.blocks.back().map(|(k, _)| k) == hashes.last() && self.ends_with(hashes);
+        let n = if last {
+            hashes.len()
+        } else {
+            hashes
+                .iter()
+                .take_while(|h| self.blocks.contains_key(h))
+                .count()
+        };
+        (u32::try_from(n).unwrap_or(u32::MAX), last)
+    }
+
     /// Record `hashes` in order (the last is the most recent), then evict the least
-    /// recently recorded blocks beyond `capacity`.
-    fn record(&mut self, hashes: &[u64], capacity: usize) {
-        for &h in hashes {
+    /// recently recorded blocks beyond `capacity`. `held` is how many leading blocks of
+    /// `hashes` are believed held (0: unknown, try all of them).
+    fn record(&mut self, hashes: &[u64], held: usize, capacity: usize) {
+        // When the list already ends with `hashes[..held]` in order (the same chain, or its
+        // prefix, was the last recorded here), moving those blocks to the back one by one
+        // leaves the list as it is: skip them. Exact whatever `held` is; the check fails
+        // at its first compare unless the chain was recorded last.
+        let held = match held {
+            0 => hashes.len(),
+            n => n.min(hashes.len()),
+        };
+        let skip = match hashes.get(..held) {
+            Some(p)
+                if held > 0
+                    && self.blocks.back().map(|(k, _)| k) == p.last()
+                    && self.ends_with(p) =>
+            {
+                held
+            }
+            _ => 0,
+        };
+        for &h in hashes.get(skip..).unwrap_or_default() {
             // Moves a held block to the back, or adds it there.
             self.blocks.insert(h, ());
         }
@@ -246,6 +318,15 @@ impl PrefixIndex {
     /// Record that a request with chain `hashes` was routed to `endpoint_id`; evicts the
     /// least recently used blocks beyond capacity.
     pub fn record(&mut self, endpoint_id: &str, hashes: &[u64]) {
+        self.record_matched(endpoint_id, hashes, 0);
+    }
+
+    /// [`Self::record`] after [`Self::match_one`] (or [`Self::match_snapshot`]) found
+    /// `matched` leading blocks of `hashes` held for `endpoint_id`: when those are the
+    /// blocks recorded last there, in order (a conversation's next turn, the same prompt
+    /// again), they are not moved one by one. The index ends the same as with
+    /// [`Self::record`], whatever `matched` is (0: unknown).
+    pub fn record_matched(&mut self, endpoint_id: &str, hashes: &[u64], matched: u32) {
         if hashes.is_empty() {
             return;
         }
@@ -257,22 +338,16 @@ impl PrefixIndex {
                 .entry(endpoint_id.to_string())
                 .or_insert_with(|| Lru::new(seed)),
         };
-        lru.record(hashes, self.capacity);
+        let held = usize::try_from(matched).unwrap_or(usize::MAX);
+        lru.record(hashes, held, self.capacity);
     }
 
     /// Leading blocks of `hashes` recorded for `endpoint_id`. Read-only: recency is refreshed
     /// by [`Self::record`] (called for the endpoint actually chosen), not by lookups.
     pub fn match_one(&self, hashes: &[u64], endpoint_id: &str) -> u32 {
-        match self.endpoints.get(endpoint_id) {
-            None => 0,
-            Some(lru) => {
-                let n = hashes
-                    .iter()
-                    .take_while(|h| lru.blocks.contains_key(h))
-                    .count();
-                u32::try_from(n).unwrap_or(u32::MAX)
-            }
-        }
+        self.endpoints
+            .get(endpoint_id)
+            .map_or(0, |lru| lru.leading(hashes).0)
     }
 
     /// Leading blocks of `hashes` recorded for each of `endpoint_ids`, aligned with them
@@ -289,7 +364,48 @@ impl PrefixIndex {
 
     /// [`Self::match_blocks`] over every endpoint of a snapshot, in snapshot order.
     pub fn match_snapshot(&self, hashes: &[u64], snapshot: &crate::snapshot::Snapshot) -> Vec<u32> {
-        self.match_blocks(hashes, snapshot.endpoints.iter().map(|e| e.id.as_str()))
+        self.match_snapshot_last(hashes, snapshot, &mut Vec::new())
+    }
+
+    /// [`Self::match_snapshot`], also setting `last[i]` (resized to the snapshot) when
+    /// `hashes` are the blocks last recorded for endpoint `i`, in order: recording them
+    /// there again ([`Self::record`]) would leave the index as it is.
+    ///
+    /// While the index holds few endpoints (its endpoints × the snapshot's at most
+    /// [`PAIRWISE_MAX`]), each held endpoint's id is compared with the snapshot's ids,
+    /// 8 bytes per step, instead of a map lookup per snapshot endpoint: a lookup compares
+    /// ids through wasi-libc's byte-at-a-time `memcmp`, ~290 Wasm operations for an
+    /// endpoint the index does not hold (docs/overhead.md).
+    pub fn match_snapshot_last(
+        &self,
+        hashes: &[u64],
+        snapshot: &crate::snapshot::Snapshot,
+        last: &mut Vec<bool>,
+    ) -> Vec<u32> {
+        let eps = &snapshot.endpoints;
+        let mut out = vec![0; eps.len()];
+        last.clear();
+        last.resize(eps.len(), false);
+        if hashes.is_empty() || self.endpoints.is_empty() {
+            return out;
+        }
+        if self.endpoints.len().saturating_mul(eps.len()) <= PAIRWISE_MAX {
+            for (id, lru) in &self.endpoints {
+                let mut found = None;
+                for ((m, l), e) in out.iter_mut().zip(last.iter_mut()).zip(eps) {
+                    if same_id(&e.id, id) {
+                        (*m, *l) = *found.get_or_insert_with(|| lru.leading(hashes));
+                    }
+                }
+            }
+        } else {
+            for ((m, l), e) in out.iter_mut().zip(last.iter_mut()).zip(eps) {
+                if let Some(lru) = self.endpoints.get(e.id.as_str()) {
+                    (*m, *l) = lru.leading(hashes);
+                }
+            }
+        }
+        out
     }
 
     /// Drop everything recorded for `endpoint_id` (it restarted: its cache is cold).
@@ -338,6 +454,129 @@ mod tests {
             joined.extend_from_slice(&prev.to_le_bytes());
             proptest::prop_assert_eq!(chain_step(block, prev), xxh64(&joined, 0));
         }
+    }
+
+    /// The LRU as a plain list: each block moved (or added) to the back, then the front
+    /// evicted beyond `capacity`.
+    fn naive_record(list: &mut Vec<u64>, hashes: &[u64], capacity: usize) {
+        for &h in hashes {
+            list.retain(|&x| x != h);
+            list.push(h);
+        }
+        while list.len() > capacity {
+            list.remove(0);
+        }
+    }
+
+    fn held(idx: &PrefixIndex, id: &str) -> Vec<u64> {
+        idx.endpoints
+            .get(id)
+            .map(|l| l.blocks.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Chains from a small alphabet (so that chains share prefixes, repeat blocks and are
+    /// recorded again), recorded to a few endpoints with any `matched` hint.
+    fn chains() -> impl proptest::strategy::Strategy<Value = Vec<(u8, Vec<u64>, u32)>> {
+        proptest::collection::vec(
+            (0u8..3, proptest::collection::vec(0u64..12, 0..10), 0u32..12),
+            1..40,
+        )
+    }
+
+    proptest::proptest! {
+        /// `record_matched` leaves the index as the plain list does, whatever the hint:
+        /// the skipped blocks are only those the list already ends with.
+        #[test]
+        fn record_matched_is_record_whatever_the_hint(
+            ops in chains(),
+            capacity in 1usize..16,
+        ) {
+            let mut idx = PrefixIndex::new(capacity);
+            let mut want: [Vec<u64>; 3] = Default::default();
+            for (e, chain, hint) in &ops {
+                let id = format!("e{e}");
+                // Half the time the hint is the true match, as the router passes it.
+                let hint = if hint % 2 == 0 { idx.match_one(chain, &id) } else { *hint };
+                idx.record_matched(&id, chain, hint);
+                naive_record(&mut want[usize::from(*e)], chain, capacity);
+                for (i, w) in want.iter().enumerate() {
+                    proptest::prop_assert_eq!(&held(&idx, &format!("e{i}")), w);
+                }
+            }
+        }
+
+        /// `match_snapshot_last` gives `match_one` for every snapshot endpoint (ids
+        /// compared pairwise, or looked up for a large index), and flags exactly the
+        /// endpoints where recording the chain again would change nothing.
+        #[test]
+        fn match_snapshot_last_is_match_one_and_flags_no_op_records(
+            ops in chains(),
+            probe in proptest::collection::vec(0u64..12, 0..10),
+            extra in 0usize..300,
+        ) {
+            let mut idx = PrefixIndex::new(8);
+            for (e, chain, _) in &ops {
+                idx.record(&format!("pool/e{e}"), chain);
+            }
+            // Many held endpoints take the lookup path (over `PAIRWISE_MAX` pairs).
+            for i in 0..extra {
+                idx.record(&format!("other/{i}"), &[100]);
+            }
+            // Snapshot ids: the held ones, one held twice, and one never recorded.
+            let snapshot = crate::snapshot::Snapshot::new(
+                1,
+                0,
+                [0, 1, 2, 1, 7]
+                    .iter()
+                    .map(|&i| crate::snapshot::EndpointStats::fixture(i, 0))
+                    .collect(),
+            );
+            let mut last = vec![true; 2];
+            let got = idx.match_snapshot_last(&probe, &snapshot, &mut last);
+            proptest::prop_assert_eq!(last.len(), snapshot.endpoints.len());
+            for (i, e) in snapshot.endpoints.iter().enumerate() {
+                proptest::prop_assert_eq!(got[i], idx.match_one(&probe, &e.id));
+                let mut again = idx.clone();
+                again.record(&e.id, &probe);
+                let unchanged = held(&again, &e.id) == held(&idx, &e.id);
+                // Flagged only where nothing would change (an empty chain is never
+                // flagged: it records nothing anyway).
+                proptest::prop_assert!(!last[i] || unchanged);
+                if !probe.is_empty() && last[i] {
+                    proptest::prop_assert_eq!(got[i] as usize, probe.len());
+                }
+            }
+            proptest::prop_assert_eq!(idx.match_snapshot(&probe, &snapshot), got);
+        }
+    }
+
+    /// A chain recorded last is flagged, and again after a longer chain of its own prefix
+    /// is not (the list ends with the longer one).
+    #[test]
+    fn the_chain_recorded_last_is_flagged() {
+        let mut idx = PrefixIndex::new(DEFAULT_INDEX_CAPACITY);
+        let chain: Vec<u64> = (1..=64).collect();
+        idx.record("pool/e1", &chain);
+        let snapshot = crate::snapshot::Snapshot::new(
+            1,
+            0,
+            (0..3)
+                .map(|i| crate::snapshot::EndpointStats::fixture(i, 0))
+                .collect(),
+        );
+        let mut last = Vec::new();
+        let got = idx.match_snapshot_last(&chain, &snapshot, &mut last);
+        assert_eq!(
+            (got, last.clone()),
+            (vec![0, 64, 0], vec![false, true, false])
+        );
+        let got = idx.match_snapshot_last(&chain[..32], &snapshot, &mut last);
+        assert_eq!((got, last.clone()), (vec![0, 32, 0], vec![false; 3]));
+        // A next turn: the prefix held last is skipped, the new blocks recorded after it.
+        let longer: Vec<u64> = (1..=80).collect();
+        idx.record_matched("pool/e1", &longer, 64);
+        assert_eq!(held(&idx, "pool/e1"), longer);
     }
 
     /// Both paths of `block_hashes` (whole stripes in place, other sizes copied) give the

@@ -371,6 +371,9 @@ pub struct Router {
     usage: UsageSampler,
     fleet: Fleet,
     scratch_inflight: Vec<InFlight>,
+    /// Per snapshot endpoint: whether the decision's chain is what the prefix index
+    /// recorded there last ([`PrefixIndex::match_snapshot_last`]); kept between decisions.
+    scratch_last: Vec<bool>,
     /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
     outputs: OutputLengths,
     /// Chains recorded since the last [`Router::take_recorded`], kept only while affinity
@@ -423,6 +426,7 @@ impl Router {
             usage: UsageSampler::new(config.usage_sample_ms),
             fleet: Fleet::default(),
             scratch_inflight: Vec::new(),
+            scratch_last: Vec::new(),
             outputs: OutputLengths::new(),
             recorded: None,
             observed: None,
@@ -767,7 +771,10 @@ impl Router {
         inflight.resize(snap.endpoints.len(), InFlight::default());
         table.add_unseen_into(now_ms, |id| slots.get(id).copied(), &mut inflight);
         crate::peer::add_peer_load(snap, &mut inflight);
-        let matches = self.index.match_snapshot(&req.prefix_hashes, snap);
+        let mut recorded_last = std::mem::take(&mut self.scratch_last);
+        let matches = self
+            .index
+            .match_snapshot_last(&req.prefix_hashes, snap, &mut recorded_last);
         let pick_req = PickRequest {
             model: req.model.as_deref(),
             api: req.api,
@@ -824,6 +831,11 @@ impl Router {
             _ => 0.0,
         };
         self.scratch_inflight = inflight;
+        let chain_recorded_last = match &outcome {
+            PickOutcome::Picked(p) => recorded_last.get(p.primary).copied().unwrap_or(false),
+            _ => false,
+        };
+        self.scratch_last = recorded_last;
         match outcome {
             PickOutcome::Picked(p) => {
                 let Some(primary) = snap.endpoints.get(p.primary) else {
@@ -833,7 +845,12 @@ impl Router {
                 let matched = matches.get(p.primary).copied().unwrap_or(0);
                 let prefill_tokens =
                     uncached_prompt_tokens(req.prompt_tokens, matched, pick_req.prefix_blocks);
-                self.index.record(&primary.id, &req.prefix_hashes);
+                // Nothing to record when the chain is what was recorded last there (the same
+                // prompt again): recording it would move each block to where it already is.
+                if !chain_recorded_last {
+                    self.index
+                        .record_matched(&primary.id, &req.prefix_hashes, matched);
+                }
                 Outcome::Route(Route {
                     primary: p.primary,
                     endpoint: primary.id.clone(),
