@@ -12,5 +12,9 @@ test-cp: wasm envoy ## Control-plane tests: unit, golden (every metrics fixture)
 bench-cp: ## Control-plane benchmark (optimised build): 1,000 endpoints @1 s (CPU %, RSS) and scrape-to-push p99 @64 endpoints
 	$(CARGO) bench -p kvroute-cp --bench fleet
 
-check-cp-example: ## Validate the example control-plane config with the binary
-	$(CARGO) run -q -p kvroute-cp -- --config examples/control-plane/kvroute-cp.yaml --check
+check-cp-example: ## Check the example control-plane config against each example Envoy config (kvroute-cp --check --envoy-config, the examples' placeholder token)
+	@for e in examples/envoy/*.yaml; do \
+	  echo "== kvroute-cp --check --envoy-config $$e"; \
+	  KVROUTE_INGEST_TOKEN=change-me-to-a-long-random-secret $(CARGO) run -q -p kvroute-cp -- \
+	    --config examples/control-plane/kvroute-cp.yaml --check --envoy-config "$$e" || exit 1; \
+	done

@@ -163,6 +163,44 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
     );
 }
 
+/// The documented pairing holds: `examples/control-plane/kvroute-cp.yaml` passes
+/// `--check --envoy-config` against every Envoy config in `examples/envoy/` (with the
+/// examples' placeholder token): no errors, and its target is that Envoy's ingest listener.
+#[test]
+fn shipped_example_passes_check_against_every_shipped_envoy_config() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut envoys: Vec<_> = std::fs::read_dir(root.join("examples/envoy"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    envoys.sort();
+    assert_eq!(envoys.len(), 3, "{envoys:?}");
+    for envoy in &envoys {
+        let out = Command::new(BIN)
+            .arg("--check")
+            .arg("--config")
+            .arg(root.join("examples/control-plane/kvroute-cp.yaml"))
+            .arg("--envoy-config")
+            .arg(envoy)
+            .env("KVROUTE_INGEST_TOKEN", "change-me-to-a-long-random-secret")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}:\n{stdout}", envoy.display());
+        assert!(
+            !stdout.contains("error:") && !stdout.contains("not an ingest listener port"),
+            "{}:\n{stdout}",
+            envoy.display()
+        );
+        assert!(
+            stdout.ends_with("config ok: 2 endpoints, 1 targets, listen 127.0.0.1:9090\n"),
+            "{}:\n{stdout}",
+            envoy.display()
+        );
+    }
+}
+
 async fn snapshot_ids(base: &str) -> Vec<String> {
     let Some((status, body)) = try_get(&format!("{base}/v1/snapshot")).await else {
         return Vec::new();

@@ -258,11 +258,26 @@ fn token_sources() {
 #[test]
 fn shipped_examples_are_valid() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let c = Config::load(&root.join("examples/control-plane/kvroute-cp.yaml")).unwrap();
-    assert_eq!((c.endpoints.len(), c.targets.len()), (3, 2));
-    assert_eq!(c.endpoints[2].kind, ServerKind::Llamacpp);
+    let path = root.join("examples/control-plane/kvroute-cp.yaml");
+    let c = Config::load(&path).unwrap();
+    assert_eq!((c.endpoints.len(), c.targets.len()), (2, 1));
+    // Its commented-out forms (a second Envoy, a llama.cpp pool) are valid once uncommented:
+    // every `  # - ` / `  #   ` line is commented YAML, the other comments are prose.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let uncommented: String = text
+        .lines()
+        .map(|l| match l.strip_prefix("  # ") {
+            Some(rest) if rest.starts_with("- ") || rest.starts_with("  ") => format!("  {rest}\n"),
+            _ => format!("{l}\n"),
+        })
+        .collect();
+    let u = Config::from_yaml(&uncommented).unwrap();
+    assert_eq!((u.endpoints.len(), u.targets.len()), (3, 2));
+    assert_eq!(u.endpoints[2].kind, ServerKind::Llamacpp);
+    assert!(u.targets[1].stats_url.is_some());
     // The example pairs with examples/envoy/cluster-mode.yaml: same backends, same cluster
-    // names, and its first target is that Envoy's ingest listener.
+    // names, and its target is that Envoy's ingest listener (tests/binary.rs runs
+    // `--check --envoy-config` on it with every example Envoy config).
     let envoy = std::fs::read_to_string(root.join("examples/envoy/cluster-mode.yaml")).unwrap();
     for (i, (addr, cluster)) in [("127.0.0.1:8001", "vllm-a"), ("127.0.0.1:8002", "vllm-b")]
         .into_iter()
