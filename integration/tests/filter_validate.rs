@@ -1,5 +1,6 @@
-//! Every shipped Envoy config in `examples/envoy/` passes `envoy --mode validate`, and a
-//! bad plugin configuration is refused by `on_configure` with one clear log line.
+//! Every shipped Envoy config in `examples/envoy/` passes `envoy --mode validate` (and has
+//! the decision record on, printed by its access log), and a bad plugin configuration is
+//! refused by `on_configure` with one clear log line.
 
 use kvroute_integration::harness::kvroute::ingest_plugin_config;
 use kvroute_integration::harness::{render, templates, wasm_path, workspace_root, Envoy};
@@ -35,6 +36,18 @@ fn every_example_config_validates() {
         assert!(yaml.contains(EXAMPLE_WASM), "{}", f.display());
         assert!(
             yaml.contains("allow_on_headers_stop_iteration: true"),
+            "{}",
+            f.display()
+        );
+        // The decision record is on in every example, and its access log prints it
+        // (README, "Explainable"; docs/filter.md, "Decision record").
+        assert!(
+            yaml.contains(r#""decision_record":true"#),
+            "{}",
+            f.display()
+        );
+        assert!(
+            yaml.contains("%FILTER_STATE(wasm.kvroute_decision:PLAIN)%"),
             "{}",
             f.display()
         );
