@@ -149,7 +149,10 @@ const MIN_SHARED_BLOCKS: usize = 2;
 
 async fn mooncake_200() {
     let reqs = mooncake(N_REQUESTS);
-    let out = run_demo(&reqs, &options(3, any_ports())).await.unwrap();
+    let out_dir = tempfile::tempdir().unwrap();
+    let mut opts = options(3, any_ports());
+    opts.out = Some(out_dir.path().to_path_buf());
+    let out = run_demo(&reqs, &opts).await.unwrap();
     println!("{}", out.table);
     let (kv, rr) = (&out.runs[0], &out.runs[1]);
     assert_eq!(kv.summary.label, "kvroute-hybrid");
@@ -193,6 +196,26 @@ async fn mooncake_200() {
     assert!(kv.gateway.snapshot_age_ms.unwrap() < 1000);
     // Round robin ran without the filter.
     assert_eq!(rr.gateway.filter_decisions, 0);
+    // The kvroute run explained every pick: the filter's decision record, one access-log
+    // line per request in <out>/decisions_kvroute-hybrid.log; round robin has none.
+    let d = kv
+        .decisions
+        .as_ref()
+        .expect("decision log of the kvroute run");
+    assert_eq!(d.path, out_dir.path().join("decisions_kvroute-hybrid.log"));
+    assert_eq!(d.records.len(), N_REQUESTS);
+    for r in &d.records {
+        assert!(
+            r.starts_with("policy:hybrid;endpoint=demo/sim-") && r.contains(";top=demo/sim-"),
+            "{r}"
+        );
+    }
+    assert_eq!(d.examples(3).len(), 3);
+    println!(
+        "decision records, for example:\n  {}",
+        d.examples(3).join("\n  ")
+    );
+    assert!(rr.decisions.is_none());
     // Prefix-aware routing keeps a conversation on the replica that holds its prefix. The
     // slice has 14 continuations (requests sharing at least 2 leading blocks with an earlier
     // one); 6 release runs kept 11–14 of them on the earlier request's replica, round robin

@@ -290,6 +290,17 @@ async fn main() -> ExitCode {
                             run.gateway.max_snapshot_age_ms.map_or("?".into(), |v| v.to_string()),
                         );
                     }
+                    if let Some(d) = &run.decisions {
+                        println!(
+                            "{}: why each request went where (decision records, docs/filter.md): {}, {} lines; for example",
+                            run.summary.label,
+                            d.path.display(),
+                            d.records.len(),
+                        );
+                        for r in d.examples(3) {
+                            println!("  {r}");
+                        }
+                    }
                 }
                 if let Some(f) = &out.files {
                     println!("report: {}", f.json.display());

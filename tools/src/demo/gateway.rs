@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// Envoy config of kvroute mode (placeholders `LISTEN_PORT`, `INGEST_PORT`, `TIMEOUT_S`,
-/// `WASM`, `PLUGIN_CONFIG`, `INGEST_CONFIG`, `CLUSTERS`).
+/// `WASM`, `PLUGIN_CONFIG`, `INGEST_CONFIG`, `CLUSTERS`, `ACCESS_LOG_PATH`).
 pub const KVROUTE_TEMPLATE: &str = include_str!("templates/kvroute.yaml");
 /// Envoy config of the round-robin baseline (placeholders `LISTEN_PORT`, `TIMEOUT_S`,
 /// `CLUSTERS`).
@@ -29,6 +29,11 @@ pub const STAT_SNAPSHOT_AGE_MS: &str = "wasmcustom.kvroute.snapshot_age_ms";
 /// Envoy stat: requests that took the default route (cluster `all`), i.e. not routed by
 /// the filter in kvroute mode.
 pub const STAT_DEFAULT_ROUTE: &str = "cluster.all.upstream_rq_total";
+/// Marker before the filter's decision record in each line of the decision log (the
+/// access-log format of the template and of `examples/envoy/*.yaml`).
+pub const DECISION_MARKER: &str = " kvroute=";
+/// How long [`Gateway::decision_records`] waits for Envoy to write the last lines.
+pub const DECISION_LOG_DEADLINE: Duration = Duration::from_secs(5);
 
 /// One model server behind the gateway.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +114,10 @@ pub struct GatewayOptions {
     pub scrape_interval_ms: u64,
     /// kvroute-cp heartbeat (push at least this often), milliseconds.
     pub heartbeat_ms: u64,
+    /// kvroute mode: turn the filter's decision record on and have Envoy write one
+    /// access-log line per request, with the record, to this file (replaced if it
+    /// exists). `None`: the record is off, as in the filter's default config.
+    pub decision_log: Option<PathBuf>,
 }
 
 impl GatewayOptions {
@@ -124,6 +133,7 @@ impl GatewayOptions {
             concurrency: 2,
             scrape_interval_ms: 100,
             heartbeat_ms: 100,
+            decision_log: None,
         }
     }
 }
@@ -141,6 +151,8 @@ pub struct Gateway {
     pub ingest_port: Option<u16>,
     /// Routing mode.
     pub routing: Routing,
+    /// The decision log Envoy writes (kvroute mode with [`GatewayOptions::decision_log`]).
+    pub decision_log: Option<PathBuf>,
     token_file: Option<PathBuf>,
 }
 
@@ -152,6 +164,7 @@ impl std::fmt::Debug for Gateway {
             .field("listen_port", &self.listen_port)
             .field("ingest_port", &self.ingest_port)
             .field("routing", &self.routing)
+            .field("decision_log", &self.decision_log)
             .finish()
     }
 }
@@ -230,6 +243,7 @@ impl Gateway {
                     listen_port,
                     ingest_port: None,
                     routing: opts.routing,
+                    decision_log: None,
                     token_file: None,
                 })
             }
@@ -241,8 +255,24 @@ impl Gateway {
                 let route_cfg = serde_json::json!({
                     "mode": "cluster",
                     "picker": {"policy": policy.name()},
+                    "decision_record": opts.decision_log.is_some(),
                 })
                 .to_string();
+                let access_log = match &opts.decision_log {
+                    Some(path) => {
+                        // Envoy appends: start from an empty file, in a directory that exists.
+                        let io = |source| DemoError::Io {
+                            path: path.clone(),
+                            source,
+                        };
+                        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                            std::fs::create_dir_all(dir).map_err(io)?;
+                        }
+                        std::fs::write(path, b"").map_err(io)?;
+                        std::path::absolute(path).map_err(io)?.display().to_string()
+                    }
+                    None => "/dev/null".to_owned(),
+                };
                 let ingest_cfg =
                     serde_json::json!({"role": "ingest", "ingest_token": token}).to_string();
                 let yaml = render(
@@ -255,6 +285,11 @@ impl Gateway {
                         ("PLUGIN_CONFIG", route_cfg),
                         ("INGEST_CONFIG", ingest_cfg),
                         ("CLUSTERS", clusters),
+                        // A JSON string is a YAML double-quoted scalar: any path.
+                        (
+                            "ACCESS_LOG_PATH",
+                            serde_json::Value::String(access_log).to_string(),
+                        ),
                     ],
                 )
                 .map_err(|e| DemoError::Sim(e.to_string()))?;
@@ -286,6 +321,7 @@ impl Gateway {
                     listen_port,
                     ingest_port: Some(ingest_port),
                     routing: opts.routing,
+                    decision_log: opts.decision_log.clone(),
                     token_file: Some(token_file),
                 };
                 gw.wait_first_snapshot(backends.len()).await?;
@@ -316,6 +352,45 @@ impl Gateway {
         format!("http://127.0.0.1:{}/v1/chat/completions", self.listen_port)
     }
 
+    /// The decision records Envoy wrote to the decision log, one per request in the order
+    /// they completed (the part of each line after [`DECISION_MARKER`]; `-` for a request
+    /// the filter did not record). Envoy buffers access logs and writes them every 10 s, so
+    /// this asks it to reopen its logs (`POST /reopen_logs`, which writes the buffer first)
+    /// until `expected` lines are there or [`DECISION_LOG_DEADLINE`] has passed. Empty
+    /// without a decision log.
+    pub async fn decision_records(&self, expected: usize) -> Result<Vec<String>, DemoError> {
+        let Some(path) = &self.decision_log else {
+            return Ok(Vec::new());
+        };
+        let deadline = Instant::now() + DECISION_LOG_DEADLINE;
+        loop {
+            // A failed reopen only delays the lines to Envoy's next timed write.
+            let _ = kvroute_integration::harness::http::request(
+                "POST",
+                &format!("http://{}/reopen_logs", self.envoy.admin()),
+                &[],
+                b"",
+            )
+            .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let text = std::fs::read_to_string(path).map_err(|source| DemoError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let records: Vec<String> = text
+                .lines()
+                .map(|l| {
+                    l.split_once(DECISION_MARKER)
+                        .map_or("-", |(_, r)| r)
+                        .to_owned()
+                })
+                .collect();
+            if records.len() >= expected || Instant::now() > deadline {
+                return Ok(records);
+            }
+        }
+    }
+
     /// kvroute-cp's own address (kvroute mode).
     pub fn cp_addr(&self) -> Option<SocketAddr> {
         self.cp.as_ref().map(|c| c.local_addr())
@@ -338,5 +413,20 @@ impl Drop for Gateway {
         if let Some(t) = self.token_file.take() {
             let _ = std::fs::remove_file(t);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The template's access-log format puts the record right after [`DECISION_MARKER`],
+    /// which [`Gateway::decision_records`] splits on.
+    #[test]
+    fn the_access_log_format_carries_the_decision_record_after_the_marker() {
+        assert!(KVROUTE_TEMPLATE.contains(&format!(
+            "{DECISION_MARKER}%FILTER_STATE(wasm.kvroute_decision:PLAIN)%\\n\""
+        )));
+        assert!(KVROUTE_TEMPLATE.contains("path: {{ACCESS_LOG_PATH}}"));
     }
 }

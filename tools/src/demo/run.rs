@@ -81,6 +81,55 @@ pub struct GatewayStats {
     pub max_snapshot_age_ms: Option<u64>,
 }
 
+/// The filter's decision records of a kvroute run (with [`DemoOptions::out`] set): Envoy's
+/// access log, one line per request, in `<out>/decisions_<label>.log`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionLog {
+    /// The file.
+    pub path: PathBuf,
+    /// Every record, in the order the requests completed (`-`: none recorded).
+    pub records: Vec<String>,
+}
+
+/// Records that matched a prefix (`;prefix=<matched>/<hashed>` with `matched` > 0).
+fn prefix_matched(record: &str) -> bool {
+    record
+        .split(';')
+        .find_map(|f| f.strip_prefix("prefix="))
+        .and_then(|v| v.split_once('/'))
+        .and_then(|(m, _)| m.parse::<u32>().ok())
+        .is_some_and(|m| m > 0)
+}
+
+impl DecisionLog {
+    /// Up to `n` records to show: the first one, then the first that followed a cached
+    /// prefix (the affinity behind the pick), then the next ones in order.
+    pub fn examples(&self, n: usize) -> Vec<&str> {
+        let recorded: Vec<&str> = self
+            .records
+            .iter()
+            .map(String::as_str)
+            .filter(|r| *r != "-")
+            .collect();
+        let mut out: Vec<&str> = Vec::new();
+        let first = recorded.first().copied();
+        let matched = recorded.iter().copied().find(|r| prefix_matched(r));
+        for r in first
+            .into_iter()
+            .chain(matched)
+            .chain(recorded.iter().copied())
+        {
+            if out.len() >= n {
+                break;
+            }
+            if !out.contains(&r) {
+                out.push(r);
+            }
+        }
+        out
+    }
+}
+
 /// One run's results.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
@@ -92,6 +141,8 @@ pub struct RunOutcome {
     pub gateway: GatewayStats,
     /// Backends of the run (addresses = values of [`BACKEND_HEADER`]).
     pub backends: Vec<Backend>,
+    /// The filter's decision records (kvroute runs with [`DemoOptions::out`] set).
+    pub decisions: Option<DecisionLog>,
 }
 
 /// Both runs, the table and the files.
@@ -211,6 +262,12 @@ async fn run_stack(
     let (servers, backends) = start_fleet(opts).await?;
     let mut gw_opts = GatewayOptions::new(routing, opts.ports, &opts.model);
     gw_opts.concurrency = opts.envoy_concurrency;
+    if let (Routing::Kvroute(_), Some(dir)) = (routing, &opts.out) {
+        gw_opts.decision_log = Some(dir.join(format!(
+            "decisions_{}.log",
+            replay::report::file_stem(&routing.label())
+        )));
+    }
     let gw = Gateway::start(&backends, &gw_opts).await?;
     if opts.verbose {
         eprintln!(
@@ -252,6 +309,13 @@ async fn run_stack(
         snapshot_age_ms: stats.get(STAT_SNAPSHOT_AGE_MS).copied(),
         max_snapshot_age_ms: max_age,
     };
+    let decisions = match &gw.decision_log {
+        Some(path) => Some(DecisionLog {
+            path: path.clone(),
+            records: gw.decision_records(reqs.len()).await?,
+        }),
+        None => None,
+    };
     gw.shutdown().await;
     servers.stop();
     let summary = report.summary();
@@ -260,6 +324,7 @@ async fn run_stack(
         summary,
         gateway,
         backends,
+        decisions,
     })
 }
 
@@ -289,4 +354,38 @@ pub async fn run_demo(
         None => None,
     };
     Ok(DemoOutcome { runs, table, files })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log(records: &[&str]) -> DecisionLog {
+        DecisionLog {
+            path: PathBuf::from("decisions.log"),
+            records: records.iter().map(|r| (*r).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn examples_are_the_first_record_then_a_prefix_match_then_the_rest() {
+        let l = log(&[
+            "-",
+            "policy:hybrid;endpoint=demo/sim-0;prefix=0/3;top=a",
+            "policy:hybrid;endpoint=demo/sim-1;prefix=0/2;top=b",
+            "policy:hybrid;endpoint=demo/sim-0;prefix=2/3;top=c",
+        ]);
+        assert_eq!(
+            l.examples(3),
+            [
+                "policy:hybrid;endpoint=demo/sim-0;prefix=0/3;top=a",
+                "policy:hybrid;endpoint=demo/sim-0;prefix=2/3;top=c",
+                "policy:hybrid;endpoint=demo/sim-1;prefix=0/2;top=b",
+            ]
+        );
+        assert_eq!(l.examples(1).len(), 1);
+        assert!(log(&["-", "-"]).examples(3).is_empty());
+        assert!(!prefix_matched("policy:hybrid;endpoint=e;top=x"));
+        assert!(prefix_matched("policy:hybrid;endpoint=e;prefix=12/16"));
+    }
 }
