@@ -28,6 +28,9 @@ use kvroute_tools::routebench::output::{
 use kvroute_tools::routebench::sweep::{
     crosscheck, native_rate, run_sweep, Cell, SweepConfig, Workload,
 };
+use kvroute_tools::routebench::workers::{
+    WorkerModel, DEFAULT_AFFINITY_SYNC_MS, DEFAULT_INFLIGHT_SHARE_MS, TICK_MS,
+};
 use kvroute_tools::routebench::workload::TraceKind;
 use kvroute_tools::routebench::{run_router, BenchConfig, RouterKind};
 use rayon::prelude::*;
@@ -86,6 +89,27 @@ struct Common {
     /// the filter's).
     #[arg(long)]
     usage_sample_ms: Option<u64>,
+    /// Envoy worker threads kvroute routes on, each with its own router, in-flight table and
+    /// prefix index, sharing as the filter does (`kvroute_tools::routebench::workers`); the
+    /// baselines stay one router each.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    filter_workers: u64,
+    /// The filter's `inflight_share_ms` with more than one worker (virtual ms; 0 = read and
+    /// publish at every request).
+    #[arg(long, default_value_t = DEFAULT_INFLIGHT_SHARE_MS)]
+    inflight_share_ms: u64,
+    /// With more than one worker, share no prefix affinity and no learner observations
+    /// between them (the filter's `share_affinity` and `share_learning` off).
+    #[arg(long)]
+    no_journals: bool,
+    /// The filter workers' longest tick period (virtual ms; the filter's 100, shortened to
+    /// `--affinity-sync-ms` as the filter does): publication of changed in-flight tables,
+    /// re-reads of stale copies.
+    #[arg(long, default_value_t = TICK_MS, value_parser = clap::value_parser!(u64).range(1..))]
+    filter_tick_ms: u64,
+    /// The filter's `affinity_sync_ms` (virtual ms): journal syncs on the tick.
+    #[arg(long, default_value_t = DEFAULT_AFFINITY_SYNC_MS)]
+    affinity_sync_ms: u64,
 }
 
 #[derive(Debug, Args)]
@@ -195,9 +219,35 @@ fn setup(c: &Common) -> anyhow::Result<(EngineConfig, BenchConfig)> {
     };
     let base = BenchConfig {
         usage_sample_ms: c.usage_sample_ms.unwrap_or(base.usage_sample_ms),
+        workers: WorkerModel {
+            count: usize::try_from(c.filter_workers).unwrap_or(1),
+            inflight_share_ms: c.inflight_share_ms,
+            journals: !c.no_journals,
+            tick_ms: c.filter_tick_ms,
+            affinity_sync_ms: c.affinity_sync_ms,
+        },
         ..base
     };
     Ok((replica.engine, base))
+}
+
+/// How kvroute runs, for a run's header line (empty for one worker, the default).
+fn workers_note(w: WorkerModel) -> String {
+    if w.count > 1 {
+        format!(
+            ", kvroute on {} filter workers (inflight_share_ms {}, tick {} ms, journals {})",
+            w.count,
+            w.inflight_share_ms,
+            w.tick_ms,
+            if w.journals {
+                format!("synced every {} ms", w.affinity_sync_ms)
+            } else {
+                "off".to_string()
+            }
+        )
+    } else {
+        String::new()
+    }
 }
 
 fn load(c: &Common, kind: TraceKind, rows: usize) -> anyhow::Result<Vec<TraceRow>> {
@@ -232,6 +282,10 @@ fn sweep(a: SweepArgs) -> anyhow::Result<()> {
         routers,
         base,
     };
+    let note = workers_note(cfg.base.workers);
+    if !note.is_empty() {
+        println!("{}", note.trim_start_matches(", "));
+    }
     for w in &workloads {
         println!(
             "{}: {} rows, native {:.2} req/s",
@@ -287,7 +341,7 @@ fn single(a: SingleArgs) -> anyhow::Result<()> {
         .collect();
     let rate = native_rate(&rows) * a.compress;
     println!(
-        "kvroute-bench single: {} rows of {} ×{} ({:.2} req/s), {} × {}, scrape {} ms + push {} ms, seed {}\n",
+        "kvroute-bench single: {} rows of {} ×{} ({:.2} req/s), {} × {}, scrape {} ms + push {} ms, seed {}{}\n",
         rows.len(),
         kind.name(),
         a.compress,
@@ -296,7 +350,8 @@ fn single(a: SingleArgs) -> anyhow::Result<()> {
         a.common.model,
         cfg.scrape_interval_ms,
         cfg.push_delay_ms,
-        cfg.seed
+        cfg.seed,
+        workers_note(cfg.workers)
     );
     print!("{TABLE_HEADER}");
     for r in &reports {

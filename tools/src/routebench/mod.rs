@@ -6,6 +6,9 @@
 //! - [`baselines`]: round robin, least request, llm-d EPP, SGLang `cache_aware`, NVIDIA
 //!   Dynamo's KV router and an oracle, one file each, citing their sources;
 //! - this module: one replay ([`run_router`]) and its [`RouterReport`];
+//! - [`workers`]: kvroute as Envoy runs it, one router per worker thread
+//!   ([`BenchConfig::workers`], one by default), sharing reservations, prefix affinity and
+//!   learner observations with the filter's delays;
 //! - [`sweep`]: capacity measurement, the (trace × fleet × load × router) sweep on rayon,
 //!   the goal check and the online cross-check prediction;
 //! - [`output`]: markdown tables, SVG plots (plotters) and the JSON report.
@@ -19,7 +22,8 @@
 //!   [`BenchConfig::push_delay_ms`] later (default 10 ms, kvroute-cp's
 //!   `push.min_interval_ms` coalescing window). Snapshot-driven routers decide with the
 //!   latest snapshot that has arrived.
-//! - **Reservations are immediate**, as in the filter: kvroute reserves the request's KV
+//! - **Reservations are immediate** for the router that made them, as in the filter's
+//!   worker (other workers see them as [`workers`] says): kvroute reserves the request's KV
 //!   demand in a real [`InflightTable`] and the picker gets
 //!   [`InflightTable::unseen_totals`] (reservations made since each endpoint's scrape);
 //!   baselines get their own router-local in-flight counts. Each reservation also carries
@@ -64,12 +68,12 @@ pub mod baselines;
 pub mod ceiling;
 pub mod output;
 pub mod sweep;
+pub mod workers;
 pub mod workload;
 
 use std::collections::{HashMap, VecDeque};
 
 use kvroute_core::analysis::ApiKind;
-use kvroute_core::inflight::InflightTable;
 use kvroute_core::percentile::percentile;
 use kvroute_core::picker::{PickerConfig, PolicyKind};
 use kvroute_core::router::{Outcome, RequestFacts, RequestInfo, RouterConfig};
@@ -83,6 +87,7 @@ use baselines::{
 use kvroute_sim::api::{id_block_hashes, DEFAULT_PREFIX_BLOCK_TOKENS};
 use kvroute_sim::engine::{Engine, EngineConfig, EngineEvent, SimRequest};
 use kvroute_sim::trace::TraceRow;
+use workers::{WorkerModel, Workers};
 
 /// Tokens per trace `hash_id` block (Mooncake FAST'25 traces).
 pub const TRACE_BLOCK_TOKENS: u32 = 512;
@@ -96,8 +101,6 @@ pub const DEFAULT_SCRAPE_INTERVAL_MS: u64 = 200;
 pub const DEFAULT_PUSH_DELAY_MS: u64 = 10;
 /// Path of the requests [`PrefixView::FilterText`] routes (what `kvroute-demo` sends).
 const CHAT_PATH: &str = "/v1/chat/completions";
-/// Reservation lifetime used in the replay (never lapses within a run).
-const RESERVATION_TTL_MS: u64 = u64::MAX / 4;
 
 /// A router under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -237,6 +240,8 @@ pub struct BenchConfig {
     /// kvroute's `usage_sample_ms`: which finished rows its output-length learner sees
     /// ([`kvroute_core::router::Router::sample_usage`]; default the filter's, 0 = all).
     pub usage_sample_ms: u64,
+    /// Envoy workers kvroute routes on, each with its own router ([`workers`]; default one).
+    pub workers: WorkerModel,
 }
 
 impl BenchConfig {
@@ -252,6 +257,7 @@ impl BenchConfig {
             picker: PickerConfig::default(),
             prefix_view: PrefixView::default(),
             usage_sample_ms: RouterConfig::default().usage_sample_ms,
+            workers: WorkerModel::default(),
         }
     }
 }
@@ -317,7 +323,7 @@ pub fn chain_ids(ids: &[u64]) -> Vec<u64> {
 }
 
 enum Router {
-    Kv(Box<kvroute_core::router::Router>),
+    Kv(Box<Workers>),
     Rr(RoundRobin),
     Lr(LeastRequest),
     Llmd(LlmdEpp),
@@ -343,6 +349,8 @@ struct Req {
     /// kvroute reads this response's `usage` (chosen at its first token by the router's
     /// sampler, as the filter chooses at the response's headers).
     usage_read: bool,
+    /// The filter worker that routed it (kvroute; 0 otherwise).
+    worker: usize,
 }
 
 struct State {
@@ -350,8 +358,6 @@ struct State {
     reqs: Vec<Req>,
     /// Router-local in-flight requests per replica (immediate).
     inflight: Vec<u64>,
-    /// kvroute's reservation table (the filter's, from kvroute-core).
-    table: InflightTable,
     /// Dynamo's router-tracked active tokens per replica.
     active_tokens: Vec<u64>,
     /// Requests without a first token yet, per replica (for the oracle).
@@ -426,8 +432,6 @@ impl State {
                         p.swap_remove(pos);
                     }
                 }
-                // The filter marks prefill done on the first response bytes.
-                self.table.first_token(id);
             }
             if !last {
                 continue;
@@ -458,7 +462,6 @@ impl State {
             if let Some(a) = self.active_tokens.get_mut(k) {
                 *a = a.saturating_sub(used);
             }
-            self.table.release(id);
         }
     }
 
@@ -582,12 +585,28 @@ pub fn kvroute_router(
         .ok()
 }
 
-fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> Router {
+fn build_router(
+    kind: RouterKind,
+    engine: &EngineConfig,
+    cfg: &BenchConfig,
+    max_entries: usize,
+) -> Router {
     match kind {
-        RouterKind::Kvroute(policy) => match kvroute_router(policy, engine, cfg) {
-            Some(r) => Router::Kv(Box::new(r)),
-            None => Router::Lr(LeastRequest),
-        },
+        RouterKind::Kvroute(policy) => {
+            // Worker w's router draws its tie-breaks from its own stream (worker 0: the
+            // benchmark's seed, so one worker replays as before).
+            let make = |w: usize| {
+                let seeded = BenchConfig {
+                    seed: cfg.seed.wrapping_add(w as u64),
+                    ..cfg.clone()
+                };
+                kvroute_router(policy, engine, &seeded)
+            };
+            match Workers::new(cfg.workers, max_entries, cfg.seed, make) {
+                Some(w) => Router::Kv(Box::new(w)),
+                None => Router::Lr(LeastRequest),
+            }
+        }
         RouterKind::RoundRobin => Router::Rr(RoundRobin::new()),
         RouterKind::LeastRequest => Router::Lr(LeastRequest),
         RouterKind::LlmdEpp => Router::Llmd(LlmdEpp::new(cfg.seed)),
@@ -598,14 +617,16 @@ fn build_router(kind: RouterKind, engine: &EngineConfig, cfg: &BenchConfig) -> R
     }
 }
 
-/// Feed what the router would observe from responses since the last call: kvroute's
-/// prefill-rate learner gets (predicted work at pick, TTFT) of each first token, its
-/// output-length model the (prompt, output) usage of each finished request — the filter's
-/// first-byte and `usage` observations, for requests of `api`.
+/// Feed what kvroute would observe from responses since the last call, each to the worker
+/// that routed the request: its in-flight table marks the prefill done at the first token
+/// (the filter does so on the first response bytes) and releases the reservation at the
+/// last; its prefill-rate learner gets (predicted work at pick, TTFT) of each first token,
+/// its output-length model the (prompt, output) usage of each finished request — the
+/// filter's first-byte and `usage` observations, for requests of `api`.
 fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[String]) {
     let firsts = std::mem::take(&mut st.first_tokens);
     let done = std::mem::take(&mut st.finished_ids);
-    let Router::Kv(router) = router else {
+    let Router::Kv(workers) = router else {
         return;
     };
     let facts = RequestFacts {
@@ -617,6 +638,10 @@ fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[S
         let (Some(r), Some(ep)) = (st.reqs.get_mut(id as usize), ids.get(k)) else {
             continue;
         };
+        workers.first_token(r.worker, id);
+        let Some(router) = workers.router(r.worker) else {
+            continue;
+        };
         router.observe_first_token(ep, r.predicted_work, ttft);
         // The response begins at its first token (all rows stream): the router's sampler
         // chooses whether its usage is read, as in the filter.
@@ -624,7 +649,11 @@ fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[S
         r.usage_read = router.sample_usage(&facts, begins_ms);
     }
     for id in done {
-        if let Some(r) = st.reqs.get(id as usize).filter(|r| r.usage_read) {
+        let Some(r) = st.reqs.get(id as usize) else {
+            continue;
+        };
+        workers.release(r.worker, id);
+        if let (true, Some(router)) = (r.usage_read, workers.router(r.worker)) {
             router.observe_output(model, api, u64::from(r.prompt), u64::from(r.output));
         }
     }
@@ -651,12 +680,11 @@ pub fn run_router(
         1.0
     };
     let interval_ms = cfg.scrape_interval_ms.max(1);
-    let mut router = build_router(kind, engine, cfg);
+    let mut router = build_router(kind, engine, cfg, rows.len().max(1));
     let mut st = State {
         engines: (0..n).map(|_| Engine::new(engine.clone())).collect(),
         reqs: vec![Req::default(); rows.len()],
         inflight: vec![0; n],
-        table: InflightTable::new(rows.len().max(1)),
         active_tokens: vec![0; n],
         prefilling: vec![Vec::new(); n],
         pending_prefill: vec![0; n],
@@ -746,8 +774,11 @@ pub fn run_router(
         let mut predicted_work = 0.0f64;
         // Pending prefill a baseline's router charges to the chosen replica.
         let mut prefill_charge = 0u64;
+        let mut worker = 0;
         let chosen = match &mut router {
-            Router::Kv(router) => {
+            Router::Kv(workers) => {
+                worker = workers.assign();
+                workers.advance(t_ms, &snap);
                 let info = RequestInfo {
                     api: ApiKind::Completions,
                     model: Some(cfg.model.clone()),
@@ -763,21 +794,36 @@ pub fn run_router(
                     stream: true,
                     prefix_hashes: hashes.clone(),
                 };
-                let decision = match cfg.prefix_view {
-                    PrefixView::TraceIds => router.route_request(&snap, &st.table, &info, t_ms),
-                    PrefixView::FilterText => {
-                        let body = crate::replay::workload::mooncake_sim_body(
-                            &cfg.model,
-                            &row.hash_ids,
-                            prompt,
-                            output,
-                            (cfg.seed, i as u64),
-                            &mut block_texts,
-                        );
-                        router.route(&snap, &st.table, CHAT_PATH, Some(&body), t_ms)
-                    }
+                let body = match cfg.prefix_view {
+                    PrefixView::TraceIds => None,
+                    PrefixView::FilterText => Some(crate::replay::workload::mooncake_sim_body(
+                        &cfg.model,
+                        &row.hash_ids,
+                        prompt,
+                        output,
+                        (cfg.seed, i as u64),
+                        &mut block_texts,
+                    )),
                 };
-                match decision.outcome {
+                let decided = workers.decide(worker, t_ms, |router, tables| {
+                    let decision = match &body {
+                        None => router.route_request(&snap, tables, &info, t_ms),
+                        Some(body) => router.route(&snap, tables, CHAT_PATH, Some(body), t_ms),
+                    };
+                    let demand = match decision.outcome {
+                        Outcome::Route(_) | Outcome::NoCapacity { .. } => 0,
+                        Outcome::NoEndpoints | Outcome::UnknownModel(_) => {
+                            router.demand(&info).1.tokens
+                        }
+                    };
+                    (decision.outcome, demand)
+                });
+                // A worker that does not exist cannot happen (`assign` draws among them).
+                let (outcome, demand) = decided.unwrap_or((
+                    Outcome::NoEndpoints,
+                    u64::from(prompt) + PROFILE_EXPECTED_OUTPUT,
+                ));
+                match outcome {
                     Outcome::Route(r) => {
                         prefill_estimate = r.prefill_tokens;
                         reserve = r.reserve_tokens;
@@ -793,7 +839,7 @@ pub fn run_router(
                     Outcome::NoEndpoints | Outcome::UnknownModel(_) => {
                         overflow += 1;
                         prefill_estimate = u64::from(prompt);
-                        reserve = router.demand(&info).1.tokens;
+                        reserve = demand;
                         least_loaded
                     }
                 }
@@ -846,6 +892,7 @@ pub fn run_router(
                 prefill_charge,
                 predicted_work,
                 usage_read: false,
+                worker,
             };
         }
         let req = SimRequest {
@@ -877,15 +924,8 @@ pub fn run_router(
         if let Some(p) = st.pending_prefill.get_mut(k) {
             *p = p.saturating_add(prefill_charge);
         }
-        if let Some(id) = ids.get(k) {
-            st.table.reserve_with_prefill(
-                i as u64,
-                id,
-                reserve,
-                prefill_estimate,
-                t_ms,
-                RESERVATION_TTL_MS,
-            );
+        if let (Router::Kv(workers), Some(id)) = (&mut router, ids.get(k)) {
+            workers.reserve(worker, i as u64, id, reserve, prefill_estimate, t_ms);
         }
     }
     // Drain, still sampling imbalance at scrape instants.
