@@ -187,24 +187,15 @@ pub const DEFAULT_INDEX_CAPACITY: usize = 31_250;
 /// snapshot endpoint up.
 pub const PAIRWISE_MAX: usize = 256;
 
-/// `a == b` for endpoint ids, eight bytes per step (a string `==` calls wasi-libc's
-/// byte-at-a-time `memcmp` on wasm32). The last bytes are compared first: ids of one
-/// pool (`pool/e3`, `pool/e5`) differ at their end.
+/// `a == b` for endpoint ids: the last bytes first (ids of one pool, `pool/e3` and
+/// `pool/e5`, differ at their end), then eight bytes per step
+/// ([`crate::picker::same_name`]; a string `==` calls wasi-libc's byte-at-a-time `memcmp`
+/// on wasm32).
 #[inline]
 fn same_id(a: &str, b: &str) -> bool {
-    let (mut a, mut b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() || a.last() != b.last() {
-        return false;
-    }
-    while let (Some((x, ra)), Some((y, rb))) =
-        (a.split_first_chunk::<8>(), b.split_first_chunk::<8>())
-    {
-        if u64::from_ne_bytes(*x) != u64::from_ne_bytes(*y) {
-            return false;
-        }
-        (a, b) = (ra, rb);
-    }
-    a.iter().zip(b).all(|(x, y)| x == y)
+    a.len() == b.len()
+        && a.as_bytes().last() == b.as_bytes().last()
+        && crate::picker::same_name(a, b)
 }
 
 /// Hasher of the per-endpoint maps: `foldhash` with a per-index seed (see the module doc).

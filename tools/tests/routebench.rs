@@ -81,19 +81,24 @@ fn router_names_round_trip() {
     );
 }
 
-#[test]
-fn a_burst_is_spread_by_immediate_reservations_not_by_the_snapshot() {
-    let (_, engine) = setup(0).expect("built-in model");
-    // 40 identical, unrelated requests in the same millisecond: no scrape can happen between
-    // them, so only router-local state (kvroute's reservations, in-flight counts) moves.
-    let burst: Vec<TraceRow> = (0..40u64)
+/// 40 identical, unrelated requests in the same millisecond.
+fn burst() -> Vec<TraceRow> {
+    (0..40u64)
         .map(|i| TraceRow {
             timestamp: 0,
             input_length: 1000,
             output_length: 10,
             hash_ids: vec![1_000 + i],
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_burst_is_spread_by_immediate_reservations_not_by_the_snapshot() {
+    let (_, engine) = setup(0).expect("built-in model");
+    // 40 identical, unrelated requests in the same millisecond: no scrape can happen between
+    // them, so only router-local state (kvroute's reservations, in-flight counts) moves.
+    let burst = burst();
     let cfg = BenchConfig::new(4, 1.0, 3, MODEL);
     for kind in [
         RouterKind::kvroute_default(),
@@ -114,14 +119,7 @@ fn workers_spread_a_burst_only_as_far_as_they_share_their_reservations() {
     // others' only once published and read. Shared at every request (0 ms), the burst is
     // spread as by one router; shared every 20 ms (the filter's default), the workers'
     // decisions within the millisecond pile up.
-    let burst: Vec<TraceRow> = (0..40u64)
-        .map(|i| TraceRow {
-            timestamp: 0,
-            input_length: 1000,
-            output_length: 10,
-            hash_ids: vec![1_000 + i],
-        })
-        .collect();
+    let burst = burst();
     let on = |share_ms| BenchConfig {
         workers: WorkerModel {
             count: 4,

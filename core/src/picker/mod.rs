@@ -407,13 +407,13 @@ fn serves(e: &EndpointStats, model: Option<&str>) -> bool {
     }
 }
 
-/// `a == b`, eight bytes per step: the picker's one model-name comparison (serving
-/// endpoints, request classes). On wasm32 a string `==` calls wasi-libc's `memcmp`, a
-/// loop of ~10 operations per byte: comparing each endpoint's model with a 32-byte model
-/// name was a third of `Picker::pick` (16 endpoints: ~11 k of ~35 k Wasm operations,
-/// fuel-counted; docs/overhead.md).
+/// `a == b`, eight bytes per step: the crate's comparison of names on the request path
+/// (the picker's model names, the prefix index's endpoint ids). On wasm32 a string `==`
+/// calls wasi-libc's `memcmp`, a loop of ~10 operations per byte: comparing each
+/// endpoint's model with a 32-byte model name was a third of `Picker::pick` (16
+/// endpoints: ~11 k of ~35 k Wasm operations, fuel-counted; docs/overhead.md).
 #[inline]
-fn same_name(a: &str, b: &str) -> bool {
+pub(crate) fn same_name(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
         return false;

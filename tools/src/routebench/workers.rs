@@ -367,9 +367,9 @@ mod tests {
     use super::*;
     use kvroute_core::analysis::ApiKind;
     use kvroute_core::router::{Outcome, RequestInfo, RouterConfig};
-    use kvroute_core::snapshot::{EndpointStats, FORMAT_VERSION};
+    use kvroute_core::snapshot::EndpointStats;
 
-    const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+    const MODEL: &str = "m";
 
     fn workers(count: usize, share_ms: u64) -> Workers {
         let model = WorkerModel {
@@ -381,33 +381,9 @@ mod tests {
         Workers::new(model, 64, 1, make).expect("routers")
     }
 
+    /// Two idle endpoints, `pool/e0` and `pool/e1`, serving model `m`.
     fn snapshot() -> Snapshot {
-        let endpoints = (0..2)
-            .map(|i| EndpointStats {
-                id: format!("replica-{i}"),
-                address: format!("10.0.0.{i}:8000"),
-                cluster: format!("replica-{i}"),
-                pool: String::new(),
-                models: vec![MODEL.to_string()],
-                lora_adapters: Vec::new(),
-                kv_usage: Some(0.1),
-                kv_capacity_tokens: Some(100_000),
-                block_size: Some(16),
-                running: 0,
-                waiting: 0,
-                healthy: true,
-                scraped_at_ms: 0,
-                process_start_ms: Some(0),
-                peer_inflight_requests: 0,
-                peer_inflight_tokens: 0,
-            })
-            .collect();
-        Snapshot {
-            format: FORMAT_VERSION,
-            version: 1,
-            generated_at_ms: 0,
-            endpoints,
-        }
+        Snapshot::new(1, 0, (0..2).map(|i| EndpointStats::fixture(i, 0)).collect())
     }
 
     /// Reservations worker `w` counts at `now_ms`: its own and its copies of the others'.
@@ -419,7 +395,7 @@ mod tests {
     }
 
     fn reserve(ws: &mut Workers, w: usize, id: u64, now_ms: u64) {
-        ws.reserve(w, id, "replica-0", 1_000, 500, now_ms);
+        ws.reserve(w, id, "pool/e0", 1_000, 500, now_ms);
     }
 
     #[test]
@@ -495,7 +471,7 @@ mod tests {
             })
             .flatten()
             .expect("routed");
-        let id = format!("replica-{chosen}");
+        let id = format!("pool/e{chosen}");
         let blocks = |ws: &mut Workers, w: usize| ws.router(w).map(|r| r.prefix_blocks(&id));
         assert_eq!(blocks(&mut ws, 0), Some(3));
         // Worker 1's tick at 50 comes before worker 0 appended (its tick at 100).
