@@ -56,6 +56,13 @@ pub const PEER_SCAN: u32 = 256;
 /// age before its next decision reads them again, ms.
 pub const DEFAULT_SHARE_MS: u64 = 20;
 
+/// How long a read of the worker counter (`kvroute.worker.seq`) serves, ms: workers are
+/// numbered when Envoy starts or reconfigures the plugin, so a new worker's table is
+/// first read up to this late, and a read of the others' tables costs no read of the
+/// counter in between (a data-returning host call, ~10 k instructions in Envoy's V8). The
+/// filter's tick period ([`crate::router::RELEASE_FLUSH_MS`]).
+pub const WORKER_COUNT_MS: u64 = crate::router::RELEASE_FLUSH_MS;
+
 /// What a reader remembers of a worker whose non-empty table it found stale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Silent {
@@ -81,6 +88,10 @@ pub struct WorkerInflight {
     share_ms: u64,
     /// When `peers` was last read (Unix ms); `None` before the first read.
     read_ms: Option<u64>,
+    /// The highest worker number, as read from the counter at `count_ms` (Unix ms; `None`
+    /// before the first read).
+    highest: u32,
+    count_ms: Option<u64>,
     /// When `own` was last published (Unix ms).
     published_ms: u64,
     /// `own` changed since it was last published.
@@ -115,6 +126,8 @@ impl WorkerInflight {
             key: String::new(),
             share_ms,
             read_ms: None,
+            highest: 0,
+            count_ms: None,
             published_ms: 0,
             dirty: false,
             silent: BTreeMap::new(),
@@ -188,9 +201,10 @@ impl WorkerInflight {
     /// Read the other workers' tables again if the copy is `inflight_share_ms` old (0: at
     /// every call), or the clock stepped back. `None` when the copy was fresh enough, or
     /// this worker has no number. A host error keeps the old copy (logged) and retries next
-    /// interval. Costs one read of the worker counter and one per other worker number in
-    /// the scan window: a data-returning read for a worker holding reservations, an empty
-    /// or absent one (no allocation in the VM) for the others.
+    /// interval. Costs one read per other worker number in the scan window (a
+    /// data-returning read for a worker holding reservations, an empty or absent one, with
+    /// no allocation in the VM, for the others), and one of the worker counter when the
+    /// last is [`WORKER_COUNT_MS`] old.
     pub fn refresh_peers<H: Host>(&mut self, host: &H, now_ms: u64) -> Option<PeerRead> {
         if self.worker == 0 {
             return None;
@@ -201,21 +215,29 @@ impl WorkerInflight {
             }
         }
         self.read_ms = Some(now_ms);
-        let highest = match host.shared_get(WORKER_SEQ_KEY) {
-            Ok((Some(b), _)) => b
-                .get(..8)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map_or(0, u64::from_be_bytes),
-            Ok((None, _)) => 0,
-            Err(e) => {
-                host.log(
-                    Level::Warn,
-                    &format!("kvroute: worker count unreadable: {e}"),
-                );
-                return None;
-            }
-        };
-        let highest = u32::try_from(highest).unwrap_or(u32::MAX);
+        // The counter again once its last read is old (or the clock stepped back past it).
+        if self
+            .count_ms
+            .is_none_or(|t| now_ms < t || now_ms - t >= WORKER_COUNT_MS)
+        {
+            let count = match host.shared_get(WORKER_SEQ_KEY) {
+                Ok((Some(b), _)) => b
+                    .get(..8)
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                    .map_or(0, u64::from_be_bytes),
+                Ok((None, _)) => 0,
+                Err(e) => {
+                    host.log(
+                        Level::Warn,
+                        &format!("kvroute: worker count unreadable: {e}"),
+                    );
+                    return None;
+                }
+            };
+            self.highest = u32::try_from(count).unwrap_or(u32::MAX);
+            self.count_ms = Some(now_ms);
+        }
+        let highest = self.highest;
         let mut read = PeerRead::default();
         self.peers.clear();
         let mut key = String::with_capacity(INFLIGHT_KEY_PREFIX.len() + 10);
@@ -526,19 +548,42 @@ mod tests {
     }
 
     #[test]
-    fn one_worker_reads_only_the_worker_count_per_interval() {
-        let h = MockHost::new(NOW);
-        crate::shared::ensure_keys(&h).unwrap();
-        let mut w = numbered(&h);
-        h.take_calls();
-        for i in 0..100 {
-            w.refresh_peers(&h, NOW + i);
+    fn one_worker_reads_only_the_worker_count_once_per_tick() {
+        for share_ms in [0, 20] {
+            let h = MockHost::new(NOW);
+            crate::shared::ensure_keys(&h).unwrap();
+            let mut w = WorkerInflight::new(64, share_ms);
+            w.set_worker(crate::shared::next_worker_number(&h).unwrap());
+            h.take_calls();
+            for i in 0..250 {
+                w.refresh_peers(&h, NOW + i);
+            }
+            assert_eq!(
+                h.take_calls(),
+                [("shared_get", 3)],
+                "at 0, 100 and 200 ms, share {share_ms} ms"
+            );
         }
-        assert_eq!(
-            h.take_calls(),
-            [("shared_get", 5)],
-            "once per 20 ms over 100 ms"
-        );
+    }
+
+    #[test]
+    fn a_worker_numbered_later_is_read_once_the_count_is_read_again() {
+        let (_h, ha, hb, mut a, mut b) = two_workers();
+        assert!(b.refresh_peers(&hb, NOW).is_some());
+        // A third worker starts and reserves; b's count (2 workers) is 30 ms old.
+        let hc = ha.sibling();
+        let mut c = numbered(&hc);
+        c.reserve(1, "e0", 10, 0, NOW + 30, 600_000);
+        assert!(c.publish(&hc, NOW + 30, false));
+        let r = b.refresh_peers(&hb, NOW + 30).unwrap();
+        assert_eq!((r.counted, b.live(NOW + 30)), (0, 0));
+        // At 100 ms the count is read again, and c's table with it.
+        let r = b.refresh_peers(&hb, NOW + 100).unwrap();
+        assert_eq!((r.counted, b.live(NOW + 100)), (1, 1));
+        a.reserve(2, "e0", 10, 0, NOW + 100, 600_000);
+        assert!(a.publish(&ha, NOW + 100, false));
+        let r = b.refresh_peers(&hb, NOW + 120).unwrap();
+        assert_eq!((r.counted, b.live(NOW + 120)), (2, 2));
     }
 
     /// Ticks of `a` (publish) and `b` (read) every 100 ms from `t`, `n` times: how long b
