@@ -107,8 +107,9 @@ struct Common {
     /// re-reads of stale copies.
     #[arg(long, default_value_t = TICK_MS, value_parser = clap::value_parser!(u64).range(1..))]
     filter_tick_ms: u64,
-    /// The filter's `affinity_sync_ms` (virtual ms): journal syncs on the tick.
-    #[arg(long, default_value_t = DEFAULT_AFFINITY_SYNC_MS)]
+    /// The filter's `affinity_sync_ms` (virtual ms, ≥ 1 as the filter requires): journal
+    /// syncs on the tick.
+    #[arg(long, default_value_t = DEFAULT_AFFINITY_SYNC_MS, value_parser = clap::value_parser!(u64).range(1..))]
     affinity_sync_ms: u64,
 }
 
@@ -238,7 +239,7 @@ fn workers_note(w: WorkerModel) -> String {
             ", kvroute on {} filter workers (inflight_share_ms {}, tick {} ms, journals {})",
             w.count,
             w.inflight_share_ms,
-            w.tick_ms,
+            w.tick(),
             if w.journals {
                 format!("synced every {} ms", w.affinity_sync_ms)
             } else {

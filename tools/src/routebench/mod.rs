@@ -594,10 +594,11 @@ fn build_router(
     match kind {
         RouterKind::Kvroute(policy) => {
             // Worker w's router draws its tie-breaks from its own stream (worker 0: the
-            // benchmark's seed, so one worker replays as before).
+            // benchmark's seed, so one worker replays as before; the others' mixed, so that
+            // no worker shares a stream with a worker of another seed's run).
             let make = |w: usize| {
                 let seeded = BenchConfig {
-                    seed: cfg.seed.wrapping_add(w as u64),
+                    seed: cfg.seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
                     ..cfg.clone()
                 };
                 kvroute_router(policy, engine, &seeded)
@@ -742,6 +743,18 @@ pub fn run_router(
                 snap = s;
             }
         }
+        // kvroute's worker ticks due before this arrival, each after the engines ran to it
+        // (none with one worker).
+        while let Some(at) = match &router {
+            Router::Kv(w) => w.next_tick(t_ms),
+            _ => None,
+        } {
+            st.run_to(at as f64 / 1000.0);
+            feed(&mut router, &mut st, &cfg.model, api, &ids);
+            if let Router::Kv(w) = &mut router {
+                w.tick(at, &snap);
+            }
+        }
         st.run_to(t);
         feed(&mut router, &mut st, &cfg.model, api, &ids);
         let prompt = row.input_length.max(1);
@@ -778,7 +791,6 @@ pub fn run_router(
         let chosen = match &mut router {
             Router::Kv(workers) => {
                 worker = workers.assign();
-                workers.advance(t_ms, &snap);
                 let info = RequestInfo {
                     api: ApiKind::Completions,
                     model: Some(cfg.model.clone()),

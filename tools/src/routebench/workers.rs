@@ -10,16 +10,16 @@
 //!
 //! | state | filter (`filter/src/`) | here |
 //! |---|---|---|
-//! | in-flight reservations | a worker publishes its own table when it reserves and its last publication is at least `inflight_share_ms` old, else on its tick; a decision re-reads the others' copies once its copy is `inflight_share_ms` old (`inflight.rs`) | the same rules, with the publication a copy of the table at that instant |
+//! | in-flight reservations | a worker publishes its own table when it reserves and its last publication is at least `inflight_share_ms` old, else on its tick if it changed (a reservation, a first token that cleared pending prefill, a release that found its entry), and on its tick at least every second while it holds reservations (heartbeat); a decision re-reads the others' copies once its copy is `inflight_share_ms` old, and so does the tick (`inflight.rs`) | the same rules, with the publication a copy of the table at that instant |
 //! | prefix affinity, learner observations | each worker, on its tick (`affinity_sync_ms`, 100 ms), replays what the others appended to the journals since its last sync, then appends what its own router recorded (`sharing.rs`) | the same order, in one in-memory journal ([`Router::take_recorded`] / [`Router::import_affinity`], [`Router::take_observations`] / [`Router::import_observation`]) |
 //!
 //! Worker *w*'s ticks fall at `w × period / N + k × period` (the workers started at
-//! different instants). Ticks are applied at the next decision's arrival, in time order,
-//! after the engines ran up to it: a release or first token between a tick's instant and
-//! that arrival is published with it, at most one inter-arrival time early. The filter's
-//! liveness rules (heartbeat, stale copies, dead workers) never trigger in a replay, where
-//! every worker lives, and are not modelled; nor is the journals' retention (a worker here
-//! never misses a sync).
+//! different instants), the period being the filter's: 100 ms, or `affinity_sync_ms` if
+//! shorter. Before each decision the replay runs the ticks due, in time order, each after
+//! the engines ran up to its instant ([`Workers::next_tick`], [`Workers::tick`]). The
+//! filter's other liveness rules (stale copies, dead workers) never trigger in a replay,
+//! where every worker lives, and are not modelled; nor are the journals' retention and
+//! byte bound (a worker here never misses a sync, and no record is dropped).
 //!
 //! The baselines keep one router: llm-d's endpoint picker, SGLang's router and Dynamo's
 //! KV router each run as one process that sees every request.
@@ -35,6 +35,9 @@ pub const DEFAULT_INFLIGHT_SHARE_MS: u64 = 20;
 /// The filter's tick, ms: the longest a changed in-flight table waits for publication
 /// (`kvroute_filter::router::RELEASE_FLUSH_MS`).
 pub const TICK_MS: u64 = 100;
+/// A worker holding reservations republishes its table at least this often, ms
+/// (`kvroute_filter::inflight::HEARTBEAT_MS`).
+pub const HEARTBEAT_MS: u64 = 1_000;
 /// Reservation lifetime in the replay, ms: never lapses within a run.
 const RESERVATION_TTL_MS: u64 = u64::MAX / 4;
 /// The filter's default `affinity_sync_ms` (`filter/src/config.rs`), ms.
@@ -59,6 +62,19 @@ pub struct WorkerModel {
     /// The filter's `affinity_sync_ms`: the journals are synced on the first tick at least
     /// this long after the last sync (default [`DEFAULT_AFFINITY_SYNC_MS`]).
     pub affinity_sync_ms: u64,
+}
+
+impl WorkerModel {
+    /// The tick period the workers run at, ms: `tick_ms`, or `affinity_sync_ms` if the
+    /// journals are shared and that is shorter, as the filter sets it (≥ 1).
+    pub fn tick(&self) -> u64 {
+        let tick = self.tick_ms.max(1);
+        if self.journals {
+            tick.min(self.affinity_sync_ms.max(1))
+        } else {
+            tick
+        }
+    }
 }
 
 impl Default for WorkerModel {
@@ -129,10 +145,7 @@ impl Workers {
         mut make: impl FnMut(usize) -> Option<Router>,
     ) -> Option<Self> {
         let count = model.count.max(1);
-        let mut tick = model.tick_ms.max(1);
-        if model.journals {
-            tick = tick.min(model.affinity_sync_ms.max(1));
-        }
+        let tick = model.tick();
         let mut workers = Vec::with_capacity(count);
         for w in 0..count {
             let mut router = make(w)?;
@@ -149,7 +162,8 @@ impl Workers {
                 read_at: None,
                 seen: 0,
                 synced_at: None,
-                next_tick: (w as u64) * tick / count as u64,
+                next_tick: u64::try_from(u128::from(tick) * w as u128 / count as u128)
+                    .unwrap_or(u64::MAX),
             });
         }
         Some(Self {
@@ -180,31 +194,33 @@ impl Workers {
         self.workers.get_mut(w).map(|x| &mut x.router)
     }
 
-    /// Run every worker tick due by `now_ms`, in time order, as the filter's tick runs:
-    /// publication of a changed table, a read of the others' if the worker's copy is
-    /// `inflight_share_ms` old, then, once `affinity_sync_ms` passed since the last, the
-    /// journal sync against `snap` (imports keep only its endpoints). Nothing happens with
-    /// one worker.
-    pub fn advance(&mut self, now_ms: u64, snap: &Snapshot) {
+    /// The instant of the earliest worker tick due by `now_ms` (virtual ms), if any; never
+    /// with one worker.
+    pub fn next_tick(&self, now_ms: u64) -> Option<u64> {
         if self.workers.len() < 2 {
-            return;
+            return None;
         }
-        loop {
-            let due = self
-                .workers
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| x.next_tick <= now_ms)
-                .min_by_key(|(_, x)| x.next_tick)
-                .map(|(w, x)| (w, x.next_tick));
-            let Some((w, at)) = due else {
-                break;
-            };
+        self.workers
+            .iter()
+            .map(|x| x.next_tick)
+            .filter(|&t| t <= now_ms)
+            .min()
+    }
+
+    /// Run the worker ticks due at `at` ([`Self::next_tick`]), as the filter's tick runs:
+    /// publication of a changed table (or the heartbeat), a read of the others' if the
+    /// worker's copy is `inflight_share_ms` old, then, once `affinity_sync_ms` passed since
+    /// the last, the journal sync against `snap` (imports keep only its endpoints).
+    pub fn tick(&mut self, at: u64, snap: &Snapshot) {
+        let due: Vec<usize> = (0..self.workers.len())
+            .filter(|&w| self.workers.get(w).is_some_and(|x| x.next_tick <= at))
+            .collect();
+        for w in due {
             self.publish(w, at, true);
             self.refresh(w, at);
             let sync_ms = self.model.affinity_sync_ms;
             let Some(x) = self.workers.get_mut(w) else {
-                break;
+                continue;
             };
             x.next_tick = at.saturating_add(self.model.tick_ms);
             if x.synced_at.is_none_or(|t| at.saturating_sub(t) >= sync_ms) {
@@ -265,19 +281,21 @@ impl Workers {
         self.publish(w, now_ms, false);
     }
 
-    /// Request `id` of worker `w` got its first token: its pending prefill is done.
+    /// Request `id` of worker `w` got its first token: its pending prefill is done (a
+    /// change to publish only if there was some, as in the filter).
     pub fn first_token(&mut self, w: usize, id: u64) {
         if let Some(x) = self.workers.get_mut(w) {
-            x.own.first_token(id);
-            x.dirty = true;
+            if x.own.first_token(id).is_some_and(|cleared| cleared > 0) {
+                x.dirty = true;
+            }
         }
     }
 
-    /// Request `id` of worker `w` finished: its reservation ends.
+    /// Request `id` of worker `w` finished: its reservation ends (a change to publish if
+    /// it was held).
     pub fn release(&mut self, w: usize, id: u64) {
         if let Some(x) = self.workers.get_mut(w) {
-            x.own.release(id);
-            x.dirty = true;
+            x.dirty |= x.own.release(id).is_some();
         }
     }
 
@@ -295,7 +313,8 @@ impl Workers {
     }
 
     /// Publish worker `w`'s table if it changed and (`on_tick`, or its last publication is
-    /// `inflight_share_ms` old). Only with more than one worker.
+    /// `inflight_share_ms` old), or if it holds reservations and its last publication is
+    /// [`HEARTBEAT_MS`] old. Only with more than one worker.
     fn publish(&mut self, w: usize, now_ms: u64, on_tick: bool) {
         if self.workers.len() < 2 {
             return;
@@ -304,10 +323,10 @@ impl Workers {
         let Some(x) = self.workers.get_mut(w) else {
             return;
         };
-        let due = on_tick
-            || x.published_at
-                .is_none_or(|t| now_ms.saturating_sub(t) >= share);
-        if !x.dirty || !due {
+        let since = x.published_at.map(|t| now_ms.saturating_sub(t));
+        let due = (x.dirty && (on_tick || since.is_none_or(|d| d >= share)))
+            || (!x.own.is_empty() && since.is_none_or(|d| d >= HEARTBEAT_MS));
+        if !due {
             return;
         }
         if let Some(slot) = self.published.get_mut(w) {
@@ -386,6 +405,14 @@ mod tests {
         Snapshot::new(1, 0, (0..2).map(|i| EndpointStats::fixture(i, 0)).collect())
     }
 
+    /// Every tick due by `now_ms`, in order, against the test snapshot.
+    fn run_ticks(ws: &mut Workers, now_ms: u64) {
+        let snap = snapshot();
+        while let Some(at) = ws.next_tick(now_ms) {
+            ws.tick(at, &snap);
+        }
+    }
+
     /// Reservations worker `w` counts at `now_ms`: its own and its copies of the others'.
     fn counted(ws: &mut Workers, w: usize, now_ms: u64) -> usize {
         ws.decide(w, now_ms, |_, tables| {
@@ -432,8 +459,54 @@ mod tests {
         ws.release(0, 2);
         assert_eq!(counted(&mut ws, 1, 90), 3);
         assert_eq!(counted(&mut ws, 0, 90), 1);
-        ws.advance(100, &snapshot());
+        run_ticks(&mut ws, 100);
         assert_eq!(counted(&mut ws, 1, 110), 1);
+    }
+
+    /// The model against the filter's own `WorkerInflight` on the same steps: a first
+    /// token that clears no prefill is no change, so the reservation after the tick is
+    /// published at once, by both.
+    #[test]
+    fn publication_follows_the_filters_worker_inflight() {
+        use kvroute_filter::host::mock::MockHost;
+        use kvroute_filter::inflight::WorkerInflight;
+        use kvroute_filter::shared;
+        const BASE: u64 = 1_000_000;
+        let h = MockHost::new(BASE);
+        shared::ensure_keys(&h).expect("keys");
+        let (ha, hb) = (h.sibling(), h.sibling());
+        let mut a = WorkerInflight::new(64, 20);
+        a.set_worker(shared::next_worker_number(&ha).expect("number"));
+        let mut b = WorkerInflight::new(64, 20);
+        b.set_worker(shared::next_worker_number(&hb).expect("number"));
+        a.reserve(1, "pool/e0", 1_000, 0, BASE + 5, 600_000);
+        a.publish(&ha, BASE + 5, false);
+        a.first_token(1);
+        a.publish(&ha, BASE + 100, true);
+        a.reserve(2, "pool/e0", 1_000, 500, BASE + 110, 600_000);
+        a.publish(&ha, BASE + 110, false);
+        b.refresh_peers(&hb, BASE + 130);
+
+        let mut ws = workers(2, 20);
+        run_ticks(&mut ws, 5);
+        ws.reserve(0, 1, "pool/e0", 1_000, 0, 5);
+        ws.first_token(0, 1);
+        run_ticks(&mut ws, 100);
+        ws.reserve(0, 2, "pool/e0", 1_000, 500, 110);
+        assert_eq!(b.live(BASE + 130), 2);
+        assert_eq!(counted(&mut ws, 1, 130), 2);
+    }
+
+    #[test]
+    fn a_worker_holding_reservations_republishes_every_second() {
+        let mut ws = workers(2, 20);
+        reserve(&mut ws, 0, 1, 5);
+        let first = ws.workers.first().and_then(|x| x.published_at);
+        // Worker 0 ticks at 0, 100, ...: nothing changed, and 995 ms is not yet a second.
+        run_ticks(&mut ws, 1_000);
+        assert_eq!(ws.workers.first().and_then(|x| x.published_at), first);
+        run_ticks(&mut ws, 1_100);
+        assert_eq!(ws.workers.first().and_then(|x| x.published_at), Some(1_100));
     }
 
     #[test]
@@ -461,7 +534,7 @@ mod tests {
             prefix_hashes: vec![11, 12, 13],
         };
         // Worker 0 routes at t = 10, after its tick at 0.
-        ws.advance(10, &snap);
+        run_ticks(&mut ws, 10);
         let chosen = ws
             .decide(0, 10, |r, t| {
                 match r.route_request(&snap, t, &info, 10).outcome {
@@ -475,12 +548,12 @@ mod tests {
         let blocks = |ws: &mut Workers, w: usize| ws.router(w).map(|r| r.prefix_blocks(&id));
         assert_eq!(blocks(&mut ws, 0), Some(3));
         // Worker 1's tick at 50 comes before worker 0 appended (its tick at 100).
-        ws.advance(60, &snap);
+        run_ticks(&mut ws, 60);
         assert_eq!(blocks(&mut ws, 1), Some(0));
         // Worker 0 appends at 100; worker 1 replays at 150.
-        ws.advance(140, &snap);
+        run_ticks(&mut ws, 140);
         assert_eq!(blocks(&mut ws, 1), Some(0));
-        ws.advance(150, &snap);
+        run_ticks(&mut ws, 150);
         assert_eq!(blocks(&mut ws, 1), Some(3));
         // Every worker has seen the record: the journal is empty again.
         assert!(ws.journal.is_empty());
