@@ -24,8 +24,8 @@
 //!   latest snapshot that has arrived.
 //! - **Reservations are immediate** for the router that made them, as in the filter's
 //!   worker (other workers see them as [`workers`] says): kvroute reserves the request's KV
-//!   demand in a real [`InflightTable`] and the picker gets
-//!   [`InflightTable::unseen_totals`] (reservations made since each endpoint's scrape);
+//!   demand in a real [`InflightTable`](kvroute_core::inflight::InflightTable) and the picker gets
+//!   [`InflightTable::unseen_totals`](kvroute_core::inflight::InflightTable::unseen_totals) (reservations made since each endpoint's scrape);
 //!   baselines get their own router-local in-flight counts. Each reservation also carries
 //!   the request's pending prefill (prompt tokens minus those the router's own prefix index
 //!   expects cached on the chosen replica), zeroed at the request's first token (the filter
