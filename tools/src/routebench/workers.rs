@@ -425,6 +425,17 @@ mod tests {
         ws.reserve(w, id, "pool/e0", 1_000, 500, now_ms);
     }
 
+    /// The model's constants are the filter's (tools depends on the filter only in tests).
+    #[test]
+    fn the_models_defaults_are_the_filters() {
+        let filter = kvroute_filter::config::RawConfig::default();
+        assert_eq!(DEFAULT_INFLIGHT_SHARE_MS, filter.inflight_share_ms);
+        assert_eq!(DEFAULT_AFFINITY_SYNC_MS, filter.affinity_sync_ms);
+        assert!(filter.share_affinity && filter.share_learning);
+        assert_eq!(TICK_MS, kvroute_filter::router::RELEASE_FLUSH_MS);
+        assert_eq!(HEARTBEAT_MS, kvroute_filter::inflight::HEARTBEAT_MS);
+    }
+
     #[test]
     fn one_worker_counts_its_reservations_at_once_and_draws_nothing() {
         let mut ws = workers(1, 20);
