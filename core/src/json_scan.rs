@@ -934,6 +934,151 @@ mod tests {
         }
     }
 
+    /// `walk_plain` as a byte loop: whole 32-byte steps from `start` while they end
+    /// within `limit` bytes and the text; in a step, plain bytes copied, one-letter escapes
+    /// decoded (the letter may be the next step's first byte, or past the limit), and a
+    /// stop at the closing quote (consumed) or any other special byte; after the last
+    /// step, back to a character boundary. Returns the walk, the cursor and the decoded
+    /// bytes.
+    fn walk_by_bytes(text: &str, start: usize, limit: usize) -> (Walk, usize, Vec<u8>) {
+        let b = text.as_bytes();
+        let stop = b.len().min(start.saturating_add(limit));
+        let (mut i, mut from, mut escapes, mut out) = (start, start, 0, Vec::new());
+        let mut step_end = start + 32;
+        while step_end <= stop {
+            while i < step_end {
+                match b[i] {
+                    b'"' => {
+                        let walk = Walk {
+                            closed: true,
+                            escapes,
+                            plain: from..i,
+                        };
+                        return (walk, i + 1, out);
+                    }
+                    b'\\' => match b.get(i + 1).and_then(|&l| simple_escape(&[l])) {
+                        Some(c) => {
+                            out.push(c);
+                            escapes += 1;
+                            i += 2;
+                            from = i;
+                        }
+                        None => {
+                            let walk = Walk {
+                                closed: false,
+                                escapes,
+                                plain: from..i,
+                            };
+                            return (walk, i, out);
+                        }
+                    },
+                    c if c < 0x20 => {
+                        let walk = Walk {
+                            closed: false,
+                            escapes,
+                            plain: from..i,
+                        };
+                        return (walk, i, out);
+                    }
+                    c => {
+                        out.push(c);
+                        i += 1;
+                    }
+                }
+            }
+            step_end += 32;
+        }
+        while i > start && !text.is_char_boundary(i) {
+            i -= 1;
+            out.pop();
+        }
+        let walk = Walk {
+            closed: false,
+            escapes,
+            plain: from..i,
+        };
+        (walk, i, out)
+    }
+
+    /// `walk_plain` (through `decode_plain_into`) and `pass_plain` against the byte loop
+    /// for every special byte or escape at every offset across the steps at 32 and 64,
+    /// after one-, two- and three-byte filler, under limits at each step's end and around
+    /// the special: the same stop, escapes, plain range and decoded text, never more than
+    /// the limit decoded (more would undercount the sampled tally's skips in `pass_plain`),
+    /// and the cursor on a character boundary. Also with the text cut right after the
+    /// special's backslash.
+    #[test]
+    fn walk_plain_is_a_byte_loop_at_every_offset_and_limit() {
+        let specials = [
+            "\\n",
+            "\\\"",
+            "\\\\",
+            "\\/",
+            "\\t",
+            "\\n\\n",
+            "\\\\\\\"",
+            "\\u00e9",
+            "\\ud83d\\ude00",
+            "\\x",
+            "\"",
+            "\u{1}",
+            "\u{1f}",
+            "\u{7f}",
+            "\u{80}",
+            "é",
+            "😀",
+        ];
+        for filler in ["ab", "é", "东"] {
+            for special in specials {
+                for k in 0..72 {
+                    let mut before = filler.repeat(k / filler.len() + 1);
+                    while before.len() > k {
+                        before.pop();
+                    }
+                    let full = format!(" \"{before}{special}{}\" tail", filler.repeat(24));
+                    let mut texts = vec![full.clone()];
+                    if let Some(s) = special.find('\\') {
+                        texts.push(full[..2 + before.len() + s + 1].to_string());
+                    }
+                    for text in &texts {
+                        // The walk depends on the whole steps within the limit; the pass
+                        // after it also on the limit's place against the special.
+                        let steps = [0, 1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129];
+                        let around = before.len().saturating_sub(1)..before.len() + 5;
+                        for limit in steps.into_iter().chain(around).chain([usize::MAX]) {
+                            let (want, want_pos, want_out) = walk_by_bytes(text, 2, limit);
+                            let mut sc = Scanner::new(text);
+                            sc.advance(2);
+                            let mut out = String::from("x");
+                            let walk = sc.decode_plain_into(limit, &mut out);
+                            let at = format!("{text:?} limit {limit}");
+                            assert_eq!((&walk, sc.pos()), (&want, want_pos), "{at}");
+                            assert_eq!(&out.as_bytes()[1..], &want_out[..], "{at}");
+                            assert_eq!(walk.decoded_len(2), want_out.len(), "{at}");
+                            assert!(want_out.len() <= limit, "{at}");
+                            assert!(text.is_char_boundary(sc.pos()), "{at}");
+
+                            let room = u64::try_from(limit).unwrap_or(u64::MAX);
+                            let mut sc = Scanner::new(text);
+                            sc.advance(2);
+                            let (passed, closed) = sc.pass_plain(room);
+                            assert!(passed <= room, "{at}: passed {passed}");
+                            let walked = &text[2..sc.pos()];
+                            let walked = if closed {
+                                walked.strip_suffix('"').unwrap()
+                            } else {
+                                walked
+                            };
+                            let token = format!("\"{walked}\"");
+                            let decoded = decode_str(&token).unwrap();
+                            assert_eq!(decoded.len() as u64, passed, "{at}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn pass_plain_stops_on_a_character_boundary() {
         // 1 + 2k bytes: a 32-byte step ends inside an `é`, and the room ends the pass in

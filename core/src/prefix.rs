@@ -542,6 +542,68 @@ mod tests {
         }
     }
 
+    /// Ids of every length 0..=17 (the 8-byte steps and the tail of `same_id`), and ids
+    /// that differ from them in one byte at each place (last, first, inside a step), by
+    /// length, or only in a multi-byte character: `match_snapshot_last` matches an
+    /// endpoint exactly when its id is equal, ids compared pairwise (few held endpoints)
+    /// or looked up (over `PAIRWISE_MAX` pairs).
+    #[test]
+    fn ids_match_only_when_equal_at_every_length() {
+        let base = "pool/e0123456789abc".as_bytes();
+        for n in 0..=17 {
+            let id = String::from_utf8(base[..n].to_vec()).unwrap();
+            let mut near: Vec<String> = (0..n)
+                .map(|j| {
+                    let mut b = base[..n].to_vec();
+                    b[j] ^= 0x01;
+                    String::from_utf8(b).unwrap()
+                })
+                .collect();
+            near.push(String::from_utf8(base[..n + 1].to_vec()).unwrap());
+            if n > 0 {
+                near.push(String::from_utf8(base[..n - 1].to_vec()).unwrap());
+            }
+            near.push(format!("{id}é"));
+            near.push(format!("{id}è"));
+            for other in &near {
+                assert!(!same_id(&id, other), "{id:?} {other:?}");
+            }
+            assert!(same_id(&id, &id.clone()), "{id:?}");
+            for filler in [0, 100] {
+                let mut idx = PrefixIndex::new(8);
+                idx.record(&id, &[1, 2, 3]);
+                idx.record(&format!("{id}é"), &[1, 2]);
+                for i in 0..filler {
+                    idx.record(&format!("other/{i}"), &[1]);
+                }
+                let mut eps: Vec<crate::snapshot::EndpointStats> = near
+                    .iter()
+                    .chain([&id])
+                    .enumerate()
+                    .map(|(i, e)| crate::snapshot::EndpointStats {
+                        id: e.clone(),
+                        ..crate::snapshot::EndpointStats::fixture(i, 0)
+                    })
+                    .collect();
+                eps.rotate_left(n / 2);
+                let snapshot = crate::snapshot::Snapshot::new(1, 0, eps);
+                let mut last = Vec::new();
+                let got = idx.match_snapshot_last(&[1, 2, 3], &snapshot, &mut last);
+                let want: Vec<(u32, bool)> = snapshot
+                    .endpoints
+                    .iter()
+                    .map(|e| match e.id.as_str() {
+                        x if x == id => (3, true),
+                        x if x == format!("{id}é") => (2, false),
+                        _ => (0, false),
+                    })
+                    .collect();
+                let got: Vec<(u32, bool)> = got.into_iter().zip(last).collect();
+                assert_eq!(got, want, "{id:?} with {filler} others");
+            }
+        }
+    }
+
     /// A chain recorded last is flagged, and again after a longer chain of its own prefix
     /// is not (the list ends with the longer one).
     #[test]
