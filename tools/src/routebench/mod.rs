@@ -621,8 +621,8 @@ fn build_router(
 /// Feed what kvroute would observe from responses since the last call, each to the worker
 /// that routed the request: its in-flight table marks the prefill done at the first token
 /// (the filter does so on the first response bytes) and releases the reservation at the
-/// last; its prefill-rate learner gets (predicted work at pick, TTFT) of each first token,
-/// its output-length model the (prompt, output) usage of each finished request — the
+/// last; its prefill-rate learner gets (predicted work at pick, TTFT) of each first token
+/// that ended a pending prefill (as the filter samples TTFT), its output-length model the (prompt, output) usage of each finished request — the
 /// filter's first-byte and `usage` observations, for requests of `api`.
 fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[String]) {
     let firsts = std::mem::take(&mut st.first_tokens);
@@ -639,11 +639,13 @@ fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[S
         let (Some(r), Some(ep)) = (st.reqs.get_mut(id as usize), ids.get(k)) else {
             continue;
         };
-        workers.first_token(r.worker, id);
+        let pending = workers.first_token(r.worker, id);
         let Some(router) = workers.router(r.worker) else {
             continue;
         };
-        router.observe_first_token(ep, r.predicted_work, ttft);
+        if pending {
+            router.observe_first_token(ep, r.predicted_work, ttft);
+        }
         // The response begins at its first token (all rows stream): the router's sampler
         // chooses whether its usage is read, as in the filter.
         let begins_ms = ((r.arrival + ttft) * 1e3).max(0.0) as u64;

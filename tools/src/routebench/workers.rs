@@ -282,13 +282,17 @@ impl Workers {
     }
 
     /// Request `id` of worker `w` got its first token: its pending prefill is done (a
-    /// change to publish only if there was some, as in the filter).
-    pub fn first_token(&mut self, w: usize, id: u64) {
-        if let Some(x) = self.workers.get_mut(w) {
-            if x.own.first_token(id).is_some_and(|cleared| cleared > 0) {
-                x.dirty = true;
-            }
-        }
+    /// change to publish only if there was some, as in the filter). Returns whether it had
+    /// pending prefill: the filter takes a TTFT sample only then (`filter/src/stream.rs`,
+    /// `first_token`), so a request held with none (its whole prompt predicted cached, or
+    /// not held at all) gives none.
+    pub fn first_token(&mut self, w: usize, id: u64) -> bool {
+        let Some(x) = self.workers.get_mut(w) else {
+            return false;
+        };
+        let pending = x.own.first_token(id).is_some_and(|cleared| cleared > 0);
+        x.dirty |= pending;
+        pending
     }
 
     /// Request `id` of worker `w` finished: its reservation ends (a change to publish if
@@ -506,6 +510,20 @@ mod tests {
         ws.reserve(0, 2, "pool/e0", 1_000, 500, 110);
         assert_eq!(b.live(BASE + 130), 2);
         assert_eq!(counted(&mut ws, 1, 130), 2);
+    }
+
+    #[test]
+    fn first_token_reports_pending_prefill_once_as_the_filter_samples_ttft() {
+        let mut ws = workers(2, 20);
+        ws.reserve(0, 1, "pool/e0", 1_000, 0, 5);
+        ws.reserve(0, 2, "pool/e0", 1_000, 500, 5);
+        // No pending prefill (the whole prompt predicted cached): no TTFT sample.
+        assert!(!ws.first_token(0, 1));
+        // Pending prefill: a sample, once; an unknown id or worker gives none.
+        assert!(ws.first_token(0, 2));
+        assert!(!ws.first_token(0, 2));
+        assert!(!ws.first_token(0, 9));
+        assert!(!ws.first_token(5, 2));
     }
 
     #[test]
