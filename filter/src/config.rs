@@ -73,7 +73,9 @@ pub struct RawConfig {
     /// Header set in endpoint mode (default `x-gateway-destination-endpoint`).
     pub endpoint_header: String,
     /// Largest request body inspected, bytes (default 4 MiB). Larger bodies are routed by
-    /// load alone; set Envoy's `per_connection_buffer_limit_bytes` to at least this.
+    /// load alone; set Envoy's `per_connection_buffer_limit_bytes` to at least twice this:
+    /// Envoy adds each read of a chunked upload to the buffered body before the filter sees
+    /// it and answers 413 when that passes its limit (docs/filter.md).
     /// `Content-Encoding`-compressed bodies are never decoded: they are routed by load
     /// alone, decided at header time without buffering.
     pub max_body_bytes: usize,

@@ -1,5 +1,6 @@
 //! kvroute filter in real Envoy: herd protection across workers, reservations released on
-//! aborts, slow uploads, staleness fallback, oversized and compressed bodies, and every
+//! aborts, slow uploads, staleness fallback, oversized and compressed bodies (a chunked one
+//! too, against Envoy's buffer limit), and every
 //! shared request body plus malformed JSON without a filter-made 5xx or a VM failure.
 
 use kvroute_core::snapshot::Snapshot;
@@ -7,6 +8,7 @@ use kvroute_integration::harness::http::{h2_post_with_trailers, raw_exchange, re
 use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetOptions};
 use kvroute_integration::harness::Reply;
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn sse_reply(gap_ms: u64) -> Reply {
     Reply::Sse {
@@ -304,6 +306,70 @@ async fn slow_chunked_upload_is_routed_by_its_body() {
         fleet.custom("kvroute.decisions.load_only").await.unwrap(),
         0
     );
+}
+
+/// A chunked upload past `max_body_bytes`, 32 KiB per chunk. Envoy adds each chunk to the
+/// buffered body before the filter's body callback sees it, and answers 413 itself when
+/// that passes `per_connection_buffer_limit_bytes`: so the filter, which keeps buffering up
+/// to `max_body_bytes`, needs the Envoy limit above it by more than one read (the rule in
+/// docs/filter.md). Returns Envoy's status line and the body the backend got.
+async fn chunked_past_max_body(
+    buffer_limit: usize,
+) -> anyhow::Result<(String, Option<usize>, u64)> {
+    let fleet = Fleet::start(FleetOptions {
+        route_config:
+            r#""max_body_bytes":131072,"picker":{"policy":"least_kv","stale_after_ms":60000}"#
+                .into(),
+        buffer_limit,
+        ..FleetOptions::default()
+    })
+    .await?;
+    fleet.push_usages(1, &[0.9, 0.1]).await?;
+    let body = chat(&"word ".repeat(120_000));
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let mut parts: Vec<Vec<u8>> = vec![head.to_vec()];
+    for c in body.chunks(32 * 1024) {
+        let mut v = format!("{:x}\r\n", c.len()).into_bytes();
+        v.extend_from_slice(c);
+        v.extend_from_slice(b"\r\n");
+        parts.push(v);
+    }
+    parts.push(b"0\r\n\r\n".to_vec());
+    // Written by hand, not by `raw_exchange`: Envoy's 413 closes the connection mid-upload,
+    // and the writes after it fail.
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", fleet.port)).await?;
+    for p in &parts {
+        if conn.write_all(p).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut reply = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut reply)).await;
+    let got = String::from_utf8_lossy(&reply);
+    let status = got.lines().next().unwrap_or_default().to_owned();
+    let served = fleet
+        .backends
+        .get(1)
+        .and_then(|b| b.requests().pop())
+        .map(|r| r.body.len());
+    let load_only = fleet.custom("kvroute.decisions.load_only").await?;
+    anyhow::ensure!(body.len() == 600_071, "body of {} bytes", body.len());
+    Ok((status, served, load_only))
+}
+
+#[tokio::test]
+async fn chunked_upload_past_max_body_is_routed_by_load_when_envoy_buffers_more() {
+    // Envoy's limit twice the filter's (the examples' ratio): routed by load, whole body.
+    let (status, served, load_only) = chunked_past_max_body(262_144).await.unwrap();
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(served, Some(600_071));
+    assert_eq!(load_only, 1);
+    // Equal limits: the chunk that passes both is refused by Envoy before the filter sees
+    // it, so the request never reaches a backend.
+    let (status, served, _) = chunked_past_max_body(131_072).await.unwrap();
+    assert_eq!(status, "HTTP/1.1 413 Payload Too Large");
+    assert_eq!(served, None);
 }
 
 #[tokio::test]

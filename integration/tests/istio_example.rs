@@ -185,7 +185,7 @@ fn envoyfilter_patches_apply_to_a_gateway_and_validate() {
     let kv = &hcm["http_filters"][3]["typed_config"]["config"];
     assert_eq!(kv["allow_on_headers_stop_iteration"], true);
     assert_eq!(kv["failure_policy"], "FAIL_OPEN");
-    assert_eq!(main["per_connection_buffer_limit_bytes"], 4194304);
+    assert_eq!(main["per_connection_buffer_limit_bytes"], 8388608);
     let ingest = listeners
         .iter()
         .find(|l| l["name"] == "kvroute-ingest")
