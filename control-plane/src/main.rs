@@ -122,8 +122,13 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         println!("config NOT ok: {errors} error(s)");
         return 2;
     }
+    let envoy_ok = if envoy.is_some() {
+        "; matches the Envoy config (clusters, ingest token, ingest port)"
+    } else {
+        ""
+    };
     println!(
-        "config ok: {} endpoints, {} targets, listen {}",
+        "config ok: {} endpoints, {} targets, listen {}{envoy_ok}",
         config.endpoints.len(),
         config.targets.len(),
         config.listen

@@ -111,7 +111,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             Some(0),
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
-                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090\n",
+                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port)\n",
                 good.len()
             )
         )
@@ -143,7 +143,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
                  note: load sharing: 1 of 2 targets have no `stats_url` (envoy-0); their in-flight load is not shared with the other gateways, which may then herd onto one endpoint between scrapes\n\
-                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090\n",
+                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port)\n",
                 good.len()
             )
         )
@@ -194,7 +194,10 @@ fn shipped_example_passes_check_against_every_shipped_envoy_config() {
             envoy.display()
         );
         assert!(
-            stdout.ends_with("config ok: 2 endpoints, 1 targets, listen 127.0.0.1:9090\n"),
+            stdout.ends_with(
+                "config ok: 2 endpoints, 1 targets, listen 127.0.0.1:9090; \
+                 matches the Envoy config (clusters, ingest token, ingest port)\n"
+            ),
             "{}:\n{stdout}",
             envoy.display()
         );
