@@ -31,7 +31,8 @@
 //!   expects cached on the chosen replica), zeroed at the request's first token (the filter
 //!   does this on the first response bytes), when the router also learns prefill throughput
 //!   from the route's predicted work and the measured TTFT
-//!   ([`kvroute_core::router::Router::observe_first_token`]). Reservations are released on the request's
+//!   ([`kvroute_core::router::Router::observe_first_token`]; only if that prefill was
+//!   pending, as in the filter). Reservations are released on the request's
 //!   last token (stream end).
 //! - kvroute policies go through the filter's own pipeline, [`kvroute_core::router::Router`]
 //!   ([`kvroute_router`]): the row becomes a request of `input_length` exact prompt tokens
