@@ -1,7 +1,7 @@
 //! kvroute filter in real Envoy: herd protection across workers, reservations released on
 //! aborts, slow uploads, staleness fallback, oversized and compressed bodies (a chunked one
-//! too, against Envoy's buffer limit), and every
-//! shared request body plus malformed JSON without a filter-made 5xx or a VM failure.
+//! too, against Envoy's buffer limit), and every shared request body plus malformed JSON
+//! without a filter-made 5xx or a VM failure.
 
 use kvroute_core::snapshot::Snapshot;
 use kvroute_integration::harness::http::{h2_post_with_trailers, raw_exchange, request};
@@ -266,6 +266,14 @@ async fn client_aborts_leave_no_reservation() {
     );
 }
 
+/// `c` framed as one HTTP/1.1 chunk of a `transfer-encoding: chunked` body.
+fn http_chunk(c: &[u8]) -> Vec<u8> {
+    let mut v = format!("{:x}\r\n", c.len()).into_bytes();
+    v.extend_from_slice(c);
+    v.extend_from_slice(b"\r\n");
+    v
+}
+
 #[tokio::test]
 async fn slow_chunked_upload_is_routed_by_its_body() {
     let fleet = Fleet::start(FleetOptions {
@@ -277,14 +285,8 @@ async fn slow_chunked_upload_is_routed_by_its_body() {
     fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
     let body = chat("a slowly uploaded prompt");
     let (a, b) = body.split_at(body.len() / 2);
-    let chunk = |c: &[u8]| {
-        let mut v = format!("{:x}\r\n", c.len()).into_bytes();
-        v.extend_from_slice(c);
-        v.extend_from_slice(b"\r\n");
-        v
-    };
     let head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
-    let (ca, cb) = (chunk(a), chunk(b));
+    let (ca, cb) = (http_chunk(a), http_chunk(b));
     let got = raw_exchange(
         fleet.port,
         &[
@@ -312,7 +314,8 @@ async fn slow_chunked_upload_is_routed_by_its_body() {
 /// buffered body before the filter's body callback sees it, and answers 413 itself when
 /// that passes `per_connection_buffer_limit_bytes`: so the filter, which keeps buffering up
 /// to `max_body_bytes`, needs the Envoy limit above it by more than one read (the rule in
-/// docs/filter.md). Returns Envoy's status line and the body the backend got.
+/// docs/filter.md). Returns Envoy's status line, the size of the body the backend got and
+/// the filter's `load_only` decisions.
 async fn chunked_past_max_body(
     buffer_limit: usize,
 ) -> anyhow::Result<(String, Option<usize>, u64)> {
@@ -326,14 +329,10 @@ async fn chunked_past_max_body(
     .await?;
     fleet.push_usages(1, &[0.9, 0.1]).await?;
     let body = chat(&"word ".repeat(120_000));
+    anyhow::ensure!(body.len() == 600_071, "body of {} bytes", body.len());
     let head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
     let mut parts: Vec<Vec<u8>> = vec![head.to_vec()];
-    for c in body.chunks(32 * 1024) {
-        let mut v = format!("{:x}\r\n", c.len()).into_bytes();
-        v.extend_from_slice(c);
-        v.extend_from_slice(b"\r\n");
-        parts.push(v);
-    }
+    parts.extend(body.chunks(32 * 1024).map(http_chunk));
     parts.push(b"0\r\n\r\n".to_vec());
     // Written by hand, not by `raw_exchange`: Envoy's 413 closes the connection mid-upload,
     // and the writes after it fail.
@@ -354,7 +353,6 @@ async fn chunked_past_max_body(
         .and_then(|b| b.requests().pop())
         .map(|r| r.body.len());
     let load_only = fleet.custom("kvroute.decisions.load_only").await?;
-    anyhow::ensure!(body.len() == 600_071, "body of {} bytes", body.len());
     Ok((status, served, load_only))
 }
 

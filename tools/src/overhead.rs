@@ -43,7 +43,9 @@ pub const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 /// Endpoints in the kvroute snapshot.
 pub const ENDPOINTS: usize = 16;
 /// `per_connection_buffer_limit_bytes` of every proxy and the backend (4 MiB, kvroute's
-/// default `max_body_bytes`).
+/// default `max_body_bytes`). The examples set twice that, for chunked uploads
+/// (docs/filter.md); every body here, ≤ 1 MiB, is sent with its `Content-Length`, so
+/// this limit never refuses one.
 pub const BUFFER_LIMIT: usize = 4 * 1024 * 1024;
 /// Stats flush interval of every Envoy, so histograms fill quickly.
 pub const STATS_FLUSH: Duration = Duration::from_secs(1);

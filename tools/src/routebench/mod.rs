@@ -32,8 +32,8 @@
 //!   does this on the first response bytes), when the router also learns prefill throughput
 //!   from the route's predicted work and the measured TTFT
 //!   ([`kvroute_core::router::Router::observe_first_token`]; only if that prefill was
-//!   pending, as in the filter). Reservations are released on the request's
-//!   last token (stream end).
+//!   pending, as in the filter). Reservations are released on the request's last token
+//!   (stream end).
 //! - kvroute policies go through the filter's own pipeline, [`kvroute_core::router::Router`]
 //!   ([`kvroute_router`]): the row becomes a request of `input_length` exact prompt tokens
 //!   and no output limit (a router cannot know the output length), KV demand from the
@@ -623,8 +623,9 @@ fn build_router(
 /// that routed the request: its in-flight table marks the prefill done at the first token
 /// (the filter does so on the first response bytes) and releases the reservation at the
 /// last; its prefill-rate learner gets (predicted work at pick, TTFT) of each first token
-/// that ended a pending prefill (as the filter samples TTFT), its output-length model the (prompt, output) usage of each finished request — the
-/// filter's first-byte and `usage` observations, for requests of `api`.
+/// that ended a pending prefill (as the filter samples TTFT), its output-length model the
+/// (prompt, output) usage of each finished request — the filter's first-byte and `usage`
+/// observations, for requests of `api`.
 fn feed(router: &mut Router, st: &mut State, model: &str, api: ApiKind, ids: &[String]) {
     let firsts = std::mem::take(&mut st.first_tokens);
     let done = std::mem::take(&mut st.finished_ids);
