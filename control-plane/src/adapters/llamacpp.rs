@@ -59,7 +59,7 @@ pub const LABELS: LabelRules = LabelRules {
 /// `None` when the body is not a JSON slot array or the capacity is 0.
 pub fn slots_usage(body: &[u8]) -> Option<(u64, u64, u32)> {
     let slots: Vec<Slot> = serde_json::from_slice(body).ok()?;
-    let capacity: u64 = slots.iter().map(|s| s.n_ctx).sum();
+    let capacity = slots.iter().fold(0u64, |c, s| c.saturating_add(s.n_ctx));
     if capacity == 0 {
         return None;
     }
@@ -124,5 +124,13 @@ mod tests {
             slots_usage(br#"[{"n_ctx":100,"is_processing":true,"n_prompt_tokens":500}]"#),
             Some((100, 100, 1))
         );
+    }
+
+    /// `n_ctx` values a broken server sends must not overflow the capacity sum (a panic
+    /// in a debug build, a wrapped, tiny capacity in a release one): it saturates.
+    #[test]
+    fn huge_contexts_saturate() {
+        let body = br#"[{"n_ctx":18446744073709551615,"is_processing":false},{"n_ctx":4096,"is_processing":true,"n_prompt_tokens":100}]"#;
+        assert_eq!(slots_usage(body), Some((100, u64::MAX, 1)));
     }
 }

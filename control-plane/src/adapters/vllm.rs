@@ -107,7 +107,11 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
     } else {
         Some(plain.iter().sum::<f64>() / plain.len() as f64)
     };
-    let kv_capacity_tokens = (!capacity.is_empty()).then(|| capacity.values().map(|c| c.0).sum());
+    let kv_capacity_tokens = (!capacity.is_empty()).then(|| {
+        capacity
+            .values()
+            .fold(0u64, |total, c| total.saturating_add(c.0))
+    });
     let mut sizes = capacity.values().map(|c| c.1);
     let first = sizes.next();
     let block_size = first.filter(|f| sizes.all(|s| s == *f));
@@ -239,5 +243,23 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(extract(&e).unwrap().lora_adapters, vec!["a", "b", "c"]);
+    }
+
+    /// Capacities a broken server reports must not overflow the sum over engines (a
+    /// panic in a debug build, a wrapped capacity in a release one): it saturates.
+    #[test]
+    fn huge_capacities_saturate() {
+        let e = Exposition::parse(concat!(
+            "vllm:num_requests_running{engine=\"0\"} 1\n",
+            "vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n",
+            "vllm:kv_cache_usage_perc{engine=\"1\"} 0.5\n",
+            "vllm:cache_config_info{engine=\"0\",block_size=\"16\",num_gpu_blocks=\"18446744073709551615\"} 1\n",
+            "vllm:cache_config_info{engine=\"1\",block_size=\"16\",num_gpu_blocks=\"2\"} 1\n",
+        ))
+        .unwrap();
+        let s = extract(&e).unwrap();
+        assert_eq!(s.kv_capacity_tokens, Some(u64::MAX));
+        assert_eq!(s.block_size, Some(16));
+        assert_eq!(s.kv_usage, Some(0.5));
     }
 }
