@@ -231,10 +231,23 @@ pub struct RequestFacts {
     pub exact: bool,
     /// The request asked for a streamed response ([`RequestInfo::stream`]).
     pub stream: bool,
+    /// Choices the request asked for ([`RequestInfo::n`]; 0 counts as 1). A response's
+    /// `usage.completion_tokens` counts the tokens of all of them; the output learner
+    /// takes [`Self::per_choice`] of it.
+    pub n: u32,
     /// Work the `predicted_ttft` model charged the chosen endpoint ahead of the first token,
     /// tokens ([`crate::picker::predicted_ttft::TtftPrediction::effective_tokens`]); the host
     /// hands it back with the measured TTFT to [`Router::observe_first_token`]. 0 when unknown.
     pub predicted_work_tokens: f64,
+}
+
+impl RequestFacts {
+    /// Output tokens per choice of a response whose `usage.completion_tokens` is
+    /// `completion_tokens` (the total over all [`Self::n`] choices), rounded up, for
+    /// [`Router::observe_output`], which learns output lengths per choice.
+    pub fn per_choice(&self, completion_tokens: u64) -> u64 {
+        completion_tokens.div_ceil(u64::from(self.n.max(1)))
+    }
 }
 
 /// A request routed to an endpoint.
@@ -619,8 +632,9 @@ impl Router {
         used
     }
 
-    /// Learn from a finished response's `usage`: `prompt_tokens` and `completion_tokens` of a
-    /// request to `model` over `api` ([`OutputLengths::observe`]). Later requests without a
+    /// Learn from a finished response's `usage`: `prompt_tokens` and the output tokens per
+    /// choice (`completion_tokens` counts every choice: pass [`RequestFacts::per_choice`] of
+    /// it) of a request to `model` over `api` ([`OutputLengths::observe`]). Later requests without a
     /// learned-better bound reserve KV for the learned output ([`Router::demand`]).
     pub fn observe_output(
         &mut self,
@@ -868,6 +882,7 @@ impl Router {
                         prompt_tokens: req.prompt_tokens,
                         exact: req.prompt_tokens_exact,
                         stream: req.stream,
+                        n: req.n,
                         predicted_work_tokens,
                     },
                     candidates,
@@ -1269,6 +1284,7 @@ mod tests {
             prompt_tokens: 100,
             exact: false,
             stream: false,
+            n: 1,
             predicted_work_tokens: 0.0,
         };
         assert_eq!(r.observe_usage(&facts, 200), Some(50));

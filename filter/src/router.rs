@@ -961,6 +961,7 @@ mod tests {
             prompt_tokens: 100,
             exact: false,
             stream: false,
+            n: 1,
             predicted_work_tokens: 0.0,
         };
         w.observe_usage(&h, &facts, 200);

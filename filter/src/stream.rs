@@ -471,7 +471,9 @@ impl Stream {
                 w.observe_usage(host, &facts, u.prompt_tokens);
                 if let Some(model) = facts.model.as_deref() {
                     let api = kvroute_core::analysis::ApiKind::from_path(&self.path);
-                    w.observe_output(model, api, u.prompt_tokens, u.completion_tokens);
+                    // `completion_tokens` covers all `n` choices; the learner is per choice.
+                    let per_choice = facts.per_choice(u.completion_tokens);
+                    w.observe_output(model, api, u.prompt_tokens, per_choice);
                 }
             }
             self.release();
@@ -1142,6 +1144,27 @@ mod tests {
             *w.borrow().router().output_lengths(),
             kvroute_core::output_len::OutputLengths::new()
         );
+    }
+
+    /// `usage.completion_tokens` counts the tokens of every choice, while the output learner
+    /// keeps tokens per choice (the KV demand multiplies its prediction by `n`), so a
+    /// response to `n` choices is learned as `completion_tokens / n` per choice, exactly as
+    /// the same number of single-choice responses of that length would be.
+    #[test]
+    fn output_of_n_choices_is_learned_per_choice() {
+        use kvroute_core::analysis::ApiKind;
+        use kvroute_core::output_len::OutputLengths;
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let body = br#"{"model":"m","n":4,"messages":[{"role":"user","content":"hello there"}]}"#;
+        let reply = br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":400}}"#;
+        let mut expected = OutputLengths::new();
+        for _ in 0..25 {
+            let (r, mut s) = to_response(&h, &w, body);
+            *r.resp_chunk.borrow_mut() = reply.to_vec();
+            s.on_response_body(&r, reply.len(), true);
+            expected.observe("m", ApiKind::ChatCompletions, 9, 100);
+        }
+        assert_eq!(*w.borrow().router().output_lengths(), expected);
     }
 
     #[test]
