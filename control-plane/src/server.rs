@@ -69,18 +69,36 @@ pub fn handle(
     }
 }
 
+/// How long the server waits after a failed `accept` before the next one.
+pub const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Serve until `shutdown` turns true.
+///
+/// A failed `accept` is retried after [`ACCEPT_BACKOFF`]: out of file descriptors
+/// (EMFILE, e.g. a large fleet under a 1,024 limit), `accept` fails at once for as long as
+/// a connection waits in the backlog, and retrying at once spun a core and wrote over
+/// 60,000 `accept failed` lines a second (`tests/binary.rs`
+/// `accept_errors_back_off_instead_of_spinning`).
 pub async fn serve(listener: TcpListener, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
     loop {
-        let (stream, _) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    continue;
-                }
-            },
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
             _ = shutdown.changed() => return,
+        };
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "accept failed; retrying in {} ms",
+                    ACCEPT_BACKOFF.as_millis()
+                );
+                tokio::select! {
+                    _ = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                    _ = shutdown.changed() => return,
+                }
+                continue;
+            }
         };
         let hub = hub.clone();
         tokio::spawn(async move {

@@ -297,3 +297,61 @@ async fn reload_on_sighup_and_file_change_then_sigterm() {
     };
     assert_eq!(status.code(), Some(0));
 }
+
+/// Out of file descriptors (EMFILE), `accept` fails at once for as long as a connection
+/// waits in the backlog. The own-endpoint server must back off instead of retrying in a
+/// tight loop (a core at 100 % and a flood of `accept failed` lines), and serve again once
+/// descriptors are free.
+#[tokio::test]
+async fn accept_errors_back_off_instead_of_spinning() {
+    let a = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cp.yaml");
+    std::fs::write(&cfg, config_yaml(&[("a", a.addr())], &[], "")).unwrap();
+    let log = dir.path().join("stdout.log");
+    let port = free_port();
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(r#"ulimit -n 64 && exec "$0" --config "$1" --listen "$2""#)
+        .arg(BIN)
+        .arg(&cfg)
+        .arg(format!("127.0.0.1:{port}"))
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _guard = Guard(child);
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ids(&base, &["p/a"]).await;
+    // More idle connections than its descriptor limit: the last ones wait in the backlog.
+    let mut held = Vec::new();
+    for _ in 0..100 {
+        held.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let failed = std::fs::read_to_string(&log)
+        .unwrap()
+        .matches("accept failed")
+        .count();
+    assert!(failed >= 1, "the descriptor limit was never reached");
+    assert!(
+        failed <= 30,
+        "{failed} `accept failed` lines in 2 s: the accept loop spins"
+    );
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some((200, _)) = try_get(&format!("{base}/healthz")).await {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no /healthz once connections closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
