@@ -1,0 +1,130 @@
+//! kvroute filter in real Envoy with odd but legal HTTP: `Expect: 100-continue`, HEAD and
+//! GET on the chat path, an empty POST, a request with 80 extra headers. (HTTP/1.0 is
+//! Envoy's to refuse: 426 unless `http_protocol_options.accept_http_10`.) Each is answered by a
+//! backend (never a filter-made error), a body is still routed by its content, nothing
+//! leaks and no Wasm VM fails.
+
+use kvroute_core::snapshot::Snapshot;
+use kvroute_integration::harness::http::raw_exchange;
+use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetOptions};
+use std::time::Duration;
+
+async fn least_kv_fleet() -> Fleet {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let eps = vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)];
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    fleet
+}
+
+/// Reservations made equal reservations released, and none is held.
+async fn no_leak(fleet: &Fleet) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let reserved = fleet.custom("kvroute.reservations.reserved").await.unwrap();
+        let released = fleet.custom("kvroute.reservations.released").await.unwrap();
+        let held = fleet.custom("kvroute.inflight").await.unwrap();
+        if reserved == released && held == 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "leak: reserved {reserved}, released {released}, held {held}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A client that sends `Expect: 100-continue` and waits for `100 Continue` before its body
+/// (curl does for bodies over 1 KiB) gets it while the filter holds the headers, and the
+/// request is routed by its body.
+#[tokio::test]
+async fn expect_100_continue_is_routed_by_its_body() {
+    let fleet = least_kv_fleet().await;
+    let body = chat(&"a long prompt sent after 100 Continue ".repeat(40));
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let got = raw_exchange(
+        fleet.port,
+        &[
+            (head.as_bytes(), Duration::from_millis(500)),
+            (&body, Duration::ZERO),
+        ],
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 100 Continue"), "{got}");
+    assert!(got.contains("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("x-backend: b1"), "{got}");
+    let rec = fleet.backends[1].requests().pop().unwrap();
+    assert_eq!(rec.body.as_ref(), body.as_slice());
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 1);
+    no_leak(&fleet).await;
+    let bad = fleet.envoy.wasm_failures().await.unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+/// HEAD and GET on the chat path (no body: decided by load at the
+/// headers), a POST with `content-length: 0`, and a POST carrying 80 extra headers (the test backend, hyper, takes 100 in all):
+/// every one is answered by a backend.
+#[tokio::test]
+async fn odd_but_legal_requests_reach_a_backend() {
+    let fleet = least_kv_fleet().await;
+    for method in ["HEAD", "GET"] {
+        let req = format!(
+            "{method} /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        );
+        let got = raw_exchange(
+            fleet.port,
+            &[(req.as_bytes(), Duration::ZERO)],
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert!(got.starts_with("HTTP/1.1 200"), "{method}: {got}");
+    }
+
+    let empty = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+    let got = raw_exchange(
+        fleet.port,
+        &[(&empty[..], Duration::ZERO)],
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+
+    let body = chat("with 80 extra headers");
+    let mut many = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    for i in 0..80 {
+        many.push_str(&format!("x-extra-{i}: {}\r\n", "v".repeat(64)));
+    }
+    many.push_str("\r\n");
+    let mut many = many.into_bytes();
+    many.extend_from_slice(&body);
+    let got = raw_exchange(
+        fleet.port,
+        &[(&many, Duration::ZERO)],
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("x-backend: b1"), "{got}");
+
+    assert_eq!(fleet.counts().iter().sum::<usize>(), 4);
+    no_leak(&fleet).await;
+    let bad = fleet.envoy.wasm_failures().await.unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+}
