@@ -105,6 +105,10 @@ pub struct RequestAnalysis {
     pub stream: bool,
     /// `n` (number of choices, default 1, at least 1).
     pub n: u32,
+    /// Prompts of a `/v1/completions` (or embeddings) batch: the length of a `prompt` that
+    /// is an array of strings or of token-id arrays, each completed on its own, `n` times;
+    /// 1 for any other request.
+    pub prompts: u32,
     /// Explicit output-token limit: `max_completion_tokens` wins over `max_tokens`
     /// (`max_output_tokens` for the Responses API). `None` when absent: the caller then uses
     /// the model profile's default (see [`crate::profile::ModelProfile::output_limit`]).
@@ -175,6 +179,8 @@ struct Acc<'e> {
     exact_tokens: u64,
     exact: bool,
     media: MediaCounts,
+    /// Prompts of a batch `prompt` ([`RequestAnalysis::prompts`]).
+    prompts: u32,
     /// Prefix rendering set aside while a message's `content` is read before its `role`.
     aside: String,
     /// A sampling window's text, decoded ahead of the tally ([`Self::string`]).
@@ -203,6 +209,7 @@ impl<'e> Acc<'e> {
             exact_tokens: 0,
             exact: false,
             media: MediaCounts::default(),
+            prompts: 1,
             aside: String::new(),
             window: String::new(),
         }
@@ -792,6 +799,7 @@ pub fn analyze_bounded(
         model,
         stream,
         n,
+        prompts: acc.prompts,
         max_output_tokens,
         prefix_text: acc.prefix,
         cache_salt,
@@ -1316,6 +1324,9 @@ fn prompt_like(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, field: &str) -> Syn<Sem>
             }
             if res.is_ok() && mode != Some(b'"') {
                 acc.exact = true;
+            }
+            if res.is_ok() && matches!(mode, Some(b'"' | b'[')) {
+                acc.prompts = u32::try_from(i).unwrap_or(u32::MAX);
             }
             Ok(res)
         }

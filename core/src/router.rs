@@ -131,7 +131,8 @@ pub struct RequestInfo {
     pub prompt_tokens_exact: bool,
     /// Output limit the request sets, tokens (per choice).
     pub max_output_tokens: Option<u32>,
-    /// Choices (`n`; 0 counts as 1).
+    /// Completions generated (0 counts as 1): `n` choices for each prompt of the request
+    /// (a `/v1/completions` batch has several, [`RequestAnalysis::prompts`]).
     pub n: u32,
     /// vLLM priority (lower is served first by the admission queue).
     pub priority: i32,
@@ -173,7 +174,7 @@ impl RequestInfo {
             prompt_tokens: a.prompt_tokens,
             prompt_tokens_exact: a.prompt_tokens_exact,
             max_output_tokens: a.max_output_tokens,
-            n: a.n,
+            n: a.n.saturating_mul(a.prompts.max(1)),
             priority: a.priority,
             stream: a.stream,
             prefix_hashes,
@@ -231,9 +232,9 @@ pub struct RequestFacts {
     pub exact: bool,
     /// The request asked for a streamed response ([`RequestInfo::stream`]).
     pub stream: bool,
-    /// Choices the request asked for ([`RequestInfo::n`]; 0 counts as 1). A response's
-    /// `usage.completion_tokens` counts the tokens of all of them; the output learner
-    /// takes [`Self::per_choice`] of it.
+    /// Completions the request asked for ([`RequestInfo::n`]: `n` per prompt; 0 counts as
+    /// 1). A response's `usage.completion_tokens` counts the tokens of all of them; the
+    /// output learner takes [`Self::per_choice`] of it.
     pub n: u32,
     /// Work the `predicted_ttft` model charged the chosen endpoint ahead of the first token,
     /// tokens ([`crate::picker::predicted_ttft::TtftPrediction::effective_tokens`]); the host
@@ -1130,6 +1131,40 @@ mod tests {
             r.route(&snap, &t, p, None, NOW).outcome,
             Outcome::NoEndpoints
         );
+    }
+
+    /// A `/v1/completions` batch (`prompt` an array of strings or of token-id arrays) is
+    /// completed once per prompt, `n` times each: its KV demand holds an output for every
+    /// one, as the `n` choices of one prompt do, and a response's `completion_tokens`
+    /// (summed over all of them) is learned per completion.
+    #[test]
+    fn a_completions_batch_reserves_an_output_per_prompt() {
+        let mut r = router(PolicyKind::Hybrid);
+        let snap = Snapshot::new(1, NOW, vec![ep(0, 0.0)]);
+        let t = InflightTable::default();
+        // A model without a profile expects ⌈1000 × 0.5⌉ = 500 tokens per completion.
+        for (body, completions) in [
+            (r#"{"model":"m","prompt":"a b c","max_tokens":1000}"#, 1),
+            (r#"{"model":"m","prompt":[1,2,3],"max_tokens":1000}"#, 1),
+            (
+                r#"{"model":"m","prompt":["a","b","c","d"],"max_tokens":1000}"#,
+                4,
+            ),
+            (
+                r#"{"model":"m","prompt":[[1,2],[3]],"max_tokens":1000,"n":3}"#,
+                6,
+            ),
+        ] {
+            let d = r.route(&snap, &t, "/v1/completions", Some(body.as_bytes()), NOW);
+            let rt = route(&d);
+            assert_eq!(rt.facts.n, completions, "{body}");
+            assert_eq!(
+                rt.reserve_tokens,
+                rt.facts.prompt_tokens + 500 * u64::from(completions),
+                "{body}"
+            );
+            assert_eq!(rt.facts.per_choice(1_000 * u64::from(completions)), 1_000);
+        }
     }
 
     #[test]

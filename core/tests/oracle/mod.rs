@@ -136,6 +136,7 @@ struct Acc<'e> {
     exact_tokens: u64,
     exact: bool,
     media: MediaCounts,
+    prompts: u32,
 }
 
 impl<'e> Acc<'e> {
@@ -149,6 +150,7 @@ impl<'e> Acc<'e> {
             exact_tokens: 0,
             exact: false,
             media: MediaCounts::default(),
+            prompts: 1,
         }
     }
 
@@ -533,6 +535,7 @@ pub fn oracle_analyze_bounded(
         model,
         stream,
         n,
+        prompts: acc.prompts,
         max_output_tokens,
         prefix_text: acc.prefix,
         cache_salt,
@@ -693,6 +696,7 @@ fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), Ana
                         }
                         acc.json_text(it, &|| format!("{field}[{i}]"))?;
                     }
+                    acc.prompts = u32::try_from(items.len()).unwrap_or(u32::MAX);
                 }
                 b'[' => {
                     for (i, it) in items.iter().enumerate() {
@@ -705,6 +709,7 @@ fn prompt_like(acc: &mut Acc<'_>, raw: &RawValue, field: &str) -> Result<(), Ana
                         acc.token_ids(&ids);
                     }
                     acc.exact = true;
+                    acc.prompts = u32::try_from(items.len()).unwrap_or(u32::MAX);
                 }
                 _ => {
                     let ids = serde_json::from_str::<Vec<u32>>(raw.get()).map_err(|_| {
