@@ -44,6 +44,14 @@ pub mod vllm;
 use crate::expo::{Exposition, Sample};
 use serde::{Deserialize, Serialize};
 
+/// Longest LoRA adapter name kept, bytes (longer ones are dropped: no real adapter name
+/// is this long, and each name travels in every snapshot to every Envoy worker).
+pub const MAX_LORA_NAME_BYTES: usize = 256;
+/// Most bytes of LoRA names one endpoint keeps (the first names in sorted order). One
+/// server listing a megabyte of names otherwise made every snapshot larger than the
+/// filter's ingest limit, and every Envoy refused every push.
+pub const MAX_LORA_BYTES: usize = 4096;
+
 /// Standard process-collector gauge: process start, Unix seconds
 /// (<https://prometheus.io/docs/instrumenting/writing_clientlibs/#process-metrics>).
 pub const PROCESS_START: &str = "process_start_time_seconds";
@@ -338,6 +346,7 @@ pub fn extract(
     stats
         .lora_adapters
         .retain(|n| kvroute_core::snapshot::check_label(n).is_ok());
+    bound_lora_names(&mut stats.lora_adapters);
     if stats.process_start_ms.is_none() {
         stats.process_start_ms = expo
             .family(PROCESS_START)
@@ -345,6 +354,36 @@ pub fn extract(
             .and_then(|s| seconds_to_ms(s.value));
     }
     Ok(stats)
+}
+
+/// Drop LoRA names over [`MAX_LORA_NAME_BYTES`], then keep the leading names (the list is
+/// sorted) that fit in [`MAX_LORA_BYTES`]; logged once per process.
+fn bound_lora_names(names: &mut Vec<String>) {
+    let before = names.len();
+    names.retain(|n| n.len() <= MAX_LORA_NAME_BYTES);
+    let mut total = 0usize;
+    let keep = names
+        .iter()
+        .take_while(|n| {
+            total = total.saturating_add(n.len());
+            total <= MAX_LORA_BYTES
+        })
+        .count();
+    names.truncate(keep);
+    if names.len() < before {
+        let first = WARNED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(("lora_adapters".to_owned(), "bounded".to_owned()));
+        if first {
+            tracing::warn!(
+                dropped = before - names.len(),
+                kept = names.len(),
+                "LoRA adapter names over {MAX_LORA_NAME_BYTES} bytes, or beyond {MAX_LORA_BYTES} \
+                 bytes per endpoint, dropped from the snapshot (logged once)"
+            );
+        }
+    }
 }
 
 /// Unix seconds (float) to milliseconds; `None` for non-finite or non-positive input.
@@ -393,6 +432,31 @@ mod tests {
         let s = extract(ServerKind::Trtllm, &expo, None).unwrap();
         assert_eq!(s.block_size, None);
         assert_eq!(s.kv_usage, Some(0.25));
+    }
+
+    /// LoRA names are the only strings a model server puts into the snapshot. One server
+    /// listing a megabyte of them made every snapshot larger than the filter's ingest
+    /// limit (1 MiB by default), so every Envoy refused every push and routed the whole
+    /// fleet on stale stats. Names longer than [`MAX_LORA_NAME_BYTES`] are dropped, and an
+    /// endpoint keeps at most [`MAX_LORA_BYTES`] of names (the first, in sorted order).
+    #[test]
+    fn lora_names_are_bounded() {
+        let long = "x".repeat(MAX_LORA_NAME_BYTES + 1);
+        let fits = "y".repeat(MAX_LORA_NAME_BYTES);
+        let many: Vec<String> = (0..2_000).map(|i| format!("adapter-{i:05}")).collect();
+        let text = format!(
+            "vllm:num_requests_running 1\nvllm:lora_requests_info{{running_lora_adapters=\"ok,{long},{fits}\",waiting_lora_adapters=\"\"}} 5\n"
+        );
+        let s = extract(ServerKind::Vllm, &Exposition::parse(&text).unwrap(), None).unwrap();
+        assert_eq!(s.lora_adapters, vec!["ok".to_owned(), fits]);
+        let text = format!(
+            "vllm:num_requests_running 1\nvllm:lora_requests_info{{running_lora_adapters=\"{}\",waiting_lora_adapters=\"\"}} 5\n",
+            many.join(",")
+        );
+        let s = extract(ServerKind::Vllm, &Exposition::parse(&text).unwrap(), None).unwrap();
+        // 13 bytes each: the first ⌊4096 / 13⌋ = 315 names, in order.
+        assert_eq!(s.lora_adapters.len(), MAX_LORA_BYTES / 13);
+        assert_eq!(s.lora_adapters[..], many[..MAX_LORA_BYTES / 13]);
     }
 
     #[test]
