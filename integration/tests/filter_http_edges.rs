@@ -1,8 +1,15 @@
 //! kvroute filter in real Envoy with odd but legal HTTP: `Expect: 100-continue`, HEAD and
-//! GET on the chat path, an empty POST, a request with 80 extra headers. (HTTP/1.0 is
-//! Envoy's to refuse: 426 unless `http_protocol_options.accept_http_10`.) Each is answered by a
-//! backend (never a filter-made error), a body is still routed by its content, nothing
-//! leaks and no Wasm VM fails.
+//! GET on the chat path, an empty POST, a request with 80 extra headers. Each is answered
+//! by a backend (never a filter-made error), a body is still routed by its content,
+//! nothing leaks and no Wasm VM fails. (HTTP/1.0 is Envoy's to refuse: 426 unless
+//! `http_protocol_options.accept_http_10`.)
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use kvroute_core::snapshot::Snapshot;
 use kvroute_integration::harness::http::raw_exchange;
