@@ -192,6 +192,12 @@ pub struct LabelRules {
 static WARNED: std::sync::Mutex<std::collections::BTreeSet<(String, String)>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 
+/// Most (metric, label) pairs [`LabelRules::unexpected`] warns about, once each, per
+/// process; past it one line says that further ones are not logged. A server sending
+/// thousands of distinct label names (one malformed line, or new names on every scrape)
+/// otherwise wrote a line for each and grew the set of logged names without bound.
+pub const MAX_WARNED_LABELS: usize = 64;
+
 impl LabelRules {
     /// Labels of family `name` that these rules do not name, sorted, deduplicated.
     pub fn unexpected(&self, expo: &Exposition, name: &str) -> Vec<String> {
@@ -210,19 +216,37 @@ impl LabelRules {
 
     /// Log each unexpected label of `name` once per process.
     fn warn_unexpected(&self, expo: &Exposition, name: &str) {
-        for label in self.unexpected(expo, name) {
-            let first = WARNED
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert((name.to_owned(), label.clone()));
-            if first {
-                tracing::warn!(
-                    metric = name,
-                    label = %label,
-                    kind = self.kind.as_str(),
-                    "unexpected label: series that differ only in it are read as copies of one engine (counted once, not added up)"
-                );
+        let unexpected = self.unexpected(expo, name);
+        if unexpected.is_empty() {
+            return;
+        }
+        let mut warned = WARNED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for label in unexpected {
+            let key = (name.to_owned(), label);
+            if warned.contains(&key) {
+                continue;
             }
+            if warned.len() >= MAX_WARNED_LABELS {
+                static FULL: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !FULL.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
+                        metric = name,
+                        kind = self.kind.as_str(),
+                        "more unexpected labels than {MAX_WARNED_LABELS}; further ones are read as copies too, and not logged"
+                    );
+                }
+                return;
+            }
+            tracing::warn!(
+                metric = name,
+                label = %key.1,
+                kind = self.kind.as_str(),
+                "unexpected label: series that differ only in it are read as copies of one engine (counted once, not added up)"
+            );
+            warned.insert(key);
         }
     }
 
@@ -371,11 +395,9 @@ fn bound_lora_names(names: &mut Vec<String>) {
         .count();
     names.truncate(keep);
     if names.len() < before {
-        let first = WARNED
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(("lora_adapters".to_owned(), "bounded".to_owned()));
-        if first {
+        static WARNED_ONCE: std::sync::atomic::AtomicBool =
+            std::sync::atomic::AtomicBool::new(false);
+        if !WARNED_ONCE.swap(true, std::sync::atomic::Ordering::Relaxed) {
             tracing::warn!(
                 dropped = before - names.len(),
                 kept = names.len(),
@@ -457,6 +479,25 @@ mod tests {
         // 13 bytes each: the first ⌊4096 / 13⌋ = 315 names, in order.
         assert_eq!(s.lora_adapters.len(), MAX_LORA_BYTES / 13);
         assert_eq!(s.lora_adapters[..], many[..MAX_LORA_BYTES / 13]);
+    }
+
+    /// A label no rule names is logged once per process and name; a server that sends
+    /// thousands of distinct label names (one malformed line, or new names every scrape)
+    /// must not write a line for each nor grow the set of logged names without bound.
+    #[test]
+    fn unexpected_label_warnings_are_bounded() {
+        let labels: Vec<String> = (0..5_000).map(|i| format!("odd_{i}=\"x\"")).collect();
+        let text = format!(
+            "vllm:num_requests_running{{engine=\"0\",{}}} 3\n",
+            labels.join(",")
+        );
+        let s = extract(ServerKind::Vllm, &Exposition::parse(&text).unwrap(), None).unwrap();
+        assert_eq!(s.running, 3);
+        let logged = WARNED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len();
+        assert!(logged <= MAX_WARNED_LABELS, "{logged} label names kept");
     }
 
     #[test]
