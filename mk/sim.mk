@@ -1,8 +1,8 @@
 # kvroute-sim (sim/): engine model, server, metrics dialects.
 .PHONY: test-sim bench-sim-replay bench-sim-load
-test-sim: ## Simulator tests: engine model, HTTP/SSE, metrics dialects, golden timings, step-time calibration
+test-sim: ## Simulator tests: engine model, HTTP/SSE, metrics dialects, golden timings, step-time calibration, accept back-off
 	$(CARGO) test -p kvroute-sim --lib
-	$(CARGO) test -p kvroute-sim --test sim_engine --test sim_server --test sim_perf_calibration
+	$(CARGO) test -p kvroute-sim --test sim_engine --test sim_server --test sim_perf_calibration --test sim_accept
 
 bench-sim-replay: ## Mooncake 1 h trace through the engine model alone (release build); prints wall time
 	$(CARGO) run --release -p kvroute-sim --bin kvroute-sim-replay -- \

@@ -721,7 +721,16 @@ async fn accept_loop(
             c = listener.accept() => c,
             _ = stop.changed() => return,
         };
-        let Ok((stream, _)) = conn else { continue };
+        let Ok((stream, _)) = conn else {
+            // Out of file descriptors (EMFILE), `accept` fails at once for as long as a
+            // connection waits in the backlog: back off instead of spinning a core
+            // (tests/sim_accept.rs).
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+                _ = stop.changed() => return,
+            }
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let replica = replica.clone();
         let mut stop = stop.clone();
