@@ -42,8 +42,8 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
             expected: QUEUE_SIZE,
         });
     }
-    let budget = expo
-        .sum(BATCH_MAX_TOTAL_TOKENS)
+    let budget = LABELS
+        .sum(expo, BATCH_MAX_TOTAL_TOKENS)
         .filter(|v| v.is_finite() && *v > 0.0);
     let reserved = LABELS.sum(expo, BATCH_CURRENT_MAX_TOKENS);
     let kv_usage = match (reserved, budget) {
@@ -61,4 +61,29 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
         process_start_ms: None,
         monotonic_total: LABELS.sum(expo, REQUEST_COUNT),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// TGI has one router, so every repeated series is a copy, counted once: the token
+    /// budget too, not only the reserved tokens (a duplicated budget line halved the usage
+    /// and doubled the capacity).
+    #[test]
+    fn a_repeated_budget_series_is_a_copy() {
+        let e = Exposition::parse(concat!(
+            "tgi_queue_size 2\n",
+            "tgi_batch_current_size 3\n",
+            "tgi_batch_current_max_tokens 500\n",
+            "tgi_batch_current_max_tokens 500\n",
+            "tgi_batch_max_total_tokens{instance=\"a\"} 1000\n",
+            "tgi_batch_max_total_tokens{instance=\"b\"} 1000\n",
+        ))
+        .unwrap();
+        let s = extract(&e).unwrap();
+        assert_eq!(s.kv_capacity_tokens, Some(1000));
+        assert_eq!(s.kv_usage, Some(0.5));
+        assert_eq!((s.running, s.waiting), (3, 2));
+    }
 }
