@@ -45,6 +45,10 @@ fn errors(est: &[f64], truth: &[usize]) -> Row {
     }
 }
 
+/// The subset of prompts longer than 1 KiB: the ones the sampled tail
+/// ([`kvroute_core::estimate::SAMPLE_HEAD_BYTES`]) can reach.
+const OVER_1_KIB: &str = "over 1 KiB";
+
 #[test]
 fn estimator_within_targets_on_shared_prompts() {
     let prompts = common::all_prompts();
@@ -73,12 +77,17 @@ fn estimator_within_targets_on_shared_prompts() {
             "sharegpt_v3_filtered_1000",
             "lmbenchmark_run",
             "lmbenchmark_warmup",
+            OVER_1_KIB,
         ] {
             let (e, t): (Vec<f64>, Vec<usize>) = prompts
                 .iter()
                 .zip(&estimates)
                 .zip(&truth)
-                .filter(|(((s, _), _), _)| subset == "all" || *s == subset)
+                .filter(|(((s, p), _), _)| match subset {
+                    "all" => true,
+                    OVER_1_KIB => p.len() > 1024,
+                    _ => *s == subset,
+                })
                 .map(|((_, e), t)| (*e, *t))
                 .unzip();
             let r = errors(&e, &t);
