@@ -478,7 +478,7 @@ impl Reservations for [&InflightTable] {
 /// reservation count u32, then per reservation id u64, endpoint index u16, tokens u64,
 /// expires_at_ms u64, reserved_at_ms u64, prefill_tokens u64 ([`ROW_BYTES`]). It replaced
 /// JSON: decoding 8 reservations went from serde_json's parse of ~1 KB with one `String`
-/// per field name to a bounds-checked copy (see `docs/overhead.md`).
+/// per field name to a bounds-checked copy.
 pub const WIRE_MAGIC: &[u8; 4] = b"KVI1";
 /// Bytes per reservation in the binary table.
 pub const ROW_BYTES: usize = 8 + 2 + 8 * 4;
