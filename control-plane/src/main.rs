@@ -5,6 +5,7 @@
 use anyhow::Context;
 use clap::Parser;
 use kvroute_cp::{Config, ControlPlane};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing_subscriber::EnvFilter;
@@ -60,7 +61,12 @@ fn main() -> anyhow::Result<()> {
             .with_env_filter(filter)
             .init();
     } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
+        // Colour only on a terminal: a log redirected to a file or collected by a
+        // container runtime gets plain text, not ANSI escapes.
+        tracing_subscriber::fmt()
+            .with_ansi(std::io::stdout().is_terminal())
+            .with_env_filter(filter)
+            .init();
     }
     let config = match load(&args) {
         Ok(c) => c,

@@ -86,7 +86,7 @@ pub async fn post(
         let resp = client
             .request(req)
             .await
-            .map_err(|e| PushError::Connect(format!("{e:?}")))?;
+            .map_err(|e| PushError::Connect(crate::scrape::error_chain(&e)))?;
         let status = resp.status();
         // Drain so the connection can be reused.
         let _ = resp.into_body().collect().await;

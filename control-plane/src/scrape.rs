@@ -217,8 +217,9 @@ async fn get(
 }
 
 /// `error: cause: cause` for a client error (hyper-util's `Display` alone says only
-/// "client error (Connect)").
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// "client error (Connect)"), e.g. `client error (Connect): tcp connect error: Connection
+/// refused (os error 111)`. The scrape and the push both report connection failures so.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(c) = src {
@@ -353,11 +354,15 @@ impl Warner {
     }
 }
 
-/// What to tell the operator a failure means for routing.
+/// What to tell the operator a failure means for routing. An unreachable endpoint is down
+/// only from its [`crate::hub::DOWN_AFTER_UNREACHABLE`]th connection failure in a row, so
+/// the line says so rather than read as "down" at the first.
 fn consequence(class: FailureClass) -> &'static str {
+    // Keep the count in step with the constant (checked by a test below).
+    const UNREACHABLE: &str = "marked down after 2 connection failures in a row";
     match class {
         FailureClass::Stale => "stats are stale: routed with lower priority, not marked down",
-        FailureClass::Unreachable => "marked down after repeated connection failures",
+        FailureClass::Unreachable => UNREACHABLE,
         FailureClass::NotReady => "marked down until it answers with its metrics",
     }
 }
@@ -511,4 +516,42 @@ fn seed(id: &str) -> u64 {
     id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     }) ^ nanos
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unreachable_warning_states_the_down_threshold() {
+        let line = consequence(FailureClass::Unreachable);
+        assert_eq!(
+            line,
+            format!(
+                "marked down after {} connection failures in a row",
+                crate::hub::DOWN_AFTER_UNREACHABLE
+            )
+        );
+    }
+
+    #[test]
+    fn a_connection_error_is_reported_with_its_causes() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("client error (Connect)")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Outer(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "tcp connect error",
+        ));
+        assert_eq!(error_chain(&e), "client error (Connect): tcp connect error");
+    }
 }

@@ -179,9 +179,16 @@ impl Default for RawConfig {
 /// A config problem, naming the field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
-    /// Not valid JSON for [`RawConfig`] (unknown field, wrong type...).
+    /// Not JSON at all (a syntax error, or the text ends early).
     #[error("kvroute plugin config is not valid JSON: {0}")]
     Parse(String),
+    /// Valid JSON that does not fit [`RawConfig`]: an unknown field (a typo), an unknown
+    /// value of an enumerated field, or a value of the wrong type. serde's message names
+    /// the field or value and its position.
+    #[error(
+        "kvroute plugin config: {0} (fields and values: docs/filter.md, \"Configuration reference\")"
+    )]
+    Schema(String),
     /// A field has an invalid value.
     #[error("kvroute plugin config field `{field}` = {value}: {reason}")]
     Invalid {
@@ -319,7 +326,10 @@ impl Config {
         let raw: RawConfig = if bytes.iter().all(|b| b.is_ascii_whitespace()) {
             RawConfig::default()
         } else {
-            serde_json::from_slice(bytes).map_err(|e| ConfigError::Parse(e.to_string()))?
+            serde_json::from_slice(bytes).map_err(|e| match e.classify() {
+                serde_json::error::Category::Data => ConfigError::Schema(e.to_string()),
+                _ => ConfigError::Parse(e.to_string()),
+            })?
         };
         Config::try_from(raw)
     }
@@ -422,11 +432,55 @@ mod tests {
             ),
             (r#"{"max_body_bytes":-1}"#, "invalid value"),
             ("not json", "not valid JSON"),
+            (r#"{"debug_header":true"#, "not valid JSON"),
         ];
         for (json, want) in cases {
             let err = Config::parse(json.as_bytes()).unwrap_err().to_string();
             assert!(err.contains(want), "{json}: got `{err}`, want `{want}`");
         }
+    }
+
+    /// Valid JSON with a typo or a wrong value is not called invalid JSON: the message
+    /// names what serde rejected and where to look (a newcomer's `decison_record` was
+    /// reported as "not valid JSON").
+    #[test]
+    fn valid_json_that_does_not_fit_names_the_field() {
+        let cases = [
+            (
+                r#"{"debug_header":true,"decison_record":true}"#,
+                "kvroute plugin config: unknown field `decison_record` at line 1 column 43 \
+                 (fields and values: docs/filter.md, \"Configuration reference\")",
+            ),
+            (
+                r#"{"debug_header":"yes"}"#,
+                "kvroute plugin config: invalid type: string \"yes\", expected a boolean \
+                 at line 1 column 21 (fields and values: docs/filter.md, \"Configuration reference\")",
+            ),
+        ];
+        for (json, want) in cases {
+            let err = Config::parse(json.as_bytes()).unwrap_err();
+            assert!(matches!(err, ConfigError::Schema(_)), "{json}: {err:?}");
+            assert_eq!(err.to_string(), want, "{json}");
+        }
+        // Not JSON at all: the syntax error, as documented in filter.md.
+        assert_eq!(
+            Config::parse(br#"{"debug_header":true"#)
+                .unwrap_err()
+                .to_string(),
+            "kvroute plugin config is not valid JSON: EOF while parsing an object at line 1 column 20"
+        );
+        // An unknown policy (a nested, flattened key) says which values exist.
+        let err = Config::parse(br#"{"picker":{"policy":"hybird"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("kvroute plugin config: unknown variant `hybird`, expected one of"),
+            "{err}"
+        );
+        assert!(
+            err.contains("`hybrid`") && err.contains("`predicted_ttft`"),
+            "{err}"
+        );
     }
 
     #[test]
