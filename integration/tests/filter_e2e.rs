@@ -6,18 +6,11 @@ use kvroute_integration::harness::kvroute::{
     chat, now_ms, Fleet, FleetMode, FleetOptions, TEST_TOKEN,
 };
 
-fn least_kv() -> FleetOptions {
-    FleetOptions {
-        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
-        ..FleetOptions::default()
-    }
-}
-
 #[tokio::test]
 async fn cluster_mode_routes_by_body_after_ingest() {
     let fleet = Fleet::start(FleetOptions {
         backends: 3,
-        ..least_kv()
+        ..FleetOptions::least_kv()
     })
     .await
     .unwrap();
@@ -62,7 +55,7 @@ async fn cluster_mode_routes_by_body_after_ingest() {
 
 #[tokio::test]
 async fn client_cannot_pick_its_own_cluster() {
-    let fleet = Fleet::start(least_kv()).await.unwrap();
+    let fleet = Fleet::start(FleetOptions::least_kv()).await.unwrap();
     fleet.push_usages(1, &[0.1, 0.9]).await.unwrap();
     let r = kvroute_integration::harness::http::request(
         "POST",
@@ -80,7 +73,7 @@ async fn client_cannot_pick_its_own_cluster() {
 
 #[tokio::test]
 async fn ingest_auth_size_validity_and_versions() {
-    let fleet = Fleet::start(least_kv()).await.unwrap();
+    let fleet = Fleet::start(FleetOptions::least_kv()).await.unwrap();
     let now = now_ms();
     let good = Snapshot::new(
         5,
@@ -175,7 +168,7 @@ async fn ingest_auth_size_validity_and_versions() {
 
 #[tokio::test]
 async fn header_only_requests_are_decided_without_waiting() {
-    let fleet = Fleet::start(least_kv()).await.unwrap();
+    let fleet = Fleet::start(FleetOptions::least_kv()).await.unwrap();
     fleet.push_usages(1, &[0.7, 0.2]).await.unwrap();
     // `GET /v1/models` itself is answered by the filter from the snapshot; retrieving one
     // model is a header-only request that goes upstream.
@@ -196,7 +189,7 @@ async fn endpoint_mode_override_host_with_fallback() {
     let fleet = Fleet::start(FleetOptions {
         backends: 3,
         mode: FleetMode::OverrideHost,
-        ..least_kv()
+        ..FleetOptions::least_kv()
     })
     .await
     .unwrap();
@@ -270,7 +263,7 @@ async fn endpoint_mode_ipv6_addresses_in_brackets() {
         backends: 2,
         mode: FleetMode::OverrideHost,
         backend_bind: "[::1]:0",
-        ..least_kv()
+        ..FleetOptions::least_kv()
     })
     .await
     .unwrap();
@@ -297,7 +290,7 @@ async fn original_dst_rejects_a_host_list() {
     let fleet = Fleet::start(FleetOptions {
         backends: 2,
         mode: FleetMode::OriginalDst,
-        ..least_kv()
+        ..FleetOptions::least_kv()
     })
     .await
     .unwrap();

@@ -11,40 +11,19 @@
     clippy::indexing_slicing
 )]
 
-use kvroute_core::snapshot::Snapshot;
 use kvroute_integration::harness::http::raw_exchange;
-use kvroute_integration::harness::kvroute::{chat, now_ms, Fleet, FleetOptions};
+use kvroute_integration::harness::kvroute::{chat, Fleet, FleetOptions};
 use std::time::Duration;
 
 async fn least_kv_fleet() -> Fleet {
-    let fleet = Fleet::start(FleetOptions {
-        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
-        ..FleetOptions::default()
-    })
-    .await
-    .unwrap();
-    let now = now_ms();
-    let eps = vec![fleet.endpoint(0, 0.9, now), fleet.endpoint(1, 0.1, now)];
-    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    let fleet = Fleet::start(FleetOptions::least_kv()).await.unwrap();
+    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
     fleet
 }
 
 /// Reservations made equal reservations released, and none is held.
 async fn no_leak(fleet: &Fleet) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let reserved = fleet.custom("kvroute.reservations.reserved").await.unwrap();
-        let released = fleet.custom("kvroute.reservations.released").await.unwrap();
-        let held = fleet.custom("kvroute.inflight").await.unwrap();
-        if reserved == released && held == 0 {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "leak: reserved {reserved}, released {released}, held {held}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    fleet.settled_reservations().await.unwrap();
 }
 
 /// A client that sends `Expect: 100-continue` and waits for `100 Continue` before its body

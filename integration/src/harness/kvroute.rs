@@ -131,6 +131,18 @@ impl Default for FleetOptions {
     }
 }
 
+impl FleetOptions {
+    /// Two backends and the `least_kv` policy with snapshots fresh for a minute: with
+    /// [`Fleet::push_usages`] a test decides which endpoint a body-routed request must
+    /// reach (the one with the lower KV usage), whatever the test machine's speed.
+    pub fn least_kv() -> Self {
+        Self {
+            route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000}"#.into(),
+            ..Self::default()
+        }
+    }
+}
+
 /// The ingest role's plugin config used by the fleets.
 pub fn ingest_plugin_config() -> String {
     format!(r#"{{"role":"ingest","ingest_token":"{TEST_TOKEN}"}}"#)
@@ -273,6 +285,25 @@ impl Fleet {
                 anyhow::bail!("stats {names:?} = {got}, wanted ≥ {want} within 10 s");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Wait (up to 10 s) until every reservation made was released and none is held, and
+    /// return the reservations made; an error names the counts when they never agree.
+    pub async fn settled_reservations(&self) -> anyhow::Result<u64> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let reserved = self.custom("kvroute.reservations.reserved").await?;
+            let released = self.custom("kvroute.reservations.released").await?;
+            let held = self.custom("kvroute.inflight").await?;
+            if reserved == released && held == 0 {
+                return Ok(reserved);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "leak: reserved {reserved}, released {released}, held {held}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
