@@ -5,6 +5,7 @@
 
 use crate::config::{
     Config, ConfigError, EndpointSpec, KubernetesSettings, PushSettings, ScrapeSettings, Target,
+    TokenSettings,
 };
 use crate::discovery::{gateways, kubernetes, Merged, STATIC_SLOT};
 use crate::hub::Hub;
@@ -50,9 +51,12 @@ struct Settings {
     scrape: ScrapeSettings,
     push: PushSettings,
     kubernetes: KubernetesSettings,
+    /// The current ingest token.
     token: TokenRx,
-    /// Where the token comes from (file or env var), named in 401 logs.
+    /// Where the ingest token comes from (file or env var), named in 401 logs.
     token_source: Arc<str>,
+    /// The current scrape token.
+    scrape_token: TokenRx,
     kube: Option<kube::Client>,
     tls: Tls,
 }
@@ -74,14 +78,29 @@ impl Tls {
     }
 }
 
-fn start_token(c: &Config, t: &Telemetry) -> Result<TokenSource, ConfigError> {
-    TokenSource::start(&c.push, t.file_reload_failures("push.token_file"))
+fn start_token(s: &TokenSettings, t: &Telemetry) -> Result<TokenSource, ConfigError> {
+    TokenSource::start(s, t.file_reload_failures(s.section.file_field()))
+}
+
+/// The token sources of both directions; dropping one stops watching its file.
+struct Tokens {
+    push: TokenSource,
+    scrape: TokenSource,
+}
+
+impl Tokens {
+    fn start(c: &Config, t: &Telemetry) -> Result<Self, ConfigError> {
+        Ok(Self {
+            push: start_token(&c.push.token(), t)?,
+            scrape: start_token(&c.scrape.token(), t)?,
+        })
+    }
 }
 
 /// One reload's worth of new state, built before it is applied.
 struct Reload {
     config: Config,
-    token: TokenSource,
+    tokens: Tokens,
     kube: Option<kube::Client>,
     tls: Tls,
 }
@@ -131,8 +150,8 @@ impl ControlPlane {
             first_wait(&config),
         );
         let tls = Tls::build(&config, &hub.telemetry)?;
-        let token = start_token(&config, &hub.telemetry)?;
-        if token.subscribe().borrow().is_none()
+        let tokens = Tokens::start(&config, &hub.telemetry)?;
+        if tokens.push.subscribe().borrow().is_none()
             && !(config.targets.is_empty() && config.kubernetes.gateways.is_empty())
         {
             tracing::warn!(
@@ -140,6 +159,7 @@ impl ControlPlane {
                 "no ingest token found; pushing without Authorization (a filter with an `ingest_token` answers 401)"
             );
         }
+        warn_no_scrape_token(&config.scrape, &tokens.scrape);
         let kube = kube_client(&config.kubernetes).await?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -162,8 +182,9 @@ impl ControlPlane {
             scrape: config.scrape.clone(),
             push: config.push.clone(),
             kubernetes: config.kubernetes.clone(),
-            token: token.subscribe(),
+            token: tokens.push.subscribe(),
             token_source: config.push.token_source().into(),
+            scrape_token: tokens.scrape.subscribe(),
             kube,
             tls,
         };
@@ -175,7 +196,7 @@ impl ControlPlane {
                 endpoints.clone(),
                 targets.clone(),
                 settings,
-                token,
+                tokens,
                 reload_rx,
                 shutdown_rx,
             )),
@@ -219,7 +240,7 @@ impl ControlPlane {
     /// running config in place.
     pub async fn reload(&self, config: Config) -> Result<(), StartError> {
         let tls = Tls::build(&config, &self.hub.telemetry)?;
-        let token = start_token(&config, &self.hub.telemetry)?;
+        let tokens = Tokens::start(&config, &self.hub.telemetry)?;
         let kube = kube_client(&config.kubernetes).await?;
         self.hub.set_timing(
             config.push.heartbeat,
@@ -231,7 +252,7 @@ impl ControlPlane {
         self.reload
             .send(Reload {
                 config,
-                token,
+                tokens,
                 kube,
                 tls,
             })
@@ -245,6 +266,18 @@ impl ControlPlane {
         for t in self.tasks {
             let _ = t.await;
         }
+    }
+}
+
+/// Warn when scrape token settings are given but hold no token (an unset or blank variable):
+/// servers that want a key answer every scrape 401. Names the source, never a token.
+fn warn_no_scrape_token(s: &ScrapeSettings, source: &TokenSource) {
+    let token = s.token();
+    if let (Some(from), None) = (token.source(), source.subscribe().borrow().as_ref()) {
+        tracing::warn!(
+            source = %from,
+            "no scrape token found; scraping without Authorization (a server started with an API key answers 401)"
+        );
     }
 }
 
@@ -297,7 +330,7 @@ async fn supervise(
     endpoints: Arc<Merged<EndpointSpec>>,
     targets: Arc<Merged<Target>>,
     mut settings: Settings,
-    mut _token_source: TokenSource,
+    mut _tokens: Tokens,
     mut reload: mpsc::Receiver<Reload>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -334,6 +367,7 @@ async fn supervise(
                     scrape_client.clone(),
                     spec.clone(),
                     settings.scrape.clone(),
+                    settings.scrape_token.clone(),
                     stop_rx,
                 ));
                 scrapers.insert(spec.id.clone(), (spec.clone(), stop, task));
@@ -374,14 +408,15 @@ async fn supervise(
             r = endpoints_rx.changed() => if r.is_err() { break },
             r = targets_rx.changed() => if r.is_err() { break },
             msg = reload.recv() => match msg {
-                Some(Reload { config, token, kube, tls }) => {
+                Some(Reload { config, tokens, kube, tls }) => {
                     // Clients (and their TLS sources) are replaced when their section changes;
                     // tasks of unchanged sections keep running with the sources they hold,
                     // which keep watching the same files.
-                    restart_scrapers = config.scrape != settings.scrape;
                     // A token from an env var can change under the same settings.
+                    restart_scrapers = config.scrape != settings.scrape
+                        || *tokens.scrape.subscribe().borrow() != *settings.scrape_token.borrow();
                     restart_pushers = config.push != settings.push
-                        || *token.subscribe().borrow() != *settings.token.borrow();
+                        || *tokens.push.subscribe().borrow() != *settings.token.borrow();
                     // A TLS source is replaced only when its files are: Kubernetes watch
                     // tasks keep the scrape client they started with, and its source goes
                     // on following rotations of the same files.
@@ -402,11 +437,16 @@ async fn supervise(
                             push::client(config.push.timeout, &settings.tls.push.subscribe());
                     }
                     let restart_watches = config.kubernetes != settings.kubernetes;
+                    // Running tasks hold receivers of the old sources; they are restarted
+                    // with the new ones.
                     if restart_pushers {
-                        // Running push tasks hold receivers of the old source; they are
-                        // restarted with the new one.
-                        _token_source = token;
-                        settings.token = _token_source.subscribe();
+                        _tokens.push = tokens.push;
+                        settings.token = _tokens.push.subscribe();
+                    }
+                    if restart_scrapers {
+                        warn_no_scrape_token(&config.scrape, &tokens.scrape);
+                        _tokens.scrape = tokens.scrape;
+                        settings.scrape_token = _tokens.scrape.subscribe();
                     }
                     settings.token_source = config.push.token_source().into();
                     settings.scrape = config.scrape;

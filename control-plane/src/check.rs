@@ -3,6 +3,7 @@
 //! Beyond parsing and validating ([`crate::config`]), the check reports what is otherwise
 //! only visible at run time:
 //! - whether an ingest token was found, and where from (never the token itself);
+//! - with `scrape.token_file` or `scrape.token_env` set, the same for the scrape token;
 //! - which endpoints' Envoy `cluster` defaults to their pool's name (cluster mode routes to
 //!   that cluster, so a missing Envoy cluster of that name is a 503 at request time);
 //! - with an Envoy config (`--envoy-config`), a cross-check: every endpoint's cluster is
@@ -115,12 +116,14 @@ fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
 }
 
 /// Check a validated config (`raw` is the same file as written, for what was defaulted)
-/// and optionally an Envoy config's text. `token` is what [`crate::config::PushSettings::read_token`]
-/// returned.
+/// and optionally an Envoy config's text. `token` and `scrape_token` are what
+/// [`crate::config::TokenSettings::read`] returned for `config.push.token()` and
+/// `config.scrape.token()`; only their lengths are reported.
 pub fn check(
     raw: &RawConfig,
     config: &Config,
     token: Option<&str>,
+    scrape_token: Option<&str>,
     envoy_yaml: Option<&str>,
 ) -> Vec<Finding> {
     let mut out = Vec::new();
@@ -137,6 +140,18 @@ pub fn check(
             "ingest token: none found in {source}: pushes carry no Authorization, and an \
              ingest filter with an `ingest_token` answers them 401"
         ))),
+    }
+    if let Some(source) = config.scrape.token().source() {
+        out.push(Finding::Note(match scrape_token {
+            Some(t) => format!(
+                "scrape token: found in {source} ({} bytes); every scrape carries it",
+                t.len()
+            ),
+            None => format!(
+                "scrape token: none found in {source}: scrapes carry no Authorization, and a \
+                 model server started with an API key (llama-server `--api-key`) answers them 401"
+            ),
+        }));
     }
     let unshared: Vec<&str> = config
         .targets

@@ -13,6 +13,10 @@
 //! - `push.min_interval_ms` 10: changes arriving within 10 ms are coalesced into one push
 //!   (large snapshots widen the window: [`crate::hub::coalesce_window`]).
 //! - `push.backoff_initial_ms` 100, `push.backoff_max_ms` 5000: exponential retry per target.
+//! - `push.token_env` `KVROUTE_INGEST_TOKEN`, `scrape.token_*` unset: the ingest always takes
+//!   a token, while most model servers take none; a llama-server started with `--api-key`
+//!   answers 401 on `/metrics` and `/slots` without one. Both sections read their bearer
+//!   token the same way ([`TokenSettings`]).
 
 use crate::adapters::ServerKind;
 use serde::Deserialize;
@@ -67,6 +71,12 @@ pub struct RawScrape {
     pub max_body_bytes: usize,
     /// TLS for `https://` metrics URLs.
     pub tls: RawTls,
+    /// File holding the bearer token sent with every scrape (trailing whitespace trimmed),
+    /// e.g. llama-server's `--api-key`. Wins over `token_env`.
+    pub token_file: Option<PathBuf>,
+    /// Environment variable holding the scrape bearer token (no default: with neither field
+    /// set, scrapes carry no `Authorization`).
+    pub token_env: Option<String>,
 }
 
 /// `tls:` of `scrape` or `push`: used for `https://` URLs only.
@@ -127,6 +137,8 @@ impl Default for RawScrape {
             jitter: 0.1,
             max_body_bytes: 8 << 20,
             tls: RawTls::default(),
+            token_file: None,
+            token_env: None,
         }
     }
 }
@@ -430,6 +442,10 @@ pub struct ScrapeSettings {
     pub max_body_bytes: usize,
     /// TLS files for `https://`.
     pub tls: TlsSettings,
+    /// Scrape token file (`scrape.token_file`).
+    pub token_file: Option<PathBuf>,
+    /// Scrape token env var name (`scrape.token_env`); `None`: no variable is read.
+    pub token_env: Option<String>,
 }
 
 /// Validated push settings.
@@ -640,11 +656,8 @@ impl RawConfig {
             p.backoff_initial_ms,
             600_000,
         )?;
-        if let Some(env) = &p.token_env {
-            if env.is_empty() {
-                return Err(invalid("push.token_env", env, "must not be empty"));
-            }
-        }
+        TokenFor::Scrape.check_env(s.token_env.as_deref())?;
+        TokenFor::Push.check_env(p.token_env.as_deref())?;
         let pl = &p.peer_load;
         let peer_interval = in_range("push.peer_load.interval_ms", pl.interval_ms, 10, 60_000)?;
         let peer_timeout = in_range("push.peer_load.timeout_ms", pl.timeout_ms, 1, 60_000)?;
@@ -797,6 +810,8 @@ impl RawConfig {
                 jitter: s.jitter,
                 max_body_bytes: s.max_body_bytes,
                 tls: s.tls.validate("scrape.tls")?,
+                token_file: s.token_file.clone(),
+                token_env: s.token_env.clone(),
             },
             push: PushSettings {
                 heartbeat,
@@ -958,52 +973,141 @@ impl RawKubernetes {
 }
 
 impl PushSettings {
-    /// Read the bearer token: `token_file` (trimmed) if set, else the env var; `Ok(None)` when
-    /// neither holds one. Errors name the file.
-    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
-        if let Some(path) = &self.token_file {
-            let t = std::fs::read_to_string(path).map_err(|e| {
-                invalid(
-                    "push.token_file",
-                    path.display(),
-                    format!("cannot read: {e}"),
-                )
-            })?;
-            let t = t.trim().to_owned();
-            if t.is_empty() {
-                return Err(invalid("push.token_file", path.display(), "file is empty"));
-            }
-            if !is_header_safe(&t) {
-                return Err(invalid("push.token_file", path.display(), TOKEN_REASON));
-            }
-            return Ok(Some(t));
+    /// Where the ingest token comes from: `push.token_file`, else `push.token_env`.
+    pub fn token(&self) -> TokenSettings {
+        TokenSettings {
+            section: TokenFor::Push,
+            file: self.token_file.clone(),
+            env: Some(self.token_env.clone()),
         }
-        let t = std::env::var(&self.token_env)
-            .ok()
-            .filter(|t| !t.trim().is_empty());
-        if t.as_deref().is_some_and(|t| !is_header_safe(t)) {
-            return Err(invalid("push.token_env", &self.token_env, TOKEN_REASON));
-        }
-        Ok(t)
     }
-}
 
-impl PushSettings {
+    /// Read the bearer token: `token_file` (trimmed) if set, else the env var; `Ok(None)` when
+    /// neither holds one. Errors as [`TokenSettings::read`].
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        self.token().read()
+    }
+
     /// Where the token is read from, for logs and `--check` (never the token itself):
     /// ``file `/etc/kvroute/token` `` or ``environment variable `KVROUTE_INGEST_TOKEN` ``.
     pub fn token_source(&self) -> String {
-        match &self.token_file {
-            Some(p) => format!("file `{}`", p.display()),
-            None => format!("environment variable `{}`", self.token_env),
+        self.token().source().unwrap_or_default()
+    }
+}
+
+impl ScrapeSettings {
+    /// Where the scrape token comes from: `scrape.token_file`, else `scrape.token_env`;
+    /// neither set: no token ([`TokenSettings::is_set`] false).
+    pub fn token(&self) -> TokenSettings {
+        TokenSettings {
+            section: TokenFor::Scrape,
+            file: self.token_file.clone(),
+            env: self.token_env.clone(),
         }
     }
 }
 
-/// Why a token is refused: every push would otherwise fail to build its request.
+/// The config section a bearer token belongs to. It names the fields in errors, logs,
+/// `--check` and the `source` label of `kvroute_cp_file_reload_failures_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenFor {
+    /// The ingest token sent with every push (`push.token_file`, `push.token_env`).
+    Push,
+    /// The model servers' API key sent with every scrape (`scrape.token_file`,
+    /// `scrape.token_env`).
+    Scrape,
+}
+
+impl TokenFor {
+    /// `push.token_file` or `scrape.token_file`.
+    pub fn file_field(self) -> &'static str {
+        match self {
+            Self::Push => "push.token_file",
+            Self::Scrape => "scrape.token_file",
+        }
+    }
+
+    /// `push.token_env` or `scrape.token_env`.
+    pub fn env_field(self) -> &'static str {
+        match self {
+            Self::Push => "push.token_env",
+            Self::Scrape => "scrape.token_env",
+        }
+    }
+
+    /// Refuse an empty variable name.
+    fn check_env(self, env: Option<&str>) -> Result<(), ConfigError> {
+        match env {
+            Some("") => Err(invalid(self.env_field(), "", "must not be empty")),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Where one bearer token is read from: `file` (wins) or the environment variable `env`.
+/// Read at start, on reload, by `--check`, and on every change of `file`
+/// ([`crate::token::TokenSource`]); sent as `Authorization: Bearer <token>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenSettings {
+    /// Section whose field names appear in errors.
+    pub section: TokenFor,
+    /// Token file (trailing whitespace trimmed).
+    pub file: Option<PathBuf>,
+    /// Environment variable name; `None`: none is read.
+    pub env: Option<String>,
+}
+
+impl TokenSettings {
+    /// True when a file or a variable is configured (a token may still be absent).
+    pub fn is_set(&self) -> bool {
+        self.file.is_some() || self.env.is_some()
+    }
+
+    /// Read the token: `file` (trimmed) if set, else the variable; `Ok(None)` when neither
+    /// holds one (an unset or blank variable). Errors name the section's field and the file
+    /// or variable: the file is unreadable or empty, or the token is not a valid header
+    /// value (control character or line break inside).
+    pub fn read(&self) -> Result<Option<String>, ConfigError> {
+        let file_field = self.section.file_field();
+        if let Some(path) = &self.file {
+            let t = std::fs::read_to_string(path)
+                .map_err(|e| invalid(file_field, path.display(), format!("cannot read: {e}")))?;
+            let t = t.trim().to_owned();
+            if t.is_empty() {
+                return Err(invalid(file_field, path.display(), "file is empty"));
+            }
+            if !is_header_safe(&t) {
+                return Err(invalid(file_field, path.display(), TOKEN_REASON));
+            }
+            return Ok(Some(t));
+        }
+        let Some(env) = &self.env else {
+            return Ok(None);
+        };
+        let t = std::env::var(env).ok().filter(|t| !t.trim().is_empty());
+        if t.as_deref().is_some_and(|t| !is_header_safe(t)) {
+            return Err(invalid(self.section.env_field(), env, TOKEN_REASON));
+        }
+        Ok(t)
+    }
+
+    /// Where the token is read from, for logs and `--check` (never the token itself):
+    /// ``file `/etc/kvroute/token` `` or ``environment variable `KVROUTE_INGEST_TOKEN` ``;
+    /// `None` when neither is configured.
+    pub fn source(&self) -> Option<String> {
+        match (&self.file, &self.env) {
+            (Some(p), _) => Some(format!("file `{}`", p.display())),
+            (None, Some(e)) => Some(format!("environment variable `{e}`")),
+            (None, None) => None,
+        }
+    }
+}
+
+/// Why a token is refused: every request carrying it would otherwise fail to be built.
 const TOKEN_REASON: &str =
     "token is not a valid HTTP header value (control character or line break inside)";
 
 /// Whether `Bearer <token>` is a valid `Authorization` header value.
 fn is_header_safe(token: &str) -> bool {
-    http::HeaderValue::from_str(&format!("{}{token}", kvroute_core::snapshot::AUTH_SCHEME)).is_ok()
+    http::HeaderValue::from_str(&crate::token::bearer(token)).is_ok()
 }

@@ -91,10 +91,10 @@ fn main() -> anyhow::Result<()> {
 
 /// `--check`: print the report, return the exit code.
 fn run_check(args: &Args, config: &Config) -> i32 {
-    // The token is read at start and on reload; check it too (never printed).
-    let token = match config.push.read_token() {
-        Ok(t) => t,
-        Err(e) => {
+    // The tokens are read at start and on reload; check them too (never printed).
+    let (token, scrape_token) = match (config.push.read_token(), config.scrape.token().read()) {
+        (Ok(t), Ok(s)) => (t, s),
+        (Err(e), _) | (_, Err(e)) => {
             eprintln!("kvroute-cp: {e}");
             return 2;
         }
@@ -116,7 +116,13 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         },
         None => None,
     };
-    let findings = kvroute_cp::check::check(&raw, config, token.as_deref(), envoy.as_deref());
+    let findings = kvroute_cp::check::check(
+        &raw,
+        config,
+        token.as_deref(),
+        scrape_token.as_deref(),
+        envoy.as_deref(),
+    );
     let errors = findings
         .iter()
         .filter(|f| matches!(f, kvroute_cp::check::Finding::Error(_)))

@@ -40,7 +40,7 @@ pub const M_ENDPOINTS: &str = "kvroute_cp_endpoints";
 /// Failed config reloads counter.
 pub const M_RELOAD_FAILURES: &str = "kvroute_cp_config_reload_failures";
 /// Token or TLS files that changed into something unusable (previous ones kept), label
-/// `source` (`scrape.tls`, `push.tls`, `push.token_file`).
+/// `source` (`scrape.tls`, `push.tls`, `push.token_file`, `scrape.token_file`).
 pub const M_FILE_RELOAD_FAILURES: &str = "kvroute_cp_file_reload_failures";
 /// Ingest-token rejection gauge, label `target`: 1 while the target answers 401/403.
 pub const M_PUSH_AUTH_REJECTED: &str = "kvroute_cp_push_auth_rejected";

@@ -74,10 +74,7 @@ pub async fn post(
     let mut req =
         http::Request::post(url.clone()).header(http::header::CONTENT_TYPE, "application/json");
     if let Some(t) = token {
-        req = req.header(
-            http::header::AUTHORIZATION,
-            format!("{}{t}", kvroute_core::snapshot::AUTH_SCHEME),
-        );
+        req = req.header(http::header::AUTHORIZATION, crate::token::bearer(t));
     }
     let req = req
         .body(Full::new(body))

@@ -24,7 +24,12 @@
 //!   *unreachable*: down after [`crate::hub::DOWN_AFTER_UNREACHABLE`] in a row.
 //! - an answer that is not a usable exposition (non-200 status, e.g. llama.cpp's 503 while
 //!   loading; a body over the size limit; no sample line; no metrics of the kind) →
-//!   *not ready*: down at once.
+//!   *not ready*: down at once. A 401 or 403 says the server wants credentials
+//!   (llama-server `--api-key`): its error names `scrape.token_file` / `scrape.token_env`.
+//!
+//! **Credentials.** With a scrape token ([`crate::config::ScrapeSettings::token`]), every
+//! request (`/metrics` and `/slots`) carries `Authorization: Bearer <token>`, read from a
+//! [`TokenRx`] at each scrape so that a rotated token file applies to the next scrape.
 //!
 //! Failures are logged at `warn` with their cause, at most once per
 //! [`WARN_EVERY`] per endpoint and signal (with the number of failures since the last
@@ -43,6 +48,7 @@ use crate::config::{EndpointSpec, ScrapeSettings};
 use crate::expo::{ExpoError, Exposition};
 use crate::hub::{now_ms, Hub};
 use crate::telemetry::EndpointLabel;
+use crate::token::TokenRx;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
@@ -103,8 +109,8 @@ pub enum ScrapeError {
     /// Connection failure (refused, reset, connect timeout, DNS).
     #[error("request failed: {0}")]
     Connect(String),
-    /// Non-200 answer.
-    #[error("HTTP status {0}")]
+    /// Non-200 answer; 401 and 403 add [`CREDENTIALS_HINT`].
+    #[error("HTTP status {0}{hint}", hint = credentials_hint(*.0))]
     Status(u16),
     /// Body larger than `scrape.max_body_bytes`.
     #[error("body: {0}")]
@@ -139,6 +145,21 @@ impl ScrapeError {
                 FailureClass::NotReady
             }
         }
+    }
+}
+
+/// Appended to a 401 or 403 scrape error (the `scrape failed` warning, the endpoint's
+/// `last_error`): the server wants credentials, which kvroute-cp sends from the scrape
+/// token settings.
+pub const CREDENTIALS_HINT: &str = ": the server wants credentials (e.g. llama-server \
+     `--api-key`); put its key in `scrape.token_file` or `scrape.token_env` (sent as \
+     `Authorization: Bearer`), or check the key there";
+
+/// [`CREDENTIALS_HINT`] for 401 and 403, else nothing.
+fn credentials_hint(status: u16) -> &'static str {
+    match status {
+        401 | 403 => CREDENTIALS_HINT,
+        _ => "",
     }
 }
 
@@ -180,17 +201,22 @@ impl Drop for BodyBuf {
     }
 }
 
-/// GET `url` into `buf` (cleared first), at most `limit` body bytes.
+/// GET `url` into `buf` (cleared first), at most `limit` body bytes; with `token`, the
+/// request carries `Authorization: Bearer <token>`.
 async fn get(
     client: &ScrapeClient,
     url: &http::Uri,
     accept: &'static str,
+    token: Option<&str>,
     limit: usize,
     buf: &mut Vec<u8>,
 ) -> Result<(), ScrapeError> {
     buf.clear();
-    let req = http::Request::get(url.clone())
-        .header(http::header::ACCEPT, accept)
+    let mut req = http::Request::get(url.clone()).header(http::header::ACCEPT, accept);
+    if let Some(t) = token {
+        req = req.header(http::header::AUTHORIZATION, crate::token::bearer(t));
+    }
+    let req = req
         .body(Empty::<Bytes>::new())
         .map_err(|e| ScrapeError::Connect(e.to_string()))?;
     let resp = client
@@ -249,11 +275,13 @@ pub struct Scraped {
 
 /// Scrape one endpoint once: `/metrics` under `timeout`, and for llama.cpp `/slots` under
 /// its own `timeout` (concurrently when `kind_hint` is already llama.cpp). `kind_hint` is
-/// the kind detected last time for `auto` endpoints.
+/// the kind detected last time for `auto` endpoints. Both requests carry `token` as a
+/// bearer token when given.
 pub async fn scrape_once(
     client: &ScrapeClient,
     spec: &EndpointSpec,
     kind_hint: Option<ServerKind>,
+    token: Option<&str>,
     timeout: Duration,
     max_body_bytes: usize,
 ) -> Result<Scraped, ScrapeError> {
@@ -268,7 +296,14 @@ pub async fn scrape_once(
             let mut b = BodyBuf::take();
             match tokio::time::timeout(
                 timeout,
-                get(client, &url, "application/json", max_body_bytes, &mut b.0),
+                get(
+                    client,
+                    &url,
+                    "application/json",
+                    token,
+                    max_body_bytes,
+                    &mut b.0,
+                ),
             )
             .await
             {
@@ -286,6 +321,7 @@ pub async fn scrape_once(
                 client,
                 &spec.metrics_url,
                 METRICS_ACCEPT,
+                token,
                 max_body_bytes,
                 &mut body.0,
             ),
@@ -367,12 +403,14 @@ fn consequence(class: FailureClass) -> &'static str {
     }
 }
 
-/// The per-endpoint loop; returns when `shutdown` turns true.
+/// The per-endpoint loop; returns when `shutdown` turns true. Each scrape reads the current
+/// token from `token` ([`crate::token`]), so a rotated token is used without a restart.
 pub async fn run_endpoint(
     hub: Arc<Hub>,
     client: ScrapeClient,
     spec: EndpointSpec,
     settings: ScrapeSettings,
+    token: TokenRx,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut rng = fastrand::Rng::with_seed(seed(&spec.id));
@@ -393,10 +431,12 @@ pub async fn run_endpoint(
     let mut last_slots: Option<(Instant, Option<f64>, Option<u64>)> = None;
     loop {
         let started = Instant::now();
+        let bearer = token.borrow().clone();
         let result = scrape_once(
             &client,
             &spec,
             kind_hint,
+            bearer.as_deref(),
             settings.timeout,
             settings.max_body_bytes,
         )
@@ -532,6 +572,23 @@ mod tests {
                 crate::hub::DOWN_AFTER_UNREACHABLE
             )
         );
+    }
+
+    #[test]
+    fn only_401_and_403_name_the_scrape_token_settings() {
+        let hint = ": the server wants credentials (e.g. llama-server `--api-key`); put its key \
+                    in `scrape.token_file` or `scrape.token_env` (sent as `Authorization: \
+                    Bearer`), or check the key there";
+        assert_eq!(
+            ScrapeError::Status(401).to_string(),
+            format!("HTTP status 401{hint}")
+        );
+        assert_eq!(
+            ScrapeError::Status(403).to_string(),
+            format!("HTTP status 403{hint}")
+        );
+        assert_eq!(ScrapeError::Status(503).to_string(), "HTTP status 503");
+        assert_eq!(ScrapeError::Status(404).to_string(), "HTTP status 404");
     }
 
     #[test]

@@ -54,7 +54,8 @@ pub struct TargetReason {
 /// Label set `{source}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabel {
-    /// Config field the files belong to: `scrape.tls`, `push.tls`, `push.token_file`.
+    /// Config field the files belong to: `scrape.tls`, `push.tls`, `push.token_file`,
+    /// `scrape.token_file`.
     pub source: String,
 }
 

@@ -1,20 +1,24 @@
-//! The ingest bearer token, kept current without a restart or SIGHUP.
+//! Bearer tokens, kept current without a restart or SIGHUP: the ingest token of the pushes
+//! (`push.token_file` / `push.token_env`) and the model servers' API key of the scrapes
+//! (`scrape.token_file` / `scrape.token_env`), both read by [`TokenSettings::read`].
 //!
-//! With `push.token_file` set, the file is watched by [`crate::filewatch`] (directory events
+//! With a token file set, the file is watched by [`crate::filewatch`] (directory events
 //! from a Secret or projected-volume update, a re-check every 30 s). A read that fails or
 //! yields an unusable token keeps the previous token, logs a warning and counts one
-//! `kvroute_cp_file_reload_failures_total{source="push.token_file"}`; pushes go on with it.
+//! `kvroute_cp_file_reload_failures_total{source}` (`source="push.token_file"` or
+//! `"scrape.token_file"`); pushes and scrapes go on with it. Each request reads the current
+//! token from the [`TokenRx`], so a rotated file applies to the next request.
 //! Projected tokens rotate at 80 % of their lifetime
 //! (<https://kubernetes.io/docs/concepts/storage/projected-volumes/#serviceaccounttoken>), so
 //! the old token is still valid while the new one is picked up.
 
-use crate::config::{ConfigError, PushSettings};
+use crate::config::{ConfigError, TokenSettings};
 use crate::filewatch::{FileWatch, Reloaded};
 use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
 use tokio::sync::watch;
 
-/// The current token (`None`: push without `Authorization`).
+/// The current token (`None`: requests go without `Authorization`).
 pub type TokenRx = watch::Receiver<Option<Arc<str>>>;
 
 /// A running token source; dropping it stops watching (the receivers keep the last value).
@@ -24,21 +28,23 @@ pub struct TokenSource {
 }
 
 impl TokenSource {
-    /// Read the token now (errors as [`PushSettings::read_token`]) and, for a token file,
-    /// keep it current; failed re-reads count in `failures`. Must run inside a tokio runtime.
-    pub fn start(settings: &PushSettings, failures: Counter) -> Result<Self, ConfigError> {
-        let first = settings.read_token()?.map(Arc::<str>::from);
+    /// Read the token now (errors as [`TokenSettings::read`]) and, for a token file,
+    /// keep it current; failed re-reads count in `failures` (the counter of `source`
+    /// [`crate::config::TokenFor::file_field`]). Must run inside a tokio runtime.
+    pub fn start(settings: &TokenSettings, failures: Counter) -> Result<Self, ConfigError> {
+        let first = settings.read()?.map(Arc::<str>::from);
         let (tx, rx) = watch::channel(first);
-        let Some(path) = settings.token_file.clone() else {
+        let Some(path) = settings.file.clone() else {
             return Ok(Self { rx, _watch: None });
         };
         let settings = settings.clone();
-        let watch = FileWatch::spawn(vec![path], "push.token_file", failures, move || {
+        let source = settings.section.file_field();
+        let watch = FileWatch::spawn(vec![path], source, failures, move || {
             if tx.is_closed() {
                 return Ok(Reloaded::Stop);
             }
             let t = settings
-                .read_token()
+                .read()
                 .map_err(|e| e.to_string())?
                 .map(Arc::<str>::from);
             Ok(
@@ -65,4 +71,10 @@ impl TokenSource {
     pub fn subscribe(&self) -> TokenRx {
         self.rx.clone()
     }
+}
+
+/// The `Authorization` header value for `token`: `Bearer <token>`
+/// ([`kvroute_core::snapshot::AUTH_SCHEME`]), as pushes and scrapes send it.
+pub fn bearer(token: &str) -> String {
+    format!("{}{token}", kvroute_core::snapshot::AUTH_SCHEME)
 }

@@ -163,6 +163,72 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
     );
 }
 
+/// `--check` names where the scrape token comes from (never the token) when one is
+/// configured, and says nothing of it otherwise; an unusable token file exits 2 naming it.
+#[test]
+fn check_reports_the_scrape_token_source() {
+    const VAR: &str = "KVROUTE_CP_CHECK_SCRAPE_TOKEN";
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cp.yaml");
+    let check = |yaml: &str, token: Option<&str>| {
+        std::fs::write(&cfg, yaml).unwrap();
+        let mut c = Command::new(BIN);
+        c.arg("--config")
+            .arg(&cfg)
+            .arg("--check")
+            .env_remove("KVROUTE_INGEST_TOKEN")
+            .env_remove(VAR);
+        if let Some(t) = token {
+            c.env(VAR, t);
+        }
+        let out = c.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let yaml = format!("scrape:\n  token_env: {VAR}\npools: []\n");
+    let ingest = "note: ingest token: none found in environment variable `KVROUTE_INGEST_TOKEN`; no targets, so none is needed\n";
+    let ok = "config ok: 0 endpoints, 0 targets, listen 127.0.0.1:9090\n";
+    assert_eq!(
+        check(&yaml, Some("llama-key-0123456789")),
+        (
+            Some(0),
+            format!(
+                "{ingest}note: scrape token: found in environment variable `{VAR}` (20 bytes); every scrape carries it\n{ok}"
+            ),
+            String::new()
+        )
+    );
+    assert_eq!(
+        check(&yaml, None),
+        (
+            Some(0),
+            format!(
+                "{ingest}note: scrape token: none found in environment variable `{VAR}`: scrapes carry no Authorization, and a model server started with an API key (llama-server `--api-key`) answers them 401\n{ok}"
+            ),
+            String::new()
+        )
+    );
+    let key = dir.path().join("api-key");
+    std::fs::write(&key, "\n").unwrap();
+    assert_eq!(
+        check(
+            &format!("scrape:\n  token_file: {}\npools: []\n", key.display()),
+            None
+        ),
+        (
+            Some(2),
+            String::new(),
+            format!(
+                "kvroute-cp: config field `scrape.token_file` = `{}`: file is empty\n",
+                key.display()
+            )
+        )
+    );
+}
+
 /// The documented pairing holds: `examples/control-plane/kvroute-cp.yaml` passes
 /// `--check --envoy-config` against every Envoy config in `examples/envoy/` (with the
 /// examples' placeholder token): no errors, and its target is that Envoy's ingest listener.

@@ -118,6 +118,7 @@ fn invalid_fields_are_named() {
         ("push:\n  min_interval_ms: 5000\n", "config field `push.min_interval_ms` = `5000`: must be in 0..=1000 ms"),
         ("push:\n  backoff_max_ms: 10\n", "config field `push.backoff_max_ms` = `10`: must be in 100..=600000 ms"),
         ("push:\n  token_env: ''\n", "config field `push.token_env` = ``: must not be empty"),
+        ("scrape:\n  token_env: ''\n", "config field `scrape.token_env` = ``: must not be empty"),
         ("targets:\n  - name: e\n    url: ftp://x:1/\n", "config field `targets[0].url` = `ftp://x:1/`: must start with http:// or https://"),
         ("scrape:\n  tls:\n    cert_file: /c.pem\n", "config field `scrape.tls.cert_file` = `/c.pem`: needs key_file too"),
         ("push:\n  tls:\n    key_file: /k.pem\n", "config field `push.tls.key_file` = `/k.pem`: needs cert_file too"),
@@ -253,6 +254,77 @@ fn token_sources() {
     );
     let c = Config::from_yaml("push:\n  token_env: KVROUTE_TEST_TOKEN_UNSET_XYZ\n").unwrap();
     assert_eq!(c.push.read_token().unwrap(), None);
+}
+
+/// The scrape token is read as the ingest token is, with errors naming `scrape.*`; with
+/// neither field set there is none (no default variable).
+#[test]
+fn scrape_token_sources() {
+    let c = Config::from_yaml("pools: []\n").unwrap();
+    let t = c.scrape.token();
+    assert_eq!(
+        (
+            c.scrape.token_file.as_deref(),
+            c.scrape.token_env.as_deref()
+        ),
+        (None, None)
+    );
+    assert!(!t.is_set());
+    assert_eq!(t.source(), None);
+    assert_eq!(t.read().unwrap(), None);
+
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("api-key");
+    std::fs::write(&f, "  llama-key \n").unwrap();
+    let c = Config::from_yaml(&format!(
+        "scrape:\n  token_file: {}\n  token_env: KVROUTE_TEST_SCRAPE_TOKEN_UNSET_XYZ\n",
+        f.display()
+    ))
+    .unwrap();
+    let t = c.scrape.token();
+    assert_eq!(t.read().unwrap().as_deref(), Some("llama-key"));
+    assert_eq!(t.source(), Some(format!("file `{}`", f.display())));
+    std::fs::write(&f, "\n").unwrap();
+    assert_eq!(
+        t.read().unwrap_err().to_string(),
+        format!(
+            "config field `scrape.token_file` = `{}`: file is empty",
+            f.display()
+        )
+    );
+    std::fs::write(&f, "abc\ndef\n").unwrap();
+    assert_eq!(
+        t.read().unwrap_err().to_string(),
+        format!(
+            "config field `scrape.token_file` = `{}`: token is not a valid HTTP header value (control character or line break inside)",
+            f.display()
+        )
+    );
+    let missing = dir.path().join("missing");
+    let c = Config::from_yaml(&format!("scrape:\n  token_file: {}\n", missing.display())).unwrap();
+    assert_eq!(
+        c.scrape.token().read().unwrap_err().to_string(),
+        format!(
+            "config field `scrape.token_file` = `{}`: cannot read: No such file or directory (os error 2)",
+            missing.display()
+        )
+    );
+    // A variable that is unset reads as no token; the source is still named.
+    let c =
+        Config::from_yaml("scrape:\n  token_env: KVROUTE_TEST_SCRAPE_TOKEN_UNSET_XYZ\n").unwrap();
+    let t = c.scrape.token();
+    assert_eq!(t.read().unwrap(), None);
+    assert_eq!(
+        t.source().as_deref(),
+        Some("environment variable `KVROUTE_TEST_SCRAPE_TOKEN_UNSET_XYZ`")
+    );
+    // Only this test reads this variable.
+    std::env::set_var("KVROUTE_TEST_SCRAPE_TOKEN_BAD", "abc\ndef");
+    let c = Config::from_yaml("scrape:\n  token_env: KVROUTE_TEST_SCRAPE_TOKEN_BAD\n").unwrap();
+    assert_eq!(
+        c.scrape.token().read().unwrap_err().to_string(),
+        "config field `scrape.token_env` = `KVROUTE_TEST_SCRAPE_TOKEN_BAD`: token is not a valid HTTP header value (control character or line break inside)"
+    );
 }
 
 #[test]

@@ -402,6 +402,145 @@ async fn llamacpp_uses_slots() {
     cp.shutdown().await;
 }
 
+/// `/metrics` and `/slots` of a small llama.cpp server: 1 processing, 200 + 50 of 2 × 1000
+/// tokens in use.
+fn llamacpp_server_body() -> (Behavior, String) {
+    (
+        Behavior::Body(
+            "llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\nllamacpp:prompt_tokens_total 5\n"
+                .into(),
+        ),
+        r#"[{"id":0,"n_ctx":1000,"is_processing":true,"n_prompt_tokens":200,"next_token":[{"n_decoded":50}]},{"id":1,"n_ctx":1000,"is_processing":false,"n_prompt_tokens":900}]"#
+            .into(),
+    )
+}
+
+/// The error of a scrape answered 401.
+const SCRAPE_401: &str = "HTTP status 401: the server wants credentials (e.g. llama-server \
+    `--api-key`); put its key in `scrape.token_file` or `scrape.token_env` (sent as \
+    `Authorization: Bearer`), or check the key there";
+
+/// A llama-server started with `--api-key` answers 401 without the key: the endpoint is
+/// down with an error naming the scrape token settings. A reload adding `scrape.token_env`
+/// restarts the scrapers with the key: healthy with its stats, and both `/metrics` and
+/// `/slots` carried exactly `Authorization: Bearer <key>`.
+#[tokio::test]
+async fn api_key_server_is_down_without_the_scrape_token_and_up_with_it() {
+    const VAR: &str = "KVROUTE_CP_FAULTS_SCRAPE_TOKEN";
+    const KEY: &str = "llama-key-0123456789";
+    // Only this test reads this variable; it is set before kvroute-cp starts.
+    std::env::set_var(VAR, KEY);
+    let (metrics, slots) = llamacpp_server_body();
+    let srv = FakeModelServer::start(metrics).await;
+    *srv.slots.lock().unwrap() = Some(slots);
+    *srv.api_key.lock().unwrap() = Some(KEY.into());
+    let yaml = config_yaml(&[("l", srv.addr())], &[], "").replace("kind: auto", "kind: llamacpp");
+    let cp = start(&yaml).await;
+    wait_for(WAIT, "a scrape answered 401", || {
+        state(&cp, "p/l").attempted
+    })
+    .await;
+    let l = state(&cp, "p/l");
+    assert!(!l.healthy);
+    assert_eq!(l.last_error.as_deref(), Some(SCRAPE_401));
+    assert!(
+        srv.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(_, a)| a.is_none()),
+        "no Authorization without a scrape token"
+    );
+
+    let with_token = yaml.replace(
+        "  jitter: 0.1\n",
+        &format!("  jitter: 0.1\n  token_env: {VAR}\n"),
+    );
+    cp.reload(Config::from_yaml(&with_token).unwrap())
+        .await
+        .unwrap();
+    wait_for(WAIT, "healthy with the key", || state(&cp, "p/l").healthy).await;
+    let l = state(&cp, "p/l");
+    assert_eq!(l.last_error, None);
+    let s = l.stats.unwrap();
+    assert_eq!(
+        (s.kv_usage, s.kv_capacity_tokens, s.running, s.waiting),
+        (Some(0.125), Some(2000), 1, 0)
+    );
+    let want = format!("Bearer {KEY}");
+    let requests = srv.requests.lock().unwrap().clone();
+    let last = |path: &str| {
+        requests
+            .iter()
+            .rev()
+            .find(|(p, _)| p == path)
+            .and_then(|(_, a)| a.clone())
+    };
+    assert_eq!(last("/metrics"), Some(want.clone()));
+    assert_eq!(last("/slots"), Some(want));
+    cp.shutdown().await;
+}
+
+/// A scrape token file rotated the way kubelet updates a Secret volume is used from the
+/// next scrape, with no reload; a rotation to an empty file keeps the previous token and
+/// counts `kvroute_cp_file_reload_failures_total{source="scrape.token_file"}`.
+#[tokio::test]
+async fn rotated_scrape_token_file_is_used_without_a_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    kubelet_write(dir.path(), 0, &[("token", b"key-a\n")]);
+    let (metrics, slots) = llamacpp_server_body();
+    let srv = FakeModelServer::start(metrics).await;
+    *srv.slots.lock().unwrap() = Some(slots);
+    *srv.api_key.lock().unwrap() = Some("key-a".into());
+    let yaml = config_yaml(&[("l", srv.addr())], &[], "").replace(
+        "  jitter: 0.1\n",
+        &format!(
+            "  jitter: 0.1\n  token_file: {}\n",
+            dir.path().join("token").display()
+        ),
+    );
+    let cp = start(&yaml).await;
+    wait_for(WAIT, "healthy with key-a", || state(&cp, "p/l").healthy).await;
+    // The server's key changes: 401, down.
+    *srv.api_key.lock().unwrap() = Some("key-b".into());
+    wait_for(WAIT, "down on 401", || {
+        state(&cp, "p/l").last_error.as_deref() == Some(SCRAPE_401)
+    })
+    .await;
+    assert!(!state(&cp, "p/l").healthy);
+    // The Secret is updated: healthy again with the new key.
+    kubelet_write(dir.path(), 1, &[("token", b"key-b\n")]);
+    wait_for(WAIT, "healthy with key-b", || state(&cp, "p/l").healthy).await;
+    assert_eq!(
+        srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
+        Some("Bearer key-b")
+    );
+    // An empty token file: the previous token stays, the failure is counted.
+    let failures = || {
+        cp.hub()
+            .telemetry
+            .file_reload_failures
+            .get(&kvroute_cp::telemetry::SourceLabel {
+                source: "scrape.token_file".into(),
+            })
+            .map_or(0, |c| c.get())
+    };
+    assert_eq!(failures(), 0);
+    kubelet_write(dir.path(), 2, &[("token", b"\n")]);
+    wait_for(WAIT, "failed reload counted", || failures() == 1).await;
+    let n = srv.requests.lock().unwrap().len();
+    wait_for(WAIT, "more scrapes", || {
+        srv.requests.lock().unwrap().len() > n + 2
+    })
+    .await;
+    assert!(state(&cp, "p/l").healthy);
+    assert_eq!(
+        srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
+        Some("Bearer key-b")
+    );
+    cp.shutdown().await;
+}
+
 /// Issue 14, case 1: a busy llama-server answers `/metrics` at once and `/slots` after 2 s,
 /// with a 500 ms scrape timeout. Real capture (`llamacpp-server-b11434-real-busy.*`):
 /// 4 processing, 1 deferred; `/slots` holds 67 + 109 + 111 + 111 = 398 of 4 × 1024 tokens.

@@ -115,6 +115,9 @@ impl Drop for Server {
     }
 }
 
+/// One request the fake model server received: path and `Authorization` header.
+pub type Seen = (String, Option<String>);
+
 /// Fake model server.
 pub struct FakeModelServer {
     pub server: Server,
@@ -122,6 +125,11 @@ pub struct FakeModelServer {
     pub slots: Arc<Mutex<Option<String>>>,
     /// `/slots` answers after this long (a busy llama-server).
     pub slots_delay: Arc<Mutex<Duration>>,
+    /// `Some(key)`: `/metrics` and `/slots` answer 401 unless the request carries
+    /// `Authorization: Bearer <key>` (llama-server `--api-key`).
+    pub api_key: Arc<Mutex<Option<String>>>,
+    /// Every request received, in order.
+    pub requests: Arc<Mutex<Vec<Seen>>>,
     hang: Arc<Mutex<bool>>,
 }
 
@@ -134,8 +142,17 @@ impl FakeModelServer {
         let behavior = Arc::new(Mutex::new(b));
         let slots: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let hang = Arc::new(Mutex::new(false));
+        let api_key: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let requests: Arc<Mutex<Vec<Seen>>> = Arc::default();
         let (bh, sl, hg) = (behavior.clone(), slots.clone(), hang.clone());
-        let handler: Handler = Arc::new(move |_m, path, _b, _a| {
+        let (key, reqs) = (api_key.clone(), requests.clone());
+        let handler: Handler = Arc::new(move |_m, path, _b, auth| {
+            reqs.lock().unwrap().push((path.clone(), auth.clone()));
+            if let Some(k) = key.lock().unwrap().as_deref() {
+                if auth.as_deref() != Some(format!("Bearer {k}").as_str()) {
+                    return (401, Bytes::from_static(b"{\"error\":\"Invalid API Key\"}"));
+                }
+            }
             if path == "/slots" {
                 return match sl.lock().unwrap().clone() {
                     Some(s) => (200, Bytes::from(s)),
@@ -157,6 +174,8 @@ impl FakeModelServer {
             behavior,
             slots,
             slots_delay,
+            api_key,
+            requests,
             hang,
         }
     }
