@@ -627,6 +627,7 @@ impl Hub {
                 &mut body,
                 version,
                 generated_at_ms,
+                &[],
                 fleet.values().map(|st| st.wire_json.as_slice()),
             );
             if !peers.is_empty() {
