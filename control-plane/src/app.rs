@@ -171,6 +171,7 @@ impl ControlPlane {
             addr: config.listen,
             reason: e.to_string(),
         })?;
+        hub.set_pools(&config.pool_models);
         hub.set_endpoints(&config.endpoints);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let endpoints = Arc::new(Merged::new(|e: &EndpointSpec| e.id.as_str()));
@@ -247,6 +248,7 @@ impl ControlPlane {
             config.push.min_interval,
             first_wait(&config),
         );
+        self.hub.set_pools(&config.pool_models);
         self.endpoints.set(STATIC_SLOT, config.endpoints.clone());
         self.targets.set(STATIC_SLOT, config.targets.clone());
         self.reload

@@ -20,7 +20,7 @@
 
 use crate::adapters::ServerKind;
 use serde::Deserialize;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -369,6 +369,12 @@ pub struct Config {
     pub endpoints: Vec<EndpointSpec>,
     /// Kubernetes discovery.
     pub kubernetes: KubernetesSettings,
+    /// Every configured pool by name (`pools[]` and `kubernetes.inference_pools[]`; names
+    /// are unique across both) with the models the config says it serves: `pools[].models`
+    /// (the endpoints' default) and `kubernetes.inference_pools[].models` (empty: read from
+    /// the pods). The hub names the models of a pool without endpoints in the snapshot's
+    /// `unavailable_models` ([`crate::hub::Hub::set_pools`]).
+    pub pool_models: BTreeMap<String, Vec<String>>,
 }
 
 /// Validated `kubernetes:` section.
@@ -800,9 +806,26 @@ impl RawConfig {
                 });
             }
         }
+        let mut pool_models = BTreeMap::new();
+        for (pi, pool) in self.pools.iter().enumerate() {
+            // Checked here too for a pool whose endpoints all name their own models (or that
+            // has none): these names reach the snapshot's `unavailable_models`.
+            if let Some(m) = pool.models.iter().find(|m| m.is_empty() || has_control(m)) {
+                return Err(invalid(
+                    format!("pools[{pi}].models"),
+                    m.escape_debug(),
+                    "model names must be non-empty without control characters",
+                ));
+            }
+            pool_models.insert(pool.name.clone(), pool.models.clone());
+        }
         let kubernetes = self.kubernetes.validate(&pools)?;
+        for p in &kubernetes.pools {
+            pool_models.insert(p.name.clone(), p.models.clone());
+        }
         Ok(Config {
             kubernetes,
+            pool_models,
             listen,
             scrape: ScrapeSettings {
                 interval,

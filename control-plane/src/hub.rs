@@ -32,6 +32,19 @@
 //! `concatenated_body_equals_core_encode` pins this) — and publishing costs one copy of the
 //! fragments, not a clone and a JSON encode of the whole fleet.
 //!
+//! Pools without endpoints: a configured pool (static `pools[]`, or a watched InferencePool)
+//! that contributes no endpoint at all (no ready pod: rollout, crash loop, scale from zero)
+//! has its models named in the snapshot's `unavailable_models`, so the filter answers a
+//! request for them 503 `no_healthy_endpoint` with `retry-after`, which OpenAI clients
+//! retry, instead of 404 `model_not_found`, which they do not. A pool's models are those
+//! the config names ([`crate::config::Config::pool_models`]) plus those its endpoints listed
+//! the last time it had any (remembered by this process only, replaced each time the pool
+//! has endpoints again, forgotten when the pool leaves the config), less every model an
+//! endpoint of the snapshot lists (such a model is known to the filter already). The list
+//! is recomputed when the endpoint set or the pools change ([`Hub::set_endpoints`],
+//! [`Hub::set_pools`]), never per scrape. LoRA adapters are not remembered: they come from
+//! scrapes and are loaded and unloaded at run time.
+//!
 //! Versions: `max(now in Unix µs, previous + 1)`. The wall clock makes versions grow
 //! across control-plane restarts (receivers drop snapshots not newer than theirs); the
 //! `+ 1` keeps them growing if the clock steps back while running.
@@ -46,7 +59,7 @@ use kvroute_core::peer::{peer_load_for, write_peer_fields, GatewayReport};
 use kvroute_core::snapshot::{
     encode_endpoint, write_envelope, EndpointStats, Snapshot, SnapshotError,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -209,6 +222,73 @@ impl EndpointState {
     }
 }
 
+/// The configured pools and the models the snapshot names for those without endpoints
+/// (see the module docs).
+#[derive(Debug, Default)]
+struct Pools {
+    /// Pool name → its models.
+    by_name: BTreeMap<String, PoolModels>,
+    /// The snapshot's `unavailable_models`: sorted, unique.
+    unavailable: Vec<String>,
+}
+
+/// What the hub knows of one pool's models.
+#[derive(Debug, Default)]
+struct PoolModels {
+    /// From the config (empty for an InferencePool that reads its pods' `/v1/models`).
+    configured: Vec<String>,
+    /// Every model the pool's endpoints listed the last time it had endpoints (that listed
+    /// any model).
+    last_listed: BTreeSet<String>,
+}
+
+impl Pools {
+    /// Remember what each pool's endpoints in `fleet` list and recompute
+    /// [`Self::unavailable`]; returns whether it changed.
+    fn refresh(&mut self, fleet: &BTreeMap<String, EndpointState>) -> bool {
+        if self.by_name.is_empty() && self.unavailable.is_empty() {
+            return false;
+        }
+        let mut by_pool: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+        let mut listed: BTreeSet<&str> = BTreeSet::new();
+        for st in fleet.values() {
+            let models = st.spec.models.iter().map(String::as_str);
+            by_pool
+                .entry(st.spec.pool.as_str())
+                .or_default()
+                .extend(models.clone());
+            listed.extend(models);
+        }
+        let mut unavailable = BTreeSet::new();
+        for (name, pool) in &mut self.by_name {
+            match by_pool.get(name.as_str()) {
+                Some(models) => {
+                    if !models.is_empty() {
+                        pool.last_listed = models.iter().map(|m| (*m).to_owned()).collect();
+                    }
+                }
+                None => unavailable.extend(
+                    pool.configured
+                        .iter()
+                        .chain(&pool.last_listed)
+                        .filter(|m| !listed.contains(m.as_str()))
+                        .cloned(),
+                ),
+            }
+        }
+        let unavailable: Vec<String> = unavailable.into_iter().collect();
+        if unavailable == self.unavailable {
+            return false;
+        }
+        tracing::info!(
+            models = ?unavailable,
+            "models of pools without endpoints (answered 503 no_healthy_endpoint) changed"
+        );
+        self.unavailable = unavailable;
+        true
+    }
+}
+
 /// Endpoints by state ([`Hub::counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
@@ -301,6 +381,8 @@ impl Published {
 /// Shared state.
 pub struct Hub {
     fleet: Mutex<BTreeMap<String, EndpointState>>,
+    /// Locked after `fleet` when both are held.
+    pools: Mutex<Pools>,
     pending_since: Mutex<Option<Instant>>,
     timing: Mutex<(Duration, Duration, Duration)>,
     changed: Notify,
@@ -328,6 +410,7 @@ impl Hub {
         let (published, _) = watch::channel(None);
         Arc::new(Self {
             fleet: Mutex::new(BTreeMap::new()),
+            pools: Mutex::new(Pools::default()),
             pending_since: Mutex::new(None),
             timing: Mutex::new((heartbeat, min_interval, first_wait)),
             changed: Notify::new(),
@@ -364,6 +447,7 @@ impl Hub {
                 .entry(s.id.clone())
                 .or_insert_with(|| EndpointState::new(s.clone()));
         }
+        lock(&self.pools).refresh(&fleet);
         drop(fleet);
         for id in gone {
             let label = EndpointLabel { endpoint: id };
@@ -371,6 +455,32 @@ impl Hub {
             self.telemetry.restarts.remove(&label);
         }
         self.mark_dirty();
+    }
+
+    /// Replace the configured pools: name → the models the config names for it
+    /// ([`crate::config::Config::pool_models`]). Pools no longer configured are forgotten
+    /// with the models their endpoints listed. Republishes when the snapshot's
+    /// `unavailable_models` change (see the module docs).
+    pub fn set_pools(&self, pools: &BTreeMap<String, Vec<String>>) {
+        let fleet = lock(&self.fleet);
+        let changed = {
+            let mut p = lock(&self.pools);
+            p.by_name.retain(|name, _| pools.contains_key(name));
+            for (name, models) in pools {
+                p.by_name.entry(name.clone()).or_default().configured = models.clone();
+            }
+            p.refresh(&fleet)
+        };
+        drop(fleet);
+        if changed {
+            self.mark_dirty();
+        }
+    }
+
+    /// The models the next snapshot names in `unavailable_models`: those of configured
+    /// pools without endpoints that no endpoint lists (sorted; see the module docs).
+    pub fn unavailable_models(&self) -> Vec<String> {
+        lock(&self.pools).unavailable.clone()
     }
 
     /// A routing field changed: note when (for scrape-to-push latency) and wake the builder.
@@ -627,11 +737,12 @@ impl Hub {
                 &mut body,
                 version,
                 generated_at_ms,
+                &lock(&self.pools).unavailable,
                 fleet.values().map(|st| st.wire_json.as_slice()),
             );
             if !peers.is_empty() {
                 // Locate each fragment: the envelope writes them in order, comma-separated,
-                // after the `"endpoints":[` header.
+                // in the `"endpoints":[...]` array that ends the body (before its `]}`).
                 let mut at = body.len()
                     - 2
                     - fleet.values().map(|st| st.wire_json.len()).sum::<usize>()
@@ -742,7 +853,9 @@ mod tests {
 
     /// What `Snapshot::encode` writes for the hub's current fleet at `p`'s version/time.
     fn core_encode(hub: &Hub, p: &Published) -> Vec<u8> {
-        Snapshot::new(p.version, p.generated_at_ms, hub.wire_endpoints()).encode()
+        let mut snap = Snapshot::new(p.version, p.generated_at_ms, hub.wire_endpoints());
+        snap.unavailable_models = hub.unavailable_models();
+        snap.encode()
     }
 
     #[test]
@@ -898,6 +1011,100 @@ mod tests {
         hub.forget_gateway("gw-2");
         let p = hub.publish();
         assert_eq!(p.body_for("gw-3", stale), p.body);
+    }
+
+    fn pools(p: &[(&str, &[&str])]) -> BTreeMap<String, Vec<String>> {
+        p.iter()
+            .map(|(n, m)| ((*n).to_owned(), m.iter().map(|s| (*s).to_owned()).collect()))
+            .collect()
+    }
+
+    fn in_pool(pool: &str, name: &str, models: &[&str]) -> EndpointSpec {
+        EndpointSpec {
+            id: format!("{pool}/{name}"),
+            pool: pool.into(),
+            models: models.iter().map(|s| (*s).to_owned()).collect(),
+            ..spec(name)
+        }
+    }
+
+    /// A configured pool without endpoints names its models (configured, or listed by its
+    /// endpoints the last time it had any) in `unavailable_models`, less those another
+    /// endpoint lists; the field is written only when not empty.
+    #[test]
+    fn pools_without_endpoints_name_their_models_unavailable() {
+        let hub = Hub::new(
+            Duration::from_secs(1),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        // `p` has an endpoint; `idle` (static, no endpoints) serves `a` and `m/é` (which
+        // `p/a` lists); `k8s` reads its models from its pods.
+        hub.set_pools(&pools(&[
+            ("p", &["m/é"]),
+            ("idle", &["m/é", "a"]),
+            ("k8s", &[]),
+        ]));
+        hub.set_endpoints(&[spec("a")]);
+        assert_eq!(hub.unavailable_models(), vec!["a"]);
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        let text = String::from_utf8(p.body.to_vec()).unwrap();
+        let head = format!(
+            "{{\"format\":1,\"version\":{},\"generated_at_ms\":{},\"unavailable_models\":[\"a\"],\"endpoints\":[{{\"id\":\"p/a\",",
+            p.version, p.generated_at_ms
+        );
+        assert!(text.starts_with(&head), "{text}");
+        // `k8s` gets a pod serving `x`, then loses it: `x` is remembered.
+        hub.set_endpoints(&[spec("a"), in_pool("k8s", "pod-0", &["x"])]);
+        assert_eq!(hub.unavailable_models(), vec!["a"]);
+        hub.set_endpoints(&[spec("a")]);
+        assert_eq!(hub.unavailable_models(), vec!["a", "x"]);
+        // A pod whose model list could not be read (no models) keeps the memory; a pod
+        // listing other models replaces it.
+        hub.set_endpoints(&[spec("a"), in_pool("k8s", "pod-1", &[])]);
+        hub.set_endpoints(&[spec("a")]);
+        assert_eq!(hub.unavailable_models(), vec!["a", "x"]);
+        hub.set_endpoints(&[spec("a"), in_pool("k8s", "pod-2", &["y"])]);
+        hub.set_endpoints(&[spec("a")]);
+        assert_eq!(hub.unavailable_models(), vec!["a", "y"]);
+        // Fragments are still found (peer load spliced) with the list before them.
+        let t0 = now_ms();
+        hub.record_success("p/a", stats(0.25, 1, &[]), t0 - 500);
+        hub.record_gateway_report(
+            "gw-1",
+            GatewayReport {
+                read_at_ms: t0 - 100,
+                load: [(
+                    "p/a".to_owned(),
+                    kvroute_core::peer::PeerLoad {
+                        requests: 2,
+                        tokens: 20,
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        );
+        let p = hub.publish();
+        let for_2 = Snapshot::decode(&p.body_for("gw-2", Duration::from_secs(2))).unwrap();
+        assert_eq!(for_2.unavailable_models, vec!["a", "y"]);
+        assert_eq!(
+            (
+                for_2.endpoints[0].peer_inflight_requests,
+                for_2.endpoints[0].peer_inflight_tokens
+            ),
+            (2, 20)
+        );
+        // Pools leaving the config are forgotten, memory included; with nothing to name,
+        // the field is left off.
+        hub.set_pools(&pools(&[("p", &["m/é"])]));
+        assert!(hub.unavailable_models().is_empty());
+        let p = hub.publish();
+        assert_eq!(p.body.as_ref(), core_encode(&hub, &p).as_slice());
+        assert!(!String::from_utf8(p.body.to_vec())
+            .unwrap()
+            .contains("unavailable_models"));
     }
 
     #[test]

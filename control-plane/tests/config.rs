@@ -76,6 +76,17 @@ fn full_config() {
         "http://[fd00::2]:9400/slots"
     );
     assert_eq!(e1.models, vec!["smol"]);
+    // The pool's own models (the endpoints' default), for the snapshot's
+    // `unavailable_models` when the pool has no endpoint.
+    assert_eq!(
+        c.pool_models,
+        [(
+            "llama".to_string(),
+            vec!["meta-llama/Llama-3.1-8B-Instruct".to_string()]
+        )]
+        .into_iter()
+        .collect()
+    );
 }
 
 #[test]
@@ -140,6 +151,7 @@ fn invalid_fields_are_named() {
         ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1, stats_port: 0}\n", "config field `kubernetes.gateways[0].stats_port` = `0`: must be in 1..=65535"),
         ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1, stats_path: stats}\n", "config field `kubernetes.gateways[0].stats_path` = `stats`: must be a URL path starting with `/`"),
         ("pools:\n  - name: p\n    endpoints: []\n  - name: p\n    endpoints: []\n", "config field `pools[1].name` = `p`: duplicate pool name"),
+        ("pools:\n  - name: p\n    models: [ok, '']\n    endpoints: []\n", "config field `pools[0].models` = ``: model names must be non-empty without control characters"),
     ];
     for (yaml, want) in cases {
         assert_eq!(&err(yaml), want, "for {yaml:?}");
@@ -468,6 +480,16 @@ fn kubernetes_and_tls_sections() {
     assert_eq!(
         g.selector.get("istio").map(String::as_str),
         Some("ingressgateway")
+    );
+    // Both InferencePools' models, `qwen`'s empty (read from its pods).
+    assert_eq!(
+        c.pool_models,
+        [
+            ("llama".to_string(), vec!["m".to_string()]),
+            ("qwen".to_string(), vec![])
+        ]
+        .into_iter()
+        .collect()
     );
     assert!(Config::from_yaml("listen: 127.0.0.1:1\n")
         .unwrap()

@@ -1,6 +1,7 @@
 //! Kubernetes discovery against a fake API server (`common::fake_kube`) serving the
 //! fixtures in `tests/fixtures/k8s/` (provenance in its README): InferencePool pods joining,
-//! leaving, restarting and coming back after a `410 Gone` re-list; every gateway pod as a push
+//! leaving, restarting and coming back after a `410 Gone` re-list; a pool without a ready pod
+//! naming its models as unavailable; every gateway pod as a push
 //! target; the ingest token file reloaded on a Kubernetes-style symlink swap.
 #![allow(
     clippy::unwrap_used,
@@ -252,6 +253,76 @@ async fn inference_pool_pods_join_leave_restart_and_relist_after_410() {
     // The pool is deleted: no endpoints.
     api.delete(&pools, POOL);
     wait_endpoints(&cp, &[], "pool deleted").await;
+    cp.shutdown().await;
+}
+
+/// An InferencePool with no ready pod (scale from zero, a rollout, a crash loop) still names
+/// its configured models, in the snapshot's `unavailable_models`, with no endpoint: the
+/// filter answers requests for them 503 `no_healthy_endpoint` (retried by clients), not 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inference_pool_without_ready_pod_names_its_models_unavailable() {
+    let api = FakeKube::start().await;
+    let (pools, pods) = (pools_path("default"), pods_path("default"));
+    api.collection(
+        &pools,
+        "InferencePoolList",
+        "inference.networking.k8s.io/v1",
+    );
+    api.collection(&pods, "PodList", "v1");
+    let port = common_port(&["127.0.0.2"]);
+    let _a = model_server(format!("127.0.0.2:{port}").parse().unwrap(), &[LLAMA], 0.25).await;
+    let mut pool = fixture("inferencepool.json");
+    pool["spec"]["targetPorts"] = json!([{ "number": port }]);
+    api.apply(&pools, pool);
+    api.apply(&pods, vllm_pod("pod-a", "127.0.0.2", false, 0));
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 200\npush:\n  heartbeat_ms: 100\n\
+         kubernetes:\n  api_server: {}\n  inference_pools:\n    - namespace: default\n      name: {POOL}\n      kind: vllm\n      cluster: llama_8b\n      models: [{LLAMA}]\n",
+        api.url()
+    );
+    let cp = ControlPlane::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let body = |cp: &ControlPlane| -> String {
+        String::from_utf8(cp.hub().latest().unwrap().body.to_vec()).unwrap()
+    };
+
+    // No ready pod: no endpoint, the pool's model named.
+    wait_for(WAIT, "snapshot naming the idle pool's model", || {
+        snapshot(&cp).is_some_and(|s| s.endpoints.is_empty() && s.unavailable_models == [LLAMA])
+    })
+    .await;
+    let p = cp.hub().latest().unwrap();
+    assert_eq!(
+        String::from_utf8(p.body.to_vec()).unwrap(),
+        format!(
+            r#"{{"format":1,"version":{},"generated_at_ms":{},"unavailable_models":["{LLAMA}"],"endpoints":[]}}"#,
+            p.version, p.generated_at_ms
+        )
+    );
+
+    // The pod turns ready: an endpoint lists the model, the field is left off.
+    api.apply(&pods, vllm_pod("pod-a", "127.0.0.2", true, 0));
+    wait_for(WAIT, "pod-a scraped, nothing unavailable", || {
+        snapshot(&cp).is_some_and(|s| {
+            let eps: Vec<_> = s
+                .endpoints
+                .iter()
+                .map(|e| (e.id.clone(), e.models.clone(), e.healthy))
+                .collect();
+            s.unavailable_models.is_empty()
+                && eps == [(format!("{POOL}/pod-a"), vec![LLAMA.to_string()], true)]
+        })
+    })
+    .await;
+    assert!(!body(&cp).contains("unavailable_models"), "{}", body(&cp));
+
+    // Crash loop: the pod restarts and is not ready; the model is named again.
+    api.apply(&pods, vllm_pod("pod-a", "127.0.0.2", false, 1));
+    wait_for(WAIT, "pod-a unready, model unavailable", || {
+        snapshot(&cp).is_some_and(|s| s.endpoints.is_empty() && s.unavailable_models == [LLAMA])
+    })
+    .await;
     cp.shutdown().await;
 }
 

@@ -7,7 +7,9 @@
 //! 1. **Fleet view.** Work that depends only on the snapshot is done once per snapshot
 //!    (keyed by `version` and `generated_at_ms`), not per request: each endpoint's
 //!    `scraped_at_ms`, the largest KV capacity among the healthy endpoints serving each
-//!    model, and the reconciliation of the prefix index (endpoints that left the fleet or
+//!    model, the known model names (every model and LoRA adapter an endpoint lists, plus
+//!    the snapshot's `unavailable_models`: a request for a known model nobody can take is
+//!    [`Outcome::NoEndpoints`], for any other [`Outcome::UnknownModel`]), and the reconciliation of the prefix index (endpoints that left the fleet or
 //!    restarted, i.e. whose `process_start_ms` changed, lose their prefix-affinity state:
 //!    their prefix cache is cold).
 //! 2. **Analysis.** The body is read by [`crate::analysis::analyze_bounded`] (the prefix
@@ -305,12 +307,14 @@ pub enum Outcome {
     Route(Route),
     /// The request names a model (base model or LoRA adapter) that endpoints of the
     /// snapshot list, but none of them can take it now (unhealthy, or filtered out by the
-    /// policy): the host answers 503 with `retry-after`. Also a request without a model
-    /// when no endpoint is healthy.
+    /// policy), or a model of the snapshot's `unavailable_models` (a configured pool serves
+    /// it but has no endpoint now): the host answers 503 with `retry-after`. Also a request
+    /// without a model when no endpoint is healthy.
     NoEndpoints,
-    /// No endpoint of the snapshot, healthy or not, lists the requested model (base model
-    /// or LoRA adapter): the client asked for something this pool does not serve, so the
-    /// host answers 404 (`model_not_found`, as OpenAI's API does). Carries the model name.
+    /// Neither an endpoint of the snapshot, healthy or not, nor its `unavailable_models`
+    /// lists the requested model (base model or LoRA adapter): the client asked for
+    /// something this fleet does not serve, so the host answers 404 (`model_not_found`, as
+    /// OpenAI's API does). Carries the model name.
     UnknownModel(String),
     /// Every serving endpoint is out of KV headroom (the host queues or answers 429).
     NoCapacity {
@@ -343,7 +347,9 @@ struct Fleet {
     max_capacity: BTreeMap<String, u64>,
     /// Largest KV capacity among all healthy endpoints (requests without a model), tokens.
     max_capacity_any: Option<u64>,
-    /// Every model and LoRA adapter any endpoint lists, healthy or not.
+    /// Every model and LoRA adapter any endpoint lists, healthy or not, and every model of
+    /// the snapshot's `unavailable_models`: the names a request may ask for without being
+    /// an [`Outcome::UnknownModel`].
     models: std::collections::BTreeSet<String>,
 }
 
@@ -742,6 +748,7 @@ impl Router {
         }
         let mut fleet = Fleet {
             key,
+            models: snap.unavailable_models.iter().cloned().collect(),
             ..Fleet::default()
         };
         for (i, e) in snap.endpoints.iter().enumerate() {
@@ -1131,6 +1138,46 @@ mod tests {
             r.route(&snap, &t, p, None, NOW).outcome,
             Outcome::NoEndpoints
         );
+    }
+
+    /// A model only the snapshot's `unavailable_models` names (its pool has no endpoint at
+    /// all: rollout, crash loop, scale from zero) is the fleet's problem (503), not the
+    /// client's (404); the endpoints of other models route as before.
+    #[test]
+    fn unavailable_model_without_endpoints_is_no_endpoints() {
+        let mut r = router(PolicyKind::Hybrid);
+        let t = InflightTable::default();
+        let p = "/v1/chat/completions";
+        let body =
+            |m: &str| format!(r#"{{"model":"{m}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        let mut snap = Snapshot::new(1, NOW, vec![ep(0, 0.1)]);
+        snap.unavailable_models = vec!["scaled-to-zero".into()];
+        let d = r.route(&snap, &t, p, Some(body("scaled-to-zero").as_bytes()), NOW);
+        assert_eq!(d.outcome, Outcome::NoEndpoints);
+        assert_eq!(
+            r.route(&snap, &t, p, Some(body("other").as_bytes()), NOW)
+                .outcome,
+            Outcome::UnknownModel("other".into())
+        );
+        assert_eq!(
+            route(&r.route(&snap, &t, p, Some(body("m").as_bytes()), NOW)).endpoint,
+            "pool/e0"
+        );
+        // No endpoint at all, only the pool's models: still 503 for them.
+        let mut empty = Snapshot::new(2, NOW, vec![]);
+        empty.unavailable_models = vec!["scaled-to-zero".into()];
+        let d = r.route(&empty, &t, p, Some(body("scaled-to-zero").as_bytes()), NOW);
+        assert_eq!(d.outcome, Outcome::NoEndpoints);
+        // The next snapshot without the list: the name is unknown again (the fleet view is
+        // rebuilt per snapshot, nothing is remembered).
+        let d = r.route(
+            &Snapshot::new(3, NOW, vec![]),
+            &t,
+            p,
+            Some(body("scaled-to-zero").as_bytes()),
+            NOW,
+        );
+        assert_eq!(d.outcome, Outcome::UnknownModel("scaled-to-zero".into()));
     }
 
     /// A `/v1/completions` batch (`prompt` an array of strings or of token-id arrays) is

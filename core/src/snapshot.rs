@@ -2,13 +2,21 @@
 //!
 //! Validation ([`Snapshot::validate`], run by [`Snapshot::decode`]) rejects an unknown
 //! `format`, duplicate or empty ids, an address that is not `host:port` (IPv6 hosts in
-//! brackets), `kv_usage` that is NaN, infinite, negative or above 1, and a zero block size.
+//! brackets), `kv_usage` that is NaN, infinite, negative or above 1, a zero block size, and
+//! an empty or control-character name in `unavailable_models`.
 //! Negative counts cannot be represented (unsigned fields) and fail decoding.
 //!
 //! Wire format: JSON (`serde_json`, already linked into the filter for body parsing), an
-//! object `{"format": 1, "version": N, "generated_at_ms": T, "endpoints": [...]}`.
+//! object `{"format": 1, "version": N, "generated_at_ms": T, "endpoints": [...]}`, with
+//! `"unavailable_models": [...]` before `endpoints` when that list is not empty.
 //! `format` is the schema version (decoders reject unknown ones); `version` is the
 //! snapshot sequence number, increasing monotonically across control-plane restarts.
+//!
+//! Compatibility: both structs reject unknown fields (`deny_unknown_fields`), so a field
+//! added within `format` 1 is optional, defaulted, and left off the wire while it holds its
+//! default (`peer_inflight_*` at 0, `unavailable_models` empty). A snapshot that carries
+//! one is rejected (400 `invalid_snapshot`) by a filter built before the field existed:
+//! upgrade the filters before the control plane.
 //! Writers that keep each endpoint's encoded form between snapshots (the control plane's
 //! hub) build a body from [`encode_endpoint`] fragments and [`write_envelope`]; those are
 //! what [`Snapshot::encode`] itself uses, so both give the same bytes.
@@ -40,14 +48,25 @@ pub fn encode_endpoint(endpoint: &EndpointStats, out: &mut Vec<u8>) {
 }
 
 /// Write a snapshot body around already-encoded endpoint `fragments` (each from
-/// [`encode_endpoint`]): `{"format":1,"version":V,"generated_at_ms":T,"endpoints":[f1,f2,...]}`.
+/// [`encode_endpoint`]): `{"format":1,"version":V,"generated_at_ms":T,"endpoints":[f1,f2,...]}`,
+/// with `"unavailable_models":[...],` before `"endpoints"` when `unavailable_models` is not
+/// empty ([`Snapshot::unavailable_models`]). The endpoints array is always the last member,
+/// so the body ends with the last fragment followed by `]}`.
 pub fn write_envelope<'a>(
     out: &mut Vec<u8>,
     version: u64,
     generated_at_ms: u64,
+    unavailable_models: &[String],
     fragments: impl Iterator<Item = &'a [u8]>,
 ) {
-    envelope(out, FORMAT_VERSION, version, generated_at_ms, fragments);
+    envelope(
+        out,
+        FORMAT_VERSION,
+        version,
+        generated_at_ms,
+        unavailable_models,
+        fragments,
+    );
 }
 
 fn envelope<'a>(
@@ -55,14 +74,26 @@ fn envelope<'a>(
     format: u32,
     version: u64,
     generated_at_ms: u64,
+    unavailable_models: &[String],
     fragments: impl Iterator<Item = &'a [u8]>,
 ) {
     use std::io::Write as _;
     // Writing into a Vec cannot fail.
     let _ = write!(
         out,
-        "{{\"format\":{format},\"version\":{version},\"generated_at_ms\":{generated_at_ms},\"endpoints\":["
+        "{{\"format\":{format},\"version\":{version},\"generated_at_ms\":{generated_at_ms},"
     );
+    if !unavailable_models.is_empty() {
+        out.extend_from_slice(b"\"unavailable_models\":");
+        let start = out.len();
+        // A string slice always encodes; on the (unreachable) error write an empty list.
+        if serde_json::to_writer(&mut *out, unavailable_models).is_err() {
+            out.truncate(start);
+            out.extend_from_slice(b"[]");
+        }
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"endpoints\":[");
     for (i, f) in fragments.enumerate() {
         if i > 0 {
             out.push(b',');
@@ -82,6 +113,16 @@ pub struct Snapshot {
     pub version: u64,
     /// When the control plane built the snapshot, Unix milliseconds.
     pub generated_at_ms: u64,
+    /// Model names (base models, as a client sends them in `model`) that a configured pool
+    /// serves but that no endpoint of this snapshot lists, healthy or not: the pool has no
+    /// ready pod now (rollout, crash loop, scale from zero; kvroute-cp's hub fills it). The
+    /// router treats them as known models with no endpoint, so a request for one is answered
+    /// 503 `no_healthy_endpoint` with `retry-after` (which OpenAI clients retry) rather than
+    /// 404 `model_not_found` (which they do not). Sorted, no duplicates when kvroute-cp
+    /// writes it. Empty by default and then left off the wire, so the snapshots of a fleet
+    /// whose every pool has endpoints are unchanged (see the module doc on compatibility).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unavailable_models: Vec<String>,
     /// All known endpoints.
     pub endpoints: Vec<EndpointStats>,
 }
@@ -195,15 +236,24 @@ pub enum SnapshotError {
     /// Two endpoints share one id.
     #[error("duplicate endpoint id `{0}`")]
     DuplicateId(String),
+    /// A name in `unavailable_models` is invalid.
+    #[error("unavailable_models[{index}]: {reason}")]
+    InvalidUnavailableModel {
+        /// Index in `unavailable_models`.
+        index: usize,
+        /// What is wrong.
+        reason: &'static str,
+    },
 }
 
 impl Snapshot {
-    /// An empty snapshot of the given version.
+    /// A snapshot of the given version with `endpoints` and no `unavailable_models`.
     pub fn new(version: u64, generated_at_ms: u64, endpoints: Vec<EndpointStats>) -> Self {
         Self {
             format: FORMAT_VERSION,
             version,
             generated_at_ms,
+            unavailable_models: Vec::new(),
             endpoints,
         }
     }
@@ -218,12 +268,14 @@ impl Snapshot {
             fragments.push(f);
         }
         let len: usize = fragments.iter().map(|f| f.len() + 1).sum();
-        let mut out = Vec::with_capacity(len + 96);
+        let models: usize = self.unavailable_models.iter().map(|m| m.len() + 3).sum();
+        let mut out = Vec::with_capacity(len + models + 96);
         envelope(
             &mut out,
             self.format,
             self.version,
             self.generated_at_ms,
+            &self.unavailable_models,
             fragments.iter().map(Vec::as_slice),
         );
         out
@@ -238,11 +290,24 @@ impl Snapshot {
     }
 
     /// Check the invariants: known format, no duplicate ids, finite non-negative numbers,
-    /// `kv_usage` in 0..=1, non-empty id, `host:port` address, non-zero block size.
-    /// Errors: the first violation found, in endpoint order.
+    /// `kv_usage` in 0..=1, non-empty id, `host:port` address, non-zero block size, and
+    /// `unavailable_models` names non-empty without control characters ([`check_label`]:
+    /// they are named in replies and logs like the endpoints' models).
+    /// Errors: the first violation found: format, then `unavailable_models`, then endpoints
+    /// in order.
     pub fn validate(&self) -> Result<(), SnapshotError> {
         if self.format != FORMAT_VERSION {
             return Err(SnapshotError::UnsupportedFormat { found: self.format });
+        }
+        for (index, m) in self.unavailable_models.iter().enumerate() {
+            let checked = if m.is_empty() {
+                Err("is empty")
+            } else {
+                check_label(m)
+            };
+            if let Err(reason) = checked {
+                return Err(SnapshotError::InvalidUnavailableModel { index, reason });
+            }
         }
         let mut seen = std::collections::BTreeSet::new();
         for (index, e) in self.endpoints.iter().enumerate() {

@@ -156,6 +156,63 @@ fn snapshot_validation_rejects_bad_values() {
     ));
 }
 
+/// `unavailable_models` is left off the wire when empty (the bytes an older filter reads are
+/// unchanged), written before `endpoints` when not, and round-trips either way; the
+/// hand-written envelope writes what serde writes for the struct.
+#[test]
+fn unavailable_models_are_written_only_when_not_empty() {
+    let empty = Snapshot::new(42, 1000, vec![]);
+    assert_eq!(
+        String::from_utf8(empty.encode()).unwrap(),
+        r#"{"format":1,"version":42,"generated_at_ms":1000,"endpoints":[]}"#
+    );
+    assert_eq!(Snapshot::decode(&empty.encode()).unwrap(), empty);
+    let mut idle = Snapshot::new(42, 1000, vec![]);
+    idle.unavailable_models = vec!["llama".into(), "q\"wen/é".into()];
+    let bytes = idle.encode();
+    assert_eq!(
+        String::from_utf8(bytes.clone()).unwrap(),
+        r#"{"format":1,"version":42,"generated_at_ms":1000,"unavailable_models":["llama","q\"wen/é"],"endpoints":[]}"#
+    );
+    assert_eq!(Snapshot::decode(&bytes).unwrap(), idle);
+    // With endpoints: the same bytes as serde's encoding of the struct, both ways.
+    let mut both = Snapshot::new(7, 5, vec![ep("a"), ep("b")]);
+    both.unavailable_models = vec!["m2".into()];
+    assert_eq!(both.encode(), serde_json::to_vec(&both).unwrap());
+    let plain = Snapshot::new(7, 5, vec![ep("a")]);
+    assert_eq!(plain.encode(), serde_json::to_vec(&plain).unwrap());
+    assert_eq!(Snapshot::decode(&both.encode()).unwrap(), both);
+    // Names are checked like the endpoints' model names, and must not be empty.
+    let mut bad = Snapshot::new(1, 1, vec![]);
+    bad.unavailable_models = vec!["ok".into(), "m\r\nx: 1".into()];
+    assert_eq!(
+        Snapshot::decode(&bad.encode()),
+        Err(SnapshotError::InvalidUnavailableModel {
+            index: 1,
+            reason: "contains a control character"
+        })
+    );
+    bad.unavailable_models = vec![String::new()];
+    assert_eq!(
+        bad.validate(),
+        Err(SnapshotError::InvalidUnavailableModel {
+            index: 0,
+            reason: "is empty"
+        })
+    );
+    assert_eq!(
+        bad.validate().unwrap_err().to_string(),
+        "unavailable_models[0]: is empty"
+    );
+    // A list that is not of strings fails decoding.
+    assert!(matches!(
+        Snapshot::decode(
+            br#"{"format":1,"version":1,"generated_at_ms":0,"unavailable_models":[1],"endpoints":[]}"#
+        ),
+        Err(SnapshotError::Decode(_))
+    ));
+}
+
 #[test]
 fn addresses() {
     for ok in [

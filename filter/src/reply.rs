@@ -11,12 +11,12 @@
 //! |---|---|---|---|
 //! | 400 | `invalid_request_error` | `invalid_snapshot` | ingest: the body is not a valid snapshot |
 //! | 401 | `authentication_error` | `invalid_ingest_token` | ingest: missing or wrong token |
-//! | 404 | `invalid_request_error` | `model_not_found` | no endpoint in the snapshot lists the model (base model or LoRA adapter) |
+//! | 404 | `invalid_request_error` | `model_not_found` | no endpoint in the snapshot lists the model (base model or LoRA adapter), nor does its `unavailable_models` |
 //! | 404 | `invalid_request_error` | `not_found` | ingest: another path |
 //! | 405 | `invalid_request_error` | `method_not_allowed` | ingest: not `POST` |
 //! | 413 | `invalid_request_error` | `request_too_large` | ingest: body over `ingest_max_bytes` |
 //! | 429 | `rate_limit_error` | `saturated` | every endpoint serving the model is out of KV headroom (after the admission queue, when on); `retry-after` |
-//! | 503 | `server_error` | `no_healthy_endpoint` | the model is known but no endpoint serving it is healthy; `retry-after` |
+//! | 503 | `server_error` | `no_healthy_endpoint` | the model is known but no endpoint serving it is healthy, or its pool has no endpoint at all (the snapshot's `unavailable_models`); `retry-after` |
 //! | 503 | `server_error` | `cluster_not_found` | cluster mode: the cluster kvroute-cp named for the endpoint does not exist in this Envoy (replaces Envoy's empty 503) |
 //! | 503 | `server_error` | `router_unavailable` | the filter cannot decide and `fail_open` is off; `retry-after` |
 //! | 503 | `server_error` | `queue_unavailable` | ingest: the shared queue is missing |
@@ -26,8 +26,11 @@
 //!
 //! `GET /v1/models` is answered from the snapshot in OpenAI's list shape
 //! (<https://platform.openai.com/docs/api-reference/models/list>): one entry per base model
-//! and per LoRA adapter any endpoint lists, healthy or not, sorted by id. The body is built
-//! once per snapshot version ([`ModelCatalog`]).
+//! and per LoRA adapter any endpoint lists, healthy or not, and per model of the snapshot's
+//! `unavailable_models` (a configured pool serves it but has no endpoint now), sorted by id.
+//! The list is the set of names that get 503 rather than 404 when nothing can take them: a
+//! model that exists but is not available right now is listed, as an unhealthy one is. The
+//! body is built once per snapshot version ([`ModelCatalog`]).
 
 use crate::host::Host;
 use kvroute_core::snapshot::Snapshot;
@@ -240,7 +243,7 @@ pub struct ModelCatalog {
 }
 
 impl ModelCatalog {
-    /// From every endpoint of `snap`, healthy or not.
+    /// From every endpoint of `snap`, healthy or not, and its `unavailable_models`.
     pub fn from_snapshot(snap: &Snapshot) -> Self {
         let mut models: BTreeMap<String, Option<String>> = BTreeMap::new();
         let mut bases: BTreeMap<String, BTreeSet<&str>> = BTreeMap::new();
@@ -259,6 +262,9 @@ impl ModelCatalog {
                 _ => None,
             };
             models.entry(a).or_insert(parent);
+        }
+        for m in &snap.unavailable_models {
+            models.entry(m.clone()).or_insert(None);
         }
         let created = snap.generated_at_ms / 1000;
         let data: Vec<serde_json::Value> = models
@@ -280,7 +286,8 @@ impl ModelCatalog {
         Self { models, list_body }
     }
 
-    /// Whether any endpoint lists `model` (base model or LoRA adapter).
+    /// Whether any endpoint lists `model` (base model or LoRA adapter), or the snapshot's
+    /// `unavailable_models` does.
     pub fn serves(&self, model: &str) -> bool {
         self.models.contains_key(model)
     }
@@ -405,6 +412,33 @@ mod tests {
             )
         );
         assert_eq!(c.list_reply().status, 200);
+    }
+
+    /// A model of a pool without endpoints is listed (it exists, it is just not available
+    /// now); a name also listed as an adapter keeps its `parent`.
+    #[test]
+    fn catalog_lists_unavailable_models() {
+        let mut snap = Snapshot::new(1, 2_000, vec![ep("p/a", &["llama"], &["sql-lora"], true)]);
+        snap.unavailable_models = vec!["qwen".into(), "sql-lora".into()];
+        let c = ModelCatalog::from_snapshot(&snap);
+        assert!(c.serves("qwen"));
+        assert_eq!(
+            c.list_body,
+            concat!(
+                r#"{"data":["#,
+                r#"{"created":2,"id":"llama","object":"model","owned_by":"kvroute"},"#,
+                r#"{"created":2,"id":"qwen","object":"model","owned_by":"kvroute"},"#,
+                r#"{"created":2,"id":"sql-lora","object":"model","owned_by":"kvroute","parent":"llama"}"#,
+                r#"],"object":"list"}"#
+            )
+        );
+        // No endpoint at all.
+        let mut snap = Snapshot::new(2, 2_000, vec![]);
+        snap.unavailable_models = vec!["qwen".into()];
+        assert_eq!(
+            ModelCatalog::from_snapshot(&snap).list_body,
+            r#"{"data":[{"created":2,"id":"qwen","object":"model","owned_by":"kvroute"}],"object":"list"}"#
+        );
     }
 
     #[test]

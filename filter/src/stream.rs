@@ -558,9 +558,15 @@ mod tests {
     }
 
     fn setup(cfg: &str, eps: Vec<EndpointStats>) -> (MockHost, Rc<RefCell<Worker>>) {
+        let snap = (!eps.is_empty()).then(|| Snapshot::new(1, NOW, eps));
+        setup_snapshot(cfg, snap)
+    }
+
+    /// [`setup`] with a whole snapshot in force (`None`: none received yet).
+    fn setup_snapshot(cfg: &str, snap: Option<Snapshot>) -> (MockHost, Rc<RefCell<Worker>>) {
         let h = MockHost::new(NOW);
-        if !eps.is_empty() {
-            shared::publish_snapshot(&h, &Snapshot::new(1, NOW, eps).encode()).unwrap();
+        if let Some(snap) = snap {
+            shared::publish_snapshot(&h, &snap.encode()).unwrap();
         }
         shared::ensure_keys(&h).unwrap();
         let mut w = Worker::new(Config::parse(cfg.as_bytes()).unwrap(), 1).unwrap();
@@ -710,6 +716,64 @@ mod tests {
         }
         assert_eq!(h.metric(metric::NO_ENDPOINTS), 2);
         assert_eq!(h.metric(metric::MODEL_NOT_FOUND), 1);
+    }
+
+    /// A model of a pool with no endpoint at all (the snapshot's `unavailable_models`:
+    /// scale from zero, a rollout, a crash loop) gets the same 503 as a model whose
+    /// endpoints are all unhealthy, which OpenAI clients retry, and is listed by
+    /// `GET /v1/models`; an unknown model is still a 404.
+    #[test]
+    fn model_of_a_pool_without_endpoints_is_a_503_with_retry_after() {
+        for (eps, listed) in [
+            (vec![ep(0, 0.1)], vec!["m", "scaled-to-zero"]),
+            (vec![], vec!["scaled-to-zero"]),
+        ] {
+            let mut snap = Snapshot::new(1, NOW, eps);
+            snap.unavailable_models = vec!["scaled-to-zero".into()];
+            let (h, w) = setup_snapshot("{}", Some(snap));
+            let send = |model: &str, ctx: u32| {
+                let body = format!(
+                    r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#
+                );
+                let r = request(&h, "/v1/chat/completions", body.as_bytes());
+                let mut s = Stream::new(w.clone(), ctx);
+                s.on_request_headers(&r, false);
+                assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+                let replies = r.replies();
+                assert_eq!(replies.len(), 1);
+                replies[0].clone()
+            };
+            let r = send("scaled-to-zero", 2);
+            assert_eq!(r.status, 503);
+            assert_eq!(
+                String::from_utf8(r.body).unwrap(),
+                r#"{"error":{"code":"no_healthy_endpoint","message":"No healthy endpoint serves model `scaled-to-zero` right now; retry later.","param":null,"type":"server_error"}}"#
+            );
+            assert_eq!(
+                r.headers,
+                vec![
+                    ("content-type".into(), "application/json".into()),
+                    ("retry-after".into(), "1".into())
+                ]
+            );
+            assert_eq!(h.metric(metric::NO_ENDPOINTS), 1);
+            assert_eq!(send("other", 3).status, 404);
+            assert_eq!(h.metric(metric::MODEL_NOT_FOUND), 1);
+            let r = h
+                .sibling()
+                .with_header(":path", "/v1/models")
+                .with_header(":method", "GET");
+            let mut s = Stream::new(w.clone(), 4);
+            assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
+            let v: serde_json::Value = serde_json::from_slice(&r.replies()[0].body).unwrap();
+            let ids: Vec<&str> = v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap())
+                .collect();
+            assert_eq!(ids, listed);
+        }
     }
 
     #[test]

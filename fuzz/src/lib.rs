@@ -8,7 +8,7 @@
 //! | function | input | code under test | properties checked |
 //! |---|---|---|---|
 //! | [`analyze`] | a request body | `kvroute_core::analysis::analyze` (and `analyze_bounded` at each of [`BOUNDS`]), then the router's request description and KV demand, on every API path | never panics; deterministic; a prefix limit changes nothing but the rendering's cut; `n ≥ 1`; demand ≥ prompt tokens; prefix hashes ≤ `max_blocks`; exact token-id counts only for token-id prompts |
-//! | [`snapshot`] | an ingest body | `Snapshot::decode` | never panics; a decoded snapshot validates, and re-encodes to bytes that decode to the same ids, version and numbers |
+//! | [`snapshot`] | an ingest body | `Snapshot::decode` | never panics; a decoded snapshot validates, and re-encodes to bytes that decode to the same ids, version, numbers and `unavailable_models` |
 //! | [`exposition`] | a `/metrics` body (or a llama.cpp `/slots` body) | `expo::Exposition`, every `adapters::extract` kind, `llamacpp::slots_usage` | never panics; a body the full parse accepts, the scrape path's filtered parse accepts too, keeping exactly the relevant samples and skipping no more lines; adapter output has `kv_usage` in 0..=1, non-zero block size and capacity, and passes `Snapshot::validate` as the wire form kvroute-cp pushes |
 //! | [`sse_usage`] | a streamed response body | `usage::SseUsageScanner` | never panics; the tail stays ≤ `max_tail`; the usage read from the body split into arbitrary chunks equals the usage read from it whole (when no event outgrew the tail) |
 //!
@@ -148,6 +148,7 @@ pub fn snapshot(data: &[u8]) {
     };
     assert_eq!(again.version, snap.version);
     assert_eq!(again.generated_at_ms, snap.generated_at_ms);
+    assert_eq!(again.unavailable_models, snap.unavailable_models);
     assert_eq!(again.endpoints.len(), snap.endpoints.len());
     for (a, b) in again.endpoints.iter().zip(&snap.endpoints) {
         assert_eq!(a.id, b.id);

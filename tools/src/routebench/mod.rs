@@ -525,6 +525,7 @@ impl State {
             format: kvroute_core::snapshot::FORMAT_VERSION,
             version,
             generated_at_ms: now_ms,
+            unavailable_models: Vec::new(),
             endpoints,
         }
     }
