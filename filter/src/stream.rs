@@ -585,6 +585,24 @@ mod tests {
             .with_body(body)
     }
 
+    /// A one-message chat request for `model` on stream `ctx`, which the filter answers
+    /// itself (it must pause): its one local reply.
+    fn local_reply_to(
+        h: &MockHost,
+        w: &Rc<RefCell<Worker>>,
+        model: &str,
+        ctx: u32,
+    ) -> crate::host::mock::LocalReply {
+        let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        let r = request(h, "/v1/chat/completions", body.as_bytes());
+        let mut s = Stream::new(w.clone(), ctx);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+        let replies = r.replies();
+        assert_eq!(replies.len(), 1);
+        replies[0].clone()
+    }
+
     /// A chat request routed (headers, body, decision) and its response headers seen: the
     /// request host, the stream and the prompt-token estimate.
     fn routed_to_response(h: &MockHost, w: &Rc<RefCell<Worker>>) -> (MockHost, Stream, u64) {
@@ -683,17 +701,7 @@ mod tests {
         sick.lora_adapters = vec!["sick-lora".into()];
         sick.healthy = false;
         let (h, w) = setup("{}", vec![ep(0, 0.1), sick]);
-        let send = |model: &str, ctx: u32| {
-            let body =
-                format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
-            let r = request(&h, "/v1/chat/completions", body.as_bytes());
-            let mut s = Stream::new(w.clone(), ctx);
-            s.on_request_headers(&r, false);
-            assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
-            let replies = r.replies();
-            assert_eq!(replies.len(), 1);
-            replies[0].clone()
-        };
+        let send = |model: &str, ctx: u32| local_reply_to(&h, &w, model, ctx);
         let r = send("other", 2);
         assert_eq!(r.status, 404);
         assert_eq!(
@@ -731,18 +739,7 @@ mod tests {
             let mut snap = Snapshot::new(1, NOW, eps);
             snap.unavailable_models = vec!["scaled-to-zero".into()];
             let (h, w) = setup_snapshot("{}", Some(snap));
-            let send = |model: &str, ctx: u32| {
-                let body = format!(
-                    r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#
-                );
-                let r = request(&h, "/v1/chat/completions", body.as_bytes());
-                let mut s = Stream::new(w.clone(), ctx);
-                s.on_request_headers(&r, false);
-                assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
-                let replies = r.replies();
-                assert_eq!(replies.len(), 1);
-                replies[0].clone()
-            };
+            let send = |model: &str, ctx: u32| local_reply_to(&h, &w, model, ctx);
             let r = send("scaled-to-zero", 2);
             assert_eq!(r.status, 503);
             assert_eq!(
