@@ -302,6 +302,7 @@ fn start_watches(
             client.clone(),
             p.clone(),
             scrape_client.clone(),
+            s.scrape_token.clone(),
             endpoints.clone(),
             stop_rx,
         ));
@@ -415,8 +416,9 @@ async fn supervise(
                     // tasks of unchanged sections keep running with the sources they hold,
                     // which keep watching the same files.
                     // A token from an env var can change under the same settings.
-                    restart_scrapers = config.scrape != settings.scrape
+                    let scrape_token_changed = config.scrape.token() != settings.scrape.token()
                         || *tokens.scrape.subscribe().borrow() != *settings.scrape_token.borrow();
+                    restart_scrapers = config.scrape != settings.scrape || scrape_token_changed;
                     restart_pushers = config.push != settings.push
                         || *tokens.push.subscribe().borrow() != *settings.token.borrow();
                     // A TLS source is replaced only when its files are: Kubernetes watch
@@ -438,7 +440,10 @@ async fn supervise(
                         push_client =
                             push::client(config.push.timeout, &settings.tls.push.subscribe());
                     }
-                    let restart_watches = config.kubernetes != settings.kubernetes;
+                    // InferencePool watches read pods' `/v1/models` with the scrape token: a
+                    // new token source restarts them too.
+                    let restart_watches = config.kubernetes != settings.kubernetes
+                        || (scrape_token_changed && settings.kube.is_some());
                     // Running tasks hold receivers of the old sources; they are restarted
                     // with the new ones.
                     if restart_pushers {

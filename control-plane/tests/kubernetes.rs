@@ -61,25 +61,41 @@ struct ModelServer {
 }
 
 async fn model_server(addr: SocketAddr, models: &[&str], kv: f64) -> ModelServer {
+    model_server_with_key(addr, models, kv, None).await
+}
+
+/// [`model_server`] that, with `key`, answers 401 to any request without
+/// `Authorization: Bearer <key>`, as llama-server `--api-key` does.
+async fn model_server_with_key(
+    addr: SocketAddr,
+    models: &[&str],
+    kv: f64,
+    key: Option<&'static str>,
+) -> ModelServer {
     let list = Arc::new(Mutex::new(
         models.iter().map(|m| m.to_string()).collect::<Vec<_>>(),
     ));
     let l = list.clone();
-    let handler: common::Handler = Arc::new(move |_m, path, _b, _a| match path.as_str() {
-        "/v1/models" => {
-            let data: Vec<Value> = l
+    let handler: common::Handler = Arc::new(move |_m, path, _b, auth| {
+        if key.is_some_and(|k| auth.as_deref() != Some(format!("Bearer {k}").as_str())) {
+            return (401, Bytes::new());
+        }
+        match path.as_str() {
+            "/v1/models" => {
+                let data: Vec<Value> = l
                 .lock()
                 .unwrap()
                 .iter()
                 .map(|id| json!({"id": id, "object": "model", "owned_by": "vllm", "parent": null}))
                 .collect();
-            (
-                200,
-                Bytes::from(json!({"object": "list", "data": data}).to_string()),
-            )
+                (
+                    200,
+                    Bytes::from(json!({"object": "list", "data": data}).to_string()),
+                )
+            }
+            "/metrics" => (200, Bytes::from(vllm_body(kv, 1, 0, None, 10.0))),
+            _ => (404, Bytes::new()),
         }
-        "/metrics" => (200, Bytes::from(vllm_body(kv, 1, 0, None, 10.0))),
-        _ => (404, Bytes::new()),
     });
     let server = Server::start_on(
         addr,
@@ -137,6 +153,22 @@ async fn wait_endpoints(cp: &ControlPlane, want: &[EndpointSpec], what: &str) {
     }
 }
 
+/// A fake API server with empty InferencePool and Pod collections in `default`, and their
+/// paths.
+fn fake_api_with_pool_and_pods() -> impl std::future::Future<Output = (FakeKube, String, String)> {
+    async {
+        let api = FakeKube::start().await;
+        let (pools, pods) = (pools_path("default"), pods_path("default"));
+        api.collection(
+            &pools,
+            "InferencePoolList",
+            "inference.networking.k8s.io/v1",
+        );
+        api.collection(&pods, "PodList", "v1");
+        (api, pools, pods)
+    }
+}
+
 fn snapshot(cp: &ControlPlane) -> Option<Snapshot> {
     let p = cp.hub().subscribe().borrow().clone()?;
     Some(Snapshot::decode(&p.body).unwrap())
@@ -144,14 +176,7 @@ fn snapshot(cp: &ControlPlane) -> Option<Snapshot> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inference_pool_pods_join_leave_restart_and_relist_after_410() {
-    let api = FakeKube::start().await;
-    let (pools, pods) = (pools_path("default"), pods_path("default"));
-    api.collection(
-        &pools,
-        "InferencePoolList",
-        "inference.networking.k8s.io/v1",
-    );
-    api.collection(&pods, "PodList", "v1");
+    let (api, pools, pods) = fake_api_with_pool_and_pods().await;
     let port = common_port(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]);
     let a = model_server(format!("127.0.0.2:{port}").parse().unwrap(), &[LLAMA], 0.25).await;
     let _b = model_server(format!("127.0.0.3:{port}").parse().unwrap(), &[LLAMA], 0.5).await;
@@ -261,14 +286,7 @@ async fn inference_pool_pods_join_leave_restart_and_relist_after_410() {
 /// filter answers requests for them 503 `no_healthy_endpoint` (retried by clients), not 404.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inference_pool_without_ready_pod_names_its_models_unavailable() {
-    let api = FakeKube::start().await;
-    let (pools, pods) = (pools_path("default"), pods_path("default"));
-    api.collection(
-        &pools,
-        "InferencePoolList",
-        "inference.networking.k8s.io/v1",
-    );
-    api.collection(&pods, "PodList", "v1");
+    let (api, pools, pods) = fake_api_with_pool_and_pods().await;
     let port = common_port(&["127.0.0.2"]);
     let _a = model_server(format!("127.0.0.2:{port}").parse().unwrap(), &[LLAMA], 0.25).await;
     let mut pool = fixture("inferencepool.json");
@@ -321,6 +339,54 @@ async fn inference_pool_without_ready_pod_names_its_models_unavailable() {
     api.apply(&pods, vllm_pod("pod-a", "127.0.0.2", false, 1));
     wait_for(WAIT, "pod-a unready, model unavailable", || {
         snapshot(&cp).is_some_and(|s| s.endpoints.is_empty() && s.unavailable_models == [LLAMA])
+    })
+    .await;
+    cp.shutdown().await;
+}
+
+/// A pool whose servers want an API key (llama-server `--api-key`) and whose models come
+/// from the pods' `/v1/models`: discovery sends the scrape token too, so the pod is
+/// published with the model it lists (not as serving any model) and scraped healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_reads_models_with_the_scrape_token() {
+    let (api, pools, pods) = fake_api_with_pool_and_pods().await;
+    let port = common_port(&["127.0.0.2"]);
+    let _a = model_server_with_key(
+        format!("127.0.0.2:{port}").parse().unwrap(),
+        &[LLAMA],
+        0.25,
+        Some("pod-key"),
+    )
+    .await;
+    let mut pool = fixture("inferencepool.json");
+    pool["spec"]["targetPorts"] = json!([{ "number": port }]);
+    api.apply(&pools, pool);
+    api.apply(&pods, vllm_pod("pod-a", "127.0.0.2", true, 0));
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("api-key");
+    std::fs::write(&key, "pod-key\n").unwrap();
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 200\n  token_file: {}\npush:\n  heartbeat_ms: 100\n\
+         kubernetes:\n  api_server: {}\n  inference_pools:\n    - namespace: default\n      name: {POOL}\n      kind: vllm\n      cluster: llama_8b\n",
+        key.display(),
+        api.url()
+    );
+    let cp = ControlPlane::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    wait_endpoints(
+        &cp,
+        &[endpoint("pod-a", "127.0.0.2", port, &[LLAMA])],
+        "pod-a with the model its /v1/models lists",
+    )
+    .await;
+    wait_for(WAIT, "pod-a scraped healthy", || {
+        snapshot(&cp).is_some_and(|s| {
+            s.endpoints
+                .iter()
+                .map(|e| (e.id.clone(), e.healthy, e.kv_usage))
+                .eq([(format!("{POOL}/pod-a"), true, Some(0.25))])
+        })
     })
     .await;
     cp.shutdown().await;

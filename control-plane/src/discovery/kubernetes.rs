@@ -221,10 +221,12 @@ impl<K> Mirror<K> {
 }
 
 /// Watch `pool` until `shutdown`, publishing its endpoints into slot [`slot`] of `out`.
+/// Pods' `/v1/models` are read with the current scrape token from `token`.
 pub async fn run_pool(
     client: kube::Client,
     pool: PoolWatch,
     http: ScrapeClient,
+    token: crate::token::TokenRx,
     out: Arc<Merged<EndpointSpec>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -317,8 +319,16 @@ pub async fn run_pool(
                 }
                 let base = format!("{}://{}", pool.scheme, PodView::address(ip, port));
                 let (http, tx, pod) = (http.clone(), models_tx.clone(), p.name.clone());
+                let bearer = token.borrow().clone();
                 tokio::spawn(async move {
-                    let m = match super::models::fetch(&http, &base, MODELS_TIMEOUT).await {
+                    let m = match super::models::fetch(
+                        &http,
+                        &base,
+                        bearer.as_deref(),
+                        MODELS_TIMEOUT,
+                    )
+                    .await
+                    {
                         Ok(m) => m,
                         Err(e) => {
                             tracing::warn!(%pod, error = %e, "cannot read /v1/models; publishing the pod as serving any model");

@@ -63,17 +63,23 @@ pub fn parse(body: &[u8]) -> Result<Vec<String>, ModelsError> {
     Ok(out)
 }
 
-/// GET `<base>/v1/models` within `timeout`.
+/// GET `<base>/v1/models` within `timeout`; with `token` (the scrape token,
+/// `scrape.token_file` / `scrape.token_env`) the request carries `Authorization: Bearer`,
+/// as the scrapes do: llama-server started with `--api-key` answers this path 401 without it.
 pub async fn fetch(
     client: &ScrapeClient,
     base: &str,
+    token: Option<&str>,
     timeout: Duration,
 ) -> Result<Vec<String>, ModelsError> {
     let url: http::Uri = format!("{base}/v1/models")
         .parse()
         .map_err(|e: http::uri::InvalidUri| ModelsError::Connect(e.to_string()))?;
-    let req = http::Request::get(url)
-        .header(http::header::ACCEPT, "application/json")
+    let mut req = http::Request::get(url).header(http::header::ACCEPT, "application/json");
+    if let Some(t) = token {
+        req = req.header(http::header::AUTHORIZATION, crate::token::bearer(t));
+    }
+    let req = req
         .body(Empty::<Bytes>::new())
         .map_err(|e| ModelsError::Connect(e.to_string()))?;
     let fut = async {
