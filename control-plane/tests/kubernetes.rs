@@ -155,18 +155,16 @@ async fn wait_endpoints(cp: &ControlPlane, want: &[EndpointSpec], what: &str) {
 
 /// A fake API server with empty InferencePool and Pod collections in `default`, and their
 /// paths.
-fn fake_api_with_pool_and_pods() -> impl std::future::Future<Output = (FakeKube, String, String)> {
-    async {
-        let api = FakeKube::start().await;
-        let (pools, pods) = (pools_path("default"), pods_path("default"));
-        api.collection(
-            &pools,
-            "InferencePoolList",
-            "inference.networking.k8s.io/v1",
-        );
-        api.collection(&pods, "PodList", "v1");
-        (api, pools, pods)
-    }
+async fn fake_api_with_pool_and_pods() -> (FakeKube, String, String) {
+    let api = FakeKube::start().await;
+    let (pools, pods) = (pools_path("default"), pods_path("default"));
+    api.collection(
+        &pools,
+        "InferencePoolList",
+        "inference.networking.k8s.io/v1",
+    );
+    api.collection(&pods, "PodList", "v1");
+    (api, pools, pods)
 }
 
 fn snapshot(cp: &ControlPlane) -> Option<Snapshot> {
