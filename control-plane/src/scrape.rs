@@ -393,13 +393,17 @@ impl Warner {
 /// What to tell the operator a failure means for routing. An unreachable endpoint is down
 /// only from its [`crate::hub::DOWN_AFTER_UNREACHABLE`]th connection failure in a row, so
 /// the line says so rather than read as "down" at the first.
-fn consequence(class: FailureClass) -> &'static str {
-    // Keep the count in step with the constant (checked by a test below).
-    const UNREACHABLE: &str = "marked down after 2 connection failures in a row";
+fn consequence(class: FailureClass) -> std::borrow::Cow<'static, str> {
     match class {
-        FailureClass::Stale => "stats are stale: routed with lower priority, not marked down",
-        FailureClass::Unreachable => UNREACHABLE,
-        FailureClass::NotReady => "marked down until it answers with its metrics",
+        FailureClass::Stale => {
+            "stats are stale: routed with lower priority, not marked down".into()
+        }
+        FailureClass::Unreachable => format!(
+            "marked down after {} connection failures in a row",
+            crate::hub::DOWN_AFTER_UNREACHABLE
+        )
+        .into(),
+        FailureClass::NotReady => "marked down until it answers with its metrics".into(),
     }
 }
 
@@ -565,6 +569,7 @@ mod tests {
     #[test]
     fn the_unreachable_warning_states_the_down_threshold() {
         let line = consequence(FailureClass::Unreachable);
+        assert!(line.contains("after 2 connection failures"), "{line}");
         assert_eq!(
             line,
             format!(

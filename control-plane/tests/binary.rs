@@ -15,6 +15,36 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvroute-cp");
 
+/// `kvroute-cp --config <cfg> --check [--envoy-config <envoy>]` with `KVROUTE_INGEST_TOKEN`
+/// and every variable of `env` removed, then each set where `env` gives it a value: the
+/// exit code, stdout and stderr.
+fn run_check(
+    cfg: &std::path::Path,
+    envoy: Option<&std::path::Path>,
+    env: &[(&str, Option<&str>)],
+) -> (Option<i32>, String, String) {
+    let mut c = Command::new(BIN);
+    c.arg("--config")
+        .arg(cfg)
+        .arg("--check")
+        .env_remove("KVROUTE_INGEST_TOKEN");
+    if let Some(e) = envoy {
+        c.arg("--envoy-config").arg(e);
+    }
+    for (k, v) in env {
+        c.env_remove(k);
+        if let Some(v) = v {
+            c.env(k, v);
+        }
+    }
+    let out = c.output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 struct Guard(Child);
 impl Drop for Guard {
     fn drop(&mut self) {
@@ -85,21 +115,8 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
     std::fs::write(&envoy, &example).unwrap();
     let check = |yaml: &str, token: Option<&str>| {
         std::fs::write(&cfg, yaml).unwrap();
-        let mut c = Command::new(BIN);
-        c.arg("--config")
-            .arg(&cfg)
-            .arg("--check")
-            .arg("--envoy-config")
-            .arg(&envoy)
-            .env_remove("KVROUTE_INGEST_TOKEN");
-        if let Some(t) = token {
-            c.env("KVROUTE_INGEST_TOKEN", t);
-        }
-        let out = c.output().unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-        )
+        let (code, stdout, _) = run_check(&cfg, Some(&envoy), &[("KVROUTE_INGEST_TOKEN", token)]);
+        (code, stdout)
     };
     let base = "targets:\n  - name: envoy-0\n    url: http://127.0.0.1:10001/kvroute/v1/snapshot\n\
                 pools:\n  - name: llama\n    endpoints:\n      - name: a\n        address: 127.0.0.1:8001\n        cluster: vllm-a\n";
@@ -172,21 +189,7 @@ fn check_reports_the_scrape_token_source() {
     let cfg = dir.path().join("cp.yaml");
     let check = |yaml: &str, token: Option<&str>| {
         std::fs::write(&cfg, yaml).unwrap();
-        let mut c = Command::new(BIN);
-        c.arg("--config")
-            .arg(&cfg)
-            .arg("--check")
-            .env_remove("KVROUTE_INGEST_TOKEN")
-            .env_remove(VAR);
-        if let Some(t) = token {
-            c.env(VAR, t);
-        }
-        let out = c.output().unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        run_check(&cfg, None, &[(VAR, token)])
     };
     let yaml = format!("scrape:\n  token_env: {VAR}\npools: []\n");
     let ingest = "note: ingest token: none found in environment variable `KVROUTE_INGEST_TOKEN`; no targets, so none is needed\n";

@@ -585,6 +585,24 @@ mod tests {
             .with_body(body)
     }
 
+    /// `GET /v1/models` on stream `ctx`, which the filter answers itself from the snapshot:
+    /// its one local reply.
+    fn model_list_reply(
+        h: &MockHost,
+        w: &Rc<RefCell<Worker>>,
+        ctx: u32,
+    ) -> crate::host::mock::LocalReply {
+        let r = h
+            .sibling()
+            .with_header(":path", "/v1/models")
+            .with_header(":method", "GET");
+        let mut s = Stream::new(w.clone(), ctx);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
+        let replies = r.replies();
+        assert_eq!(replies.len(), 1);
+        replies[0].clone()
+    }
+
     /// A one-message chat request for `model` on stream `ctx`, which the filter answers
     /// itself (it must pause): its one local reply.
     fn local_reply_to(
@@ -756,13 +774,8 @@ mod tests {
             assert_eq!(h.metric(metric::NO_ENDPOINTS), 1);
             assert_eq!(send("other", 3).status, 404);
             assert_eq!(h.metric(metric::MODEL_NOT_FOUND), 1);
-            let r = h
-                .sibling()
-                .with_header(":path", "/v1/models")
-                .with_header(":method", "GET");
-            let mut s = Stream::new(w.clone(), 4);
-            assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
-            let v: serde_json::Value = serde_json::from_slice(&r.replies()[0].body).unwrap();
+            let v: serde_json::Value =
+                serde_json::from_slice(&model_list_reply(&h, &w, 4).body).unwrap();
             let ids: Vec<&str> = v["data"]
                 .as_array()
                 .unwrap()
@@ -778,16 +791,10 @@ mod tests {
         let mut lora = ep(1, 0.1);
         lora.lora_adapters = vec!["sql".into()];
         let (h, w) = setup("{}", vec![ep(0, 0.1), lora]);
-        let r = h
-            .sibling()
-            .with_header(":path", "/v1/models")
-            .with_header(":method", "GET");
-        let mut s = Stream::new(w.clone(), 2);
-        assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
-        let rep = r.replies();
-        assert_eq!(rep.len(), 1);
-        assert_eq!(rep[0].status, 200);
-        let v: serde_json::Value = serde_json::from_slice(&rep[0].body).unwrap();
+        // One reply (the helper asserts it), from the snapshot.
+        let rep = model_list_reply(&h, &w, 2);
+        assert_eq!(rep.status, 200);
+        let v: serde_json::Value = serde_json::from_slice(&rep.body).unwrap();
         let ids: Vec<&str> = v["data"]
             .as_array()
             .unwrap()
