@@ -5,7 +5,7 @@ use super::ports::PortPlan;
 use super::DemoError;
 use kvroute_core::picker::PolicyKind;
 use kvroute_cp::{Config, ControlPlane};
-use kvroute_integration::harness::{free_port, render, templates, wasm_path, Envoy};
+use kvroute_integration::harness::{free_port, render, templates, wasm_path, Envoy, PORT_ATTEMPTS};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -179,6 +179,34 @@ fn any_port(p: u16) -> Result<u16, DemoError> {
     })
 }
 
+/// Start Envoy on the config `yaml(listen, ingest)` renders. A port given as 0 is chosen
+/// free ([`free_port`]) and chosen again, up to [`PORT_ATTEMPTS`] starts in all, when Envoy
+/// exits because it is taken: between the choice and Envoy's bind another process, or
+/// Envoy's own OS-chosen admin port, can take it. `ingest: None` (round robin) has no
+/// ingest listener (`yaml` gets 0). A port given explicitly is never changed: taken, it
+/// fails at once (the demo refuses taken explicit ports before it starts, `ports.rs`).
+async fn start_envoy(
+    listen: u16,
+    ingest: Option<u16>,
+    concurrency: u32,
+    mut yaml: impl FnMut(u16, u16) -> Result<String, DemoError>,
+) -> Result<(Envoy, u16, u16), DemoError> {
+    let chosen = listen == 0 || ingest == Some(0);
+    let mut attempt = 1;
+    loop {
+        let l = any_port(listen)?;
+        let i = match ingest {
+            Some(p) => any_port(p)?,
+            None => 0,
+        };
+        match Envoy::start(&yaml(l, i)?, concurrency).await {
+            Ok(envoy) => return Ok((envoy, l, i)),
+            Err(e) if chosen && e.is_port_taken() && attempt < PORT_ATTEMPTS => attempt += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 fn token() -> String {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -221,22 +249,24 @@ impl Gateway {
     /// wait (up to [`SNAPSHOT_DEADLINE`]) until the filter has published a snapshot in
     /// which every backend is healthy, so the first request is routed on real stats.
     pub async fn start(backends: &[Backend], opts: &GatewayOptions) -> Result<Self, DemoError> {
-        let listen_port = any_port(opts.ports.listen)?;
         let addrs: Vec<String> = backends.iter().map(|b| b.address.to_string()).collect();
         let all = templates::static_cluster("all", &addrs);
         let timeout = opts.timeout_s.to_string();
         match opts.routing {
             Routing::RoundRobin => {
-                let yaml = render(
-                    ROUND_ROBIN_TEMPLATE,
-                    &[
-                        ("LISTEN_PORT", listen_port.to_string()),
-                        ("TIMEOUT_S", timeout),
-                        ("CLUSTERS", all),
-                    ],
-                )
-                .map_err(|e| DemoError::Sim(e.to_string()))?;
-                let envoy = Envoy::start(&yaml, opts.concurrency).await?;
+                let (envoy, listen_port, _) =
+                    start_envoy(opts.ports.listen, None, opts.concurrency, |listen, _| {
+                        render(
+                            ROUND_ROBIN_TEMPLATE,
+                            &[
+                                ("LISTEN_PORT", listen.to_string()),
+                                ("TIMEOUT_S", timeout.clone()),
+                                ("CLUSTERS", all.clone()),
+                            ],
+                        )
+                        .map_err(|e| DemoError::Sim(e.to_string()))
+                    })
+                    .await?;
                 Ok(Self {
                     envoy,
                     cp: None,
@@ -248,7 +278,6 @@ impl Gateway {
                 })
             }
             Routing::Kvroute(policy) => {
-                let ingest_port = any_port(opts.ports.ingest)?;
                 let token = token();
                 let mut clusters = templates::per_endpoint_clusters(&addrs);
                 clusters.push_str(&all);
@@ -275,24 +304,6 @@ impl Gateway {
                 };
                 let ingest_cfg =
                     serde_json::json!({"role": "ingest", "ingest_token": token}).to_string();
-                let yaml = render(
-                    KVROUTE_TEMPLATE,
-                    &[
-                        ("LISTEN_PORT", listen_port.to_string()),
-                        ("INGEST_PORT", ingest_port.to_string()),
-                        ("TIMEOUT_S", timeout),
-                        ("WASM", wasm_path().display().to_string()),
-                        ("PLUGIN_CONFIG", route_cfg),
-                        ("INGEST_CONFIG", ingest_cfg),
-                        ("CLUSTERS", clusters),
-                        // A JSON string is a YAML double-quoted scalar: any path.
-                        (
-                            "ACCESS_LOG_PATH",
-                            serde_json::Value::String(access_log).to_string(),
-                        ),
-                    ],
-                )
-                .map_err(|e| DemoError::Sim(e.to_string()))?;
                 let wasm = wasm_path();
                 if !wasm.is_file() {
                     return Err(DemoError::NotReady(format!(
@@ -300,7 +311,30 @@ impl Gateway {
                         wasm.display()
                     )));
                 }
-                let envoy = Envoy::start(&yaml, opts.concurrency).await?;
+                // A JSON string is a YAML double-quoted scalar: any path.
+                let access_log = serde_json::Value::String(access_log).to_string();
+                let (envoy, listen_port, ingest_port) = start_envoy(
+                    opts.ports.listen,
+                    Some(opts.ports.ingest),
+                    opts.concurrency,
+                    |listen, ingest| {
+                        render(
+                            KVROUTE_TEMPLATE,
+                            &[
+                                ("LISTEN_PORT", listen.to_string()),
+                                ("INGEST_PORT", ingest.to_string()),
+                                ("TIMEOUT_S", timeout.clone()),
+                                ("WASM", wasm.display().to_string()),
+                                ("PLUGIN_CONFIG", route_cfg.clone()),
+                                ("INGEST_CONFIG", ingest_cfg.clone()),
+                                ("CLUSTERS", clusters.clone()),
+                                ("ACCESS_LOG_PATH", access_log.clone()),
+                            ],
+                        )
+                        .map_err(|e| DemoError::Sim(e.to_string()))
+                    },
+                )
+                .await?;
                 let token_file = std::env::temp_dir().join(format!(
                     "kvroute-demo-{}-{ingest_port}.token",
                     std::process::id()

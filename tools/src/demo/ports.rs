@@ -4,7 +4,8 @@
 //! [`DEFAULT_BASE_PORT`]): Envoy's listener `B`, the filter's ingest listener `B+1`,
 //! kvroute-cp's own HTTP server `B+2`, backend *i* `B+10+i`. Each can be overridden
 //! (`--listen-port`, `--ingest-port`, `--cp-port`, `--backend-port`). Port 0 means
-//! "any free port" (tests use it); Envoy's listeners then get [`kvroute_integration::harness::free_port`].
+//! "any free port" (tests use it); Envoy's listeners then get [`kvroute_integration::harness::free_port`],
+//! chosen again when Envoy finds one taken at start (`gateway::start_envoy`).
 //! Envoy's admin interface always binds an OS-chosen port.
 
 use super::DemoError;
