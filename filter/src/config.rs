@@ -32,6 +32,15 @@ pub enum Mode {
     Endpoint,
 }
 
+/// Default `admission.max_queue_bytes`: 8 MiB, bytes. Wasm memory never shrinks, and the
+/// target is at most 32 MiB per worker (issue 13): the worst high-water mark measured with
+/// admission off is 20.0 MiB (16 KiB bodies, `make bench-overhead`; docs/overhead.md,
+/// "Results (2-core machine, 2026-12-02)"), and besides what the queue holds, one body up to
+/// `max_body_bytes` (default 4 MiB) is in memory as it is read (or, in the tick, as the head
+/// of the queue is re-decided), so 20 + 8 + 4 = 32 MiB. Without this bound the default 64
+/// entries of 4 MiB bodies could hold 256 MiB.
+pub const DEFAULT_MAX_QUEUE_BYTES: usize = 8 * 1024 * 1024;
+
 /// Admission control (see `kvroute_core::admission`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -40,6 +49,12 @@ pub struct AdmissionConfig {
     pub enabled: bool,
     /// Most requests held per Envoy worker (default 64).
     pub max_queue: usize,
+    /// Most bytes of held requests per Envoy worker: the bodies and paths the filter copies
+    /// into Wasm memory to park them, bytes (default 8 MiB, [`DEFAULT_MAX_QUEUE_BYTES`]; at
+    /// least 1 when enabled). A saturated request that would pass it, or `max_queue`, is
+    /// answered 429 at once; a body larger than it is never held (a body over
+    /// `max_body_bytes` is not read, so it counts its path only).
+    pub max_queue_bytes: usize,
     /// Longest hold before a 429, milliseconds (default 5000).
     pub timeout_ms: u64,
     /// How often held requests are retried, milliseconds (default 50).
@@ -53,6 +68,7 @@ impl Default for AdmissionConfig {
         Self {
             enabled: false,
             max_queue: 64,
+            max_queue_bytes: DEFAULT_MAX_QUEUE_BYTES,
             timeout_ms: 5_000,
             tick_ms: 50,
             retry_after_s: 1,
@@ -283,6 +299,13 @@ impl TryFrom<RawConfig> for Config {
                 "must be at least 1 when enabled",
             ));
         }
+        if raw.admission.enabled && raw.admission.max_queue_bytes == 0 {
+            return Err(invalid(
+                "admission.max_queue_bytes",
+                0,
+                "must be at least 1 when enabled",
+            ));
+        }
         if raw.admission.tick_ms == 0 {
             return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
         }
@@ -347,6 +370,8 @@ mod tests {
         assert_eq!(c.cluster_header, "x-kvroute-cluster");
         assert_eq!(c.endpoint_header, "x-gateway-destination-endpoint");
         assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
+        assert_eq!(c.admission.max_queue, 64);
+        assert_eq!(c.admission.max_queue_bytes, 8_388_608);
         assert!(c.fail_open);
         assert_eq!(Config::parse(b"{}").unwrap().0, RawConfig::default());
     }
@@ -360,7 +385,7 @@ mod tests {
             "reservation_ttl_ms":5,"picker":{"policy":"least_kv","stale_after_ms":100},
             "estimator":{},"prefix":{"block_chars":32,"max_blocks":8},"prefix_index_blocks":9,
             "models":[],"calibrate":false,
-            "admission":{"enabled":true,"max_queue":2,"timeout_ms":3,"tick_ms":4,"retry_after_s":5},
+            "admission":{"enabled":true,"max_queue":2,"max_queue_bytes":6,"timeout_ms":3,"tick_ms":4,"retry_after_s":5},
             "fail_open":false,"debug_header":true,"usage_tail_bytes":100,
             "share_affinity":false,"share_learning":false,"affinity_sync_ms":0}"#,
         )
@@ -372,6 +397,7 @@ mod tests {
         assert_eq!(c.mode, Mode::Endpoint);
         assert_eq!(c.router.picker.stale_after_ms, 100);
         assert_eq!(c.admission.max_queue, 2);
+        assert_eq!(c.admission.max_queue_bytes, 6);
         assert_eq!(c.router.prefix.block_chars, 32);
         assert_eq!(c.router.prefix.max_blocks, 8);
         assert_eq!(c.router.prefix_index_blocks, 9);
@@ -411,6 +437,18 @@ mod tests {
             (
                 r#"{"admission":{"enabled":true,"max_queue":0}}"#,
                 "field `admission.max_queue`",
+            ),
+            (
+                r#"{"admission":{"enabled":true,"max_queue_bytes":0}}"#,
+                "field `admission.max_queue_bytes`",
+            ),
+            (
+                r#"{"admission":{"max_queue_bytes":-1}}"#,
+                "invalid value: integer `-1`",
+            ),
+            (
+                r#"{"admission":{"max_queue_byte":1}}"#,
+                "unknown field `max_queue_byte`",
             ),
             (
                 r#"{"admission":{"tick_ms":0}}"#,
@@ -481,6 +519,31 @@ mod tests {
             err.contains("`hybrid`") && err.contains("`predicted_ttft`"),
             "{err}"
         );
+    }
+
+    /// `admission.max_queue_bytes` 0 would refuse every parked body: with admission on it is
+    /// a config error naming the field; with admission off nothing is held, so it is unused
+    /// and accepted (as `max_queue` 0 is).
+    #[test]
+    fn max_queue_bytes_zero_is_an_error_only_when_enabled() {
+        assert_eq!(
+            Config::parse(br#"{"admission":{"enabled":true,"max_queue_bytes":0}}"#).unwrap_err(),
+            ConfigError::Invalid {
+                field: "admission.max_queue_bytes".into(),
+                value: "0".into(),
+                reason: "must be at least 1 when enabled",
+            }
+        );
+        assert_eq!(
+            Config::parse(br#"{"admission":{"enabled":true,"max_queue_bytes":0}}"#)
+                .unwrap_err()
+                .to_string(),
+            "kvroute plugin config field `admission.max_queue_bytes` = 0: must be at least 1 when enabled"
+        );
+        let off = Config::parse(br#"{"admission":{"max_queue_bytes":0}}"#).unwrap();
+        assert_eq!(off.admission.max_queue_bytes, 0);
+        let one = Config::parse(br#"{"admission":{"enabled":true,"max_queue_bytes":1}}"#).unwrap();
+        assert_eq!(one.admission.max_queue_bytes, 1);
     }
 
     #[test]

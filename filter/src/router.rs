@@ -100,6 +100,15 @@ pub struct Parked {
     pub body: Vec<u8>,
 }
 
+impl Parked {
+    /// What holding a request with this `path` and `body` costs in Wasm memory, counted
+    /// against `admission.max_queue_bytes`: the lengths of the body and path the queue
+    /// copies, bytes.
+    pub fn bytes_of(path: &str, body: &[u8]) -> usize {
+        body.len().saturating_add(path.len())
+    }
+}
+
 /// What one [`Worker::sync`] did, per shared journal (`None`: not shared, or its sync
 /// failed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -227,7 +236,8 @@ impl Worker {
         router.share_affinity(config.share_affinity);
         router.share_learning(config.share_learning);
         router.set_explain(config.decision_record);
-        let admission = AdmissionQueue::new(config.admission.max_queue);
+        let admission =
+            AdmissionQueue::new(config.admission.max_queue, config.admission.max_queue_bytes);
         let mut rng = fastrand::Rng::with_seed(seed);
         Ok(Self {
             router,

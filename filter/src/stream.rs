@@ -249,15 +249,22 @@ impl Stream {
             }
             Decision::NoCapacity { priority, size } => {
                 if admission.enabled {
-                    let parked = Parked {
-                        context_id: self.context_id,
-                        path: self.path.clone(),
-                        body: body.map(|b| b.to_vec()).unwrap_or_default(),
-                    };
+                    let body = body.unwrap_or_default();
+                    let bytes = Parked::bytes_of(&self.path, body);
                     let now = host.now_ms();
                     let pushed = {
                         let mut w = self.worker.borrow_mut();
-                        let r = w.admission.push(parked, priority, size, now);
+                        // Checked before the copy: a refused body is never copied.
+                        let r = w.admission.admits(bytes).and_then(|_| {
+                            let parked = Parked {
+                                context_id: self.context_id,
+                                path: self.path.clone(),
+                                body: body.to_vec(),
+                            };
+                            w.admission
+                                .push(parked, priority, size, bytes, now)
+                                .map_err(|e| e.bound)
+                        });
                         host.metric_record(
                             MetricKind::Gauge,
                             metric::QUEUE_LENGTH,
@@ -265,10 +272,18 @@ impl Stream {
                         );
                         r
                     };
-                    if pushed.is_ok() {
-                        host.metric_add(MetricKind::Counter, metric::QUEUED, 1);
-                        self.queued = true;
-                        return Flow::Pause;
+                    match pushed {
+                        Ok(()) => {
+                            host.metric_add(MetricKind::Counter, metric::QUEUED, 1);
+                            self.queued = true;
+                            return Flow::Pause;
+                        }
+                        Err(bound) => host.log(
+                            Level::Debug,
+                            &format!(
+                                "kvroute: saturated, not held: admission queue is full ({bound})"
+                            ),
+                        ),
                     }
                 }
                 host.metric_add(MetricKind::Counter, metric::REJECTED, 1);
@@ -1282,6 +1297,80 @@ mod tests {
         assert_eq!(w.borrow().admission.len(), 0);
     }
 
+    /// `admission.max_queue_bytes` bounds the bytes the queue copies (body + path): with
+    /// 1000 bytes, one 580-byte body on `/v1/chat/completions` (20 bytes) holds 600, a
+    /// second one would make 1200 and is answered 429 at once, while an 82-byte one still
+    /// fits (702). The tick then serves both held ones and the count returns to 0.
+    #[test]
+    fn queue_byte_bound_refuses_a_large_body_but_holds_a_small_one() {
+        let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5},
+            "admission":{"enabled":true,"max_queue":4,"max_queue_bytes":1000,"timeout_ms":1000}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95)]);
+        let large = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}],"max_tokens":10}}"#,
+            "x".repeat(509)
+        );
+        assert_eq!((large.len(), BODY.len()), (580, 82));
+        // (requests, bytes) held.
+        let queued = |w: &Rc<RefCell<Worker>>| {
+            let w = w.borrow();
+            (w.admission.len(), w.admission.held_bytes())
+        };
+        let park = |ctx: u32, body: &[u8]| {
+            let r = request(&h, "/v1/chat/completions", body);
+            let mut s = Stream::new(w.clone(), ctx);
+            assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+            assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+            (r, s)
+        };
+
+        let (r1, _s1) = park(10, large.as_bytes());
+        assert_eq!(queued(&w), (1, 600));
+        assert_eq!(r1.replies().len(), 0);
+
+        let (r2, _s2) = park(11, large.as_bytes());
+        let replies = r2.replies();
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].status, 429);
+        assert!(replies[0]
+            .headers
+            .contains(&("retry-after".into(), "1".into())));
+        assert_eq!(
+            String::from_utf8(replies[0].body.clone()).unwrap(),
+            reply::saturated(1).body
+        );
+        assert_eq!(
+            h.logs.borrow().last().map(String::as_str),
+            Some(
+                "kvroute: saturated, not held: admission queue is full \
+                 (600 of 1000 bytes held, 600 more do not fit)"
+            )
+        );
+        assert_eq!(queued(&w), (1, 600));
+
+        let (r3, _s3) = park(12, BODY);
+        assert_eq!(r3.replies().len(), 0, "the small one is held");
+        assert_eq!(queued(&w), (2, 702));
+        assert_eq!(h.metric(metric::QUEUED), 2);
+        assert_eq!(h.metric(metric::REJECTED), 1);
+        assert_eq!(h.metric(metric::QUEUE_LENGTH), 2);
+
+        // Capacity frees: the tick serves both, the smaller job first.
+        shared::publish_snapshot(&h, &Snapshot::new(2, NOW, vec![ep(0, 0.1)]).encode()).unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 2);
+        assert_eq!(
+            h.ctx_events.borrow().clone(),
+            vec![(12, "resume".to_string()), (10, "resume".to_string())]
+        );
+        assert_eq!(queued(&w), (0, 0));
+        // Room again for the large body.
+        shared::publish_snapshot(&h, &Snapshot::new(3, NOW, vec![ep(0, 0.95)]).encode()).unwrap();
+        let (r4, _s4) = park(13, large.as_bytes());
+        assert_eq!(r4.replies().len(), 0);
+        assert_eq!(queued(&w), (1, 600));
+        assert_eq!(h.metric(metric::QUEUED), 3);
+    }
+
     #[test]
     fn saturated_without_admission_is_an_immediate_429() {
         let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5}}"#;
@@ -1374,6 +1463,11 @@ mod tests {
         assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
         assert_eq!(s.on_request_body(&r, 20, false), Flow::Pause);
         assert_eq!(w.borrow().admission.len(), 1, "parked");
+        assert_eq!(
+            w.borrow().admission.held_bytes(),
+            20,
+            "`/v1/chat/completions` only: the body was not read"
+        );
         assert_eq!(s.on_request_body(&r, 40, false), Flow::Pause);
         assert_eq!(s.on_request_trailers(&r), Flow::Pause);
         // Capacity frees: the tick resumes it; the rest of the body then flows.
