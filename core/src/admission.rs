@@ -181,6 +181,13 @@ impl<T> AdmissionQueue<T> {
         self.entries.values().next().map(|e| &e.item)
     }
 
+    /// The next item to serve, mutably, without removing it: a caller can move its
+    /// contents out while it works on them and put them back, with no copy (its byte count,
+    /// given at push, stays what it was).
+    pub fn peek_mut(&mut self) -> Option<&mut T> {
+        self.entries.values_mut().next().map(|e| &mut e.item)
+    }
+
     /// Remove and return the next item to serve.
     pub fn pop(&mut self) -> Option<T> {
         let key = *self.entries.keys().next()?;

@@ -36,8 +36,8 @@ pub enum Mode {
 /// target is at most 32 MiB per worker (issue 13): the worst high-water mark measured with
 /// admission off is 20.0 MiB (16 KiB bodies, `make bench-overhead`; docs/overhead.md,
 /// "Results (2-core machine, 2026-12-02)"), and besides what the queue holds, one body up to
-/// `max_body_bytes` (default 4 MiB) is in memory as it is read (or, in the tick, as the head
-/// of the queue is re-decided), so 20 + 8 + 4 = 32 MiB. Without this bound the default 64
+/// `max_body_bytes` (default 4 MiB) is in memory as it is read (the tick re-decides the
+/// queue's head in place, with no copy), so 20 + 8 + 4 = 32 MiB. Without this bound the default 64
 /// entries of 4 MiB bodies could hold 256 MiB.
 pub const DEFAULT_MAX_QUEUE_BYTES: usize = 8 * 1024 * 1024;
 

@@ -699,14 +699,27 @@ impl Worker {
             }
         }
         let mut resumed = 0;
-        while let Some(p) = self.admission.peek().cloned() {
+        // The head's path and body are moved out while it is re-decided and moved back if
+        // it stays parked: no copy of a body (up to `max_body_bytes`) per tick.
+        while let Some(head) = self.admission.peek_mut() {
+            let p = Parked {
+                context_id: head.context_id,
+                path: std::mem::take(&mut head.path),
+                body: std::mem::take(&mut head.body),
+            };
             if !host.set_effective_context(p.context_id) {
                 self.admission.pop();
                 continue;
             }
             let body = (!p.body.is_empty()).then_some(p.body.as_slice());
             match self.decide(host, &p.path, body, now) {
-                Decision::NoCapacity { .. } => break,
+                Decision::NoCapacity { .. } => {
+                    if let Some(head) = self.admission.peek_mut() {
+                        head.path = p.path;
+                        head.body = p.body;
+                    }
+                    break;
+                }
                 Decision::Route(mut routed) => {
                     self.admission.pop();
                     let held = self.apply_route(host, &mut routed);

@@ -1262,6 +1262,19 @@ mod tests {
         assert!(r.replies().is_empty());
         assert_eq!(h.metric(metric::QUEUED), 1);
         assert_eq!(w.borrow_mut().tick(&h), 0, "still saturated");
+        // Re-decided in place: the head keeps its path and body, and its bytes.
+        assert_eq!(
+            w.borrow().admission.peek(),
+            Some(&Parked {
+                context_id: 7,
+                path: "/v1/chat/completions".into(),
+                body: BODY.to_vec(),
+            })
+        );
+        assert_eq!(
+            w.borrow().admission.held_bytes(),
+            "/v1/chat/completions".len() + BODY.len()
+        );
         // Capacity frees up: the next tick resumes the request on e1.
         shared::publish_snapshot(
             &h,
