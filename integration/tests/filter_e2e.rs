@@ -308,7 +308,8 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     let fleet = Fleet::start(FleetOptions {
         route_config: concat!(
             r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
-            r#""admission":{"enabled":true,"timeout_ms":1500,"tick_ms":20,"retry_after_s":2}"#
+            r#""admission":{"enabled":true,"timeout_ms":1500,"tick_ms":20,"retry_after_s":2,"#,
+            r#""max_queue_bytes":4096}"#
         )
         .into(),
         ..FleetOptions::default()
@@ -349,6 +350,17 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
         r#"{"error":{"code":"saturated","message":"Every endpoint serving this model is out of KV-cache capacity; retry later.","param":null,"type":"rate_limit_error"}}"#
     );
     assert!(started.elapsed() >= std::time::Duration::from_millis(1400));
+    assert_eq!(fleet.counts(), vec![0, 1]);
+
+    // A body past `max_queue_bytes` (4 KiB) is not held: 429 at once, nothing copied.
+    let started = std::time::Instant::now();
+    let r = fleet
+        .post("/v1/chat/completions", &chat(&"long ".repeat(1000)))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("2"));
+    assert!(started.elapsed() < std::time::Duration::from_millis(1000));
     assert_eq!(fleet.counts(), vec![0, 1]);
 }
 
