@@ -24,7 +24,8 @@
 //!   (tokens: estimated prompt − prefix tokens the router expects cached on that endpoint,
 //!   [`crate::picker::uncached_prompt_tokens`]), recorded by
 //!   [`InflightTable::reserve_with_prefill`] and zeroed by [`InflightTable::first_token`]
-//!   when the response's first bytes arrive (prefill is over once a first token exists).
+//!   when the response's first token arrives (prefill is over once a first token exists;
+//!   [`crate::usage::FirstTokenScanner`] tells it from keep-alives in an event stream).
 //!   Unlike requests and KV tokens, pending prefill is a router-side fact no scrape reports
 //!   (model servers export queued request *counts*, not queued prompt tokens), so
 //!   [`InflightTable::unseen_totals`] sums it over **all** unexpired reservations. This is

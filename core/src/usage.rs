@@ -15,6 +15,12 @@
 //!
 //! Only events whose text contains `"usage"` are JSON-parsed, so ordinary token deltas cost a
 //! substring search, not a parse.
+//!
+//! A stream's **first token** is told apart from what a server or an intermediary sends
+//! before it by [`FirstTokenScanner`] (the rule is on its doc): SSE comments such as
+//! LiteLLM's `: ping` or OpenRouter's `: OPENROUTER PROCESSING` keep-alives, events without
+//! data, `data: [DONE]`, and the Responses API's `response.created` / `response.in_progress`
+//! events, which vLLM and OpenAI send before generation begins.
 
 use serde::Deserialize;
 
@@ -185,6 +191,231 @@ impl BodyFraming {
         } else {
             Some(Self::Other)
         }
+    }
+}
+
+/// The value of a `data` field that ends an OpenAI-style stream: no token.
+const DONE: &[u8] = b"[DONE]";
+
+/// `event` types the Responses API sends before generation begins: vLLM yields
+/// `response.created` and `response.in_progress` before it awaits the engine's first output
+/// (`vllm/entrypoints/openai/responses/serving.py`, `responses_stream_generator`), and
+/// OpenAI's API spec has `response.queued`, "emitted when a response is queued and waiting
+/// to be processed" (`ResponseQueuedEvent`,
+/// <https://platform.openai.com/docs/api-reference/responses-streaming>). Their data is the
+/// response object, not a token.
+const LIFECYCLE_EVENTS: [&[u8]; 3] = [
+    b"response.created",
+    b"response.in_progress",
+    b"response.queued",
+];
+
+/// Bytes of a field name or `event` value kept while a line is read: the longest of
+/// [`LIFECYCLE_EVENTS`] (`response.in_progress`, 20 bytes); a longer value is none of them.
+const FIRST_TOKEN_KEEP: usize = 20;
+
+/// Where [`FirstTokenScanner`] is within the current line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum LinePart {
+    /// At the start of a line.
+    #[default]
+    Start,
+    /// In the field name (kept while it can still be `data` or `event`).
+    Name,
+    /// Just past the name's `:`, where one space is skipped (SSE spec).
+    ValueStart,
+    /// In the value of a `data` or `event` field.
+    Value,
+    /// The rest of the line cannot matter: a comment, another field, or a value already
+    /// decided.
+    Skip,
+}
+
+/// The field of the line [`FirstTokenScanner`] is reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Field {
+    #[default]
+    Data,
+    Event,
+}
+
+/// Incremental SSE reader that says when a stream's first token has begun, fed the body
+/// chunk by chunk, in constant memory (the bytes of one field name or `event` value, at
+/// most 20).
+///
+/// **The rule.** The first token is the first `data` field, read as the WHATWG SSE spec
+/// reads lines (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>:
+/// lines end with CRLF, LF or CR; a line starting with `:` is a comment; the name ends at the
+/// first `:` and one space after it is skipped; a blank line ends the event), whose value is
+/// not empty and does not start with `[DONE]` (OpenAI's end marker; openai-python ends a
+/// stream on a value that starts with it), in an event whose `event` type, set by an
+/// `event` line before it, is none of the Responses API's lifecycle events
+/// (`response.created`, `response.in_progress`, `response.queued`: vLLM sends the first two
+/// before it awaits the engine's first output). So these are no token:
+/// - comments, which keep-alives are: LiteLLM's `: ping` while a slow upstream is still
+///   silent (`sse_keepalive_ping_interval_seconds`,
+///   <https://github.com/BerriAI/litellm/pull/37322>), OpenRouter's
+///   `: OPENROUTER PROCESSING` (<https://openrouter.ai/docs/api_reference/streaming>);
+/// - events of `event`, `id` or `retry` fields only (`event: ping`, `retry: 3000`), and
+///   fields the spec ignores (llama.cpp's `error:` lines);
+/// - `data: [DONE]` before any token: no token was generated;
+/// - `event: response.created` / `response.in_progress` / `response.queued` and their data.
+///
+/// A `data` value is decided by its first byte that is not the next byte of `[DONE]` (the
+/// first byte of a JSON token event), so a data line split across chunks is found in the
+/// chunk where its value begins; a value that is a proper prefix of `[DONE]` (`[DO`) is
+/// decided at its line's end. An `event` line after the `data` line of the same event does
+/// not undo a decision (servers send `event` first).
+#[derive(Debug, Clone, Default)]
+pub struct FirstTokenScanner {
+    part: LinePart,
+    field: Field,
+    /// The field name, or the `event` value, read so far (its first `len` bytes); for a
+    /// `data` value, `len` counts the bytes that match `[DONE]` so far.
+    kept: [u8; FIRST_TOKEN_KEEP],
+    len: usize,
+    /// The last byte was a CR: a LF right after it ends no second line.
+    cr: bool,
+    /// The current event's type is one of [`LIFECYCLE_EVENTS`].
+    lifecycle: bool,
+    found: bool,
+}
+
+impl FirstTokenScanner {
+    /// A scanner at the start of a stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feed the next body chunk; true once the stream has shown its first token (in this
+    /// chunk or an earlier one). Once true, later chunks are not looked at.
+    pub fn feed(&mut self, chunk: &[u8]) -> bool {
+        let mut i = 0;
+        while !self.found {
+            if self.part == LinePart::Skip {
+                // Straight to the line's end (never just after a CR: a CR ends the line).
+                match memchr::memchr2(b'\n', b'\r', chunk.get(i..).unwrap_or_default()) {
+                    Some(off) => i += off,
+                    None => break,
+                }
+            }
+            let Some(&b) = chunk.get(i) else { break };
+            i += 1;
+            self.byte(b);
+        }
+        self.found
+    }
+
+    /// True once the stream has shown its first token.
+    pub fn found(&self) -> bool {
+        self.found
+    }
+
+    fn byte(&mut self, b: u8) {
+        let after_cr = std::mem::replace(&mut self.cr, b == b'\r');
+        if b == b'\n' || b == b'\r' {
+            if !(b == b'\n' && after_cr) {
+                self.end_line();
+            }
+            return;
+        }
+        match self.part {
+            LinePart::Start if b == b':' => self.part = LinePart::Skip,
+            LinePart::Start | LinePart::Name => {
+                if b == b':' {
+                    self.start_value();
+                } else {
+                    self.part = LinePart::Name;
+                    self.keep(b, b"event".len());
+                }
+            }
+            LinePart::ValueStart => {
+                self.part = LinePart::Value;
+                if b != b' ' {
+                    self.value_byte(b);
+                }
+            }
+            LinePart::Value => self.value_byte(b),
+            LinePart::Skip => {}
+        }
+    }
+
+    /// Keep `b` as the next byte of the name or value, or skip the line once it has more
+    /// than `max` bytes (then it is no name or value that matters).
+    fn keep(&mut self, b: u8, max: usize) {
+        let slot = match self.len < max {
+            true => self.kept.get_mut(self.len),
+            false => None,
+        };
+        match slot {
+            Some(slot) => {
+                *slot = b;
+                self.len += 1;
+            }
+            None => self.part = LinePart::Skip,
+        }
+    }
+
+    fn kept(&self) -> &[u8] {
+        self.kept.get(..self.len).unwrap_or_default()
+    }
+
+    /// The name ended at a `:`.
+    fn start_value(&mut self) {
+        let field = match self.kept() {
+            b"data" if !self.lifecycle => Some(Field::Data),
+            b"event" => {
+                self.lifecycle = false;
+                Some(Field::Event)
+            }
+            // Another field, or the data of a lifecycle event.
+            _ => None,
+        };
+        self.len = 0;
+        match field {
+            Some(f) => {
+                self.field = f;
+                self.part = LinePart::ValueStart;
+            }
+            None => self.part = LinePart::Skip,
+        }
+    }
+
+    fn value_byte(&mut self, b: u8) {
+        match self.field {
+            Field::Data => {
+                if DONE.get(self.len) == Some(&b) {
+                    self.len += 1;
+                    if self.len == DONE.len() {
+                        self.part = LinePart::Skip;
+                    }
+                } else {
+                    self.found = true;
+                }
+            }
+            Field::Event => self.keep(b, FIRST_TOKEN_KEEP),
+        }
+    }
+
+    fn end_line(&mut self) {
+        match self.part {
+            // A blank line ends the event, and its type with it.
+            LinePart::Start => self.lifecycle = false,
+            // A name without `:` is a field with an empty value.
+            LinePart::Name if self.kept() == b"event" => self.lifecycle = false,
+            LinePart::ValueStart | LinePart::Value => match self.field {
+                // A non-empty proper prefix of `[DONE]` (a full one went to `Skip`).
+                Field::Data => {
+                    if self.len > 0 {
+                        self.found = true;
+                    }
+                }
+                Field::Event => self.lifecycle = LIFECYCLE_EVENTS.contains(&self.kept()),
+            },
+            LinePart::Name | LinePart::Skip => {}
+        }
+        self.part = LinePart::Start;
+        self.len = 0;
     }
 }
 
@@ -560,6 +791,227 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(event)
             );
+        }
+    }
+
+    /// What [`FirstTokenScanner::feed`] returned for each of `chunks`, fed in order.
+    fn first_token_by_chunk(chunks: &[&[u8]]) -> Vec<bool> {
+        let mut s = FirstTokenScanner::new();
+        chunks.iter().map(|c| s.feed(c)).collect()
+    }
+
+    #[test]
+    fn keep_alives_and_events_without_data_are_no_first_token() {
+        for (name, chunks, want) in [
+            (
+                "comment, then a token",
+                &[&b": ping\n\n"[..], b"data: {\"choices\":[]}\n\n"][..],
+                &[false, true][..],
+            ),
+            ("comment, CRLF", &[b":keep-alive\r\n\r\n"], &[false]),
+            ("empty comment", &[b":\n\n"], &[false]),
+            ("OpenRouter", &[b": OPENROUTER PROCESSING\n\n"], &[false]),
+            ("event only", &[b"event: ping\n\n"], &[false]),
+            ("retry only", &[b"retry: 3000\n\n"], &[false]),
+            ("id only", &[b"id: 7\n\n"], &[false]),
+            ("unknown field", &[b"error: {\"code\":500}\n\n"], &[false]),
+            ("longer name", &[b"dataxyz: {}\n\n"], &[false]),
+            ("indented name", &[b" data: {}\n\n"], &[false]),
+            ("done", &[b"data: [DONE]\n\n"], &[false]),
+            ("done, no space, CRLF", &[b"data:[DONE]\r\n\r\n"], &[false]),
+            ("done, unterminated", &[b"data: [DONE]"], &[false]),
+            ("done and more", &[b"data: [DONE] \n\n"], &[false]),
+            ("empty data", &[b"data:\n\n"], &[false]),
+            ("empty data after the space", &[b"data: \n\n"], &[false]),
+            ("data without colon", &[b"data\n\n"], &[false]),
+            (
+                "comment and token in one chunk",
+                &[b": ping\n\ndata: {}\n\n"],
+                &[true],
+            ),
+            (
+                "a ping event's data is data",
+                &[b"event: ping\ndata: {}\n\n"],
+                &[true],
+            ),
+            (
+                "two spaces: not the marker",
+                &[b"data:  [DONE]\n\n"],
+                &[true],
+            ),
+            ("CR line ends", &[b": ping\r\rdata: x\r\r"], &[true]),
+        ] {
+            assert_eq!(first_token_by_chunk(chunks), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_token_split_across_chunks_is_found_where_its_value_begins() {
+        for (name, chunks, want) in [
+            (
+                "inside the name",
+                &[&b"da"[..], b"ta: {\"x\":1}\n\n"][..],
+                &[false, true][..],
+            ),
+            (
+                "inside the value",
+                &[b"data: {\"ch", b"oices\":[]}\n\n"],
+                &[true, true],
+            ),
+            ("after the space", &[b"data: ", b"{}\n\n"], &[false, true]),
+            (
+                "before the space",
+                &[b"data:", b" [DONE]\n\n"],
+                &[false, false],
+            ),
+            (
+                "inside the marker",
+                &[b"data: [DO", b"NE]\n\n"],
+                &[false, false],
+            ),
+            (
+                "a marker's prefix only",
+                &[b"data: [DO", b"\n\n"],
+                &[false, true],
+            ),
+            ("CRLF split", &[b": ping\r", b"\ndata: x"], &[false, true]),
+            (
+                "CRLF split, blank line",
+                &[b": ping\r", b"\n\r\n"],
+                &[false, false],
+            ),
+            (
+                "comment then data in the next",
+                &[b": ping\n\n: ping\n", b"\ndata: {}", b"\n\n"],
+                &[false, true, true],
+            ),
+        ] {
+            assert_eq!(first_token_by_chunk(chunks), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn responses_api_lifecycle_events_are_no_first_token() {
+        let created = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"status\":\"in_progress\"}}\n\n";
+        let in_progress =
+            b"event: response.in_progress\r\ndata: {\"type\":\"response.in_progress\"}\r\n\r\n";
+        let delta = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n";
+        for (name, chunks, want) in [
+            (
+                "created, in progress, then a delta",
+                &[&created[..], in_progress, delta][..],
+                &[false, false, true][..],
+            ),
+            (
+                "queued, split in its type",
+                &[b"event: response.que", b"ued\ndata: {}\n\n"],
+                &[false, false],
+            ),
+            (
+                "its type ends with its event",
+                &[b"event: response.created\n\ndata: {}\n\n"],
+                &[true],
+            ),
+            (
+                "a longer type",
+                &[b"event: response.created.x\ndata: {}\n\n"],
+                &[true],
+            ),
+            (
+                "a later event line",
+                &[b"event: response.created\nevent: x\ndata: {}\n\n"],
+                &[true],
+            ),
+        ] {
+            assert_eq!(first_token_by_chunk(chunks), want, "{name}");
+        }
+    }
+
+    /// Where the first token of `body` is decided, read as a whole by the SSE spec's rules
+    /// (the oracle for [`FirstTokenScanner`]): the index of the first byte of the first
+    /// token's `data` value that does not continue `[DONE]`, or of its line's end when the
+    /// value is a proper prefix of it; `None` when the body shows no token.
+    fn first_token_oracle(body: &[u8]) -> Option<usize> {
+        // (start, end, index of the terminator) of each line.
+        let mut lines = Vec::new();
+        let (mut i, mut start) = (0, 0);
+        while i < body.len() {
+            match body[i] {
+                b'\n' | b'\r' => {
+                    lines.push((start, i, Some(i)));
+                    let crlf = body[i] == b'\r' && body.get(i + 1) == Some(&b'\n');
+                    i += if crlf { 2 } else { 1 };
+                    start = i;
+                }
+                _ => i += 1,
+            }
+        }
+        if start < body.len() {
+            lines.push((start, body.len(), None));
+        }
+        let mut lifecycle = false;
+        for (start, end, terminator) in lines {
+            let line = &body[start..end];
+            if line.is_empty() {
+                lifecycle = false;
+                continue;
+            }
+            if line[0] == b':' {
+                continue;
+            }
+            let (name, value) = match line.iter().position(|&b| b == b':') {
+                Some(p) => {
+                    let v = &line[p + 1..];
+                    (&line[..p], v.strip_prefix(b" ").unwrap_or(v))
+                }
+                None => (line, &b""[..]),
+            };
+            match name {
+                b"event" => lifecycle = LIFECYCLE_EVENTS.contains(&value),
+                b"data" if !lifecycle && !value.is_empty() && !value.starts_with(DONE) => {
+                    let at = end - value.len();
+                    return match (0..value.len()).find(|&j| !DONE.starts_with(&value[..=j])) {
+                        Some(j) => Some(at + j),
+                        None => terminator,
+                    };
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
+    proptest! {
+        /// However a stream of comments, data-less events, lifecycle events, `[DONE]` and
+        /// tokens, with any line ends, is cut into chunks, the scanner reports the first
+        /// token exactly from the chunk that holds the byte deciding it.
+        #[test]
+        fn first_token_is_found_in_the_chunk_that_decides_it(
+            lines in proptest::collection::vec((
+                proptest::sample::select(vec![
+                    "", ":", ": ping", ":keep-alive", "event: ping", "event: response.created",
+                    "event: response.in_progress", "event", "retry: 3000", "id: 7", "data",
+                    "data:", "data: ", "data: [DONE]", "data:[DONE]", "data: [DO", "data: [",
+                    "data: {\"choices\":[]}", "data:x", "error: {}",
+                ]),
+                proptest::sample::select(vec!["\n", "\r\n", "\r"]),
+            ), 0..12),
+            cuts in proptest::collection::vec(0usize..400, 0..8),
+        ) {
+            let body: Vec<u8> = lines
+                .iter()
+                .flat_map(|(l, end)| l.bytes().chain(end.bytes()))
+                .collect();
+            let decided = first_token_oracle(&body);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (body.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut s = FirstTokenScanner::new();
+            let mut prev = 0;
+            for c in cuts.into_iter().chain([body.len()]) {
+                let found = s.feed(&body[prev..c]);
+                prev = c;
+                prop_assert_eq!(found, decided.is_some_and(|d| d < c), "{:?} through {}", String::from_utf8_lossy(&body), c);
+            }
         }
     }
 

@@ -29,9 +29,10 @@
 //! time, not fewer observations.
 //!
 //! What needs no `usage` is done for every response by the host: the end of prefill at
-//! the first bytes of an event stream with its TTFT sample (the first chunk of a request
-//! with `stream: true` is read to tell an event stream from an error reply), and the
-//! release of the reservation at the end.
+//! the first token of an event stream with its TTFT sample (the first chunk of a request
+//! with `stream: true` is read to tell an event stream from an error reply, and the next
+//! ones while it shows no token: [`crate::usage::FirstTokenScanner`]), and the release of
+//! the reservation at the end.
 //!
 //! Memory: one entry per model, at most [`MAX_MODELS`]; a new model past that replaces
 //! the one whose last response is oldest.

@@ -14,9 +14,12 @@
 //! ([`Worker::sample_usage`]: a token bucket per model). If it is, the first body bytes tell
 //! SSE, JSON or neither apart ([`BodyFraming::sniff`]), and each body chunk is copied into
 //! a bounded `usage` scanner (SSE) or a bounded tail (JSON); if not, no chunk is read and
-//! the request's `stream` field stands for the sniff. An event stream's first bytes
-//! (before the end) mark the request's prefill done in the worker's in-flight table (its
-//! pending prefill tokens drop to 0: a first token exists) and give a TTFT sample. At
+//! the request's `stream` field stands for the sniff. An event stream's first token (its
+//! first `data` event, not a keep-alive comment, a data-less event, `[DONE]` or a Responses
+//! API lifecycle event: [`FirstTokenScanner`]), before the end, marks the request's prefill
+//! done in the worker's in-flight table (its pending prefill tokens drop to 0) and gives a
+//! TTFT sample. Until it shows, an unread stream's chunks are read too, at most
+//! `FIRST_TOKEN_MAX_CHUNKS` (16) in all; past that the release ends the prefill. At
 //! response end the usage, if read, calibrates the estimator and the reservation is released
 //! (in memory; the other workers see it with the next publication: [`Worker::release`]). `on_done`
 //! releases too, so client resets and upstream errors release; a reservation is released
@@ -28,7 +31,7 @@ use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER};
 use crate::reply::{self, LocalReply};
 use crate::router::{Decision, Held, Parked, RequestFacts, Routed, Worker};
-use kvroute_core::usage::{self, BodyFraming, SseUsageScanner};
+use kvroute_core::usage::{self, BodyFraming, FirstTokenScanner, SseUsageScanner};
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -48,9 +51,10 @@ enum Resp {
     /// Response headers seen; the first body bytes tell the framing (held here until
     /// they do, at most [`SNIFF_MAX_BYTES`]).
     Pending(Vec<u8>),
-    /// Nothing (more) to read: not chosen for `usage` ([`Worker::sample_usage`]), or
-    /// neither SSE nor JSON (compressed, an HTML or text error). No chunk is read; the end
-    /// releases the reservation.
+    /// Nothing (more) to read for `usage`: not chosen for it ([`Worker::sample_usage`]), or
+    /// neither SSE nor JSON (compressed, an HTML or text error). No chunk is read, except
+    /// while an event stream's first token is awaited ([`Stream::first`]); the end releases
+    /// the reservation.
     Unread,
     Sse(SseUsageScanner),
     Json {
@@ -62,6 +66,29 @@ enum Resp {
 /// Response bytes held while their framing is undecided (whitespace, or a prefix of an
 /// SSE field name); past this the body is [`BodyFraming::Other`].
 const SNIFF_MAX_BYTES: usize = 64;
+
+/// Chunks of an event stream, the first included, looked at for its first token
+/// ([`FirstTokenScanner`]); past them the request's prefill ends at the release, as a
+/// non-stream's does, and gives no TTFT sample.
+///
+/// Each look at an unread stream's chunk is a host call that returns data, the dearest
+/// kind inside Envoy (~10 k instructions, docs/overhead.md "Host calls"), so the bound is
+/// in chunks, not bytes: a keep-alive is ~10 bytes (`: ping\n\n`), and 4 KiB of them would
+/// be hundreds of calls. Keep-alives come one per interval while a prefill runs: 15 s in
+/// llmgateway (<https://github.com/theopenco/llmgateway/pull/1541>), an operator's choice in
+/// LiteLLM (`sse_keepalive_ping_interval_seconds`, 5 s in its example,
+/// <https://github.com/BerriAI/litellm/pull/37322>), so 16 chunks cover 80 s to 4 min of
+/// silent queueing and prefill, and cost at most 15 reads more than a stream whose first
+/// chunk holds its first token (which costs what it did before: one read).
+const FIRST_TOKEN_MAX_CHUNKS: u32 = 16;
+
+/// An event stream whose first token has not shown yet.
+#[derive(Debug, Default)]
+struct AwaitFirstToken {
+    scanner: FirstTokenScanner,
+    /// Chunks looked at so far.
+    chunks: u32,
+}
 
 /// Per-stream state.
 #[derive(Debug)]
@@ -81,6 +108,10 @@ pub struct Stream {
     resp: Resp,
     /// This response is read for `usage` ([`Worker::sample_usage`], at its headers).
     read_usage: bool,
+    /// Set while an event stream's first token is awaited: from the sniff that tells an
+    /// event stream (when the request holds pending prefill) until the token shows, the
+    /// stream ends, or [`FIRST_TOKEN_MAX_CHUNKS`] chunks showed none.
+    first: Option<AwaitFirstToken>,
 }
 
 /// Value of header `name` (ASCII case-insensitive) in `headers` as one host call returned
@@ -109,6 +140,7 @@ impl Stream {
             reason: String::new(),
             resp: Resp::None,
             read_usage: false,
+            first: None,
         }
     }
 
@@ -354,6 +386,7 @@ impl Stream {
         // is read for `usage` (`kvroute_core::usage_sample`); the others cost no host call
         // in their body callbacks.
         self.resp = Resp::None;
+        self.first = None;
         if self.decided_at_ms > 0 {
             let now = host.now_ms();
             host.metric_record(
@@ -364,7 +397,8 @@ impl Stream {
             self.read_usage = self.worker.borrow_mut().sample_usage(&self.facts, now);
             // An unread response to a streamed request still has its first bytes sniffed,
             // so that an event stream's first token ends its prefill and gives a TTFT
-            // sample while an error reply (JSON, HTML) does not: one chunk read.
+            // sample while an error reply (JSON, HTML) does not: one chunk read, more only
+            // while the stream shows no token (keep-alives), at most FIRST_TOKEN_MAX_CHUNKS.
             self.resp = if self.read_usage || self.facts.stream {
                 Resp::Pending(Vec::new())
             } else {
@@ -386,9 +420,12 @@ impl Stream {
     ) -> Flow {
         match self.resp {
             Resp::None => return Flow::Continue,
-            Resp::Unread => {
+            // Nothing to read: no `usage`, and no first token awaited, or the end, where a
+            // first token no longer matters (the release clears the prefill now).
+            Resp::Unread if self.first.is_none() || end_of_stream => {
                 if end_of_stream {
                     self.resp = Resp::None;
+                    self.first = None;
                     self.release();
                 }
                 return Flow::Continue;
@@ -401,8 +438,6 @@ impl Stream {
         } else {
             None
         };
-        // The framing, when this chunk decided it.
-        let mut framing_now = None;
         if let Resp::Pending(head) = &mut self.resp {
             if let Some(c) = chunk.take() {
                 // The usual case decides on the first chunk alone, without copying it.
@@ -435,20 +470,28 @@ impl Stream {
                         },
                         BodyFraming::Other => Resp::Unread,
                     };
-                    framing_now = Some(f);
+                    // Only an event stream's first token ends the prefill while the request
+                    // is still running; a JSON body's first bytes come after the whole
+                    // generation, just before the release that clears the prefill anyway.
+                    let pending = self.held.as_ref().is_some_and(|h| h.prefill_tokens > 0);
+                    if f == BodyFraming::EventStream && pending {
+                        self.first = Some(AwaitFirstToken::default());
+                    }
                 }
             }
         }
-        // Only a streamed response's first bytes mark the end of prefill while the request
-        // is still running; a JSON body's first bytes come after the whole generation, just
-        // before the release that clears the prefill anyway (two shared-data calls saved).
-        let event_stream = match self.resp {
-            Resp::Sse(_) => true,
-            // Just sniffed as an event stream (an unread one is `Unread` from then on).
-            Resp::Unread => framing_now == Some(BodyFraming::EventStream),
+        let found = match (self.first.as_mut(), chunk.as_deref()) {
+            (Some(look), Some(c)) => {
+                look.chunks += 1;
+                let found = look.scanner.feed(c);
+                if found || look.chunks >= FIRST_TOKEN_MAX_CHUNKS {
+                    self.first = None;
+                }
+                found
+            }
             _ => false,
         };
-        if size > 0 && !end_of_stream && event_stream {
+        if found && !end_of_stream {
             self.first_token(host);
         }
         if let Some(chunk) = chunk {
@@ -466,6 +509,7 @@ impl Stream {
             }
         }
         if end_of_stream {
+            self.first = None;
             let u = match std::mem::take(&mut self.resp) {
                 Resp::Sse(mut s) => {
                     s.finish();
@@ -496,9 +540,9 @@ impl Stream {
         Flow::Continue
     }
 
-    /// A streamed response's first bytes arrived: the model server has produced its first
-    /// token, so the request's prefill is over (the release at the end clears it
-    /// otherwise), and the time since the decision is this endpoint's TTFT, a
+    /// A streamed response's first token arrived (its first `data` event,
+    /// [`FirstTokenScanner`]): the request's prefill is over (the release at the end clears
+    /// it otherwise), and the time since the decision is this endpoint's TTFT, a
     /// prefill-throughput sample. Once per stream (the held prefill drops to 0).
     fn first_token<H: Host>(&mut self, host: &H) {
         let Some(h) = self.held.as_mut().filter(|h| h.prefill_tokens > 0) else {
@@ -1034,6 +1078,231 @@ mod tests {
             3,
         );
         assert_eq!(*w.borrow().router().output_lengths(), expected);
+    }
+
+    /// A chat request that asks for a stream (`stream: true`).
+    const STREAMED: &[u8] =
+        br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}]}"#;
+
+    /// Empty model `m`'s `usage` bucket at the current time, so that the next response is
+    /// not read for `usage` (its first chunk is only sniffed: `Resp::Unread`).
+    fn drain_usage_bucket(w: &Rc<RefCell<Worker>>, h: &MockHost) {
+        let facts = RequestFacts {
+            model: Some("m".into()),
+            ..RequestFacts::default()
+        };
+        let now = *h.now.borrow();
+        while w.borrow_mut().sample_usage(&facts, now) {}
+    }
+
+    /// A streamed request (`body` to `path`) routed and its response headers seen, at
+    /// `NOW`, its response read for `usage` or not (`read`): the request host, the stream,
+    /// and the prefill learner as it would be after one TTFT sample of `ttft_s` from it.
+    fn streamed_to_response(
+        h: &MockHost,
+        w: &Rc<RefCell<Worker>>,
+        path: &str,
+        body: &[u8],
+        read: bool,
+        ttft_s: f64,
+    ) -> (MockHost, Stream, kvroute_core::prefill_rate::PrefillRates) {
+        *h.now.borrow_mut() = NOW;
+        if !read {
+            drain_usage_bucket(w, h);
+        }
+        let r = request(h, path, body);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, body.len(), true);
+        s.on_response_headers(&r, false);
+        assert_eq!(s.read_usage, read);
+        assert!(s.facts.stream);
+        let mut learned = w.borrow().router().prefill_rates().clone();
+        assert!(learned.observe("pool/e0", s.facts.predicted_work_tokens, ttft_s));
+        r.take_calls();
+        (r, s, learned)
+    }
+
+    /// One response chunk `ms` after the decision: the host calls it made.
+    fn chunk_at(
+        r: &MockHost,
+        s: &mut Stream,
+        ms: u64,
+        chunk: &[u8],
+        eos: bool,
+    ) -> Vec<(&'static str, u32)> {
+        *r.now.borrow_mut() = NOW + ms;
+        *r.resp_chunk.borrow_mut() = chunk.to_vec();
+        s.on_response_body(r, chunk.len(), eos);
+        r.take_calls()
+    }
+
+    /// Keep-alive comments sent while the prefill runs (LiteLLM's `: ping`, OpenRouter's
+    /// `: OPENROUTER PROCESSING`) and events without data are no first token: the prefill
+    /// stays pending and the TTFT sample is timed at the first `data` event, whether the
+    /// response is read for `usage` or only sniffed.
+    #[test]
+    fn keep_alive_comments_are_no_first_token() {
+        for read in [false, true] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, learned) =
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 0.75);
+            let est = pending_prefill(&w);
+            assert!(est > 0);
+            let none = w.borrow().router().prefill_rates().clone();
+            let calls = chunk_at(&r, &mut s, 100, b": ping\n\n", false);
+            assert_eq!(calls, [("response_body", 1)], "read {read}");
+            let calls = chunk_at(
+                &r,
+                &mut s,
+                300,
+                b":keep-alive\r\n\r\nevent: ping\n\n",
+                false,
+            );
+            assert_eq!(calls, [("response_body", 1)], "read {read}");
+            let calls = chunk_at(
+                &r,
+                &mut s,
+                500,
+                b"retry: 3000\n\n: OPENROUTER PROCESSING\n\n",
+                false,
+            );
+            assert_eq!(calls, [("response_body", 1)], "read {read}");
+            assert_eq!(pending_prefill(&w), est, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), none, "read {read}");
+            // The first data event, 750 ms after the decision: the TTFT sample is 0.75 s.
+            let calls = chunk_at(&r, &mut s, 750, b"data: {\"choices\":[]}\n\n", false);
+            assert_eq!(calls, [("now_ms", 1), ("response_body", 1)], "read {read}");
+            assert_eq!(pending_prefill(&w), 0, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), learned, "read {read}");
+            let calls = chunk_at(&r, &mut s, 800, b"data: {\"choices\":[]}\n\n", false);
+            let later: &[(&str, u32)] = if read { &[("response_body", 1)] } else { &[] };
+            assert_eq!(calls, later, "read {read}: no call once the token showed");
+            chunk_at(&r, &mut s, 900, b"data: [DONE]\n\n", true);
+            s_flush(&w, &h);
+            assert_eq!(held(&h), 0, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), learned, "read {read}");
+        }
+    }
+
+    /// A stream that shows no token before its end (keep-alives, then `data: [DONE]`, as a
+    /// request cancelled during its prefill) gives no TTFT sample; its prefill stays
+    /// pending until the end releases the reservation, and an unread stream's last chunk
+    /// is not read.
+    #[test]
+    fn a_stream_of_only_comments_releases_at_its_end() {
+        for read in [false, true] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, _) =
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 1.0);
+            let est = pending_prefill(&w);
+            let none = w.borrow().router().prefill_rates().clone();
+            for (i, chunk) in [&b": ping\n\n"[..], b":\n\n", b"data: [DONE]\n\n"]
+                .into_iter()
+                .enumerate()
+            {
+                let calls = chunk_at(&r, &mut s, 100 * (i as u64 + 1), chunk, false);
+                assert_eq!(calls, [("response_body", 1)], "read {read}, chunk {i}");
+            }
+            assert_eq!(pending_prefill(&w), est, "read {read}");
+            let calls = chunk_at(&r, &mut s, 500, b": ping\n\n", true);
+            let last: &[(&str, u32)] = if read { &[("response_body", 1)] } else { &[] };
+            assert_eq!(calls, last, "read {read}");
+            assert_eq!(pending_prefill(&w), 0, "read {read}: released");
+            s_flush(&w, &h);
+            assert_eq!(held(&h), 0, "read {read}");
+            assert_eq!(h.metric(metric::RELEASED), 1, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), none, "read {read}");
+        }
+    }
+
+    /// The first token is looked for in the first `FIRST_TOKEN_MAX_CHUNKS` chunks (16): a
+    /// token in the 16th is found; past them no chunk of an unread stream is read, and the
+    /// prefill ends at the release, without a TTFT sample.
+    #[test]
+    fn the_first_token_is_looked_for_in_at_most_sixteen_chunks() {
+        assert_eq!(FIRST_TOKEN_MAX_CHUNKS, 16);
+        for (token_in, found) in [(16, true), (17, false)] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, learned) =
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, false, 1.6);
+            let est = pending_prefill(&w);
+            let none = w.borrow().router().prefill_rates().clone();
+            for i in 1..token_in {
+                let calls = chunk_at(&r, &mut s, 100 * i, b": ping\n\n", false);
+                assert_eq!(calls, [("response_body", 1)], "chunk {i}");
+            }
+            let calls = chunk_at(
+                &r,
+                &mut s,
+                100 * token_in,
+                b"data: {\"choices\":[]}\n\n",
+                false,
+            );
+            if found {
+                assert_eq!(calls, [("now_ms", 1), ("response_body", 1)]);
+                assert_eq!(pending_prefill(&w), 0);
+                assert_eq!(*w.borrow().router().prefill_rates(), learned);
+            } else {
+                assert_eq!(calls, [], "chunk {token_in} is not read");
+                assert_eq!(pending_prefill(&w), est);
+                assert_eq!(*w.borrow().router().prefill_rates(), none);
+            }
+            assert_eq!(chunk_at(&r, &mut s, 2_000, b"data: [DONE]\n\n", true), []);
+            s_flush(&w, &h);
+            assert_eq!(held(&h), 0, "token in chunk {token_in}");
+        }
+    }
+
+    /// A first data line split across chunks is the first token in the chunk where its
+    /// value begins: after a comment, inside its field name (the next chunk), or inside its
+    /// JSON value (this chunk).
+    #[test]
+    fn a_data_line_split_across_chunks_is_found_where_its_value_begins() {
+        for (a, b, ttft_s) in [
+            (&b": ping\n\nda"[..], &b"ta: {\"choices\":[]}\n\n"[..], 0.2),
+            (b": ping\r\n\r\ndata: {\"ch", b"oices\":[]}\r\n\r\n", 0.1),
+            (b"data:", b" {\"choices\":[]}\n\n", 0.2),
+        ] {
+            let name = String::from_utf8_lossy(a);
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, learned) =
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, false, ttft_s);
+            chunk_at(&r, &mut s, 100, a, false);
+            chunk_at(&r, &mut s, 200, b, false);
+            assert_eq!(pending_prefill(&w), 0, "{name}");
+            assert_eq!(*w.borrow().router().prefill_rates(), learned, "{name}");
+            assert_eq!(
+                chunk_at(&r, &mut s, 300, b"data: {}\n\n", false),
+                [],
+                "{name}"
+            );
+        }
+    }
+
+    /// A Responses API stream opens with `response.created` and `response.in_progress`
+    /// events, sent before generation begins (vLLM, OpenAI): no first token; the first
+    /// output event is.
+    #[test]
+    fn responses_api_lifecycle_events_are_no_first_token() {
+        let body = br#"{"model":"m","stream":true,"input":"hello there"}"#;
+        for read in [false, true] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, learned) =
+                streamed_to_response(&h, &w, "/v1/responses", body, read, 0.9);
+            let est = pending_prefill(&w);
+            assert!(est > 0);
+            let opening = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"status\":\"in_progress\"}}\n\nevent: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"response\":{\"status\":\"in_progress\"}}\n\n";
+            assert_eq!(
+                chunk_at(&r, &mut s, 5, opening, false),
+                [("response_body", 1)]
+            );
+            assert_eq!(pending_prefill(&w), est, "read {read}");
+            let token = b"event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\"}\n\n";
+            chunk_at(&r, &mut s, 900, token, false);
+            assert_eq!(pending_prefill(&w), 0, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), learned, "read {read}");
+        }
     }
 
     /// What one routed request costs in host calls, callback by callback (a non-streamed
