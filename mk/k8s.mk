@@ -59,7 +59,7 @@ validate-manifests: kubernetes-validate ## Every Kubernetes manifest against the
 	else \
 	  echo "validate-manifests: no kubectl: skipped the kustomize render check and the gateway patch"; \
 	fi; \
-	files="examples/kubernetes/kvroute-cp.yaml examples/istio/kvroute-envoyfilter.yaml examples/istio/routing.yaml examples/istio/networkpolicy.yaml $$(ls $$tmp/*.yaml 2>/dev/null)"; \
+	files="examples/kubernetes/kvroute-cp.yaml deploy/kustomize/monitoring/servicemonitor.yaml examples/istio/kvroute-envoyfilter.yaml examples/istio/routing.yaml examples/istio/networkpolicy.yaml $$(ls $$tmp/*.yaml 2>/dev/null)"; \
 	"$(KUBERNETES_VALIDATE)" --strict $$files > "$$tmp/out.txt" 2>&1 || { cat "$$tmp/out.txt"; exit 1; }; \
 	cat "$$tmp/out.txt"; \
 	if grep -E '^WARN' "$$tmp/out.txt" | grep -vE "for kind ($(K8S_CRD_KINDS)) with"; then \

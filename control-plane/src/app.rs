@@ -171,8 +171,10 @@ impl ControlPlane {
             addr: config.listen,
             reason: e.to_string(),
         })?;
-        hub.set_pools(&config.pool_models);
+        // Endpoints first: the pools' models are then judged against them once (the other
+        // order logged every configured model as unavailable, then none, at each start).
         hub.set_endpoints(&config.endpoints);
+        hub.set_pools(&config.pool_models);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let endpoints = Arc::new(Merged::new(|e: &EndpointSpec| e.id.as_str()));
         endpoints.set(STATIC_SLOT, config.endpoints.clone());

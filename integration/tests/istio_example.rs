@@ -241,8 +241,44 @@ fn istio_example_pieces_agree() {
     assert_eq!(&gw["port"], ingest_port, "cp pushes to the ingest port");
     assert_eq!(gw["selector"], ef["spec"]["workloadSelector"]["labels"]);
     assert_eq!(gw["namespace"], ef["metadata"]["namespace"]);
-    let secret = yaml_docs("deploy/kustomize/secret.yaml").remove(0);
-    assert_eq!(secret["stringData"]["token"], ingest_cfg["ingest_token"]);
+    // The token: docs/deploy.md's commands put one value in both places, the EnvoyFilter's
+    // placeholder (replaced by `sed`) and the Secret kvroute-cp's token file comes from
+    // (created apart: the base holds no Secret, so `kubectl apply -k` cannot put a
+    // placeholder back over it).
+    let placeholder = ingest_cfg["ingest_token"].as_str().unwrap();
+    let deploy_md = std::fs::read_to_string(workspace_root().join("docs/deploy.md")).unwrap();
+    let sed = format!(r#"sed "s|{placeholder}|$TOKEN|" examples/istio/kvroute-envoyfilter.yaml"#);
+    assert!(deploy_md.contains(&sed), "docs/deploy.md lacks {sed}");
+    let base = yaml_docs("examples/kubernetes/kvroute-cp.yaml");
+    assert!(
+        base.iter().all(|d| d["kind"] != "Secret"),
+        "the base holds no Secret"
+    );
+    let deployment = kind(&base, "Deployment");
+    let pod = &deployment["spec"]["template"]["spec"];
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"].is_object())
+        .unwrap();
+    let secret_name = volume["secret"]["secretName"].as_str().unwrap();
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .unwrap();
+    assert_eq!(
+        cp["push"]["token_file"],
+        format!("{}/token", mount["mountPath"].as_str().unwrap()),
+        "kvroute-cp reads the Secret's key `token`"
+    );
+    let create = format!(
+        r#"kubectl -n {} create secret generic {secret_name} --from-literal=token="$TOKEN""#,
+        deployment["metadata"]["namespace"].as_str().unwrap()
+    );
+    assert!(deploy_md.contains(&create), "docs/deploy.md lacks {create}");
     let cluster = patches.iter().find(|p| p["applyTo"] == "CLUSTER").unwrap();
     assert_eq!(
         cp["kubernetes"]["inference_pools"][0]["cluster"],
