@@ -163,6 +163,13 @@ impl BodyFraming {
     /// chunks joined); `None` while `head` is too short to tell (only whitespace, or a
     /// prefix of a field name such as `dat`), so the caller waits for more bytes.
     pub fn sniff(head: &[u8]) -> Option<Self> {
+        // One leading byte order mark is no part of the body (the SSE spec strips it; a JSON
+        // parser may ignore it, RFC 8259 §8.1); a part of one waits for the rest.
+        let head = match head.strip_prefix(BOM) {
+            Some(rest) => rest,
+            None if !head.is_empty() && BOM.starts_with(head) => return None,
+            None => head,
+        };
         let start = head
             .iter()
             .position(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))?;
@@ -196,6 +203,10 @@ impl BodyFraming {
 
 /// The value of a `data` field that ends an OpenAI-style stream: no token.
 const DONE: &[u8] = b"[DONE]";
+
+/// U+FEFF in UTF-8: one at the very start of an event stream is stripped before its lines
+/// are read (SSE spec, "One leading U+FEFF BYTE ORDER MARK character must be ignored").
+const BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// `event` types the Responses API sends before generation begins: vLLM yields
 /// `response.created` and `response.in_progress` before it awaits the engine's first output
@@ -245,7 +256,7 @@ enum Field {
 ///
 /// **The rule.** The first token is the first `data` field, read as the WHATWG SSE spec
 /// reads lines (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>:
-/// lines end with CRLF, LF or CR; a line starting with `:` is a comment; the name ends at the
+/// one leading byte order mark is skipped; lines end with CRLF, LF or CR; a line starting with `:` is a comment; the name ends at the
 /// first `:` and one space after it is skipped; a blank line ends the event), whose value is
 /// not empty and does not start with `[DONE]` (OpenAI's end marker; openai-python ends a
 /// stream on a value that starts with it), in an event whose `event` type, set by an
@@ -276,6 +287,10 @@ pub struct FirstTokenScanner {
     len: usize,
     /// The last byte was a CR: a LF right after it ends no second line.
     cr: bool,
+    /// Bytes of a leading [`BOM`] matched so far, while `past_bom` is false.
+    bom: usize,
+    /// The stream's start, where one [`BOM`] is skipped, is behind.
+    past_bom: bool,
     /// The current event's type is one of [`LIFECYCLE_EVENTS`].
     lifecycle: bool,
     found: bool,
@@ -312,6 +327,18 @@ impl FirstTokenScanner {
     }
 
     fn byte(&mut self, b: u8) {
+        if !self.past_bom {
+            if BOM.get(self.bom) == Some(&b) {
+                self.bom += 1;
+                self.past_bom = self.bom == BOM.len();
+                return;
+            }
+            self.past_bom = true;
+            // Not a BOM after all: the bytes that looked like one begin the first line.
+            for &p in BOM.get(..self.bom).unwrap_or_default() {
+                self.byte(p);
+            }
+        }
         let after_cr = std::mem::replace(&mut self.cr, b == b'\r');
         if b == b'\n' || b == b'\r' {
             if !(b == b'\n' && after_cr) {
@@ -930,8 +957,17 @@ mod tests {
     /// Where the first token of `body` is decided, read as a whole by the SSE spec's rules
     /// (the oracle for [`FirstTokenScanner`]): the index of the first byte of the first
     /// token's `data` value that does not continue `[DONE]`, or of its line's end when the
-    /// value is a proper prefix of it; `None` when the body shows no token.
+    /// value is a proper prefix of it; `None` when the body shows no token. One leading
+    /// byte order mark is skipped, as the spec says.
     fn first_token_oracle(body: &[u8]) -> Option<usize> {
+        match body.strip_prefix(BOM) {
+            Some(rest) => first_token_in_lines(rest).map(|i| i + BOM.len()),
+            None => first_token_in_lines(body),
+        }
+    }
+
+    /// [`first_token_oracle`] of a body without a leading byte order mark.
+    fn first_token_in_lines(body: &[u8]) -> Option<usize> {
         // (start, end, index of the terminator) of each line.
         let mut lines = Vec::new();
         let (mut i, mut start) = (0, 0);
@@ -1013,6 +1049,132 @@ mod tests {
                 prop_assert_eq!(found, decided.is_some_and(|d| d < c), "{:?} through {}", String::from_utf8_lossy(&body), c);
             }
         }
+    }
+
+    proptest! {
+        /// Bodies built from SSE's own pieces in any order (names, separators, line ends,
+        /// `[DONE]`, lifecycle types, NUL, invalid UTF-8 and byte order marks, one possibly
+        /// leading), cut anywhere: the scanner agrees with the oracle at every cut.
+        #[test]
+        fn first_token_of_any_byte_soup_matches_the_oracle(
+            bom in any::<bool>(),
+            pieces in proptest::collection::vec(proptest::sample::select(vec![
+                &b"data"[..], b"data:", b"data: {", b"event: ", b"event", b"dat", b"eventx",
+                b":", b" ", b"\n", b"\r", b"\r\n",
+                b"[DONE]", b"[DO", b"[", b"x", b"{}", b"response.created", b"response.queued",
+                b"\0", b"\xFF\xFE", b"\xEF", b"\xEF\xBB\xBF", b"\xBB\xBF",
+            ]), 0..40),
+            cuts in proptest::collection::vec(0usize..400, 0..10),
+        ) {
+            let mut body: Vec<u8> = if bom { BOM.to_vec() } else { Vec::new() };
+            body.extend(pieces.iter().flat_map(|p| p.iter().copied()));
+            let decided = first_token_oracle(&body);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (body.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut s = FirstTokenScanner::new();
+            let mut prev = 0;
+            for c in cuts.into_iter().chain([body.len()]) {
+                let found = s.feed(&body[prev..c]);
+                prev = c;
+                prop_assert_eq!(found, decided.is_some_and(|d| d < c), "{:?} through {}", body, c);
+            }
+        }
+    }
+
+    /// The SSE spec strips one leading U+FEFF: a stream that opens with it is still an
+    /// event stream, its first line still a field, whole or cut byte by byte. A second
+    /// mark, or one later in the stream, is part of a line; a body that only looks like
+    /// the start of one is read as it is.
+    #[test]
+    fn a_leading_byte_order_mark_is_skipped() {
+        let stream = b"\xEF\xBB\xBFdata: {\"choices\":[]}\n\n";
+        assert_eq!(BodyFraming::sniff(stream), Some(BodyFraming::EventStream));
+        assert_eq!(
+            BodyFraming::sniff(b"\xEF\xBB\xBF{\"usage\":{}}"),
+            Some(BodyFraming::Json)
+        );
+        assert_eq!(
+            BodyFraming::sniff(b"\xEF\xBB\xBF: ping\n"),
+            Some(BodyFraming::EventStream)
+        );
+        for partial in [
+            &b"\xEF"[..],
+            b"\xEF\xBB",
+            b"\xEF\xBB\xBF",
+            b"\xEF\xBB\xBFda",
+        ] {
+            assert_eq!(BodyFraming::sniff(partial), None, "{partial:?}");
+        }
+        assert_eq!(BodyFraming::sniff(b"\xEF\xBBx"), Some(BodyFraming::Other));
+        assert_eq!(
+            BodyFraming::sniff(b"\xEF\xBB\xBF\xEF\xBB\xBFdata: x\n"),
+            Some(BodyFraming::Other)
+        );
+        let mut s = FirstTokenScanner::new();
+        assert!(s.feed(stream));
+        let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+        let by_byte = first_token_by_chunk(&bytes);
+        let at = stream.iter().position(|&b| b == b'{').unwrap();
+        assert_eq!(by_byte.iter().position(|&f| f), Some(at));
+        for (name, body, want) in [
+            (
+                "two marks",
+                &b"\xEF\xBB\xBF\xEF\xBB\xBFdata: x\n\n"[..],
+                false,
+            ),
+            (
+                "a mark on a later line",
+                b": ping\n\xEF\xBB\xBFdata: x\n\n",
+                false,
+            ),
+            ("a cut-off mark", b"\xEF\xBBdata: x\n\ndata: y\n", true),
+            (
+                "a mark, then a comment",
+                b"\xEF\xBB\xBF:\xEF\xBB\xBF\n\n",
+                false,
+            ),
+        ] {
+            assert_eq!(FirstTokenScanner::new().feed(body), want, "{name}");
+            assert_eq!(first_token_oracle(body).is_some(), want, "{name}: oracle");
+        }
+    }
+
+    /// Lines of megabytes without a line end (a comment, a long `event` type, an unknown
+    /// field, a data value) cost no memory: the scanner holds at most one field name or
+    /// `event` value, and a line that cannot matter is skipped to its end.
+    #[test]
+    fn megabyte_lines_keep_the_scanner_constant_in_size() {
+        assert!(std::mem::size_of::<FirstTokenScanner>() <= 64);
+        let mb = vec![b'x'; 1 << 20];
+        for (name, head, tail, want) in [
+            ("a comment", &b":"[..], &b"\n\ndata: {}\n"[..], true),
+            (
+                "a long event type",
+                b"event: response.created",
+                b"\ndata: {}\n",
+                true,
+            ),
+            ("an unknown field", b"error: ", b"\ndata: {}\n", true),
+            ("a long field name", b"data", b": {}\n", false),
+            (
+                "lifecycle data",
+                b"event: response.created\ndata: ",
+                b"\ndata: {}\n",
+                false,
+            ),
+        ] {
+            let mut s = FirstTokenScanner::new();
+            let mut found = s.feed(head);
+            for _ in 0..4 {
+                found |= s.feed(&mb);
+            }
+            assert!(!found, "{name}: found in the long line");
+            assert_eq!(s.feed(tail), want, "{name}");
+        }
+        // A data value is decided by its first byte, however long the line goes on.
+        let mut s = FirstTokenScanner::new();
+        assert!(s.feed(b"data: \0"));
+        assert!(s.feed(&mb));
     }
 
     #[test]

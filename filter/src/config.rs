@@ -447,6 +447,18 @@ mod tests {
                 "invalid value: integer `-1`",
             ),
             (
+                r#"{"admission":{"max_queue_bytes":1.5}}"#,
+                "invalid type: floating point `1.5`",
+            ),
+            (
+                r#"{"admission":{"max_queue_bytes":"8MiB"}}"#,
+                "invalid type: string \"8MiB\"",
+            ),
+            (
+                r#"{"admission":{"max_queue_bytes":null}}"#,
+                "invalid type: null",
+            ),
+            (
                 r#"{"admission":{"max_queue_byte":1}}"#,
                 "unknown field `max_queue_byte`",
             ),

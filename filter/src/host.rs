@@ -160,6 +160,8 @@ pub mod mock {
         pub ctx_events: Rc<RefCell<Vec<(u32, String)>>>,
         /// Current effective context.
         pub effective: Rc<RefCell<u32>>,
+        /// Contexts Envoy no longer knows: [`Host::set_effective_context`] to one fails.
+        pub gone: Rc<RefCell<std::collections::BTreeSet<u32>>>,
         /// Envoy attributes by dotted path (e.g. `response.code_details`).
         pub properties: Rc<RefCell<BTreeMap<String, String>>>,
         /// Host calls made through this host, by [`Host`] method name (not shared with
@@ -376,6 +378,9 @@ pub mod mock {
         }
         fn set_effective_context(&self, context_id: u32) -> bool {
             self.count("set_effective_context");
+            if self.gone.borrow().contains(&context_id) {
+                return false;
+            }
             *self.effective.borrow_mut() = context_id;
             true
         }

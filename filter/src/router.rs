@@ -131,8 +131,10 @@ pub struct Worker {
     seq: u32,
     /// Admission queue.
     pub admission: AdmissionQueue<Parked>,
-    /// Reservations made by the tick for parked requests, by context id.
-    pub resumed: BTreeMap<u32, (Held, RequestFacts, u64)>,
+    /// Parked requests the tick resumed, by context id, for their streams to adopt: the
+    /// reservation, facts and decision time of a routed one; `None` for one resumed
+    /// unrouted (fail open).
+    pub resumed: BTreeMap<u32, Option<(Held, RequestFacts, u64)>>,
     /// This worker's number among the proxy's workers (writer id in the shared journals).
     worker_number: u32,
     /// Last sequence number seen in the affinity journal.
@@ -724,7 +726,7 @@ impl Worker {
                     self.admission.pop();
                     let held = self.apply_route(host, &mut routed);
                     self.resumed
-                        .insert(p.context_id, (held, routed.route.facts.clone(), now));
+                        .insert(p.context_id, Some((held, routed.route.facts.clone(), now)));
                     host.resume_request();
                     resumed += 1;
                 }
@@ -734,11 +736,20 @@ impl Worker {
                         r.send(host);
                     }
                 }
-                Decision::FailOpen(_) => {
+                Decision::FailOpen(why) => {
                     self.admission.pop();
                     host.metric_add(MetricKind::Counter, metric::FAIL_OPEN, 1);
-                    host.resume_request();
-                    resumed += 1;
+                    host.log(Level::Debug, &format!("kvroute: fail open: {why}"));
+                    // As for a request decided at once (`Stream::apply`): unrouted only when
+                    // `fail_open` allows it, and then its stream must know it left the queue
+                    // (the rest of a body past `max_body_bytes` flows only then).
+                    if self.config.fail_open {
+                        self.resumed.insert(p.context_id, None);
+                        host.resume_request();
+                        resumed += 1;
+                    } else {
+                        crate::reply::router_unavailable(retry_after).send(host);
+                    }
                 }
             }
         }

@@ -563,11 +563,13 @@ impl Stream {
     fn adopt_resumed<H: Host>(&mut self, host: &H) {
         if self.queued {
             let got = self.worker.borrow_mut().resumed.remove(&self.context_id);
-            if let Some((held, facts, at)) = got {
-                self.held = Some(held);
-                self.facts = facts;
-                self.decided_at_ms = at;
+            if let Some(routed) = got {
                 self.queued = false;
+                if let Some((held, facts, at)) = routed {
+                    self.held = Some(held);
+                    self.facts = facts;
+                    self.decided_at_ms = at;
+                }
             }
         }
         let _ = host;
@@ -1775,6 +1777,247 @@ mod tests {
         assert_eq!(w.borrow().admission.len(), 1);
         s.on_done(&r);
         assert_eq!(w.borrow().admission.len(), 0);
+        assert_eq!(
+            w.borrow().admission.held_bytes(),
+            0,
+            "its bytes left with it"
+        );
         assert_eq!(held(&h), 0);
+    }
+
+    /// An event stream that opens with a byte order mark (the SSE spec strips one), cut
+    /// into 1-byte chunks: the mark and `data` are held undecided, and the first token is
+    /// the chunk where its value begins (byte 9, 100 ms after the decision).
+    #[test]
+    fn a_stream_opening_with_a_byte_order_mark_gives_its_first_token() {
+        let stream = b"\xEF\xBB\xBFdata: {\"choices\":[]}\n\n";
+        let at = stream.iter().position(|&b| b == b'{').unwrap();
+        assert_eq!(at, 9);
+        for read in [false, true] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, learned) =
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 0.1);
+            let est = pending_prefill(&w);
+            for (i, b) in stream.iter().enumerate() {
+                let calls = chunk_at(&r, &mut s, 10 * (i as u64 + 1), &[*b], false);
+                if i < at {
+                    assert_eq!(calls, [("response_body", 1)], "read {read}, byte {i}");
+                    assert_eq!(pending_prefill(&w), est, "read {read}, byte {i}");
+                }
+            }
+            assert_eq!(pending_prefill(&w), 0, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), learned, "read {read}");
+            chunk_at(&r, &mut s, 500, b"data: [DONE]\n\n", true);
+            s_flush(&w, &h);
+            assert_eq!(held(&h), 0, "read {read}");
+            assert_eq!(h.metric(metric::RELEASED), 1, "read {read}");
+        }
+    }
+
+    /// A stream whose first token comes in the chunk that ends it (the whole stream in one
+    /// chunk, or keep-alives then the rest at once): no TTFT sample (the prefill and the
+    /// generation are over together), the reservation released once, a later `on_done`
+    /// releases nothing more.
+    #[test]
+    fn a_token_in_the_chunk_that_ends_the_stream_gives_no_ttft_and_releases_once() {
+        let last = b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        for read in [false, true] {
+            for keep_alives in [0, 3] {
+                let name = format!("read {read}, {keep_alives} keep-alives");
+                let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+                let (r, mut s, _) =
+                    streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 1.0);
+                let none = w.borrow().router().prefill_rates().clone();
+                for i in 0..keep_alives {
+                    chunk_at(&r, &mut s, 100 * (i + 1), b": ping\n\n", false);
+                }
+                chunk_at(&r, &mut s, 900, last, true);
+                assert_eq!(*w.borrow().router().prefill_rates(), none, "{name}");
+                assert_eq!(pending_prefill(&w), 0, "{name}");
+                s.on_done(&r);
+                s_flush(&w, &h);
+                assert_eq!(held(&h), 0, "{name}");
+                assert_eq!(h.metric(metric::RELEASED), 1, "{name}");
+            }
+        }
+    }
+
+    /// The client goes away (or the upstream resets) while the first token is awaited:
+    /// `on_done` releases the reservation, its pending prefill with it, exactly once; a
+    /// chunk delivered after it finds nothing held and learns nothing.
+    #[test]
+    fn abort_while_the_first_token_is_awaited_releases_once() {
+        for read in [false, true] {
+            let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let (r, mut s, _) =
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 1.0);
+            let none = w.borrow().router().prefill_rates().clone();
+            chunk_at(&r, &mut s, 100, b": ping\n\n", false);
+            assert!(pending_prefill(&w) > 0);
+            s.on_done(&r);
+            assert_eq!(pending_prefill(&w), 0, "read {read}");
+            chunk_at(&r, &mut s, 200, b"data: {}\n\n", false);
+            chunk_at(&r, &mut s, 300, b"data: [DONE]\n\n", true);
+            s.on_done(&r);
+            s_flush(&w, &h);
+            assert_eq!(held(&h), 0, "read {read}");
+            assert_eq!(h.metric(metric::RELEASED), 1, "read {read}");
+            assert_eq!(*w.borrow().router().prefill_rates(), none, "read {read}");
+        }
+    }
+
+    /// `admission.max_queue_bytes` counts the path with the body, and a request that
+    /// fills it to the byte is held: `/v1/chat/completions` (20) + `BODY` (82) = 102
+    /// bytes fits a bound of 102, not of 101; a bound smaller than the path refuses even a
+    /// request held without its body.
+    #[test]
+    fn queue_byte_bound_is_inclusive_and_counts_the_path() {
+        let cfg = |bytes: usize| {
+            format!(
+                r#"{{"picker":{{"policy":"least_kv","min_kv_headroom":0.5}},
+                "admission":{{"enabled":true,"max_queue_bytes":{bytes}}}}}"#
+            )
+        };
+        for (bytes, held_first) in [(102, true), (101, false)] {
+            let (h, w) = setup(&cfg(bytes), vec![ep(0, 0.95)]);
+            for ctx in [10, 11] {
+                let r = request(&h, "/v1/chat/completions", BODY);
+                let mut s = Stream::new(w.clone(), ctx);
+                s.on_request_headers(&r, false);
+                assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+                let held = ctx == 10 && held_first;
+                assert_eq!(r.replies().len(), usize::from(!held), "{bytes}: ctx {ctx}");
+            }
+            let want = if held_first { (1, 102) } else { (0, 0) };
+            let w = w.borrow();
+            assert_eq!(
+                (w.admission.len(), w.admission.held_bytes()),
+                want,
+                "{bytes}"
+            );
+        }
+        let (h, w) = setup(&cfg(10), vec![ep(0, 0.95)]);
+        let r = request(&h, "/v1/chat/completions", b"");
+        let mut s = Stream::new(w.clone(), 12);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
+        assert_eq!(r.replies()[0].status, 429);
+        assert_eq!(
+            h.logs.borrow().last().map(String::as_str),
+            Some(
+                "kvroute: saturated, not held: admission queue is full \
+                 (0 of 10 bytes held, 20 more do not fit)"
+            )
+        );
+        assert_eq!(w.borrow().admission.len(), 0);
+    }
+
+    /// The tick re-decides the head in place, moving its body out and back: after many
+    /// ticks that find no capacity, both parked requests still hold their bodies and
+    /// bytes. When the head's context is gone (the tick cannot make it effective), it is
+    /// dropped with its bytes, and the next one is resumed, decided on its body, not by
+    /// load alone.
+    #[test]
+    fn parked_bodies_survive_many_ticks_and_a_gone_head_is_dropped() {
+        let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5},
+            "admission":{"enabled":true,"timeout_ms":60000}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95)]);
+        let mut parked = Vec::new();
+        for ctx in [10, 11] {
+            let r = request(&h, "/v1/chat/completions", BODY);
+            let mut s = Stream::new(w.clone(), ctx);
+            s.on_request_headers(&r, false);
+            assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+            parked.push((r, s));
+        }
+        let bytes = "/v1/chat/completions".len() + BODY.len();
+        for tick in 0..50 {
+            *h.now.borrow_mut() = NOW + 10 * tick;
+            assert_eq!(w.borrow_mut().tick(&h), 0);
+        }
+        {
+            let w = w.borrow();
+            assert_eq!(
+                (w.admission.len(), w.admission.held_bytes()),
+                (2, 2 * bytes)
+            );
+            let head = w.admission.peek().unwrap();
+            assert_eq!((head.context_id, head.body.as_slice()), (10, BODY));
+        }
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 0);
+        h.gone.borrow_mut().insert(10);
+        shared::publish_snapshot(&h, &Snapshot::new(2, NOW, vec![ep(0, 0.1)]).encode()).unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 1);
+        assert_eq!(
+            h.ctx_events.borrow().clone(),
+            vec![(11, "resume".to_string())]
+        );
+        {
+            let w = w.borrow();
+            assert_eq!((w.admission.len(), w.admission.held_bytes()), (0, 0));
+            assert_eq!(w.resumed.keys().copied().collect::<Vec<_>>(), [11]);
+        }
+        assert_eq!(
+            h.metric(metric::DECISIONS_LOAD_ONLY),
+            0,
+            "decided on its body"
+        );
+        let (r11, s11) = &mut parked[1];
+        s11.on_response_headers(r11, false);
+        assert_eq!(s11.facts.model.as_deref(), Some("m"));
+        assert!(s11.facts.prompt_tokens > 0);
+        for (r, s) in &mut parked {
+            s.on_done(r);
+        }
+        s_flush(&w, &h);
+        assert_eq!(held(&h), 0);
+        assert_eq!(h.metric(metric::RELEASED), 1);
+    }
+
+    /// A parked request whose re-decision in the tick fails open (its snapshot became
+    /// unreadable) follows `fail_open` as a request decided at once does: resumed unrouted,
+    /// and then the rest of its body (past `max_body_bytes`) flows; with `fail_open: false`
+    /// answered 503. Before, it was resumed whatever `fail_open` said, and its stream,
+    /// never told it left the queue, paused the rest of its body for good.
+    #[test]
+    fn a_parked_request_that_fails_open_in_the_tick_follows_fail_open() {
+        for fail_open in [true, false] {
+            let cfg = format!(
+                r#"{{"max_body_bytes":16,"fail_open":{fail_open},
+                "picker":{{"policy":"least_kv","min_kv_headroom":0.5}},"admission":{{"enabled":true}}}}"#
+            );
+            let (h, w) = setup(&cfg, vec![ep(0, 0.95)]);
+            let r = request(&h, "/v1/chat/completions", BODY);
+            let mut s = Stream::new(w.clone(), 9);
+            s.on_request_headers(&r, false);
+            assert_eq!(s.on_request_body(&r, 20, false), Flow::Pause);
+            assert_eq!(w.borrow().admission.len(), 1, "parked");
+            // A newer version whose bytes do not decode.
+            shared::publish_snapshot(&h, &Snapshot::new(2, NOW, vec![ep(0, 0.1)]).encode())
+                .unwrap();
+            h.shared_set(crate::names::SNAPSHOT_KEY, b"junk", None)
+                .unwrap();
+            let resumed = w.borrow_mut().tick(&h);
+            assert_eq!(w.borrow().admission.len(), 0, "fail_open {fail_open}");
+            assert_eq!(h.metric(metric::FAIL_OPEN), 1, "fail_open {fail_open}");
+            if fail_open {
+                assert_eq!(resumed, 1);
+                assert_eq!(
+                    h.ctx_events.borrow().clone(),
+                    vec![(9, "resume".to_string())]
+                );
+                assert_eq!(s.on_request_body(&r, 40, false), Flow::Continue);
+                assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+            } else {
+                assert_eq!(resumed, 0);
+                assert_eq!(
+                    h.ctx_events.borrow().clone(),
+                    vec![(9, "reply:503".to_string())]
+                );
+            }
+            s.on_done(&r);
+            assert!(w.borrow().resumed.is_empty(), "fail_open {fail_open}");
+            s_flush(&w, &h);
+            assert_eq!(held(&h), 0);
+        }
     }
 }
