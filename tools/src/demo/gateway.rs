@@ -179,6 +179,19 @@ fn any_port(p: u16) -> Result<u16, DemoError> {
     })
 }
 
+/// The lines of an access log in the order their requests started: by the leading
+/// `[START_TIME]` of each (the demo's format; a line without one sorts first), a stable sort,
+/// so lines of one millisecond keep the order Envoy wrote them in.
+fn by_start(log: &str) -> Vec<&str> {
+    let mut lines: Vec<&str> = log.lines().collect();
+    lines.sort_by_key(|l| {
+        l.strip_prefix('[')
+            .and_then(|r| r.split_once(']'))
+            .map_or("", |(t, _)| t)
+    });
+    lines
+}
+
 /// Start Envoy on the config `yaml(listen, ingest)` renders. A port given as 0 is chosen
 /// free ([`free_port`]) and chosen again, up to [`PORT_ATTEMPTS`] starts in all, when Envoy
 /// exits because it is taken: between the choice and Envoy's bind another process, or
@@ -387,8 +400,11 @@ impl Gateway {
     }
 
     /// The decision records Envoy wrote to the decision log, one per request in the order
-    /// they completed (the part of each line after [`DECISION_MARKER`]; `-` for a request
-    /// the filter did not record). Envoy buffers access logs and writes them every 10 s, so
+    /// the requests started (Envoy writes a line when its request completes; the lines are
+    /// sorted by their leading `[%START_TIME%]`, ISO 8601 UTC to the millisecond, so they
+    /// sort as text, and lines of one millisecond keep their order: [`by_start`]), each
+    /// the part of its line after [`DECISION_MARKER`] (`-` for a request the filter did not
+    /// record). Envoy buffers access logs and writes them every 10 s, so
     /// this asks it to reopen its logs (`POST /reopen_logs`, which writes the buffer first)
     /// until `expected` lines are there or [`DECISION_LOG_DEADLINE`] has passed. Empty
     /// without a decision log.
@@ -411,8 +427,8 @@ impl Gateway {
                 path: path.clone(),
                 source,
             })?;
-            let records: Vec<String> = text
-                .lines()
+            let records: Vec<String> = by_start(&text)
+                .into_iter()
                 .map(|l| {
                     l.split_once(DECISION_MARKER)
                         .map_or("-", |(_, r)| r)
@@ -462,5 +478,22 @@ mod tests {
             "{DECISION_MARKER}%FILTER_STATE(wasm.kvroute_decision:PLAIN)%\\n\""
         )));
         assert!(KVROUTE_TEMPLATE.contains("path: {{ACCESS_LOG_PATH}}"));
+        assert!(KVROUTE_TEMPLATE.contains(r#"inline_string: "[%START_TIME%] "#));
+    }
+
+    /// Lines written as requests completed come back in the order they started; lines of
+    /// one millisecond keep Envoy's order, and a line without a start time comes first.
+    #[test]
+    fn records_are_sorted_by_start_time() {
+        let log = "[2026-12-04T05:10:35.900Z] \"POST /\" 200 5ms kvroute=c\n\
+                   [2026-12-04T05:10:34.100Z] \"POST /\" 200 900ms kvroute=a\n\
+                   [2026-12-04T05:10:35.900Z] \"POST /\" 200 1ms kvroute=d\n\
+                   [2026-12-04T05:10:35.050Z] \"POST /\" 200 80ms kvroute=b\n\
+                   garbage";
+        let records: Vec<&str> = by_start(log)
+            .into_iter()
+            .map(|l| l.split_once(DECISION_MARKER).map_or("-", |(_, r)| r))
+            .collect();
+        assert_eq!(records, ["-", "a", "b", "c", "d"]);
     }
 }

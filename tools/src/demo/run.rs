@@ -87,7 +87,7 @@ pub struct GatewayStats {
 pub struct DecisionLog {
     /// The file.
     pub path: PathBuf,
-    /// Every record, in the order the requests completed (`-`: none recorded).
+    /// Every record, in the order the requests started (`-`: none recorded).
     pub records: Vec<String>,
 }
 
