@@ -139,8 +139,20 @@ fn run_check(args: &Args, config: &Config) -> i32 {
     } else {
         ""
     };
+    // What is watched, when anything is: the endpoints and targets of a Kubernetes config
+    // come from its watches, so "0 endpoints, 0 targets" alone would say nothing.
+    let k = &config.kubernetes;
+    let watches = if k.is_empty() {
+        String::new()
+    } else {
+        format!(
+            ", watches {} InferencePools and {} gateway pod sets",
+            k.pools.len(),
+            k.gateways.len()
+        )
+    };
     println!(
-        "config ok: {} endpoints, {} targets, listen {}{envoy_ok}",
+        "config ok: {} endpoints, {} targets{watches}, listen {}{envoy_ok}",
         config.endpoints.len(),
         config.targets.len(),
         config.listen

@@ -424,3 +424,27 @@ async fn accept_errors_back_off_instead_of_spinning() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The shipped Kubernetes config (`deploy/kustomize/kvroute-cp.yaml`, its token file swapped
+/// for a local one) passes `--check`, which says what it watches: its endpoints and targets
+/// all come from the watches.
+#[test]
+fn check_names_the_kubernetes_watches() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-long-enough-ingest-token").unwrap();
+    let yaml = std::fs::read_to_string(root.join("deploy/kustomize/kvroute-cp.yaml"))
+        .unwrap()
+        .replace("/var/run/kvroute/token/token", &token.display().to_string());
+    let cfg = dir.path().join("cp.yaml");
+    std::fs::write(&cfg, yaml).unwrap();
+    let (code, stdout, stderr) = run_check(&cfg, None, &[]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.ends_with(
+            "config ok: 0 endpoints, 0 targets, watches 1 InferencePools and 1 gateway pod sets, listen 0.0.0.0:9090\n"
+        ),
+        "{stdout}"
+    );
+}
