@@ -78,8 +78,10 @@ const SNIFF_MAX_BYTES: usize = 64;
 /// llmgateway (<https://github.com/theopenco/llmgateway/pull/1541>), an operator's choice in
 /// LiteLLM (`sse_keepalive_ping_interval_seconds`, 5 s in its example,
 /// <https://github.com/BerriAI/litellm/pull/37322>), so 16 chunks cover 80 s to 4 min of
-/// silent queueing and prefill, and cost at most 15 reads more than a stream whose first
-/// chunk holds its first token (which costs what it did before: one read).
+/// silent queueing and prefill (llama.cpp's llama-server pings a silent stream every second,
+/// <https://github.com/ggml-org/llama.cpp/pull/25241>: 16 s there), and cost at most 15 reads
+/// more than a stream whose first chunk holds its first token (which costs what it did
+/// before: one read).
 const FIRST_TOKEN_MAX_CHUNKS: u32 = 16;
 
 /// An event stream whose first token has not shown yet.
