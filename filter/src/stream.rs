@@ -19,7 +19,7 @@
 //! API lifecycle event: [`FirstTokenScanner`]), before the end, marks the request's prefill
 //! done in the worker's in-flight table (its pending prefill tokens drop to 0) and gives a
 //! TTFT sample. Until it shows, an unread stream's chunks are read too, at most
-//! `FIRST_TOKEN_MAX_CHUNKS` (16) in all; past that the release ends the prefill. At
+//! `FIRST_TOKEN_MAX_CHUNKS` (64) in all; past that the release ends the prefill. At
 //! response end the usage, if read, calibrates the estimator and the reservation is released
 //! (in memory; the other workers see it with the next publication: [`Worker::release`]). `on_done`
 //! releases too, so client resets and upstream errors release; a reservation is released
@@ -77,12 +77,12 @@ const SNIFF_MAX_BYTES: usize = 64;
 /// be hundreds of calls. Keep-alives come one per interval while a prefill runs: 15 s in
 /// llmgateway (<https://github.com/theopenco/llmgateway/pull/1541>), an operator's choice in
 /// LiteLLM (`sse_keepalive_ping_interval_seconds`, 5 s in its example,
-/// <https://github.com/BerriAI/litellm/pull/37322>), so 16 chunks cover 80 s to 4 min of
-/// silent queueing and prefill (llama.cpp's llama-server pings a silent stream every second,
-/// <https://github.com/ggml-org/llama.cpp/pull/25241>: 16 s there), and cost at most 15 reads
-/// more than a stream whose first chunk holds its first token (which costs what it did
-/// before: one read).
-const FIRST_TOKEN_MAX_CHUNKS: u32 = 16;
+/// <https://github.com/BerriAI/litellm/pull/37322>); llama.cpp's llama-server pings a silent
+/// stream every second (<https://github.com/ggml-org/llama.cpp/pull/25241>), so 64 chunks
+/// cover a minute of prefill there and 5 to 16 min behind those gateways. They cost at most
+/// 63 reads (~0.6 M instructions) more than a stream whose first chunk holds its first
+/// token (which costs what it did before: one read), spread over that minute or more.
+const FIRST_TOKEN_MAX_CHUNKS: u32 = 64;
 
 /// An event stream whose first token has not shown yet.
 #[derive(Debug, Default)]
@@ -1220,16 +1220,16 @@ mod tests {
         }
     }
 
-    /// The first token is looked for in the first `FIRST_TOKEN_MAX_CHUNKS` chunks (16): a
-    /// token in the 16th is found; past them no chunk of an unread stream is read, and the
+    /// The first token is looked for in the first `FIRST_TOKEN_MAX_CHUNKS` chunks (64): a
+    /// token in the 64th is found; past them no chunk of an unread stream is read, and the
     /// prefill ends at the release, without a TTFT sample.
     #[test]
-    fn the_first_token_is_looked_for_in_at_most_sixteen_chunks() {
-        assert_eq!(FIRST_TOKEN_MAX_CHUNKS, 16);
-        for (token_in, found) in [(16, true), (17, false)] {
+    fn the_first_token_is_looked_for_in_at_most_sixty_four_chunks() {
+        assert_eq!(FIRST_TOKEN_MAX_CHUNKS, 64);
+        for (token_in, found) in [(64, true), (65, false)] {
             let (h, w) = setup("{}", vec![ep(0, 0.1)]);
             let (r, mut s, learned) =
-                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, false, 1.6);
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, false, 6.4);
             let est = pending_prefill(&w);
             let none = w.borrow().router().prefill_rates().clone();
             for i in 1..token_in {
@@ -1252,7 +1252,8 @@ mod tests {
                 assert_eq!(pending_prefill(&w), est);
                 assert_eq!(*w.borrow().router().prefill_rates(), none);
             }
-            assert_eq!(chunk_at(&r, &mut s, 2_000, b"data: [DONE]\n\n", true), []);
+            let end = 100 * (token_in + 1);
+            assert_eq!(chunk_at(&r, &mut s, end, b"data: [DONE]\n\n", true), []);
             s_flush(&w, &h);
             assert_eq!(held(&h), 0, "token in chunk {token_in}");
         }
