@@ -19,8 +19,9 @@
 //! A stream's **first token** is told apart from what a server or an intermediary sends
 //! before it by [`FirstTokenScanner`] (the rule is on its doc): SSE comments such as
 //! LiteLLM's `: ping` or OpenRouter's `: OPENROUTER PROCESSING` keep-alives, events without
-//! data, `data: [DONE]`, and the Responses API's `response.created` / `response.in_progress`
-//! events, which vLLM and OpenAI send before generation begins.
+//! data, `data: [DONE]`, a failed stream's `data: {"error": ...}`, and the Responses API's
+//! `response.created` / `response.in_progress` events, which vLLM and OpenAI send before
+//! generation begins.
 
 use serde::Deserialize;
 
@@ -204,6 +205,14 @@ impl BodyFraming {
 /// The value of a `data` field that ends an OpenAI-style stream: no token.
 const DONE: &[u8] = b"[DONE]";
 
+/// Starts of `data` values that are no token: [`DONE`], and the error object that vLLM
+/// and SGLang send in place of further tokens when a streamed request fails (`data:
+/// {"error": {"message": ..., "type": ..., "code": ...}}`: `json.dumps` of vLLM's
+/// `ErrorResponse`, `create_streaming_error_response` in
+/// `vllm/entrypoints/openai/engine/serving.py`; SGLang's, of `{"error": ...}`, in
+/// `python/sglang/srt/openai_api/adapter.py`), as OpenAI's chat streams do.
+const NO_TOKEN_DATA: [&[u8]; 2] = [DONE, b"{\"error\""];
+
 /// U+FEFF in UTF-8: one at the very start of an event stream is stripped before its lines
 /// are read (SSE spec, "One leading U+FEFF BYTE ORDER MARK character must be ignored").
 const BOM: &[u8] = b"\xEF\xBB\xBF";
@@ -214,15 +223,19 @@ const BOM: &[u8] = b"\xEF\xBB\xBF";
 /// OpenAI's API spec has `response.queued`, "emitted when a response is queued and waiting
 /// to be processed" (`ResponseQueuedEvent`,
 /// <https://platform.openai.com/docs/api-reference/responses-streaming>). Their data is the
-/// response object, not a token.
-const LIFECYCLE_EVENTS: [&[u8]; 3] = [
+/// response object, not a token. So are the same spec's failure events before any token:
+/// `error` (`ResponseErrorEvent`) and `response.failed`.
+const LIFECYCLE_EVENTS: [&[u8]; 5] = [
     b"response.created",
     b"response.in_progress",
     b"response.queued",
+    b"error",
+    b"response.failed",
 ];
 
-/// Bytes of a field name or `event` value kept while a line is read: the longest of
-/// [`LIFECYCLE_EVENTS`] (`response.in_progress`, 20 bytes); a longer value is none of them.
+/// Bytes of a field name, `event` value or `data` value start kept while a line is read:
+/// the longest of [`LIFECYCLE_EVENTS`] (`response.in_progress`, 20 bytes; the longest of
+/// [`NO_TOKEN_DATA`] is 8); a longer value is none of them.
 const FIRST_TOKEN_KEEP: usize = 20;
 
 /// Where [`FirstTokenScanner`] is within the current line.
@@ -251,18 +264,20 @@ enum Field {
 }
 
 /// Incremental SSE reader that says when a stream's first token has begun, fed the body
-/// chunk by chunk, in constant memory (the bytes of one field name or `event` value, at
-/// most 20).
+/// chunk by chunk, in constant memory (the bytes of one field name, `event` value or `data`
+/// value start, at most 20).
 ///
 /// **The rule.** The first token is the first `data` field, read as the WHATWG SSE spec
 /// reads lines (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>:
-/// one leading byte order mark is skipped; lines end with CRLF, LF or CR; a line starting with `:` is a comment; the name ends at the
-/// first `:` and one space after it is skipped; a blank line ends the event), whose value is
-/// not empty and does not start with `[DONE]` (OpenAI's end marker; openai-python ends a
-/// stream on a value that starts with it), in an event whose `event` type, set by an
-/// `event` line before it, is none of the Responses API's lifecycle events
-/// (`response.created`, `response.in_progress`, `response.queued`: vLLM sends the first two
-/// before it awaits the engine's first output). So these are no token:
+/// one leading byte order mark is skipped; lines end with CRLF, LF or CR; a line starting
+/// with `:` is a comment; the name ends at the first `:` and one space after it is skipped; a
+/// blank line ends the event), whose value is not empty and starts with none of
+/// `NO_TOKEN_DATA` (`[DONE]`, OpenAI's end marker, on which openai-python ends a stream;
+/// `{"error"`, a failed stream's error object), in an event whose `event` type, set by an
+/// `event` line before it, is none of `LIFECYCLE_EVENTS` (the Responses API's
+/// `response.created`, `response.in_progress`, `response.queued`, which vLLM sends the
+/// first two of before it awaits the engine's first output, and its `error` and
+/// `response.failed`). So these are no token:
 /// - comments, which keep-alives are: LiteLLM's `: ping` while a slow upstream is still
 ///   silent (`sse_keepalive_ping_interval_seconds`,
 ///   <https://github.com/BerriAI/litellm/pull/37322>), OpenRouter's
@@ -270,19 +285,22 @@ enum Field {
 /// - events of `event`, `id` or `retry` fields only (`event: ping`, `retry: 3000`), and
 ///   fields the spec ignores (llama.cpp's `error:` lines);
 /// - `data: [DONE]` before any token: no token was generated;
-/// - `event: response.created` / `response.in_progress` / `response.queued` and their data.
+/// - `data: {"error": ...}`: vLLM's and SGLang's error in a stream that already began;
+/// - `event: response.created` / `response.in_progress` / `response.queued` / `error` /
+///   `response.failed` and their data.
 ///
-/// A `data` value is decided by its first byte that is not the next byte of `[DONE]` (the
-/// first byte of a JSON token event), so a data line split across chunks is found in the
-/// chunk where its value begins; a value that is a proper prefix of `[DONE]` (`[DO`) is
-/// decided at its line's end. An `event` line after the `data` line of the same event does
-/// not undo a decision (servers send `event` first).
+/// A `data` value is decided by its first byte at which it stops being a prefix of one of
+/// `NO_TOKEN_DATA` (the third byte of a JSON token event, `{"i` of `{"id": ...}`), so a
+/// data line split across chunks is found in the chunk where that byte is; a value that is
+/// a proper prefix of one (`[DO`, `{"err`) is decided, as a token, at its line's end. An
+/// `event` line after the `data` line of the same event does not undo a decision (servers
+/// send `event` first).
 #[derive(Debug, Clone, Default)]
 pub struct FirstTokenScanner {
     part: LinePart,
     field: Field,
-    /// The field name, or the `event` value, read so far (its first `len` bytes); for a
-    /// `data` value, `len` counts the bytes that match `[DONE]` so far.
+    /// The field name, the `event` value, or the start of a `data` value while it is a
+    /// prefix of one of [`NO_TOKEN_DATA`], read so far (its first `len` bytes).
     kept: [u8; FIRST_TOKEN_KEEP],
     len: usize,
     /// The last byte was a CR: a LF right after it ends no second line.
@@ -411,13 +429,20 @@ impl FirstTokenScanner {
     fn value_byte(&mut self, b: u8) {
         match self.field {
             Field::Data => {
-                if DONE.get(self.len) == Some(&b) {
-                    self.len += 1;
-                    if self.len == DONE.len() {
-                        self.part = LinePart::Skip;
-                    }
-                } else {
+                let n = self.len;
+                let kept = self.kept.get(..n);
+                let continues = |m: &&&[u8]| m.get(..n) == kept && m.get(n) == Some(&b);
+                let Some(marker) = NO_TOKEN_DATA.iter().find(continues) else {
                     self.found = true;
+                    return;
+                };
+                let done = marker.len() == n + 1;
+                if let Some(slot) = self.kept.get_mut(n) {
+                    *slot = b;
+                }
+                self.len = n + 1;
+                if done {
+                    self.part = LinePart::Skip;
                 }
             }
             Field::Event => self.keep(b, FIRST_TOKEN_KEEP),
@@ -431,7 +456,7 @@ impl FirstTokenScanner {
             // A name without `:` is a field with an empty value.
             LinePart::Name if self.kept() == b"event" => self.lifecycle = false,
             LinePart::ValueStart | LinePart::Value => match self.field {
-                // A non-empty proper prefix of `[DONE]` (a full one went to `Skip`).
+                // A non-empty proper prefix of a marker (a full one went to `Skip`).
                 Field::Data => {
                     if self.len > 0 {
                         self.found = true;
@@ -852,6 +877,32 @@ mod tests {
             ("empty data after the space", &[b"data: \n\n"], &[false]),
             ("data without colon", &[b"data\n\n"], &[false]),
             (
+                "vLLM's error, then DONE",
+                &[b"data: {\"error\": {\"message\": \"x\", \"code\": 400}}\n\ndata: [DONE]\n\n"],
+                &[false],
+            ),
+            (
+                "error, compact",
+                &[b"data:{\"error\":{}}\r\n\r\n"],
+                &[false],
+            ),
+            (
+                "error split",
+                &[b"data: {\"err", b"or\": {}}\n\n"],
+                &[false, false],
+            ),
+            ("an error's prefix only", &[b"data: {\"err\n\n"], &[true]),
+            (
+                "an object: a token",
+                &[b"data: {\"id\":\"x\"}\n\n"],
+                &[true],
+            ),
+            (
+                "spaced error: a token",
+                &[b"data: { \"error\": {}}\n\n"],
+                &[true],
+            ),
+            (
                 "comment and token in one chunk",
                 &[b": ping\n\ndata: {}\n\n"],
                 &[true],
@@ -949,6 +1000,14 @@ mod tests {
                 &[b"event: response.created\nevent: x\ndata: {}\n\n"],
                 &[true],
             ),
+            (
+                "an error event, then a failed response",
+                &[
+                    b"event: error\ndata: {\"type\":\"error\",\"message\":\"x\"}\n\n",
+                    b"event: response.failed\ndata: {\"type\":\"response.failed\"}\n\n",
+                ],
+                &[false, false],
+            ),
         ] {
             assert_eq!(first_token_by_chunk(chunks), want, "{name}");
         }
@@ -956,7 +1015,7 @@ mod tests {
 
     /// Where the first token of `body` is decided, read as a whole by the SSE spec's rules
     /// (the oracle for [`FirstTokenScanner`]): the index of the first byte of the first
-    /// token's `data` value that does not continue `[DONE]`, or of its line's end when the
+    /// token's `data` value at which it stops being a prefix of one of `NO_TOKEN_DATA`, or of its line's end when the
     /// value is a proper prefix of it; `None` when the body shows no token. One leading
     /// byte order mark is skipped, as the spec says.
     fn first_token_oracle(body: &[u8]) -> Option<usize> {
@@ -1004,9 +1063,15 @@ mod tests {
             };
             match name {
                 b"event" => lifecycle = LIFECYCLE_EVENTS.contains(&value),
-                b"data" if !lifecycle && !value.is_empty() && !value.starts_with(DONE) => {
+                b"data"
+                    if !lifecycle
+                        && !value.is_empty()
+                        && !NO_TOKEN_DATA.iter().any(|m| value.starts_with(m)) =>
+                {
                     let at = end - value.len();
-                    return match (0..value.len()).find(|&j| !DONE.starts_with(&value[..=j])) {
+                    let decided =
+                        |j: usize| !NO_TOKEN_DATA.iter().any(|m| m.starts_with(&value[..=j]));
+                    return match (0..value.len()).find(|&j| decided(j)) {
                         Some(j) => Some(at + j),
                         None => terminator,
                     };
@@ -1028,7 +1093,9 @@ mod tests {
                     "", ":", ": ping", ":keep-alive", "event: ping", "event: response.created",
                     "event: response.in_progress", "event", "retry: 3000", "id: 7", "data",
                     "data:", "data: ", "data: [DONE]", "data:[DONE]", "data: [DO", "data: [",
-                    "data: {\"choices\":[]}", "data:x", "error: {}",
+                    "data: {\"choices\":[]}", "data:x", "error: {}", "data: {\"error\": {}}",
+                    "data:{\"error\"", "data: {\"err", "data: {\"", "event: error",
+                    "event: response.failed",
                 ]),
                 proptest::sample::select(vec!["\n", "\r\n", "\r"]),
             ), 0..12),
@@ -1062,6 +1129,7 @@ mod tests {
                 &b"data"[..], b"data:", b"data: {", b"event: ", b"event", b"dat", b"eventx",
                 b":", b" ", b"\n", b"\r", b"\r\n",
                 b"[DONE]", b"[DO", b"[", b"x", b"{}", b"response.created", b"response.queued",
+                b"{\"error\"", b"{\"e", b"error", b"\"",
                 b"\0", b"\xFF\xFE", b"\xEF", b"\xEF\xBB\xBF", b"\xBB\xBF",
             ]), 0..40),
             cuts in proptest::collection::vec(0usize..400, 0..10),
@@ -1114,7 +1182,8 @@ mod tests {
         assert!(s.feed(stream));
         let bytes: Vec<&[u8]> = stream.chunks(1).collect();
         let by_byte = first_token_by_chunk(&bytes);
-        let at = stream.iter().position(|&b| b == b'{').unwrap();
+        // Decided at the `c` of `{"choices"`, where the value stops being a prefix of `{"error"`.
+        let at = stream.iter().position(|&b| b == b'{').unwrap() + 2;
         assert_eq!(by_byte.iter().position(|&f| f), Some(at));
         for (name, body, want) in [
             (

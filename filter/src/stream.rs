@@ -15,7 +15,7 @@
 //! SSE, JSON or neither apart ([`BodyFraming::sniff`]), and each body chunk is copied into
 //! a bounded `usage` scanner (SSE) or a bounded tail (JSON); if not, no chunk is read and
 //! the request's `stream` field stands for the sniff. An event stream's first token (its
-//! first `data` event, not a keep-alive comment, a data-less event, `[DONE]` or a Responses
+//! first `data` event, not a keep-alive comment, a data-less event, `[DONE]`, an error or a Responses
 //! API lifecycle event: [`FirstTokenScanner`]), before the end, marks the request's prefill
 //! done in the worker's in-flight table (its pending prefill tokens drop to 0) and gives a
 //! TTFT sample. Until it shows, an unread stream's chunks are read too, at most
@@ -1189,19 +1189,20 @@ mod tests {
         }
     }
 
-    /// A stream that shows no token before its end (keep-alives, then `data: [DONE]`, as a
-    /// request cancelled during its prefill) gives no TTFT sample; its prefill stays
-    /// pending until the end releases the reservation, and an unread stream's last chunk
-    /// is not read.
+    /// A stream that shows no token before its end (keep-alives, then the error event vLLM
+    /// sends when the request fails during its prefill and `data: [DONE]`) gives no TTFT
+    /// sample; its prefill stays pending until the end releases the reservation, and an
+    /// unread stream's last chunk is not read.
     #[test]
-    fn a_stream_of_only_comments_releases_at_its_end() {
+    fn a_stream_without_a_token_releases_at_its_end() {
         for read in [false, true] {
             let (h, w) = setup("{}", vec![ep(0, 0.1)]);
             let (r, mut s, _) =
                 streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 1.0);
             let est = pending_prefill(&w);
             let none = w.borrow().router().prefill_rates().clone();
-            for (i, chunk) in [&b": ping\n\n"[..], b":\n\n", b"data: [DONE]\n\n"]
+            let error = b"data: {\"error\": {\"message\": \"x\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n";
+            for (i, chunk) in [&b": ping\n\n"[..], b":\n\n", error, b"data: [DONE]\n\n"]
                 .into_iter()
                 .enumerate()
             {
@@ -1794,13 +1795,15 @@ mod tests {
     #[test]
     fn a_stream_opening_with_a_byte_order_mark_gives_its_first_token() {
         let stream = b"\xEF\xBB\xBFdata: {\"choices\":[]}\n\n";
-        let at = stream.iter().position(|&b| b == b'{').unwrap();
-        assert_eq!(at, 9);
+        // Decided at the `c` of `{"choices"` (where it stops being a prefix of `{"error"`).
+        let at = stream.iter().position(|&b| b == b'{').unwrap() + 2;
+        assert_eq!(at, 11);
         for read in [false, true] {
             let (h, w) = setup("{}", vec![ep(0, 0.1)]);
             let (r, mut s, learned) =
-                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 0.1);
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, 0.12);
             let est = pending_prefill(&w);
+            // Byte i arrives at 10 (i + 1) ms: the deciding one, the 12th, at 120 ms.
             for (i, b) in stream.iter().enumerate() {
                 let calls = chunk_at(&r, &mut s, 10 * (i as u64 + 1), &[*b], false);
                 if i < at {
