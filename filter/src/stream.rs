@@ -67,9 +67,10 @@ enum Resp {
 /// SSE field name); past this the body is [`BodyFraming::Other`].
 const SNIFF_MAX_BYTES: usize = 64;
 
-/// Chunks of an event stream, the first included, looked at for its first token
-/// ([`FirstTokenScanner`]); past them the request's prefill ends at the release, as a
-/// non-stream's does, and gives no TTFT sample.
+/// Chunks of an event stream not read for `usage`, the first included, looked at for its
+/// first token ([`FirstTokenScanner`]); past them the request's prefill ends at the
+/// release, as a non-stream's does, and gives no TTFT sample. A stream read for `usage` has
+/// every chunk read anyway, so its first token is looked for in all of them.
 ///
 /// Each look at an unread stream's chunk is a host call that returns data, the dearest
 /// kind inside Envoy (~10 k instructions, docs/overhead.md "Host calls"), so the bound is
@@ -112,7 +113,7 @@ pub struct Stream {
     read_usage: bool,
     /// Set while an event stream's first token is awaited: from the sniff that tells an
     /// event stream (when the request holds pending prefill) until the token shows, the
-    /// stream ends, or [`FIRST_TOKEN_MAX_CHUNKS`] chunks showed none.
+    /// stream ends, or, unread, [`FIRST_TOKEN_MAX_CHUNKS`] chunks showed none.
     first: Option<AwaitFirstToken>,
 }
 
@@ -486,7 +487,8 @@ impl Stream {
             (Some(look), Some(c)) => {
                 look.chunks += 1;
                 let found = look.scanner.feed(c);
-                if found || look.chunks >= FIRST_TOKEN_MAX_CHUNKS {
+                // The bound saves reads: a stream read for `usage` is read to its end anyway.
+                if found || (!self.read_usage && look.chunks >= FIRST_TOKEN_MAX_CHUNKS) {
                     self.first = None;
                 }
                 found
@@ -1221,21 +1223,29 @@ mod tests {
         }
     }
 
-    /// The first token is looked for in the first `FIRST_TOKEN_MAX_CHUNKS` chunks (64): a
-    /// token in the 64th is found; past them no chunk of an unread stream is read, and the
-    /// prefill ends at the release, without a TTFT sample.
+    /// The first token of an unread stream is looked for in its first
+    /// `FIRST_TOKEN_MAX_CHUNKS` chunks (64): a token in the 64th is found; past them no
+    /// chunk is read, and the prefill ends at the release, without a TTFT sample. A stream
+    /// read for `usage` has every chunk read anyway: its token is found in any chunk.
     #[test]
     fn the_first_token_is_looked_for_in_at_most_sixty_four_chunks() {
         assert_eq!(FIRST_TOKEN_MAX_CHUNKS, 64);
-        for (token_in, found) in [(64, true), (65, false)] {
+        for (read, token_in, found) in [
+            (false, 64, true),
+            (false, 65, false),
+            (true, 65, true),
+            (true, 300, true),
+        ] {
+            let name = format!("read {read}, token in chunk {token_in}");
             let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+            let ttft_s = token_in as f64 / 10.0;
             let (r, mut s, learned) =
-                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, false, 6.4);
+                streamed_to_response(&h, &w, "/v1/chat/completions", STREAMED, read, ttft_s);
             let est = pending_prefill(&w);
             let none = w.borrow().router().prefill_rates().clone();
             for i in 1..token_in {
                 let calls = chunk_at(&r, &mut s, 100 * i, b": ping\n\n", false);
-                assert_eq!(calls, [("response_body", 1)], "chunk {i}");
+                assert_eq!(calls, [("response_body", 1)], "{name}: chunk {i}");
             }
             let calls = chunk_at(
                 &r,
@@ -1245,18 +1255,20 @@ mod tests {
                 false,
             );
             if found {
-                assert_eq!(calls, [("now_ms", 1), ("response_body", 1)]);
-                assert_eq!(pending_prefill(&w), 0);
-                assert_eq!(*w.borrow().router().prefill_rates(), learned);
+                assert_eq!(calls, [("now_ms", 1), ("response_body", 1)], "{name}");
+                assert_eq!(pending_prefill(&w), 0, "{name}");
+                assert_eq!(*w.borrow().router().prefill_rates(), learned, "{name}");
             } else {
-                assert_eq!(calls, [], "chunk {token_in} is not read");
-                assert_eq!(pending_prefill(&w), est);
-                assert_eq!(*w.borrow().router().prefill_rates(), none);
+                assert_eq!(calls, [], "{name}: not read");
+                assert_eq!(pending_prefill(&w), est, "{name}");
+                assert_eq!(*w.borrow().router().prefill_rates(), none, "{name}");
             }
             let end = 100 * (token_in + 1);
-            assert_eq!(chunk_at(&r, &mut s, end, b"data: [DONE]\n\n", true), []);
+            let last: &[(&str, u32)] = if read { &[("response_body", 1)] } else { &[] };
+            let calls = chunk_at(&r, &mut s, end, b"data: [DONE]\n\n", true);
+            assert_eq!(calls, last, "{name}");
             s_flush(&w, &h);
-            assert_eq!(held(&h), 0, "token in chunk {token_in}");
+            assert_eq!(held(&h), 0, "{name}");
         }
     }
 
