@@ -466,6 +466,20 @@ impl Worker {
         body: Option<&[u8]>,
         now: u64,
     ) -> Decision {
+        self.decide_counted(host, path, body, now, true)
+    }
+
+    /// [`Self::decide`]; `first` is false when a parked request is decided again by the
+    /// admission tick: what the body showed (a parse error, a load-only basis) was counted
+    /// and logged at its first decision, and is not counted once per tick.
+    fn decide_counted<H: Host>(
+        &mut self,
+        host: &H,
+        path: &str,
+        body: Option<&[u8]>,
+        now: u64,
+        first: bool,
+    ) -> Decision {
         let snap = match self.cache.current(host) {
             Ok(Some(s)) => s,
             Ok(None) => return Decision::FailOpen("no snapshot received yet".into()),
@@ -475,11 +489,11 @@ impl Worker {
         let d = self
             .router
             .route(&snap, &self.inflight.view()[..], path, body, now);
-        if let Some(e) = &d.parse_error {
+        if let Some(e) = d.parse_error.as_ref().filter(|_| first) {
             host.metric_add(MetricKind::Counter, metric::PARSE_ERRORS, 1);
             host.log(Level::Debug, &format!("kvroute: body not analysed: {e}"));
         }
-        if matches!(d.basis, Basis::LoadOnly(_)) {
+        if first && matches!(d.basis, Basis::LoadOnly(_)) {
             host.metric_add(MetricKind::Counter, metric::DECISIONS_LOAD_ONLY, 1);
         }
         match d.outcome {
@@ -714,7 +728,7 @@ impl Worker {
                 continue;
             }
             let body = (!p.body.is_empty()).then_some(p.body.as_slice());
-            match self.decide(host, &p.path, body, now) {
+            match self.decide_counted(host, &p.path, body, now, false) {
                 Decision::NoCapacity { .. } => {
                     if let Some(head) = self.admission.peek_mut() {
                         head.path = p.path;

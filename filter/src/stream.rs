@@ -1597,6 +1597,28 @@ mod tests {
         assert_eq!(w.borrow().admission.len(), 0);
     }
 
+    /// A held request whose body does not parse is decided by load alone, again at every
+    /// tick: its parse error and load-only basis are counted once, at its first decision,
+    /// not once per tick.
+    #[test]
+    fn a_held_unparsable_body_is_counted_once() {
+        let cfg = r#"{"picker":{"policy":"least_kv","min_kv_headroom":0.5},
+            "admission":{"enabled":true,"timeout_ms":5000,"tick_ms":10}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
+        let body = b"{not json";
+        let r = request(&h, "/v1/chat/completions", body);
+        let mut s = Stream::new(w.clone(), 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+        assert_eq!(h.metric(metric::QUEUED), 1);
+        for _ in 0..50 {
+            assert_eq!(w.borrow_mut().tick(&h), 0, "still saturated");
+        }
+        assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 1);
+        assert_eq!(w.borrow().admission.len(), 1);
+    }
+
     /// `admission.max_queue_bytes` bounds the bytes the queue copies (body + path): with
     /// 1000 bytes, one 580-byte body on `/v1/chat/completions` (20 bytes) holds 600, a
     /// second one would make 1200 and is answered 429 at once, while an 82-byte one still
