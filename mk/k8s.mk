@@ -42,6 +42,7 @@ image: image-filter ## kvroute-cp image (docker/podman/buildah, else the daemonl
 
 kubernetes-validate: ## Install kubernetes-validate (PyPI) into .venv
 	@if ! "$(KUBERNETES_VALIDATE)" --version 2>/dev/null | grep -qx "$(KUBERNETES_VALIDATE_VERSION)"; then \
+	  { [ -x "$(VENV)/bin/pip" ] || python3 -m venv "$(VENV)"; } && \
 	  "$(VENV)/bin/pip" install --quiet "kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION)"; \
 	fi
 
