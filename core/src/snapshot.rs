@@ -281,6 +281,29 @@ impl Snapshot {
         out
     }
 
+    /// Move the snapshot's times from the control plane's clock to the receiver's: the
+    /// snapshot was received at `received_at_ms` (the receiver's Unix ms), so
+    /// `generated_at_ms` becomes that and every endpoint's `scraped_at_ms` moves by the same
+    /// offset (saturating at 0), capped at `received_at_ms` (no scrape is newer than its
+    /// snapshot). Ages are then measured on one clock: staleness (`stale_after_ms`) and
+    /// whether a scrape already saw a reservation (`reserved_at_ms < scraped_at_ms`,
+    /// [`crate::inflight`]) compare the receiver's own times. Without it a control plane
+    /// whose clock ran 1 s ahead of Envoy's made every reservation look seen by the last
+    /// scrape (all load went to the least-loaded endpoint), and one far ahead made its stats
+    /// never stale. The offset also absorbs the push's transit time (milliseconds), by which
+    /// the scrapes look that much younger. Idempotent for a given `received_at_ms`.
+    pub fn rebase_clock(&mut self, received_at_ms: u64) {
+        let (from, to) = (self.generated_at_ms, received_at_ms);
+        for e in &mut self.endpoints {
+            let at = match to >= from {
+                true => e.scraped_at_ms.saturating_add(to - from),
+                false => e.scraped_at_ms.saturating_sub(from - to),
+            };
+            e.scraped_at_ms = at.min(to);
+        }
+        self.generated_at_ms = to;
+    }
+
     /// Decode and validate wire bytes.
     pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
         let snap: Snapshot =

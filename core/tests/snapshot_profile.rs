@@ -343,3 +343,41 @@ fn router_demand_chains_analysis_profile_and_hashes() {
     let (_, d) = router.demand(&RequestInfo::from_analysis(a, &cfg));
     assert_eq!((d.tokens, d.bytes, d.blocks), (3 + 5, 0, 1 + 1));
 }
+
+/// A control plane 1 s ahead of the receiver, and one 3 s behind: the scrape ages
+/// (generated − scraped) are kept, on the receiver's clock; a scrape after its snapshot is
+/// capped at the receipt; a shift below 0 saturates.
+#[test]
+fn rebase_clock_keeps_scrape_ages_on_the_receivers_clock() {
+    let at = |s: &Snapshot| -> Vec<u64> { s.endpoints.iter().map(|e| e.scraped_at_ms).collect() };
+    let mut ahead = Snapshot::new(
+        1,
+        11_000,
+        vec![
+            EndpointStats::fixture(0, 10_800),
+            EndpointStats::fixture(1, 11_000),
+            EndpointStats::fixture(2, 11_500),
+        ],
+    );
+    ahead.rebase_clock(10_000);
+    assert_eq!(ahead.generated_at_ms, 10_000);
+    assert_eq!(at(&ahead), [9_800, 10_000, 10_000]);
+    ahead.rebase_clock(10_000);
+    assert_eq!(at(&ahead), [9_800, 10_000, 10_000], "idempotent");
+    let mut behind = Snapshot::new(
+        2,
+        7_000,
+        vec![
+            EndpointStats::fixture(0, 6_000),
+            EndpointStats::fixture(1, 0),
+        ],
+    );
+    behind.rebase_clock(10_000);
+    assert_eq!(
+        (behind.generated_at_ms, at(&behind)),
+        (10_000, vec![9_000, 3_000])
+    );
+    let mut early = Snapshot::new(3, 5_000, vec![EndpointStats::fixture(0, 1_000)]);
+    early.rebase_clock(2_000);
+    assert_eq!(at(&early), [0]);
+}

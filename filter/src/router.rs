@@ -803,10 +803,14 @@ mod tests {
         let h = MockHost::new(1_000);
         crate::shared::ensure_keys(&h).unwrap();
         let other_worker = h.sibling();
-        // e0 scraped at 900, e1 at 1,500 (after the reservations below are made).
+        // e0 scraped at 900, e1 at 1,500 (after the reservations below are made), in a
+        // snapshot published at 1,500 (times are on Envoy's clock from its publication on:
+        // `Snapshot::rebase_clock`).
         let mut eps = vec![endpoint(0, 900), endpoint(1, 900)];
         eps[1].scraped_at_ms = 1_500;
-        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 900, eps).encode()).unwrap();
+        *h.now.borrow_mut() = 1_500;
+        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 1_500, eps).encode()).unwrap();
+        *h.now.borrow_mut() = 1_000;
         let mut w = numbered(&h, "{}");
         let mut w2 = numbered(&other_worker, "{}");
         w.inflight.reserve(1, "pool/e0", 100, 0, 1_000, 60_000);
@@ -845,11 +849,13 @@ mod tests {
         w.record_gauges(&h, 1_040);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(1));
         // e1 stays, scraped after its reservation as before.
+        *h.now.borrow_mut() = 1_500;
         crate::shared::publish_snapshot(
             &h,
-            &Snapshot::new(2, 1_000, vec![endpoint(1, 1_500)]).encode(),
+            &Snapshot::new(2, 1_500, vec![endpoint(1, 1_500)]).encode(),
         )
         .unwrap();
+        *h.now.borrow_mut() = 1_000;
         w.record_gauges(&h, 1_041);
         assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(0));
         assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(0));
@@ -863,6 +869,26 @@ mod tests {
         *h.named_gauges.borrow_mut() = BTreeMap::new();
         w.record_gauges(&h, 1_042);
         assert!(h.named_gauges.borrow().is_empty());
+    }
+
+    /// A control plane whose clock runs 1 s ahead of Envoy's: its snapshot's times are
+    /// moved to Envoy's clock at publication, so a reservation made after the publication
+    /// is not taken as seen by a scrape that, on the control plane's clock, came later.
+    #[test]
+    fn a_control_plane_clock_ahead_does_not_hide_reservations() {
+        let h = MockHost::new(10_000);
+        crate::shared::ensure_keys(&h).unwrap();
+        let snap = Snapshot::new(1, 11_000, vec![endpoint(0, 11_000), endpoint(1, 10_900)]);
+        crate::shared::publish_snapshot(&h, &snap.encode()).unwrap();
+        let mut w = numbered(&h, "{}");
+        let seen = w.cache.current(&h).unwrap().unwrap();
+        let at: Vec<u64> = seen.endpoints.iter().map(|e| e.scraped_at_ms).collect();
+        assert_eq!((seen.generated_at_ms, at), (10_000, vec![10_000, 9_900]));
+        w.inflight.reserve(1, "pool/e0", 100, 0, 10_010, 60_000);
+        let g = |name: &str| h.named_gauges.borrow().get(name).copied();
+        w.record_gauges(&h, 10_010);
+        assert_eq!(g("kvroute.inflight_unseen.requests.pool/e0"), Some(1));
+        assert_eq!(g("kvroute.inflight_unseen.tokens.pool/e0"), Some(100));
     }
 
     #[test]

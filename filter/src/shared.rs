@@ -194,7 +194,8 @@ impl SnapshotCache {
         if signal.is_some() && signal == self.signal && self.snap.is_some() {
             return Ok(self.snap.clone());
         }
-        let v = current_version(host)?;
+        let (key, _) = host.shared_get(SNAPSHOT_VERSION_KEY)?;
+        let v = decode_version(key.as_deref());
         if v.is_some() && v != self.version {
             let (bytes, _) = host.shared_get(SNAPSHOT_KEY)?;
             if let Some(bytes) = bytes {
@@ -203,7 +204,13 @@ impl SnapshotCache {
                 // raced and left older bytes under a newer version, this still decodes once
                 // per published version, never per request.
                 self.version = v;
-                let snap = Snapshot::decode(&bytes)?;
+                let mut snap = Snapshot::decode(&bytes)?;
+                // The control plane's clock is not Envoy's: its times are moved to the
+                // moment of publication, on Envoy's clock (`Snapshot::rebase_clock`).
+                let published_at = decode_published_at(key.as_deref());
+                if published_at > 0 {
+                    snap.rebase_clock(published_at);
+                }
                 self.catalog = Some(Rc::new(crate::reply::ModelCatalog::from_snapshot(&snap)));
                 self.snap = Some(Rc::new(snap));
             }
