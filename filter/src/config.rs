@@ -130,7 +130,8 @@ pub struct RawConfig {
     /// response (default false).
     pub debug_header: bool,
     /// Bound on the SSE tail kept while scanning a streamed response for `usage`, bytes
-    /// (default 16384).
+    /// (default 16384; at least [`MIN_USAGE_TAIL_BYTES`], below which no `usage` event
+    /// would fit and every response would be read for nothing).
     pub usage_tail_bytes: usize,
     /// Keep a decision record per routed request (default false): the decision reason
     /// plus the best 3 candidates with their score, predicted TTFT and each hybrid term, as
@@ -228,6 +229,11 @@ impl std::ops::Deref for Config {
     }
 }
 
+/// Smallest `usage_tail_bytes`, bytes: a chat completion chunk that carries `usage` (id,
+/// model name, `usage` with its details) is ~300 bytes; 1 KiB leaves room for long ids and
+/// model names.
+pub const MIN_USAGE_TAIL_BYTES: usize = 1024;
+
 fn invalid(field: &str, value: impl std::fmt::Display, reason: &'static str) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
@@ -320,6 +326,13 @@ impl TryFrom<RawConfig> for Config {
                 "must be at least 1024",
             ));
         }
+        if raw.usage_tail_bytes < MIN_USAGE_TAIL_BYTES {
+            return Err(invalid(
+                "usage_tail_bytes",
+                raw.usage_tail_bytes,
+                "must be at least 1024 (a streamed `usage` event is ~300 bytes)",
+            ));
+        }
         if raw.router.prefix.block_chars == 0 {
             return Err(invalid("prefix.block_chars", 0, "must be at least 1"));
         }
@@ -386,7 +399,7 @@ mod tests {
             "estimator":{},"prefix":{"block_chars":32,"max_blocks":8},"prefix_index_blocks":9,
             "models":[],"calibrate":false,
             "admission":{"enabled":true,"max_queue":2,"max_queue_bytes":6,"timeout_ms":3,"tick_ms":4,"retry_after_s":5},
-            "fail_open":false,"debug_header":true,"usage_tail_bytes":100,
+            "fail_open":false,"debug_header":true,"usage_tail_bytes":1024,
             "share_affinity":false,"share_learning":false,"affinity_sync_ms":0}"#,
         )
         .unwrap();
@@ -481,6 +494,14 @@ mod tests {
                 "field `prefix.block_chars`",
             ),
             (r#"{"max_body_bytes":-1}"#, "invalid value"),
+            (
+                r#"{"usage_tail_bytes":0}"#,
+                "field `usage_tail_bytes` = 0: must be at least 1024",
+            ),
+            (
+                r#"{"usage_tail_bytes":1023}"#,
+                "field `usage_tail_bytes` = 1023: must be at least 1024",
+            ),
             ("not json", "not valid JSON"),
             (r#"{"debug_header":true"#, "not valid JSON"),
         ];
