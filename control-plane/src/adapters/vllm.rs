@@ -119,7 +119,9 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
     let mut newest: BTreeMap<&str, (f64, Vec<String>)> = BTreeMap::new();
     for s in expo.family(LORA_INFO) {
         let engine = s.label("engine").unwrap_or("");
-        if newest.get(engine).is_some_and(|(ts, _)| *ts >= s.value) {
+        // A sample without a finite timestamp (NaN, ±Inf) cannot be placed in time: skipped,
+        // so it never replaces a dated list (a NaN compared false and replaced the newest).
+        if !s.value.is_finite() || newest.get(engine).is_some_and(|(ts, _)| *ts >= s.value) {
             continue;
         }
         let mut names = Vec::new();
@@ -243,6 +245,16 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(extract(&e).unwrap().lora_adapters, vec!["a", "b", "c"]);
+        // An undated sample (NaN, +Inf) does not replace the newest dated list.
+        for bad in ["NaN", "+Inf"] {
+            let text = format!(
+                "vllm:num_requests_running 0\n\
+                 vllm:lora_requests_info{{running_lora_adapters=\"b,a\",waiting_lora_adapters=\"\"}} 200\n\
+                 vllm:lora_requests_info{{running_lora_adapters=\"x\",waiting_lora_adapters=\"\"}} {bad}\n"
+            );
+            let e = Exposition::parse(&text).unwrap();
+            assert_eq!(extract(&e).unwrap().lora_adapters, vec!["a", "b"], "{bad}");
+        }
     }
 
     /// Capacities a broken server reports must not overflow the sum over engines (a
