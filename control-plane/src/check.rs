@@ -34,6 +34,29 @@ impl std::fmt::Display for Finding {
     }
 }
 
+/// What `--check` found: the lines to print, and what the Envoy config was checked
+/// against and matched.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Errors and notes, in report order.
+    pub findings: Vec<Finding>,
+    /// What was checked against the Envoy config and matched, in this order when present:
+    /// `clusters` (cluster mode, every endpoint's cluster defined), `ingest token` (every
+    /// ingest filter accepts the token, or wants none), `ingest port` (every target posts
+    /// to an ingest listener's port). Empty without an Envoy config.
+    pub envoy_matched: Vec<&'static str>,
+}
+
+impl Report {
+    /// Number of [`Finding::Error`]s.
+    pub fn errors(&self) -> usize {
+        self.findings
+            .iter()
+            .filter(|f| matches!(f, Finding::Error(_)))
+            .count()
+    }
+}
+
 /// What the kvroute filter configurations inside an Envoy config say.
 #[derive(Debug, Default)]
 struct EnvoyView {
@@ -125,8 +148,9 @@ pub fn check(
     token: Option<&str>,
     scrape_token: Option<&str>,
     envoy_yaml: Option<&str>,
-) -> Vec<Finding> {
+) -> Report {
     let mut out = Vec::new();
+    let mut matched = Vec::new();
     let source = config.push.token_source();
     match (token, config.targets.is_empty()) {
         (Some(t), _) => out.push(Finding::Note(format!(
@@ -188,13 +212,19 @@ pub fn check(
         }
     }
     let Some(yaml) = envoy_yaml else {
-        return out;
+        return Report {
+            findings: out,
+            envoy_matched: matched,
+        };
     };
     let view = match envoy_view(yaml) {
         Ok(v) => v,
         Err(e) => {
             out.push(Finding::Error(e));
-            return out;
+            return Report {
+                findings: out,
+                envoy_matched: matched,
+            };
         }
     };
     if view.modes.contains("cluster") {
@@ -203,6 +233,9 @@ pub fn check(
             if !view.clusters.contains(&e.cluster) {
                 missing.entry(&e.cluster).or_default().push(&e.id);
             }
+        }
+        if missing.is_empty() {
+            matched.push("clusters");
         }
         for (cluster, ids) in missing {
             out.push(Finding::Error(format!(
@@ -224,6 +257,7 @@ pub fn check(
                 .into(),
         ));
     }
+    let token_errors = out.len();
     for (port, envoy_token) in &view.ingest {
         match (envoy_token.as_deref(), token) {
             (Some(e), Some(t)) if e != t => out.push(Finding::Error(format!(
@@ -239,11 +273,16 @@ pub fn check(
             _ => {}
         }
     }
+    if !view.ingest.is_empty() && out.len() == token_errors {
+        matched.push("ingest token");
+    }
     let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|(p, _)| *p).collect();
     if !ports.is_empty() {
+        let mut all_match = !config.targets.is_empty();
         for t in &config.targets {
             let port = t.url.port_u16().map(u64::from).unwrap_or(80);
             if !ports.contains(&port) {
+                all_match = false;
                 out.push(Finding::Note(format!(
                     "target `{}` posts to port {port}, not an ingest listener port of this Envoy \
                      config ({}); fine if it is another Envoy",
@@ -256,6 +295,40 @@ pub fn check(
                 )));
             }
         }
+        if all_match {
+            matched.push("ingest port");
+        }
     }
-    out
+    Report {
+        findings: out,
+        envoy_matched: matched,
+    }
+}
+
+/// The end of `--check`'s `config ok` line for an Envoy config that matched in `matched`
+/// ([`Report::envoy_matched`]): only what was checked and matched is claimed.
+pub fn envoy_ok_suffix(matched: &[&str]) -> String {
+    if matched.is_empty() {
+        "; nothing in the Envoy config to match (no cluster-mode filter, ingest port or ingest token checked)".into()
+    } else {
+        format!("; matches the Envoy config ({})", matched.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `config ok` line claims only what matched.
+    #[test]
+    fn envoy_ok_suffix_names_only_what_matched() {
+        assert_eq!(
+            envoy_ok_suffix(&["clusters", "ingest token"]),
+            "; matches the Envoy config (clusters, ingest token)"
+        );
+        assert_eq!(
+            envoy_ok_suffix(&[]),
+            "; nothing in the Envoy config to match (no cluster-mode filter, ingest port or ingest token checked)"
+        );
+    }
 }

@@ -116,18 +116,15 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         },
         None => None,
     };
-    let findings = kvroute_cp::check::check(
+    let report = kvroute_cp::check::check(
         &raw,
         config,
         token.as_deref(),
         scrape_token.as_deref(),
         envoy.as_deref(),
     );
-    let errors = findings
-        .iter()
-        .filter(|f| matches!(f, kvroute_cp::check::Finding::Error(_)))
-        .count();
-    for f in &findings {
+    let errors = report.errors();
+    for f in &report.findings {
         println!("{f}");
     }
     if errors > 0 {
@@ -135,9 +132,9 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         return 2;
     }
     let envoy_ok = if envoy.is_some() {
-        "; matches the Envoy config (clusters, ingest token, ingest port)"
+        kvroute_cp::check::envoy_ok_suffix(&report.envoy_matched)
     } else {
-        ""
+        String::new()
     };
     // What is watched, when anything is: the endpoints and targets of a Kubernetes config
     // come from its watches, so "0 endpoints, 0 targets" alone would say nothing.

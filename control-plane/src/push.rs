@@ -47,9 +47,44 @@ pub enum PushError {
     /// Connection failure.
     #[error("request failed: {0}")]
     Connect(String),
-    /// The ingest answered something other than 2xx.
-    #[error("ingest answered HTTP {0}")]
+    /// The ingest answered something other than 2xx; a 404 carries [`NOT_FOUND_HINT`].
+    #[error("ingest answered HTTP {0}{hint}", hint = status_hint(*.0))]
     Status(u16),
+}
+
+/// What a 404 from a push target means. The filter's ingest never answers 404 on its
+/// route, so a 404 comes from something else: most often `targets[].url` names Envoy's
+/// client listener (port 10000 in `examples/envoy/`) instead of the ingest listener
+/// (10001), and the push is proxied to a model server, which has no such path.
+pub const NOT_FOUND_HINT: &str = ": is `url` the filter's ingest listener? a 404 comes from a \
+     listener or route without the kvroute ingest (e.g. Envoy's client listener, which proxies \
+     the push to a model server)";
+
+/// The hint appended to `ingest answered HTTP {code}` ([`NOT_FOUND_HINT`] for 404, else none).
+fn status_hint(code: u16) -> &'static str {
+    if code == 404 {
+        NOT_FOUND_HINT
+    } else {
+        ""
+    }
+}
+
+/// The `error` line and `/readyz` reason for a push to `url` refused with `code` (401, or
+/// 403 from an RBAC filter in front of the ingest). `token_sent`: whether the push carried
+/// a token; `token_source`: where it is read from ([`crate::config::PushSettings::token_source`]).
+pub fn auth_rejected(url: &http::Uri, code: u16, token_sent: bool, token_source: &str) -> String {
+    if token_sent {
+        format!(
+            "ingest {url} answered HTTP {code}: it rejected the ingest token ({token_source}); \
+             it must equal the filter's `ingest_token`"
+        )
+    } else {
+        format!(
+            "ingest {url} answered HTTP {code}: no ingest token was sent (none found in \
+             {token_source}); set that to the filter's `ingest_token`, or name a file holding \
+             it in `push.token_file`"
+        )
+    }
 }
 
 impl PushError {
@@ -178,11 +213,7 @@ pub async fn run_target(
                     break;
                 }
                 Err(PushError::Status(code @ (401 | 403))) => {
-                    let why = format!(
-                        "ingest {} answered HTTP {code}: it rejected the ingest token ({token_source}); \
-                         it must equal the filter's `ingest_token`",
-                        target.url
-                    );
+                    let why = auth_rejected(&target.url, code, bearer.is_some(), &token_source);
                     if last_auth_log.is_none_or(|t| t.elapsed() >= crate::scrape::WARN_EVERY) {
                         last_auth_log = Some(Instant::now());
                         tracing::error!(target = %target.name, retry_in = ?backoff, "{why}; Envoy routes on stale stats until this is fixed");
@@ -218,5 +249,47 @@ pub async fn run_target(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 404 names the usual cause: a target URL on Envoy's client listener.
+    #[test]
+    fn a_404_says_the_url_is_not_the_ingest_listener() {
+        assert_eq!(
+            PushError::Status(404).to_string(),
+            "ingest answered HTTP 404: is `url` the filter's ingest listener? a 404 comes from \
+             a listener or route without the kvroute ingest (e.g. Envoy's client listener, \
+             which proxies the push to a model server)"
+        );
+        assert_eq!(
+            PushError::Status(500).to_string(),
+            "ingest answered HTTP 500"
+        );
+        assert_eq!(PushError::Status(404).reason(), "404");
+    }
+
+    /// A 401 with no token sent says so instead of blaming a token that was never sent.
+    #[test]
+    fn auth_rejection_says_whether_a_token_was_sent() {
+        let url: http::Uri = "http://127.0.0.1:10001/kvroute/v1/snapshot"
+            .parse()
+            .unwrap();
+        let env = "environment variable `KVROUTE_INGEST_TOKEN`";
+        assert_eq!(
+            auth_rejected(&url, 401, false, env),
+            "ingest http://127.0.0.1:10001/kvroute/v1/snapshot answered HTTP 401: no ingest \
+             token was sent (none found in environment variable `KVROUTE_INGEST_TOKEN`); set \
+             that to the filter's `ingest_token`, or name a file holding it in `push.token_file`"
+        );
+        assert_eq!(
+            auth_rejected(&url, 403, true, env),
+            "ingest http://127.0.0.1:10001/kvroute/v1/snapshot answered HTTP 403: it rejected \
+             the ingest token (environment variable `KVROUTE_INGEST_TOKEN`); it must equal the \
+             filter's `ingest_token`"
+        );
     }
 }

@@ -178,6 +178,21 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
                 .to_string()
         )
     );
+    // A target on the client listener's port with the right token: ok, but the closing
+    // line claims only what matched (not the ingest port).
+    let client_port = base.replace(":10001/", ":10000/");
+    assert_eq!(
+        check(&client_port, Some(good)),
+        (
+            Some(0),
+            format!(
+                "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
+                 note: target `envoy-0` posts to port 10000, not an ingest listener port of this Envoy config (10001); fine if it is another Envoy\n\
+                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token)\n",
+                good.len()
+            )
+        )
+    );
 }
 
 /// `--check` names where the scrape token comes from (never the token) when one is
@@ -262,11 +277,17 @@ fn shipped_example_passes_check_against_every_shipped_envoy_config() {
             "{}:\n{stdout}",
             envoy.display()
         );
+        // Endpoint mode does not use `cluster`, so clusters are not claimed to match.
+        let matched = if envoy.ends_with("cluster-mode.yaml") {
+            "clusters, ingest token, ingest port"
+        } else {
+            "ingest token, ingest port"
+        };
         assert!(
-            stdout.ends_with(
+            stdout.ends_with(&format!(
                 "config ok: 2 endpoints, 1 targets, listen 127.0.0.1:9090; \
-                 matches the Envoy config (clusters, ingest token, ingest port)\n"
-            ),
+                 matches the Envoy config ({matched})\n"
+            )),
             "{}:\n{stdout}",
             envoy.display()
         );

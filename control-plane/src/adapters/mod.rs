@@ -30,6 +30,10 @@
 //! | `llamacpp` | none | every label (one server process) | none |
 //! | `trtllm` | `model` + `version` (each TensorRT-LLM model and loaded version has its own executor and KV pool) | none | `kv_cache_block_type`, `request_type` |
 //!
+//! At most [`MAX_RANKS`] distinct ranks are read per family (the first ones, in body
+//! order); series of further ranks are ignored and logged once per process, so a body with
+//! tens of thousands of `engine` values costs time linear in its size, not quadratic.
+//!
 //! A label no rule names is treated as a copy label (never multiplies a count) and logged
 //! once per process at `warn` ([`LabelRules::unexpected`]), so a new upstream label shows
 //! up in the logs instead of silently doubling a queue depth.
@@ -43,6 +47,7 @@ pub mod vllm;
 
 use crate::expo::{Exposition, Sample};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// Longest LoRA adapter name kept, bytes (longer ones are dropped: no real adapter name
 /// is this long, and each name travels in every snapshot to every Envoy worker).
@@ -257,7 +262,8 @@ impl LabelRules {
     }
 
     /// One value per distinct rank of family `name`, in first-seen order: the maximum
-    /// finite value among its copies. Ranks whose every copy is non-finite are left out.
+    /// finite value among its copies. Ranks whose every copy is non-finite are left out, and
+    /// so are ranks first seen after [`MAX_RANKS`] others (logged once per process).
     pub fn per_rank<'a>(&self, expo: &'a Exposition, name: &'a str) -> Vec<(RankKey<'a>, f64)> {
         self.per_rank_where(expo, name, None)
     }
@@ -273,15 +279,30 @@ impl LabelRules {
     ) -> Vec<(RankKey<'a>, f64)> {
         self.warn_unexpected(expo, name);
         let mut out: Vec<(RankKey<'a>, f64)> = Vec::new();
+        // Rank key -> index in `out`: one lookup per series, so the work is linear in the
+        // number of series (a linear search of `out` made 80,000 ranks take 20 s).
+        let mut index: HashMap<RankKey<'a>, usize> = HashMap::new();
+        let mut ignored = 0usize;
         for s in expo.family(name) {
             if !s.value.is_finite() || select.is_some_and(|(k, v)| s.label(k) != Some(v)) {
                 continue;
             }
             let rank = self.rank_key(s);
-            match out.iter_mut().find(|(r, _)| *r == rank) {
-                Some((_, v)) => *v = v.max(s.value),
-                None => out.push((rank, s.value)),
+            match index.get(&rank) {
+                Some(&i) => {
+                    if let Some((_, v)) = out.get_mut(i) {
+                        *v = v.max(s.value);
+                    }
+                }
+                None if out.len() < MAX_RANKS => {
+                    index.insert(rank.clone(), out.len());
+                    out.push((rank, s.value));
+                }
+                None => ignored += 1,
             }
+        }
+        if ignored > 0 {
+            warn_too_many_ranks(self.kind, name, ignored);
         }
         out
     }
@@ -314,6 +335,30 @@ impl LabelRules {
 
 /// Values of a series' rank labels ([`LabelRules::rank_key`]).
 pub type RankKey<'a> = Vec<&'a str>;
+
+/// Most distinct ranks (engines, DP ranks, Triton model versions) read per metric family
+/// of one endpoint; series of further ranks are ignored and logged once per process
+/// ([`LabelRules::per_rank_where`]). A real data-parallel deployment has a handful (vLLM
+/// `--data-parallel-size`, SGLang `--dp-size`: one rank per GPU group of one node or a few),
+/// so 1,024 is far above any real server, while a body with 80,000 distinct `engine`
+/// values (3.5 MB, under `scrape.max_body_bytes`) can no longer make the adapters' work
+/// grow beyond what the body's size allows.
+pub const MAX_RANKS: usize = 1024;
+
+/// Log once per process that `ignored` series of family `name` beyond [`MAX_RANKS`]
+/// distinct ranks were left out.
+pub(crate) fn warn_too_many_ranks(kind: ServerKind, name: &str, ignored: usize) {
+    static WARNED_ONCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED_ONCE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            metric = name,
+            kind = kind.as_str(),
+            ignored,
+            "more than {MAX_RANKS} distinct ranks (engine, dp_rank, model + version) in one \
+             family; series of further ranks ignored (logged once)"
+        );
+    }
+}
 
 /// Detect the kind from exposed names. Order matters: llm-d-inference-sim exports vLLM names
 /// plus `vllm:max_num_generation_tokens` (its own spelling; vLLM's is
@@ -498,6 +543,66 @@ mod tests {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .len();
         assert!(logged <= MAX_WARNED_LABELS, "{logged} label names kept");
+    }
+
+    /// A body of 80,000 distinct `engine` values (3.5 MB, under the 8 MiB
+    /// `scrape.max_body_bytes`) took 20 s to extract with a linear search per series, on
+    /// the control plane's one worker thread. Read through the scrape path's own calls,
+    /// the first [`MAX_RANKS`] engines are kept (in body order) and the rest ignored.
+    #[test]
+    fn ranks_beyond_the_bound_are_ignored() {
+        let body: String = (0..80_000)
+            .map(|i| format!("vllm:num_requests_running{{engine=\"{i}\"}} 1\n"))
+            .collect();
+        assert_eq!(body.len(), 3_508_890);
+        let e = Exposition::parse_bytes_with(body.as_bytes(), is_relevant).unwrap();
+        assert_eq!(e.samples.len(), 80_000);
+        let s = extract(ServerKind::Auto, &e, None).unwrap();
+        assert_eq!(s.kind, ServerKind::Vllm);
+        assert_eq!(s.running, 1024);
+        assert_eq!(s.waiting, 0);
+        assert_eq!(s.kv_usage, None);
+        let ranks = vllm::LABELS.per_rank(&e, vllm::RUNNING);
+        assert_eq!(ranks.len(), MAX_RANKS);
+        assert_eq!(ranks.first(), Some(&(vec!["0"], 1.0)));
+        assert_eq!(ranks.last(), Some(&(vec!["1023"], 1.0)));
+
+        // SGLang's `dp_rank` and Triton's `model` + `version` likewise.
+        let body: String = (0..80_000)
+            .map(|i| format!("sglang:num_running_reqs{{dp_rank=\"{i}\"}} 2\n"))
+            .collect();
+        let e = Exposition::parse_bytes_with(body.as_bytes(), is_relevant).unwrap();
+        let s = extract(ServerKind::Auto, &e, None).unwrap();
+        assert_eq!((s.kind, s.running), (ServerKind::Sglang, 2048));
+        let body: String = (0..20_000)
+            .map(|i| {
+                format!(
+                    "nv_trt_llm_request_metrics{{model=\"m{i}\",request_type=\"active\",version=\"1\"}} 1\n\
+                     nv_inference_count{{model=\"m{i}\",version=\"1\"}} 3\n"
+                )
+            })
+            .collect();
+        let e = Exposition::parse_bytes_with(body.as_bytes(), is_relevant).unwrap();
+        let s = extract(ServerKind::Auto, &e, None).unwrap();
+        assert_eq!((s.kind, s.running), (ServerKind::Trtllm, 1024));
+        assert_eq!(s.monotonic_total, Some(3.0 * 1024.0));
+    }
+
+    /// A normal data-parallel exposition keeps every engine, in first-seen order, each at
+    /// the maximum of its copies.
+    #[test]
+    fn per_rank_keeps_first_seen_order() {
+        let e = Exposition::parse(concat!(
+            "vllm:num_requests_running{engine=\"2\",pid=\"1\"} 4\n",
+            "vllm:num_requests_running{engine=\"0\",pid=\"2\"} 1\n",
+            "vllm:num_requests_running{engine=\"2\",pid=\"3\"} 6\n",
+            "vllm:num_requests_running{engine=\"1\",pid=\"4\"} NaN\n",
+        ))
+        .unwrap();
+        assert_eq!(
+            vllm::LABELS.per_rank(&e, vllm::RUNNING),
+            vec![(vec!["2"], 6.0), (vec!["0"], 1.0)]
+        );
     }
 
     #[test]

@@ -26,8 +26,12 @@
 //! new engine's KV cache is cold. One endpoint still has one KV figure: to route each
 //! model on its own pool's load, give each model its own endpoint (port or pod).
 
-use super::{count, ratio, AdapterError, LabelRules, RankKey, ServerKind, ServerStats};
+use super::{
+    count, ratio, warn_too_many_ranks, AdapterError, LabelRules, RankKey, ServerKind, ServerStats,
+    MAX_RANKS,
+};
 use crate::expo::Exposition;
+use std::collections::{HashMap, HashSet};
 
 /// KV block metrics family.
 pub const KV_BLOCKS: &str = "nv_trt_llm_kv_cache_block_metrics";
@@ -52,7 +56,7 @@ pub const LABELS: LabelRules = LabelRules {
 };
 
 /// Extract TensorRT-LLM stats.
-pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
+pub fn extract<'a>(expo: &'a Exposition) -> Result<ServerStats, AdapterError> {
     if !expo.has_prefix("nv_trt_llm_") {
         return Err(AdapterError::KindMismatch {
             kind: ServerKind::Trtllm.as_str(),
@@ -60,10 +64,10 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
         });
     }
     let block = |t: &str| LABELS.per_rank_where(expo, KV_BLOCKS, Some((KV_BLOCK_TYPE, t)));
-    let of = |ranks: &[(RankKey, f64)], key: &RankKey| {
-        ranks.iter().find(|(k, _)| k == key).map(|(_, v)| *v)
-    };
-    let (used, max, tokens_per) = (block("used"), block("max"), block("tokens_per"));
+    let by_rank = |ranks: Vec<(RankKey<'a>, f64)>| ranks.into_iter().collect::<HashMap<_, _>>();
+    let of = |ranks: &HashMap<RankKey, f64>, key: &RankKey| ranks.get(key).copied();
+    let max = block("max");
+    let (used, tokens_per) = (by_rank(block("used")), by_rank(block("tokens_per")));
     // Pools with both block counts (and a positive size) give a capacity-weighted usage;
     // capacity needs the block size too.
     let (mut used_sum, mut max_sum, mut capacity, mut sizes) = (0.0, 0.0, 0.0, Vec::new());
@@ -91,14 +95,18 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
         .filter(|f| sizes.iter().all(|s| s == *f))
         .map(|t| t.round().min(u32::MAX as f64) as u32);
     // The TensorRT-LLM engines: every (model, version) with a TensorRT-LLM series.
-    let mut engines: Vec<RankKey> = Vec::new();
+    // A set, at most `MAX_RANKS` of them: a linear `contains` over every series made a
+    // body with tens of thousands of models quadratic.
+    let mut engines: HashSet<RankKey> = HashSet::new();
     for s in [KV_BLOCKS, REQUESTS, V1_METRICS]
         .into_iter()
         .flat_map(|n| expo.family(n))
     {
         let key = LABELS.rank_key(s);
-        if !engines.contains(&key) {
-            engines.push(key);
+        if engines.len() < MAX_RANKS || engines.contains(&key) {
+            engines.insert(key);
+        } else {
+            warn_too_many_ranks(ServerKind::Trtllm, s.name.as_str(), 1);
         }
     }
     let counts: Vec<f64> = LABELS

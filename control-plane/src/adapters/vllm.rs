@@ -21,7 +21,8 @@
 //! - Restart counter: `vllm:prompt_tokens_total + vllm:generation_tokens_total`.
 
 use super::{
-    count, ratio, seconds_to_ms, AdapterError, LabelRules, ServerKind, ServerStats, PROCESS_START,
+    count, ratio, seconds_to_ms, warn_too_many_ranks, AdapterError, LabelRules, ServerKind,
+    ServerStats, MAX_RANKS, PROCESS_START,
 };
 use crate::expo::Exposition;
 use std::collections::BTreeMap;
@@ -74,10 +75,12 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
             .label("num_gpu_blocks")
             .and_then(|v| v.parse::<u64>().ok());
         if let (Some(bs), Some(blocks)) = (bs, blocks) {
-            capacity.insert(
-                LABELS.rank_key(s),
-                (blocks.saturating_mul(u64::from(bs)), bs),
-            );
+            let key = LABELS.rank_key(s);
+            if capacity.len() < MAX_RANKS || capacity.contains_key(&key) {
+                capacity.insert(key, (blocks.saturating_mul(u64::from(bs)), bs));
+            } else {
+                warn_too_many_ranks(kind, CACHE_CONFIG, 1);
+            }
         }
     }
     let usage_name = if expo.has(KV_USAGE_V1) {
@@ -122,6 +125,10 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
         // A sample without a finite timestamp (NaN, ±Inf) cannot be placed in time: skipped,
         // so it never replaces a dated list (a NaN compared false and replaced the newest).
         if !s.value.is_finite() || newest.get(engine).is_some_and(|(ts, _)| *ts >= s.value) {
+            continue;
+        }
+        if newest.len() >= MAX_RANKS && !newest.contains_key(engine) {
+            warn_too_many_ranks(kind, LORA_INFO, 1);
             continue;
         }
         let mut names = Vec::new();
