@@ -157,6 +157,9 @@ pub async fn run_target(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut last_auth_log: Option<Instant> = None;
+    // No push accepted yet, or the last one failed: the next success is logged once, so the
+    // log shows when a target starts (or again) taking snapshots, not only its failures.
+    let mut unconfirmed = true;
     let mut rx = hub.subscribe();
     let label = TargetLabel {
         target: target.name.clone(),
@@ -210,9 +213,13 @@ pub async fn run_target(
                             .observe(c.elapsed().as_secs_f64());
                     }
                     hub.set_push_rejected(&target.name, None);
+                    if std::mem::replace(&mut unconfirmed, false) {
+                        tracing::info!(target = %target.name, url = %target.url, version = current.version, "snapshot accepted by the ingest listener");
+                    }
                     break;
                 }
                 Err(PushError::Status(code @ (401 | 403))) => {
+                    unconfirmed = true;
                     let why = auth_rejected(&target.url, code, bearer.is_some(), &token_source);
                     if last_auth_log.is_none_or(|t| t.elapsed() >= crate::scrape::WARN_EVERY) {
                         last_auth_log = Some(Instant::now());
@@ -235,6 +242,7 @@ pub async fn run_target(
                     }
                 }
                 Err(e) => {
+                    unconfirmed = true;
                     tracing::warn!(target = %target.name, error = %e, retry_in = ?backoff, "push failed");
                     hub.telemetry.push_failure(&target.name, &e.reason());
                     let wait = backoff.mul_f64(1.0 + 0.1 * rng.f64());
