@@ -129,8 +129,9 @@ pub struct RawConfig {
     /// Add `x-kvroute-decision` with the decision reason to the upstream request and the
     /// response (default false).
     pub debug_header: bool,
-    /// Bound on the SSE tail kept while scanning a streamed response for `usage`, bytes
-    /// (default 16384).
+    /// Bound on the bytes kept while reading a response's `usage`, bytes (default 16384):
+    /// the current SSE event's data (a longer event is read from its last this many bytes)
+    /// or the end of a JSON body.
     pub usage_tail_bytes: usize,
     /// Keep a decision record per routed request (default false): the decision reason
     /// plus the best 3 candidates with their score, predicted TTFT and each hybrid term, as
