@@ -9,9 +9,11 @@
 //!   With `stream_options.include_usage` (OpenAI, vLLM, SGLang) the last event before
 //!   `data: [DONE]` carries `usage`; the Responses API sends it in
 //!   `response.completed` as `response.usage`. [`SseUsageScanner`] is fed the body chunk by
-//!   chunk as Envoy delivers it, keeps only the unfinished tail of the current event (bounded
-//!   by `max_tail` bytes, default [`DEFAULT_MAX_TAIL`]) and remembers the last `usage` seen,
-//!   so an event split across chunks is still read.
+//!   chunk as Envoy delivers it, reads its lines as the SSE spec does (CRLF, LF or CR line
+//!   ends, one leading byte order mark skipped), keeps only the current event's `data`
+//!   (bounded by `max_tail` bytes, default [`DEFAULT_MAX_TAIL`]: a longer event is read
+//!   from its last `max_tail` bytes) and remembers the last `usage` seen, so its result
+//!   does not depend on how the body is cut into chunks.
 //!
 //! Only events whose text contains `"usage"` are JSON-parsed, so ordinary token deltas cost a
 //! substring search, not a parse.
@@ -25,8 +27,10 @@
 
 use serde::Deserialize;
 
-/// Default bound on the unfinished SSE tail kept between chunks, bytes (16 KiB: a usage
-/// event is a few hundred bytes; a content delta carrying it rarely exceeds a few KiB).
+/// Default bound on the `data` of an unfinished SSE event kept between chunks, bytes (16
+/// KiB: a usage event is a few hundred bytes; a content delta carrying it rarely exceeds a
+/// few KiB; a longer event, such as the Responses API's `response.completed` with its whole
+/// output, is read from its last 16 KiB, where its `usage` is).
 pub const DEFAULT_MAX_TAIL: usize = 16 * 1024;
 
 /// Token counts reported by the model server.
@@ -238,7 +242,78 @@ const LIFECYCLE_EVENTS: [&[u8]; 5] = [
 /// [`NO_TOKEN_DATA`] is 8); a longer value is none of them.
 const FIRST_TOKEN_KEEP: usize = 20;
 
-/// Where [`FirstTokenScanner`] is within the current line.
+/// One piece of an event stream as [`SseLines::next`] cuts a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinePiece<'a> {
+    /// Bytes of the current line, no line end among them (a line may come in several
+    /// pieces, one per chunk it spans).
+    Text(&'a [u8]),
+    /// The current line ended.
+    End,
+}
+
+/// Cuts an event stream, fed chunk by chunk, into lines as the WHATWG SSE spec reads them
+/// (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>):
+/// one leading byte order mark ([`BOM`]) is skipped, and a line ends with CRLF, LF or CR (a
+/// LF right after a CR ends no second line, even in the next chunk). The one reader of
+/// lines for [`FirstTokenScanner`] and [`SseUsageScanner`]; 3 bytes of state, and line ends
+/// are found with `memchr2` (SIMD), not byte by byte.
+#[derive(Debug, Clone, Copy, Default)]
+struct SseLines {
+    /// The last byte was a CR.
+    cr: bool,
+    /// Bytes of a leading [`BOM`] matched so far, while `past_bom` is false.
+    bom: u8,
+    /// The stream's start, where one [`BOM`] is skipped, is behind.
+    past_bom: bool,
+}
+
+impl SseLines {
+    /// The next piece of `chunk` from `*at` on, moving `*at` past it; `None` once the chunk
+    /// is used up.
+    fn next<'a>(&mut self, chunk: &'a [u8], at: &mut usize) -> Option<LinePiece<'a>> {
+        loop {
+            let rest = chunk.get(*at..).unwrap_or_default();
+            let &first = rest.first()?;
+            if !self.past_bom {
+                let matched = usize::from(self.bom);
+                if BOM.get(matched) == Some(&first) {
+                    *at += 1;
+                    self.bom += 1;
+                    self.past_bom = matched + 1 == BOM.len();
+                    continue;
+                }
+                self.past_bom = true;
+                // Not a BOM after all: the bytes that looked like one begin the first line.
+                if matched > 0 {
+                    return Some(LinePiece::Text(BOM.get(..matched).unwrap_or_default()));
+                }
+            }
+            if std::mem::take(&mut self.cr) && first == b'\n' {
+                // The LF of a CRLF whose CR already ended the line.
+                *at += 1;
+                continue;
+            }
+            return Some(match memchr::memchr2(b'\n', b'\r', rest) {
+                Some(0) => {
+                    *at += 1;
+                    self.cr = first == b'\r';
+                    LinePiece::End
+                }
+                Some(n) => {
+                    *at += n;
+                    LinePiece::Text(rest.get(..n).unwrap_or_default())
+                }
+                None => {
+                    *at = chunk.len();
+                    LinePiece::Text(rest)
+                }
+            });
+        }
+    }
+}
+
+/// Where [`FirstTokenScanner`] or [`SseUsageScanner`] is within the current line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum LinePart {
     /// At the start of a line.
@@ -303,12 +378,7 @@ pub struct FirstTokenScanner {
     /// prefix of one of [`NO_TOKEN_DATA`], read so far (its first `len` bytes).
     kept: [u8; FIRST_TOKEN_KEEP],
     len: usize,
-    /// The last byte was a CR: a LF right after it ends no second line.
-    cr: bool,
-    /// Bytes of a leading [`BOM`] matched so far, while `past_bom` is false.
-    bom: usize,
-    /// The stream's start, where one [`BOM`] is skipped, is behind.
-    past_bom: bool,
+    lines: SseLines,
     /// The current event's type is one of [`LIFECYCLE_EVENTS`].
     lifecycle: bool,
     found: bool,
@@ -323,18 +393,21 @@ impl FirstTokenScanner {
     /// Feed the next body chunk; true once the stream has shown its first token (in this
     /// chunk or an earlier one). Once true, later chunks are not looked at.
     pub fn feed(&mut self, chunk: &[u8]) -> bool {
-        let mut i = 0;
+        let mut at = 0;
         while !self.found {
-            if self.part == LinePart::Skip {
-                // Straight to the line's end (never just after a CR: a CR ends the line).
-                match memchr::memchr2(b'\n', b'\r', chunk.get(i..).unwrap_or_default()) {
-                    Some(off) => i += off,
-                    None => break,
+            match self.lines.next(chunk, &mut at) {
+                None => break,
+                Some(LinePiece::End) => self.end_line(),
+                Some(LinePiece::Text(text)) => {
+                    for &b in text {
+                        // A line that cannot matter is passed over whole.
+                        if self.found || self.part == LinePart::Skip {
+                            break;
+                        }
+                        self.byte(b);
+                    }
                 }
             }
-            let Some(&b) = chunk.get(i) else { break };
-            i += 1;
-            self.byte(b);
         }
         self.found
     }
@@ -344,26 +417,8 @@ impl FirstTokenScanner {
         self.found
     }
 
+    /// One byte of a line (no line end).
     fn byte(&mut self, b: u8) {
-        if !self.past_bom {
-            if BOM.get(self.bom) == Some(&b) {
-                self.bom += 1;
-                self.past_bom = self.bom == BOM.len();
-                return;
-            }
-            self.past_bom = true;
-            // Not a BOM after all: the bytes that looked like one begin the first line.
-            for &p in BOM.get(..self.bom).unwrap_or_default() {
-                self.byte(p);
-            }
-        }
-        let after_cr = std::mem::replace(&mut self.cr, b == b'\r');
-        if b == b'\n' || b == b'\r' {
-            if !(b == b'\n' && after_cr) {
-                self.end_line();
-            }
-            return;
-        }
         match self.part {
             LinePart::Start if b == b':' => self.part = LinePart::Skip,
             LinePart::Start | LinePart::Name => {
@@ -471,12 +526,107 @@ impl FirstTokenScanner {
     }
 }
 
-/// Incremental SSE reader that keeps the last `usage` seen.
+/// The `data` field name.
+const DATA: &[u8] = b"data";
+
+/// The data of the event [`SseUsageScanner`] is reading: whole while it fits in `max`
+/// bytes, then only its last `max` bytes, kept in a ring (each byte is copied once,
+/// however the event is cut into chunks; no byte moves until the event ends).
+#[derive(Debug, Clone, Default)]
+struct DataTail {
+    buf: Vec<u8>,
+    /// Once `cut`: where the oldest kept byte is in `buf` (whose length is then `max`).
+    head: usize,
+    /// The data outgrew `max` bytes: its start is dropped.
+    cut: bool,
+}
+
+impl DataTail {
+    /// Append `bytes`, keeping at most `max` bytes; true when this made the data outgrow
+    /// `max` (once per event).
+    fn push(&mut self, bytes: &[u8], max: usize) -> bool {
+        if !self.cut {
+            let old = self.buf.len();
+            let Some(excess) = (old + bytes.len()).checked_sub(max).filter(|&e| e > 0) else {
+                self.buf.extend_from_slice(bytes);
+                return false;
+            };
+            // Keep the last `max` bytes of the kept data followed by `bytes`.
+            if excess >= old {
+                self.buf.clear();
+                self.buf
+                    .extend_from_slice(bytes.get(excess - old..).unwrap_or_default());
+            } else {
+                self.buf.drain(..excess);
+                self.buf.extend_from_slice(bytes);
+            }
+            self.head = 0;
+            self.cut = true;
+            return true;
+        }
+        // A ring of `max` bytes: overwrite the oldest.
+        let bytes = bytes
+            .get(bytes.len().saturating_sub(max)..)
+            .unwrap_or_default();
+        let (to_end, wrapped) = bytes.split_at(bytes.len().min(max - self.head));
+        if let Some(dst) = self.buf.get_mut(self.head..self.head + to_end.len()) {
+            dst.copy_from_slice(to_end);
+        }
+        if let Some(dst) = self.buf.get_mut(..wrapped.len()) {
+            dst.copy_from_slice(wrapped);
+        }
+        self.head = (self.head + bytes.len()).checked_rem(max).unwrap_or(0);
+        false
+    }
+
+    /// The kept data, in order.
+    fn contiguous(&mut self) -> &[u8] {
+        if self.head > 0 {
+            self.buf.rotate_left(self.head);
+            self.head = 0;
+        }
+        &self.buf
+    }
+
+    fn clear(&mut self) {
+        self.buf.clear();
+        self.head = 0;
+        self.cut = false;
+    }
+}
+
+/// Incremental SSE reader that keeps the last `usage` seen, fed the body chunk by chunk.
+///
+/// **The rule.** The body is read as the WHATWG SSE spec reads it
+/// (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>,
+/// the same lines as [`FirstTokenScanner`]: one leading byte order mark skipped; lines end
+/// with CRLF, LF or CR; a line starting with `:` is a comment; the name ends at the first
+/// `:` and one space after it is skipped; each `data` line's value is appended to the
+/// event's data, followed by a LF; a blank line ends the event). At each event's end its
+/// data is read:
+/// - data of at most `max_tail` bytes (LFs included) is parsed by [`parse_json`] when it
+///   has a `"usage"` key whose value is an object (the gate: token events, with no usage
+///   or `"usage": null`, cost a `memmem` search, not a parse);
+/// - longer data (an overflow, counted by [`Self::overflows`]) keeps only its last
+///   `max_tail` bytes, and the last `"usage"` object wholly inside them is read by
+///   [`parse_json_tail`]. So the Responses API's `response.completed`, which carries the
+///   whole output before its `usage` (`{"type":"response.completed","response":{...,
+///   "output":[...],...,"usage":{...},...}}`), is read however long the output is, as
+///   long as what follows `usage` in it fits in `max_tail` with it (with OpenAI's field
+///   order, a few hundred bytes).
+///
+/// A usage that a later event carries replaces it. Unlike the spec, which drops an event
+/// the body ends inside, [`Self::finish`] reads it. The result depends only on the body and
+/// `max_tail`, never on how the body is cut into chunks. Memory: at most `max_tail` bytes
+/// of data; other fields' lines and comments are passed over without being kept.
 #[derive(Debug, Clone)]
 pub struct SseUsageScanner {
-    tail: Vec<u8>,
+    lines: SseLines,
+    part: LinePart,
+    /// Bytes of the current line's name read so far, while they are a prefix of [`DATA`].
+    name_len: usize,
+    data: DataTail,
     max_tail: usize,
-    skipping: bool,
     last: Option<Usage>,
     overflows: u64,
 }
@@ -485,26 +635,6 @@ impl Default for SseUsageScanner {
     fn default() -> Self {
         Self::new(DEFAULT_MAX_TAIL)
     }
-}
-
-fn find_boundary(buf: &[u8]) -> Option<(usize, usize)> {
-    // An event ends at a blank line: "\n\n" or "\r\n\r\n" (SSE spec, "dispatch the event").
-    // One pass over the '\n' bytes: the first one that ends either pattern gives the
-    // earliest boundary (a "\r\n\r\n" starting at i − 1 cannot hide an earlier "\n\n").
-    let mut from = 0;
-    while let Some(off) = memchr::memchr(b'\n', buf.get(from..)?) {
-        let i = from + off;
-        if buf.get(i + 1) == Some(&b'\n') {
-            return Some((i, 2));
-        }
-        if let Some(p) = i.checked_sub(1) {
-            if buf.get(p) == Some(&b'\r') && buf.get(i + 1..i + 3) == Some(&b"\r\n"[..]) {
-                return Some((p, 4));
-            }
-        }
-        from = i + 1;
-    }
-    None
 }
 
 /// The `"usage"` key.
@@ -531,50 +661,40 @@ fn has_usage_object(data: &[u8]) -> bool {
 }
 
 impl SseUsageScanner {
-    /// A scanner keeping at most `max_tail` bytes of an unfinished event.
+    /// A scanner keeping at most `max_tail` bytes of an event's data.
     pub fn new(max_tail: usize) -> Self {
         Self {
-            tail: Vec::new(),
+            lines: SseLines::default(),
+            part: LinePart::Start,
+            name_len: 0,
+            data: DataTail::default(),
             max_tail,
-            skipping: false,
             last: None,
             overflows: 0,
         }
     }
 
     /// Feed the next body chunk.
-    /// Linear in the chunk: events are scanned in place and the consumed prefix is removed
-    /// once (a large chunk of many small events, e.g. a burst from a fast model server,
-    /// must not cost one copy of the remainder per event).
+    /// Linear in the chunk: line ends are found with `memchr2`, a `data` value is copied
+    /// once into the event's data, other lines are passed over, and an event's data is
+    /// searched for `"usage"` once, when the event ends.
     pub fn feed(&mut self, chunk: &[u8]) {
-        self.tail.extend_from_slice(chunk);
-        let mut buf = std::mem::take(&mut self.tail);
-        let mut start = 0;
-        while let Some((at, len)) = buf.get(start..).and_then(find_boundary) {
-            if self.skipping {
-                // The start of this event was dropped: its remainder is not parseable.
-                self.skipping = false;
-            } else {
-                self.scan_event(buf.get(start..start + at).unwrap_or(&[]));
+        let mut at = 0;
+        while let Some(piece) = self.lines.next(chunk, &mut at) {
+            match piece {
+                LinePiece::Text(text) => self.text(text),
+                LinePiece::End => self.end_line(),
             }
-            start += at + len;
-        }
-        buf.drain(..start.min(buf.len()));
-        self.tail = buf;
-        if self.tail.len() > self.max_tail {
-            self.tail.clear();
-            self.skipping = true;
-            self.overflows += 1;
         }
     }
 
-    /// Call at end of stream: reads a final event that was not followed by a blank line.
+    /// Call at end of stream: reads a final event that was not followed by a blank line
+    /// (and its last line, without its line end).
     pub fn finish(&mut self) {
-        if !self.skipping && !self.tail.is_empty() {
-            let event = std::mem::take(&mut self.tail);
-            self.scan_event(&event);
+        if self.part != LinePart::Start {
+            self.end_line();
         }
-        self.tail.clear();
+        self.dispatch();
     }
 
     /// The last usage seen so far.
@@ -582,37 +702,98 @@ impl SseUsageScanner {
         self.last
     }
 
-    /// Bytes held for the unfinished event (never more than `max_tail`).
+    /// Bytes of the unfinished event's data held (never more than `max_tail`).
     pub fn tail_len(&self) -> usize {
-        self.tail.len()
+        self.data.buf.len()
     }
 
-    /// How many times an event outgrew `max_tail` and was skipped.
+    /// How many events' data outgrew `max_tail` (each was read from its last `max_tail`
+    /// bytes).
     pub fn overflows(&self) -> u64 {
         self.overflows
     }
 
-    fn scan_event(&mut self, event: &[u8]) {
-        if usage_finder().find(event).is_none() {
-            return;
-        }
-        // Concatenate the event's data lines (SSE: multiple `data:` lines join with "\n").
-        let mut data: Vec<u8> = Vec::new();
-        for line in event.split(|b| *b == b'\n') {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            if let Some(rest) = line.strip_prefix(b"data:") {
-                if !data.is_empty() {
-                    data.push(b'\n');
+    /// Bytes of the current line, no line end among them.
+    fn text(&mut self, mut text: &[u8]) {
+        loop {
+            match self.part {
+                LinePart::Skip => return,
+                LinePart::Value => return self.push(text),
+                LinePart::ValueStart => {
+                    let Some((&first, rest)) = text.split_first() else {
+                        return;
+                    };
+                    self.part = LinePart::Value;
+                    // One space after the `:` is no part of the value.
+                    return self.push(if first == b' ' { rest } else { text });
                 }
-                data.extend_from_slice(rest.strip_prefix(b" ").unwrap_or(rest));
+                LinePart::Start | LinePart::Name => {
+                    if text.is_empty() {
+                        return;
+                    }
+                    self.part = LinePart::Name;
+                    // The name's next bytes, up to one past what `data` has left.
+                    let room = DATA.len() - self.name_len;
+                    let head = text.get(..text.len().min(room + 1)).unwrap_or_default();
+                    let colon = memchr::memchr(b':', head);
+                    let name = head.get(..colon.unwrap_or(head.len())).unwrap_or_default();
+                    let end = self.name_len + name.len();
+                    // Another field (an empty name: a comment), or longer than `data`.
+                    if DATA.get(self.name_len..end) != Some(name) {
+                        self.part = LinePart::Skip;
+                        return;
+                    }
+                    self.name_len = end;
+                    match colon {
+                        Some(c) if end == DATA.len() => {
+                            self.part = LinePart::ValueStart;
+                            text = text.get(c + 1..).unwrap_or_default();
+                        }
+                        Some(_) => {
+                            self.part = LinePart::Skip;
+                            return;
+                        }
+                        None => return,
+                    }
+                }
             }
         }
-        if !has_usage_object(&data) {
-            return;
+    }
+
+    fn end_line(&mut self) {
+        match self.part {
+            // A blank line ends the event.
+            LinePart::Start => self.dispatch(),
+            // A `data` line (a name without `:` is a field with an empty value).
+            LinePart::Name if self.name_len == DATA.len() => self.push(b"\n"),
+            LinePart::ValueStart | LinePart::Value => self.push(b"\n"),
+            LinePart::Name | LinePart::Skip => {}
         }
-        if let Some(u) = parse_json(&data) {
-            self.last = Some(u);
+        self.part = LinePart::Start;
+        self.name_len = 0;
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        if self.data.push(bytes, self.max_tail) {
+            self.overflows += 1;
         }
+    }
+
+    /// The event ended: read its data's usage (the rule on [`SseUsageScanner`]).
+    fn dispatch(&mut self) {
+        let cut = self.data.cut;
+        let data = self.data.contiguous();
+        let usage = if cut {
+            parse_json_tail(data)
+        } else if has_usage_object(data) {
+            parse_json(data)
+        } else {
+            None
+        };
+        if usage.is_some() {
+            self.last = usage;
+        }
+        self.data.clear();
     }
 }
 
@@ -738,6 +919,119 @@ mod tests {
         assert_eq!(s.usage().map(|u| u.prompt_tokens), Some(3));
     }
 
+    /// `usage` read from `chunks` fed in order, then `finish`.
+    fn usage_by_chunks(max_tail: usize, chunks: &[&[u8]]) -> Option<Usage> {
+        let mut s = SseUsageScanner::new(max_tail);
+        for c in chunks {
+            s.feed(c);
+            assert!(s.tail_len() <= max_tail);
+        }
+        s.finish();
+        assert_eq!(s.tail_len(), 0);
+        s.usage()
+    }
+
+    /// An event that outgrows the tail, its blank line cut after its first LF: the next
+    /// event is read, as when the body comes whole.
+    #[test]
+    fn an_oversized_event_cut_inside_its_blank_line_hides_no_later_usage() {
+        let long = format!("data: {}\n", "x".repeat(100));
+        let rest = b"\ndata: {\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+        let want = Some(Usage {
+            prompt_tokens: 5,
+            completion_tokens: 1,
+            cached_tokens: None,
+        });
+        let whole = [long.as_bytes(), rest].concat();
+        assert_eq!(usage_by_chunks(64, &[&whole]), want);
+        assert_eq!(usage_by_chunks(64, &[long.as_bytes(), rest]), want);
+        let crlf = format!("data: {}\r\n", "x".repeat(100));
+        assert_eq!(
+            usage_by_chunks(64, &[crlf.as_bytes(), b"\r", b"\n", &rest[1..]]),
+            want
+        );
+        let mut s = SseUsageScanner::new(64);
+        s.feed(long.as_bytes());
+        assert_eq!((s.tail_len(), s.overflows()), (64, 1));
+    }
+
+    /// The Responses API's `response.completed` carries the whole output before its usage:
+    /// with 40 KB of output it outgrows the 16 KiB tail, and the usage at its end is read
+    /// from the tail, whole or cut into 1000-byte chunks.
+    #[test]
+    fn a_long_response_completed_event_is_read_from_its_tail() {
+        let event = format!(
+            "event: response.completed\ndata: {{\"type\":\"response.completed\",\"response\":{{\"id\":\"resp_1\",\"output\":[{{\"type\":\"message\",\"content\":[{{\"type\":\"output_text\",\"text\":\"{}\"}}]}}],\"usage\":{{\"input_tokens\":812,\"input_tokens_details\":{{\"cached_tokens\":768}},\"output_tokens\":9000,\"output_tokens_details\":{{\"reasoning_tokens\":0}},\"total_tokens\":9812}},\"user\":null,\"metadata\":{{}}}}}}\n\n",
+            "word ".repeat(8000)
+        );
+        let want = Some(Usage {
+            prompt_tokens: 812,
+            completion_tokens: 9000,
+            cached_tokens: Some(768),
+        });
+        let body = event.as_bytes();
+        assert_eq!(usage_by_chunks(DEFAULT_MAX_TAIL, &[body]), want);
+        let chunks: Vec<&[u8]> = body.chunks(1000).collect();
+        assert_eq!(usage_by_chunks(DEFAULT_MAX_TAIL, &chunks), want);
+        let mut s = SseUsageScanner::default();
+        s.feed(body);
+        assert_eq!((s.overflows(), s.usage()), (1, want));
+    }
+
+    /// CR-only line ends, blank lines mixing LF and CRLF, and a leading byte order mark:
+    /// each is an SSE line end or stream start (WHATWG SSE spec), whole or byte by byte.
+    #[test]
+    fn usage_is_read_with_any_line_ends_and_a_leading_bom() {
+        let usage = "data: {\"usage\":{\"prompt_tokens\":6,\"completion_tokens\":2}}";
+        let want = Some(Usage {
+            prompt_tokens: 6,
+            completion_tokens: 2,
+            cached_tokens: None,
+        });
+        for (name, body, finish_needed) in [
+            ("CR only", format!("{usage}\r\r"), false),
+            ("LF, then CRLF", format!("{usage}\n\r\n"), false),
+            ("CRLF, then LF", format!("{usage}\r\n\n"), false),
+            ("CR, then LF", format!("{usage}\r\r\n"), false),
+            ("leading BOM", format!("\u{FEFF}{usage}\n\n"), false),
+            (
+                "leading BOM, unterminated",
+                format!("\u{FEFF}{usage}"),
+                true,
+            ),
+        ] {
+            let bytes = body.as_bytes();
+            let mut s = SseUsageScanner::default();
+            s.feed(bytes);
+            assert_eq!(s.usage().is_some(), !finish_needed, "{name}: before finish");
+            s.finish();
+            assert_eq!(s.usage(), want, "{name}");
+            let by_byte: Vec<&[u8]> = bytes.chunks(1).collect();
+            assert_eq!(
+                usage_by_chunks(DEFAULT_MAX_TAIL, &by_byte),
+                want,
+                "{name}: by byte"
+            );
+        }
+        // A CR ends the line: `}}` after it is a field of its own, not part of the data.
+        let cut = b"data: {\"usage\":{\"prompt_tokens\":1\r}}\r\r";
+        assert_eq!(usage_by_chunks(DEFAULT_MAX_TAIL, &[cut]), None);
+        // And a CR between `data` lines is a line end like any other.
+        let joined = b"data: {\"usage\":\rdata: {\"prompt_tokens\":1}}\r\r";
+        assert_eq!(
+            usage_by_chunks(DEFAULT_MAX_TAIL, &[joined]).map(|u| u.prompt_tokens),
+            Some(1)
+        );
+        // A second BOM is part of the first line: no `data` field.
+        assert_eq!(
+            usage_by_chunks(
+                DEFAULT_MAX_TAIL,
+                &[format!("\u{FEFF}\u{FEFF}{usage}\n\n").as_bytes()]
+            ),
+            None
+        );
+    }
+
     proptest! {
         /// However the stream is cut into chunks, the usage is found.
         #[test]
@@ -753,20 +1047,6 @@ mod tests {
             }
             s.finish();
             prop_assert_eq!(s.usage().map(|u| (u.prompt_tokens, u.completion_tokens)), Some((120, 2)));
-        }
-
-        /// The one-pass boundary search agrees with the obvious two-search definition
-        /// (earliest of "\n\n" and "\r\n\r\n").
-        #[test]
-        fn boundary_is_the_earliest_blank_line(bytes in proptest::collection::vec(
-            proptest::sample::select(vec![b'\r', b'\n', b'a']), 0..40)) {
-            let lf = bytes.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-            let crlf = bytes.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
-            let want = match (lf, crlf) {
-                (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-                (a, b) => a.or(b),
-            };
-            prop_assert_eq!(find_boundary(&bytes), want);
         }
 
         /// The gate before parsing never drops a usage `parse_json` reads: chat and
@@ -803,9 +1083,11 @@ mod tests {
             if parsed.is_some() {
                 prop_assert!(has_usage_object(event.as_bytes()), "{}", event);
             }
-            // As a stream: an event's line breaks continue it on further `data:` lines.
+            // As a stream: an event's line breaks (CRLF, LF or CR: SSE line ends, JSON
+            // whitespace) continue it on further `data:` lines.
+            let lines = event.replace("\r\n", "\n").replace('\r', "\n");
             let mut s = SseUsageScanner::default();
-            s.feed(format!("data: {}\n\n", event.replace('\n', "\ndata: ")).as_bytes());
+            s.feed(format!("data: {}\n\n", lines.replace('\n', "\ndata: ")).as_bytes());
             prop_assert_eq!(s.usage(), parsed, "{}", event);
         }
 
@@ -1027,25 +1309,8 @@ mod tests {
 
     /// [`first_token_oracle`] of a body without a leading byte order mark.
     fn first_token_in_lines(body: &[u8]) -> Option<usize> {
-        // (start, end, index of the terminator) of each line.
-        let mut lines = Vec::new();
-        let (mut i, mut start) = (0, 0);
-        while i < body.len() {
-            match body[i] {
-                b'\n' | b'\r' => {
-                    lines.push((start, i, Some(i)));
-                    let crlf = body[i] == b'\r' && body.get(i + 1) == Some(&b'\n');
-                    i += if crlf { 2 } else { 1 };
-                    start = i;
-                }
-                _ => i += 1,
-            }
-        }
-        if start < body.len() {
-            lines.push((start, body.len(), None));
-        }
         let mut lifecycle = false;
-        for (start, end, terminator) in lines {
+        for (start, end, terminator) in spec_lines(body) {
             let line = &body[start..end];
             if line.is_empty() {
                 lifecycle = false;
@@ -1054,13 +1319,7 @@ mod tests {
             if line[0] == b':' {
                 continue;
             }
-            let (name, value) = match line.iter().position(|&b| b == b':') {
-                Some(p) => {
-                    let v = &line[p + 1..];
-                    (&line[..p], v.strip_prefix(b" ").unwrap_or(v))
-                }
-                None => (line, &b""[..]),
-            };
+            let (name, value) = spec_field(line);
             match name {
                 b"event" => lifecycle = LIFECYCLE_EVENTS.contains(&value),
                 b"data"
@@ -1080,6 +1339,41 @@ mod tests {
             }
         }
         None
+    }
+
+    /// The lines of `body` (one without a leading byte order mark) as the SSE spec cuts them,
+    /// a line ending with CRLF, LF or CR: (start, end, index of its line end) of each,
+    /// the last one without a line end included.
+    fn spec_lines(body: &[u8]) -> Vec<(usize, usize, Option<usize>)> {
+        let mut lines = Vec::new();
+        let (mut i, mut start) = (0, 0);
+        while i < body.len() {
+            match body[i] {
+                b'\n' | b'\r' => {
+                    lines.push((start, i, Some(i)));
+                    let crlf = body[i] == b'\r' && body.get(i + 1) == Some(&b'\n');
+                    i += if crlf { 2 } else { 1 };
+                    start = i;
+                }
+                _ => i += 1,
+            }
+        }
+        if start < body.len() {
+            lines.push((start, body.len(), None));
+        }
+        lines
+    }
+
+    /// A line's field name and value, as the SSE spec splits them: at the first `:`, one
+    /// space after it skipped; a line without `:` is a name with an empty value.
+    fn spec_field(line: &[u8]) -> (&[u8], &[u8]) {
+        match line.iter().position(|&b| b == b':') {
+            Some(p) => {
+                let v = &line[p + 1..];
+                (&line[..p], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &b""[..]),
+        }
     }
 
     proptest! {
@@ -1146,6 +1440,102 @@ mod tests {
                 prev = c;
                 prop_assert_eq!(found, decided.is_some_and(|d| d < c), "{:?} through {}", body, c);
             }
+        }
+    }
+
+    /// The usage of `body` read as a whole by the SSE spec's rules (the oracle for
+    /// [`SseUsageScanner`], whose doc has the rule): each event's data is the `data`
+    /// values, each followed by a LF; data over `max_tail` bytes is read by
+    /// [`parse_json_tail`] from its last `max_tail` bytes, other data by [`parse_json`]
+    /// (no gate); the last event is read even without its blank line; the last usage wins.
+    fn usage_oracle(body: &[u8], max_tail: usize) -> Option<Usage> {
+        let body = body.strip_prefix(BOM).unwrap_or(body);
+        let read = |data: &[u8]| match data.len() > max_tail {
+            true => parse_json_tail(&data[data.len() - max_tail..]),
+            false => parse_json(data),
+        };
+        let (mut last, mut data) = (None, Vec::new());
+        for (start, end, _) in spec_lines(body) {
+            let line = &body[start..end];
+            if line.is_empty() {
+                last = read(&data).or(last);
+                data.clear();
+                continue;
+            }
+            if let (b"data", value) = spec_field(line) {
+                data.extend_from_slice(value);
+                data.push(b'\n');
+            }
+        }
+        read(&data).or(last)
+    }
+
+    /// Feed `body` cut at `cuts` (taken modulo its length, sorted), checking the tail bound
+    /// after each chunk; the usage after `finish`.
+    fn usage_fed_in_cuts(body: &[u8], cuts: Vec<usize>, max_tail: usize) -> Option<Usage> {
+        let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (body.len() + 1)).collect();
+        cuts.sort_unstable();
+        let mut chunks = Vec::new();
+        let mut prev = 0;
+        for c in cuts.into_iter().chain([body.len()]) {
+            chunks.push(&body[prev..c]);
+            prev = c;
+        }
+        usage_by_chunks(max_tail, &chunks)
+    }
+
+    proptest! {
+        /// Streams of usage events (chat, Responses, split over several `data` lines,
+        /// longer than the tail), token events, comments and `[DONE]`, with any line ends
+        /// and possibly a leading BOM, cut anywhere: the scanner's usage is the oracle's.
+        #[test]
+        fn usage_of_any_chunking_matches_the_oracle(
+            bom in any::<bool>(),
+            lines in proptest::collection::vec((
+                proptest::sample::select(vec![
+                    "", "", ":", ": ping", "event: response.completed", "id: 7", "data",
+                    "data:", "data: ", "data: [DONE]", "data:  x",
+                    "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}",
+                    "data: {\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1}}",
+                    "data:{\"usage\" : {\"prompt_tokens\":8,\"prompt_tokens_details\":{\"cached_tokens\":4}}}",
+                    "data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":7,\"output_tokens\":2}}}",
+                    "data: {\"text\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\",",
+                    "data: \"usage\":{\"input_tokens\":9,\"output_tokens\":3}}",
+                    "data: {\"usage\":",
+                    "data: {\"prompt_tokens\":3}}",
+                    "dat", "datax: {\"usage\":{\"prompt_tokens\":4}}", " data: {}",
+                ]),
+                proptest::sample::select(vec!["\n", "\r\n", "\r"]),
+            ), 0..14),
+            max_tail in proptest::sample::select(vec![0usize, 16, 64, 100, 256, DEFAULT_MAX_TAIL]),
+            cuts in proptest::collection::vec(0usize..600, 0..10),
+        ) {
+            let mut body: Vec<u8> = if bom { BOM.to_vec() } else { Vec::new() };
+            body.extend(lines.iter().flat_map(|(l, end)| l.bytes().chain(end.bytes())));
+            let want = usage_oracle(&body, max_tail);
+            prop_assert_eq!(usage_fed_in_cuts(&body, cuts, max_tail), want, "{:?}", String::from_utf8_lossy(&body));
+        }
+
+        /// Bodies of SSE's pieces and usage fragments in any order (line ends, names,
+        /// byte order marks, invalid UTF-8), with any tail bound, cut anywhere: the
+        /// scanner's usage is the oracle's.
+        #[test]
+        fn usage_of_any_byte_soup_matches_the_oracle(
+            bom in any::<bool>(),
+            pieces in proptest::collection::vec(proptest::sample::select(vec![
+                &b"data"[..], b"data:", b"data: ", b"event: ", b"dat", b":", b" ", b"\n",
+                b"\r", b"\r\n", b"{\"usage\":", b"{\"usage\":{\"prompt_tokens\":2}}",
+                b"{\"prompt_tokens\":3,\"completion_tokens\":1}", b"}", b"null", b"[DONE]",
+                b"{\"response\":", b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", b"\xEF\xBB\xBF", b"\xEF",
+                b"\xFF",
+            ]), 0..40),
+            max_tail in proptest::sample::select(vec![0usize, 8, 32, 64, 256]),
+            cuts in proptest::collection::vec(0usize..600, 0..10),
+        ) {
+            let mut body: Vec<u8> = if bom { BOM.to_vec() } else { Vec::new() };
+            body.extend(pieces.iter().flat_map(|p| p.iter().copied()));
+            let want = usage_oracle(&body, max_tail);
+            prop_assert_eq!(usage_fed_in_cuts(&body, cuts, max_tail), want, "{:?}", body);
         }
     }
 

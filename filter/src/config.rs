@@ -129,9 +129,10 @@ pub struct RawConfig {
     /// Add `x-kvroute-decision` with the decision reason to the upstream request and the
     /// response (default false).
     pub debug_header: bool,
-    /// Bound on the SSE tail kept while scanning a streamed response for `usage`, bytes
-    /// (default 16384; at least [`MIN_USAGE_TAIL_BYTES`], below which no `usage` event
-    /// would fit and every response would be read for nothing).
+    /// Bound on the bytes kept while reading a response's `usage`, bytes (default 16384;
+    /// at least [`MIN_USAGE_TAIL_BYTES`], below which no `usage` event would fit and every
+    /// sampled response would be read for nothing): the current SSE event's data (a longer
+    /// event is read from its last this many bytes) or the end of a JSON body.
     pub usage_tail_bytes: usize,
     /// Keep a decision record per routed request (default false): the decision reason
     /// plus the best 3 candidates with their score, predicted TTFT and each hybrid term, as
