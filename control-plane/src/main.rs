@@ -72,6 +72,10 @@ fn main() -> anyhow::Result<()> {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvroute-cp: {e}");
+            if args.check {
+                // The closing line every `--check` ends with, also when the file itself fails.
+                println!("config NOT ok: 1 error(s)");
+            }
             std::process::exit(2);
         }
     };
@@ -96,6 +100,7 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         (Ok(t), Ok(s)) => (t, s),
         (Err(e), _) | (_, Err(e)) => {
             eprintln!("kvroute-cp: {e}");
+            println!("config NOT ok: 1 error(s)");
             return 2;
         }
     };
@@ -103,6 +108,7 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         Ok((raw, _)) => raw,
         Err(e) => {
             eprintln!("kvroute-cp: {e}");
+            println!("config NOT ok: 1 error(s)");
             return 2;
         }
     };
@@ -111,6 +117,7 @@ fn run_check(args: &Args, config: &Config) -> i32 {
             Ok(t) => Some(t),
             Err(e) => {
                 eprintln!("kvroute-cp: cannot read Envoy config {}: {e}", p.display());
+                println!("config NOT ok: 1 error(s)");
                 return 2;
             }
         },
