@@ -70,12 +70,9 @@ fn main() -> anyhow::Result<()> {
     }
     let config = match load(&args) {
         Ok(c) => c,
+        Err(e) if args.check => std::process::exit(check_failed(e)),
         Err(e) => {
             eprintln!("kvroute-cp: {e}");
-            if args.check {
-                // The closing line every `--check` ends with, also when the file itself fails.
-                println!("config NOT ok: 1 error(s)");
-            }
             std::process::exit(2);
         }
     };
@@ -93,32 +90,31 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(run(args, config))
 }
 
+/// `--check` stopped by `e` before its report (the file, a token or the Envoy config could
+/// not be read): the error on stderr, the closing line every check ends with on stdout;
+/// returns the exit code, 2.
+fn check_failed(e: impl std::fmt::Display) -> i32 {
+    eprintln!("kvroute-cp: {e}");
+    println!("config NOT ok: 1 error(s)");
+    2
+}
+
 /// `--check`: print the report, return the exit code.
 fn run_check(args: &Args, config: &Config) -> i32 {
     // The tokens are read at start and on reload; check them too (never printed).
     let (token, scrape_token) = match (config.push.read_token(), config.scrape.token().read()) {
         (Ok(t), Ok(s)) => (t, s),
-        (Err(e), _) | (_, Err(e)) => {
-            eprintln!("kvroute-cp: {e}");
-            println!("config NOT ok: 1 error(s)");
-            return 2;
-        }
+        (Err(e), _) | (_, Err(e)) => return check_failed(e),
     };
     let raw = match Config::load_raw(&args.config) {
         Ok((raw, _)) => raw,
-        Err(e) => {
-            eprintln!("kvroute-cp: {e}");
-            println!("config NOT ok: 1 error(s)");
-            return 2;
-        }
+        Err(e) => return check_failed(e),
     };
     let envoy = match &args.envoy_config {
         Some(p) => match std::fs::read_to_string(p) {
             Ok(t) => Some(t),
             Err(e) => {
-                eprintln!("kvroute-cp: cannot read Envoy config {}: {e}", p.display());
-                println!("config NOT ok: 1 error(s)");
-                return 2;
+                return check_failed(format!("cannot read Envoy config {}: {e}", p.display()))
             }
         },
         None => None,

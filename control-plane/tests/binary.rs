@@ -86,20 +86,13 @@ fn bad_config_field_exits_2_with_the_field() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "");
     // With --check the same error, and the closing line every check ends with.
-    let out = Command::new(BIN)
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--check")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
     assert_eq!(
-        String::from_utf8_lossy(&out.stderr),
-        "kvroute-cp: config field `pools[0].endpoints[0].metrics_url` = `ftp://x/metrics`: must start with http:// or https://\n"
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "config NOT ok: 1 error(s)\n"
+        run_check(&cfg, None, &[]),
+        (
+            Some(2),
+            "config NOT ok: 1 error(s)\n".to_owned(),
+            "kvroute-cp: config field `pools[0].endpoints[0].metrics_url` = `ftp://x/metrics`: must start with http:// or https://\n".to_owned()
+        )
     );
     std::fs::write(&cfg, "pools: []\n").unwrap();
     let out = Command::new(BIN)

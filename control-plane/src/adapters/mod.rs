@@ -345,6 +345,18 @@ pub type RankKey<'a> = Vec<&'a str>;
 /// grow beyond what the body's size allows.
 pub const MAX_RANKS: usize = 1024;
 
+/// Whether a rank of family `name` may be kept next to `len` ranks kept so far (`known`:
+/// it is one of them): true while fewer than [`MAX_RANKS`] are kept; otherwise the rank is
+/// ignored and that is logged once per process ([`warn_too_many_ranks`]). For the
+/// adapters' own per-rank maps; [`LabelRules::per_rank_where`] applies the same bound.
+pub(crate) fn rank_admitted(len: usize, known: bool, kind: ServerKind, name: &str) -> bool {
+    if known || len < MAX_RANKS {
+        return true;
+    }
+    warn_too_many_ranks(kind, name, 1);
+    false
+}
+
 /// Log once per process that `ignored` series of family `name` beyond [`MAX_RANKS`]
 /// distinct ranks were left out.
 pub(crate) fn warn_too_many_ranks(kind: ServerKind, name: &str, ignored: usize) {

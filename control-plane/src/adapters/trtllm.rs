@@ -27,8 +27,7 @@
 //! model on its own pool's load, give each model its own endpoint (port or pod).
 
 use super::{
-    count, ratio, warn_too_many_ranks, AdapterError, LabelRules, RankKey, ServerKind, ServerStats,
-    MAX_RANKS,
+    count, rank_admitted, ratio, AdapterError, LabelRules, RankKey, ServerKind, ServerStats,
 };
 use crate::expo::Exposition;
 use std::collections::{HashMap, HashSet};
@@ -103,10 +102,9 @@ pub fn extract<'a>(expo: &'a Exposition) -> Result<ServerStats, AdapterError> {
         .flat_map(|n| expo.family(n))
     {
         let key = LABELS.rank_key(s);
-        if engines.len() < MAX_RANKS || engines.contains(&key) {
+        let known = engines.contains(&key);
+        if rank_admitted(engines.len(), known, ServerKind::Trtllm, s.name.as_str()) {
             engines.insert(key);
-        } else {
-            warn_too_many_ranks(ServerKind::Trtllm, s.name.as_str(), 1);
         }
     }
     let counts: Vec<f64> = LABELS

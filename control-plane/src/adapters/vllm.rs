@@ -21,8 +21,8 @@
 //! - Restart counter: `vllm:prompt_tokens_total + vllm:generation_tokens_total`.
 
 use super::{
-    count, ratio, seconds_to_ms, warn_too_many_ranks, AdapterError, LabelRules, ServerKind,
-    ServerStats, MAX_RANKS, PROCESS_START,
+    count, rank_admitted, ratio, seconds_to_ms, AdapterError, LabelRules, ServerKind, ServerStats,
+    PROCESS_START,
 };
 use crate::expo::Exposition;
 use std::collections::BTreeMap;
@@ -76,10 +76,13 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
             .and_then(|v| v.parse::<u64>().ok());
         if let (Some(bs), Some(blocks)) = (bs, blocks) {
             let key = LABELS.rank_key(s);
-            if capacity.len() < MAX_RANKS || capacity.contains_key(&key) {
+            if rank_admitted(
+                capacity.len(),
+                capacity.contains_key(&key),
+                kind,
+                CACHE_CONFIG,
+            ) {
                 capacity.insert(key, (blocks.saturating_mul(u64::from(bs)), bs));
-            } else {
-                warn_too_many_ranks(kind, CACHE_CONFIG, 1);
             }
         }
     }
@@ -127,8 +130,7 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
         if !s.value.is_finite() || newest.get(engine).is_some_and(|(ts, _)| *ts >= s.value) {
             continue;
         }
-        if newest.len() >= MAX_RANKS && !newest.contains_key(engine) {
-            warn_too_many_ranks(kind, LORA_INFO, 1);
+        if !rank_admitted(newest.len(), newest.contains_key(engine), kind, LORA_INFO) {
             continue;
         }
         let mut names = Vec::new();
