@@ -51,7 +51,9 @@
 use std::borrow::Cow;
 
 use crate::estimate::{CharClassCosts, Estimator, Tally};
-use crate::json_scan::{decode_escape, decode_str, BadString, Scanner, Syn, SyntaxError};
+use crate::json_scan::{
+    decode_escape, decode_str, BadString, RawPattern, Scanner, Syn, SyntaxError,
+};
 
 /// Which OpenAI-compatible API a request targets, derived from the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -890,6 +892,40 @@ fn tools(acc: &mut Acc<'_>, token: Option<&str>) -> Sem {
     Ok(())
 }
 
+/// The fields of a chat message that [`message`] reads.
+#[derive(Clone, Copy)]
+enum MessageField {
+    Role,
+    Content,
+    ToolCalls,
+    Other,
+}
+
+/// A message's keys as compact JSON writes them, told by one masked compare each
+/// ([`Scanner::raw_match`]); [`MESSAGE_FIELDS`] in the same order. Other forms are read
+/// by name.
+const MESSAGE_KEYS: [RawPattern; 3] = [
+    RawPattern::new(br#""content":"#),
+    RawPattern::new(br#""role":"#),
+    RawPattern::new(br#""tool_calls":"#),
+];
+const MESSAGE_FIELDS: [MessageField; 3] = [
+    MessageField::Content,
+    MessageField::Role,
+    MessageField::ToolCalls,
+];
+
+/// The chat roles of OpenAI's API as JSON strings with no escape ([`ROLES`] in the same
+/// order); any other role is read as a string.
+const ROLE_VALUES: [RawPattern; 5] = [
+    RawPattern::new(br#""user""#),
+    RawPattern::new(br#""assistant""#),
+    RawPattern::new(br#""system""#),
+    RawPattern::new(br#""tool""#),
+    RawPattern::new(br#""developer""#),
+];
+const ROLES: [&str; 5] = ["user", "assistant", "system", "tool", "developer"];
+
 /// Chat `messages`, read in place.
 fn messages(acc: &mut Acc<'_>, sc: &mut Scanner<'_>) -> Syn<Main> {
     if sc.peek() != Some(b'[') {
@@ -934,22 +970,39 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
     let mut calls_tok = None;
     if !sc.empty(b'}') {
         loop {
-            let Ok(name) = sc.key_name()? else {
-                bad_object = true;
-                sc.skip_value()?;
-                if !sc.comma_or_close(b'}')? {
-                    break;
+            let field = match sc.raw_match(&MESSAGE_KEYS) {
+                Some(i) => MESSAGE_FIELDS
+                    .get(i)
+                    .copied()
+                    .unwrap_or(MessageField::Other),
+                None => {
+                    let Ok(name) = sc.key_name()? else {
+                        bad_object = true;
+                        sc.skip_value()?;
+                        if !sc.comma_or_close(b'}')? {
+                            break;
+                        }
+                        continue;
+                    };
+                    match &*name {
+                        "role" => MessageField::Role,
+                        "content" => MessageField::Content,
+                        "tool_calls" => MessageField::ToolCalls,
+                        _ => MessageField::Other,
+                    }
                 }
-                continue;
             };
-            match &*name {
-                "role" => {
+            match field {
+                MessageField::Role => {
                     bad_object |= role_seen;
                     role_seen = true;
                     if !sc.null()? {
-                        let role = match sc.plain_string() {
-                            Some(r) => Ok(Cow::Borrowed(r)),
-                            None => de_str(sc.skip_value()?, &|| path(".role")),
+                        let role = match sc.raw_match(&ROLE_VALUES) {
+                            Some(i) => Ok(Cow::Borrowed(ROLES.get(i).copied().unwrap_or(""))),
+                            None => match sc.plain_string() {
+                                Some(r) => Ok(Cow::Borrowed(r)),
+                                None => de_str(sc.skip_value()?, &|| path(".role")),
+                            },
                         };
                         match role {
                             Ok(role) if !bad_object => {
@@ -965,7 +1018,7 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
                         }
                     }
                 }
-                "content" => {
+                MessageField::Content => {
                     bad_object |= content_seen;
                     content_seen = true;
                     if !sc.null()? {
@@ -985,14 +1038,14 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
                         }
                     }
                 }
-                "tool_calls" => {
+                MessageField::ToolCalls => {
                     bad_object |= calls_seen;
                     calls_seen = true;
                     if !sc.null()? {
                         calls_tok = Some(sc.skip_value()?);
                     }
                 }
-                _ => {
+                MessageField::Other => {
                     sc.skip_value()?;
                 }
             }

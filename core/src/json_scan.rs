@@ -321,6 +321,41 @@ pub(crate) fn decode_str(token: &str) -> Result<Cow<'_, str>, BadString> {
     Ok(Cow::Owned(out))
 }
 
+/// Raw bytes a [`Scanner::raw_match`] looks for: up to 16, as the low bytes of a
+/// little-endian `u128` with the mask of those bytes. Built at compile time.
+#[derive(Clone, Copy)]
+pub(crate) struct RawPattern {
+    bits: u128,
+    mask: u128,
+    len: usize,
+}
+
+impl RawPattern {
+    /// The pattern of `raw`. One longer than 16 bytes never matches.
+    pub(crate) const fn new(raw: &[u8]) -> Self {
+        if raw.len() > 16 {
+            return Self {
+                bits: 1,
+                mask: 0,
+                len: 0,
+            };
+        }
+        let (mut bits, mut mask, mut shift) = (0u128, 0u128, 0u32);
+        let mut rest = raw;
+        while let [b, tail @ ..] = rest {
+            bits |= (*b as u128) << shift;
+            mask |= 0xFF << shift;
+            shift += 8;
+            rest = tail;
+        }
+        Self {
+            bits,
+            mask,
+            len: raw.len(),
+        }
+    }
+}
+
 impl<'a> Scanner<'a> {
     /// A scanner at the start of `text`.
     pub(crate) fn new(text: &'a str) -> Self {
@@ -710,6 +745,24 @@ impl<'a> Scanner<'a> {
         Some(s)
     }
 
+    /// Which of `patterns` the bytes at the cursor are, exactly, with no whitespace
+    /// skipped: consumes the match and returns its index, or consumes nothing and returns
+    /// `None` (also within 16 bytes of the end, where no 16-byte load fits). Patterns are
+    /// raw JSON in its compact form, such as the key `"role":` or the value `"user"`:
+    /// one 16-byte load and a masked compare per pattern, where reading the key as a
+    /// string and comparing its name cost ~220 Wasm operations (`key_name` and the
+    /// string `match`, wasi-libc's byte-wise `memcmp`), a chat message's two keys ~450 of
+    /// its ~1.5 k (docs/overhead.md). Any other form (whitespace, escapes, another key)
+    /// is the general readers' ([`Self::key_name`], [`Self::plain_string`]), which decode
+    /// it to the same name.
+    #[inline]
+    pub(crate) fn raw_match(&mut self, patterns: &[RawPattern]) -> Option<usize> {
+        let w = u128::from_le_bytes(*self.rest().first_chunk::<16>()?);
+        let i = patterns.iter().position(|p| w & p.mask == p.bits)?;
+        self.pos += patterns.get(i)?.len;
+        Some(i)
+    }
+
     /// At an object key: read it and the `:` after it, and return the key decoded
     /// (`Err(BadString)` for a lone surrogate escape, as [`decode_str`]). Syntax errors
     /// are those of [`Self::key`].
@@ -863,6 +916,33 @@ fn eof_message(b: u8) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn raw_match_takes_only_the_exact_bytes() {
+        let pats = [
+            RawPattern::new(br#""role":"#),
+            RawPattern::new(br#""content":"#),
+        ];
+        let at = |text: &str| {
+            let mut sc = Scanner::new(text);
+            let m = sc.raw_match(&pats);
+            (m, sc.pos())
+        };
+        assert_eq!(at(r#""content":"hello there, world"}"#), (Some(1), 10));
+        assert_eq!(at(r#""role":"assistant","content":""}"#), (Some(0), 7));
+        // Another key with the same start, whitespace, an escape: not matched, nothing
+        // consumed (the general readers take them).
+        assert_eq!(at(r#""roles":"assistant","content":""}"#), (None, 0));
+        assert_eq!(at(r#""role" :"assistant","content":""}"#), (None, 0));
+        assert_eq!(at(r#" "role":"assistant","content":""}"#), (None, 0));
+        assert_eq!(at(r#""r\u006fle":"assistant","content":"x"}"#), (None, 0));
+        // Within 16 bytes of the end no load fits.
+        assert_eq!(at(r#""role":"user"}"#), (None, 0));
+        // A pattern longer than 16 bytes never matches.
+        let long = [RawPattern::new(b"0123456789abcdefg")];
+        let mut sc = Scanner::new("0123456789abcdefghijklmnopqrstuvwxyz");
+        assert_eq!(sc.raw_match(&long), None);
+    }
 
     #[test]
     fn simple_escape_maps_exactly_the_eight_letters() {
