@@ -55,6 +55,20 @@ use crate::json_scan::{
     decode_escape, decode_str, BadString, RawPattern, Scanner, Syn, SyntaxError,
 };
 
+/// The top-level `model` string of a JSON object body, read with serde_json with nothing
+/// else checked: the model of a body [`analyze`] rejects (a field of another type than the
+/// API's, a malformed message), so that a request routed by load alone still goes to an
+/// endpoint that serves its model, and an error reply can name it. `None` when the body is
+/// not a JSON object, or `model` is absent or not a string. Parses the whole body: for the
+/// error path only.
+pub fn requested_model(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct M {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<M>(body).ok()?.model
+}
+
 /// Which OpenAI-compatible API a request targets, derived from the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]

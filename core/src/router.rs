@@ -691,8 +691,14 @@ impl Router {
                     Basis::Body,
                     None,
                 ),
+                // Routed by load, but among the endpoints that serve the body's model
+                // when it names one: the analysis is stricter than model servers are
+                // (vLLM's pydantic models take `"max_tokens": 256.0`).
                 Err(e) => (
-                    RequestInfo::load_only(api),
+                    RequestInfo {
+                        model: crate::analysis::requested_model(b),
+                        ..RequestInfo::load_only(api)
+                    },
                     Basis::LoadOnly(LoadOnlyCause::Unparsable),
                     Some(e),
                 ),
@@ -1103,6 +1109,35 @@ mod tests {
         let d = r.route(&snap, &t, p, Some(b"{not json"), NOW);
         assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::Unparsable));
         assert!(d.parse_error.is_some());
+        assert_eq!(route(&d).endpoint, "pool/e0");
+    }
+
+    /// A body the analysis rejects is routed by load among the endpoints serving the model it
+    /// names; a model nobody serves is still unknown.
+    #[test]
+    fn an_unparsable_body_keeps_its_model() {
+        let mut r = router(PolicyKind::LeastRequest);
+        let mut a = ep(0, 0.1);
+        a.models = vec!["model-a".into()];
+        let mut b = ep(1, 0.1);
+        b.models = vec!["model-b".into()];
+        b.running = 50;
+        let snap = Snapshot::new(1, NOW, vec![a, b]);
+        let t = InflightTable::default();
+        let p = "/v1/chat/completions";
+        let body = |model: &str| {
+            format!(
+                r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":256.0}}"#
+            )
+        };
+        let d = r.route(&snap, &t, p, Some(body("model-b").as_bytes()), NOW);
+        assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::Unparsable));
+        assert_eq!(route(&d).endpoint, "pool/e1");
+        assert_eq!(route(&d).facts.model.as_deref(), Some("model-b"));
+        let d = r.route(&snap, &t, p, Some(body("model-c").as_bytes()), NOW);
+        assert_eq!(d.outcome, Outcome::UnknownModel("model-c".into()));
+        // No model to read: any endpoint, by load.
+        let d = r.route(&snap, &t, p, Some(br#"{"model":7,"messages":[]}"#), NOW);
         assert_eq!(route(&d).endpoint, "pool/e0");
     }
 

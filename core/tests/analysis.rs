@@ -435,3 +435,31 @@ fn every_byte_estimator_counts_the_whole_prompt() {
     assert_eq!(full.prompt_tokens, 512);
     assert_eq!(ok(ApiKind::Completions, &body).prompt_tokens, 513);
 }
+
+#[test]
+fn requested_model_reads_only_the_model() {
+    use kvroute_core::analysis::requested_model;
+    // A body the analysis rejects (a float limit) still names its model.
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":256.0}"#;
+    assert!(analyze(ApiKind::ChatCompletions, body, &Estimator::default()).is_err());
+    assert_eq!(requested_model(body).as_deref(), Some("m"));
+    assert_eq!(
+        requested_model(br#"{"model":"a\/b\u00e9"}"#).as_deref(),
+        Some("a/bé")
+    );
+    for none in [
+        &b"{"[..],
+        b"[]",
+        br#"{"model":7}"#,
+        br#"{"model":null}"#,
+        b"{}",
+        b"\xff",
+    ] {
+        assert_eq!(
+            requested_model(none),
+            None,
+            "{:?}",
+            String::from_utf8_lossy(none)
+        );
+    }
+}

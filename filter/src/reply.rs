@@ -308,16 +308,6 @@ pub fn is_model_list(method: Option<&str>, path: &str) -> bool {
     method == Some("GET") && p == "/v1/models"
 }
 
-/// The `model` field of a JSON body, if it has one (read only on the error path, to name the
-/// model in a 503 `no_healthy_endpoint`).
-pub fn requested_model(body: Option<&[u8]>) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct M {
-        model: Option<String>,
-    }
-    serde_json::from_slice::<M>(body?).ok()?.model
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,16 +432,10 @@ mod tests {
     }
 
     #[test]
-    fn model_list_route_and_requested_model() {
+    fn model_list_route() {
         assert!(is_model_list(Some("GET"), "/v1/models"));
         assert!(is_model_list(Some("GET"), "/v1/models/?x=1"));
         assert!(!is_model_list(Some("POST"), "/v1/models"));
         assert!(!is_model_list(Some("GET"), "/v1/models/llama"));
-        assert_eq!(
-            requested_model(Some(br#"{"model":"m","messages":[]}"#)).as_deref(),
-            Some("m")
-        );
-        assert_eq!(requested_model(Some(b"{")), None);
-        assert_eq!(requested_model(None), None);
     }
 }

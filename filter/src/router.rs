@@ -688,7 +688,7 @@ impl Worker {
             }
             Decision::NoEndpoints => {
                 host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
-                let model = crate::reply::requested_model(body);
+                let model = body.and_then(kvroute_core::analysis::requested_model);
                 Some(crate::reply::no_healthy_endpoint(
                     model.as_deref(),
                     self.config.admission.retry_after_s,
