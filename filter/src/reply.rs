@@ -235,9 +235,10 @@ pub fn ingest_queue_unavailable() -> LocalReply {
 /// The models a snapshot serves, and the `GET /v1/models` body, built once per version.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ModelCatalog {
-    /// Served ids (base models and LoRA adapters) → the base model an adapter runs on
-    /// (`None` for a base model, or an adapter on several bases).
-    models: BTreeMap<String, Option<String>>,
+    /// Served ids (base models and LoRA adapters) → the model object OpenAI's API gives
+    /// for it (JSON text: `id`, `object`, `created`, `owned_by`, and `parent`, the base
+    /// model an adapter runs on when it runs on one only), the `GET /v1/models/{id}` body.
+    models: BTreeMap<String, String>,
     /// `GET /v1/models` body.
     pub list_body: String,
 }
@@ -267,8 +268,8 @@ impl ModelCatalog {
             models.entry(m.clone()).or_insert(None);
         }
         let created = snap.generated_at_ms / 1000;
-        let data: Vec<serde_json::Value> = models
-            .iter()
+        let models: BTreeMap<String, String> = models
+            .into_iter()
             .map(|(id, parent)| {
                 let mut m = serde_json::json!({
                     "id": id,
@@ -277,12 +278,14 @@ impl ModelCatalog {
                     "owned_by": "kvroute",
                 });
                 if let (Some(p), Some(obj)) = (parent, m.as_object_mut()) {
-                    obj.insert("parent".into(), serde_json::Value::String(p.clone()));
+                    obj.insert("parent".into(), serde_json::Value::String(p));
                 }
-                m
+                (id, m.to_string())
             })
             .collect();
-        let list_body = serde_json::json!({"object": "list", "data": data}).to_string();
+        let data: Vec<&str> = models.values().map(String::as_str).collect();
+        // serde_json writes an object's keys sorted: `data` before `object`.
+        let list_body = format!(r#"{{"data":[{}],"object":"list"}}"#, data.join(","));
         Self { models, list_body }
     }
 
@@ -300,12 +303,53 @@ impl ModelCatalog {
             body: self.list_body.clone(),
         }
     }
+
+    /// The `GET /v1/models/{id}` reply: 200 with the model object when a snapshot
+    /// endpoint or `unavailable_models` lists `id`, else 404 `model_not_found`.
+    pub fn retrieve_reply(&self, id: &str) -> LocalReply {
+        match self.models.get(id) {
+            Some(object) => LocalReply {
+                status: 200,
+                retry_after_s: None,
+                body: object.clone(),
+            },
+            None => model_not_found(id),
+        }
+    }
+
+    /// The reply to `request`.
+    pub fn reply(&self, request: &ModelsRequest<'_>) -> LocalReply {
+        match request {
+            ModelsRequest::List => self.list_reply(),
+            ModelsRequest::Retrieve(id) => self.retrieve_reply(id),
+        }
+    }
 }
 
-/// Whether `method` and `path` ask for the model list (`GET /v1/models`, query ignored).
-pub fn is_model_list(method: Option<&str>, path: &str) -> bool {
+/// A request for OpenAI's models API, which the filter answers from the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelsRequest<'a> {
+    /// `GET /v1/models`: the list.
+    List,
+    /// `GET /v1/models/{id}`: one model; `id` percent-decoded (model ids hold `/`, sent
+    /// as is or as `%2F`), invalid UTF-8 replaced.
+    Retrieve(std::borrow::Cow<'a, str>),
+}
+
+/// The models-API request `method` and `path` make, if any (query string and a trailing
+/// `/` ignored): `GET /v1/models` or `GET /v1/models/{id}`.
+pub fn models_request<'a>(method: Option<&str>, path: &'a str) -> Option<ModelsRequest<'a>> {
+    if method != Some("GET") {
+        return None;
+    }
     let p = path.split('?').next().unwrap_or(path).trim_end_matches('/');
-    method == Some("GET") && p == "/v1/models"
+    if p == "/v1/models" {
+        return Some(ModelsRequest::List);
+    }
+    let id = p.strip_prefix("/v1/models/").filter(|id| !id.is_empty())?;
+    Some(ModelsRequest::Retrieve(
+        percent_encoding::percent_decode_str(id).decode_utf8_lossy(),
+    ))
 }
 
 #[cfg(test)]
@@ -402,6 +446,19 @@ mod tests {
             )
         );
         assert_eq!(c.list_reply().status, 200);
+        let one = c.retrieve_reply("sql-lora");
+        assert_eq!(
+            (one.status, one.body.as_str()),
+            (
+                200,
+                r#"{"created":1700000123,"id":"sql-lora","object":"model","owned_by":"kvroute","parent":"llama"}"#
+            )
+        );
+        let none = c.retrieve_reply("mistral");
+        assert_eq!(
+            (none.status, none.body),
+            (404, model_not_found("mistral").body)
+        );
     }
 
     /// A model of a pool without endpoints is listed (it exists, it is just not available
@@ -432,10 +489,26 @@ mod tests {
     }
 
     #[test]
-    fn model_list_route() {
-        assert!(is_model_list(Some("GET"), "/v1/models"));
-        assert!(is_model_list(Some("GET"), "/v1/models/?x=1"));
-        assert!(!is_model_list(Some("POST"), "/v1/models"));
-        assert!(!is_model_list(Some("GET"), "/v1/models/llama"));
+    fn models_api_requests() {
+        let list = Some(ModelsRequest::List);
+        let one = |id: &str| Some(ModelsRequest::Retrieve(id.to_owned().into()));
+        assert_eq!(models_request(Some("GET"), "/v1/models"), list);
+        assert_eq!(models_request(Some("GET"), "/v1/models/?x=1"), list);
+        assert_eq!(models_request(Some("POST"), "/v1/models"), None);
+        assert_eq!(
+            models_request(Some("GET"), "/v1/models/llama"),
+            one("llama")
+        );
+        assert_eq!(
+            models_request(Some("GET"), "/v1/models/meta-llama/Llama-3.1-8B?x"),
+            one("meta-llama/Llama-3.1-8B")
+        );
+        assert_eq!(
+            models_request(Some("GET"), "/v1/models/meta-llama%2FLlama%20x%ff"),
+            one("meta-llama/Llama x\u{fffd}")
+        );
+        assert_eq!(models_request(Some("GET"), "/v1/modelsx"), None);
+        assert_eq!(models_request(Some("GET"), "/v1/chat/completions"), None);
+        assert_eq!(models_request(None, "/v1/models"), None);
     }
 }

@@ -161,11 +161,12 @@ impl Stream {
         let headers = host.request_headers();
         let get = |name: &str| header(&headers, name);
         self.path = get(":path").unwrap_or_default().to_owned();
-        if reply::is_model_list(get(":method"), &self.path) {
+        if let Some(models) = reply::models_request(get(":method"), &self.path) {
             let catalog = self.worker.borrow_mut().cache.catalog(host).ok().flatten();
             if let Some(c) = catalog {
                 host.metric_add(MetricKind::Counter, metric::MODELS_LISTED, 1);
-                self.reply(host, &c.list_reply());
+                let r = c.reply(&models);
+                self.reply(host, &r);
                 return Flow::Pause;
             }
             // No snapshot yet: let the model servers answer.
@@ -657,9 +658,19 @@ mod tests {
         w: &Rc<RefCell<Worker>>,
         ctx: u32,
     ) -> crate::host::mock::LocalReply {
+        models_reply(h, w, ctx, "/v1/models")
+    }
+
+    /// The filter's one local reply to `GET path` on stream `ctx`.
+    fn models_reply(
+        h: &MockHost,
+        w: &Rc<RefCell<Worker>>,
+        ctx: u32,
+        path: &str,
+    ) -> crate::host::mock::LocalReply {
         let r = h
             .sibling()
-            .with_header(":path", "/v1/models")
+            .with_header(":path", path)
             .with_header(":method", "GET");
         let mut s = Stream::new(w.clone(), ctx);
         assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
@@ -870,6 +881,20 @@ mod tests {
         assert_eq!(v["object"], "list");
         assert_eq!(v["data"][1]["parent"], "m");
         assert_eq!(h.metric(metric::MODELS_LISTED), 1);
+        // One model: its object, or OpenAI's 404.
+        let one = models_reply(&h, &w, 3, "/v1/models/sql");
+        let v: serde_json::Value = serde_json::from_slice(&one.body).unwrap();
+        assert_eq!(
+            (one.status, &v["id"], &v["parent"]),
+            (200, &"sql".into(), &"m".into())
+        );
+        let none = models_reply(&h, &w, 4, "/v1/models/gpt-x");
+        let v: serde_json::Value = serde_json::from_slice(&none.body).unwrap();
+        assert_eq!(
+            (none.status, &v["error"]["code"]),
+            (404, &"model_not_found".into())
+        );
+        assert_eq!(h.metric(metric::MODELS_LISTED), 3);
         // Before any snapshot the model servers answer it.
         let (h, w) = setup("{}", vec![]);
         let r = h
