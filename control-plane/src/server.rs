@@ -4,6 +4,10 @@
 //! `/readyz` answers 503 with the reason until the first snapshot is built, and while any
 //! ingest target rejects the token. `/metrics` negotiates its format on `Accept`
 //! ([`MetricsFormat::negotiate`]).
+//!
+//! A connection that does not send a request's headers within [`HEADER_READ_TIMEOUT`] is
+//! closed, so clients that open connections and stall (a slowloris) cannot hold the
+//! process's file descriptors, which the scrapes and pushes need.
 
 use crate::hub::Hub;
 use crate::names::*;
@@ -72,6 +76,11 @@ pub fn handle(
 /// How long the server waits after a failed `accept` before the next one.
 pub const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// How long a connection may take to send a request's headers (hyper's
+/// `http1::Builder::header_read_timeout`, which takes effect only with a timer; hyper's own
+/// default when one is set is 30 s). Probes and Prometheus send theirs in one packet.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serve until `shutdown` turns true.
 ///
 /// A failed `accept` is retried after [`ACCEPT_BACKOFF`]: out of file descriptors
@@ -111,11 +120,57 @@ pub async fn serve(listener: TcpListener, hub: Arc<Hub>, mut shutdown: watch::Re
                 async move { Ok::<_, Infallible>(resp) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await
             {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A client that sends half a request line and stalls is disconnected after
+    /// [`HEADER_READ_TIMEOUT`] (paused clock: the runtime jumps it forward while idle);
+    /// a whole request is still answered.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_request_is_dropped_after_the_header_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hub = Hub::new(Duration::from_secs(1), Duration::ZERO, Duration::ZERO);
+        let (_stop, rx) = watch::channel(false);
+        tokio::spawn(serve(listener, hub, rx));
+
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 256];
+        let n = c.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET /healthz HTT").await.unwrap();
+        let started = tokio::time::Instant::now();
+        let mut rest = Vec::new();
+        let read = slow.read_to_end(&mut rest).await;
+        let waited = started.elapsed();
+        assert!(
+            waited >= HEADER_READ_TIMEOUT && waited < HEADER_READ_TIMEOUT * 2,
+            "closed after {waited:?}"
+        );
+        // hyper may answer 408 before closing; either way the connection ends.
+        assert!(
+            read.is_err() || rest.is_empty() || rest.starts_with(b"HTTP/1.1 408"),
+            "{:?}",
+            String::from_utf8_lossy(&rest)
+        );
     }
 }
