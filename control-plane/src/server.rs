@@ -78,7 +78,9 @@ pub const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis
 
 /// How long a connection may take to send a request's headers (hyper's
 /// `http1::Builder::header_read_timeout`, which takes effect only with a timer; hyper's own
-/// default when one is set is 30 s). Probes and Prometheus send theirs in one packet.
+/// default when one is set is 30 s). Probes and Prometheus send theirs in one packet. It
+/// also bounds a keep-alive connection's wait for its next request: one idle this long is
+/// closed (measured in the test below's paused clock: the next request on it reads EOF).
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serve until `shutdown` turns true.
