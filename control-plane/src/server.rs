@@ -80,7 +80,7 @@ pub const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis
 /// `http1::Builder::header_read_timeout`, which takes effect only with a timer; hyper's own
 /// default when one is set is 30 s). Probes and Prometheus send theirs in one packet. It
 /// also bounds a keep-alive connection's wait for its next request: one idle this long is
-/// closed (measured in the test below's paused clock: the next request on it reads EOF).
+/// closed (the test below checks both).
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serve until `shutdown` turns true.
@@ -141,7 +141,8 @@ mod tests {
 
     /// A client that sends half a request line and stalls is disconnected after
     /// [`HEADER_READ_TIMEOUT`] (paused clock: the runtime jumps it forward while idle);
-    /// a whole request is still answered.
+    /// a whole request is still answered, and its keep-alive connection is closed once idle
+    /// for as long.
     #[tokio::test(start_paused = true)]
     async fn a_stalled_request_is_dropped_after_the_header_timeout() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -157,6 +158,10 @@ mod tests {
         let mut buf = [0u8; 256];
         let n = c.read(&mut buf).await.unwrap();
         assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+
+        // Idle past the bound between two requests: closed (the next read is EOF).
+        tokio::time::sleep(HEADER_READ_TIMEOUT + Duration::from_secs(1)).await;
+        assert_eq!(c.read(&mut buf).await.unwrap(), 0);
 
         let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
         slow.write_all(b"GET /healthz HTT").await.unwrap();
