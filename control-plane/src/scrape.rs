@@ -435,6 +435,10 @@ pub async fn run_endpoint(
     let mut last_slots: Option<(Instant, Option<f64>, Option<u64>)> = None;
     loop {
         let started = Instant::now();
+        // The scrape's time is when it began: a reservation made while it runs (a busy
+        // llama-server's `/slots` can take seconds) was not in its `/metrics`, and must
+        // count as unseen, not as seen by a scrape stamped at its end.
+        let started_ms = now_ms();
         let bearer = token.borrow().clone();
         let result = scrape_once(
             &client,
@@ -516,7 +520,7 @@ pub async fn run_endpoint(
                         }
                     }
                 }
-                hub.record_success(&spec.id, stats, now_ms());
+                hub.record_success(&spec.id, stats, started_ms);
             }
             Err(e) => {
                 let class = e.class();

@@ -200,6 +200,26 @@ fn hub_now() -> u64 {
     kvroute_cp::hub::now_ms()
 }
 
+/// `scraped_at_ms` is when the scrape began, not when its slow `/slots` answered: the
+/// filter counts a reservation made after a scrape's time as unseen by it, and one made
+/// while this scrape ran was not in its `/metrics`.
+#[tokio::test]
+async fn a_scrape_is_stamped_with_its_start() {
+    let (body, slots) = llamacpp_server_body();
+    let srv = FakeModelServer::start(body).await;
+    *srv.slots.lock().unwrap() = Some(slots);
+    *srv.slots_delay.lock().unwrap() = Duration::from_millis(300);
+    let yaml = config_yaml(&[("l", srv.addr())], &[], "")
+        .replace("interval_ms: 20", "interval_ms: 200")
+        .replace("timeout_ms: 150", "timeout_ms: 1000");
+    let cp = start(&yaml).await;
+    wait_for(WAIT, "a scrape", || state(&cp, "p/l").scraped_at_ms > 0).await;
+    // Recorded once /slots answered, 300 ms after the scrape began: already that old.
+    let age = hub_now().saturating_sub(state(&cp, "p/l").scraped_at_ms);
+    assert!(age >= 300, "scrape stamped {age} ms ago");
+    cp.shutdown().await;
+}
+
 #[tokio::test]
 async fn ingest_down_then_back_gets_newer_versions() {
     let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
