@@ -152,7 +152,7 @@ async fn fetch(
         let resp = client
             .request(req)
             .await
-            .map_err(|e| ("connect", format!("{e:?}")))?;
+            .map_err(|e| ("connect", crate::scrape::error_chain(&e)))?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), MAX_BODY_BYTES)
             .collect()
@@ -238,6 +238,28 @@ mod tests {
 
     fn ids(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    /// A gateway that refuses the connection: the reason `connect` and the error chain as
+    /// pushes and scrapes log it, not hyper's debug form.
+    #[tokio::test]
+    async fn a_refused_stats_read_reads_like_a_refused_push() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let tls = crate::tls::client_config("push.tls", &Default::default()).unwrap();
+        let (_tx, rx) = tokio::sync::watch::channel(tls);
+        let client = crate::push::client(std::time::Duration::from_secs(1), &rx);
+        let url: http::Uri = format!("http://127.0.0.1:{port}/stats").parse().unwrap();
+        let (reason, msg) = fetch(&client, &url, std::time::Duration::from_secs(2))
+            .await
+            .unwrap_err();
+        assert_eq!(reason, "connect");
+        assert!(
+            msg.contains("Connection refused") && !msg.contains("hyper_util"),
+            "{msg}"
+        );
     }
 
     #[test]
