@@ -51,14 +51,24 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
+/// A `usage` object: Chat/Completions names (`prompt_tokens`...) or the Responses API's
+/// (`input_tokens`...). Separate fields, not serde aliases: a server that sends both names
+/// (a proxy adding the other API's) is a duplicate field to an alias, and its usage was
+/// dropped. The Chat name wins when both are present.
 #[derive(Deserialize)]
 struct RawUsage {
-    #[serde(default, alias = "input_tokens")]
+    #[serde(default)]
     prompt_tokens: Option<u64>,
-    #[serde(default, alias = "output_tokens")]
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
     completion_tokens: Option<u64>,
-    #[serde(default, alias = "input_tokens_details")]
+    #[serde(default)]
+    output_tokens: Option<u64>,
+    #[serde(default)]
     prompt_tokens_details: Option<Details>,
+    #[serde(default)]
+    input_tokens_details: Option<Details>,
 }
 
 #[derive(Deserialize)]
@@ -77,11 +87,12 @@ struct Envelope {
 
 impl RawUsage {
     fn into_usage(self) -> Option<Usage> {
-        let prompt_tokens = self.prompt_tokens?;
+        let prompt_tokens = self.prompt_tokens.or(self.input_tokens)?;
+        let cached = |d: Option<Details>| d.and_then(|d| d.cached_tokens);
         Some(Usage {
             prompt_tokens,
-            completion_tokens: self.completion_tokens.unwrap_or(0),
-            cached_tokens: self.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            completion_tokens: self.completion_tokens.or(self.output_tokens).unwrap_or(0),
+            cached_tokens: cached(self.prompt_tokens_details).or(cached(self.input_tokens_details)),
         })
     }
 }
@@ -834,6 +845,17 @@ mod tests {
                 prompt_tokens: 5,
                 completion_tokens: 3,
                 cached_tokens: None
+            })
+        );
+        // Both APIs' names at once (a proxy adding the other's): read, the Chat names
+        // first; each detail from whichever name carries it.
+        let both = br#"{"usage":{"prompt_tokens":5,"input_tokens":6,"completion_tokens":3,"output_tokens":4,"input_tokens_details":{"cached_tokens":2}}}"#;
+        assert_eq!(
+            parse_json(both),
+            Some(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 3,
+                cached_tokens: Some(2)
             })
         );
         assert_eq!(parse_json(b"{\"usage\":null}"), None);
