@@ -170,18 +170,34 @@ async fn ingest_auth_size_validity_and_versions() {
 async fn header_only_requests_are_decided_without_waiting() {
     let fleet = Fleet::start(FleetOptions::least_kv()).await.unwrap();
     fleet.push_usages(1, &[0.7, 0.2]).await.unwrap();
-    // `GET /v1/models` itself is answered by the filter from the snapshot; retrieving one
-    // model is a header-only request that goes upstream.
-    let r =
-        kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models/m"), &[], b"")
-            .await
-            .unwrap();
+    // A header-only request (vLLM's `/health`) is decided at its headers, by load.
+    let r = kvroute_integration::harness::http::request("GET", &fleet.url("/health"), &[], b"")
+        .await
+        .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-backend"), Some("b1"));
     assert_eq!(
         fleet.custom("kvroute.decisions.load_only").await.unwrap(),
         1
     );
+    // The models API is the filter's own, from the snapshot: `GET /v1/models/{id}` too.
+    let r =
+        kvroute_integration::harness::http::request("GET", &fleet.url("/v1/models/m"), &[], b"")
+            .await
+            .unwrap();
+    assert_eq!((r.status, r.header("x-backend")), (200, None));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!((&v["id"], &v["object"]), (&"m".into(), &"model".into()));
+    let r = kvroute_integration::harness::http::request(
+        "GET",
+        &fleet.url("/v1/models/nobody%2Fserves-this"),
+        &[],
+        b"",
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 404);
+    assert!(r.text().contains("`nobody/serves-this`"), "{}", r.text());
 }
 
 #[tokio::test]
