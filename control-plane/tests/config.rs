@@ -339,6 +339,37 @@ fn scrape_token_sources() {
     );
 }
 
+/// An ingest or scrape token from a variable is trimmed as one from a file is (and as the
+/// filter trims what it receives): `KVROUTE_INGEST_TOKEN=' tok '` or a trailing newline
+/// (`$(cat token)` keeps none, but `export T="$(cat f)\n"` or a Secret's env does) must
+/// not read as a different token, nor be refused as a line break.
+#[test]
+fn env_tokens_are_trimmed_like_file_tokens() {
+    // Only this test reads these variables.
+    std::env::set_var("KVROUTE_TEST_PUSH_TOKEN_SPACES", " tok-0123456789abcdef ");
+    std::env::set_var("KVROUTE_TEST_PUSH_TOKEN_NEWLINE", "tok-0123456789abcdef\n");
+    std::env::set_var("KVROUTE_TEST_PUSH_TOKEN_BLANK", " \n");
+    for var in [
+        "KVROUTE_TEST_PUSH_TOKEN_SPACES",
+        "KVROUTE_TEST_PUSH_TOKEN_NEWLINE",
+    ] {
+        let c = Config::from_yaml(&format!("push:\n  token_env: {var}\n")).unwrap();
+        assert_eq!(
+            c.push.read_token().unwrap().as_deref(),
+            Some("tok-0123456789abcdef"),
+            "{var}"
+        );
+        let c = Config::from_yaml(&format!("scrape:\n  token_env: {var}\n")).unwrap();
+        assert_eq!(
+            c.scrape.token().read().unwrap().as_deref(),
+            Some("tok-0123456789abcdef"),
+            "{var}"
+        );
+    }
+    let c = Config::from_yaml("push:\n  token_env: KVROUTE_TEST_PUSH_TOKEN_BLANK\n").unwrap();
+    assert_eq!(c.push.read_token().unwrap(), None);
+}
+
 #[test]
 fn shipped_examples_are_valid() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
