@@ -726,6 +726,17 @@ impl RawConfig {
                     "duplicate pool name",
                 ));
             }
+            // Checked before the endpoints, so that a bad pool-level name is reported as
+            // `pools[i].models` whether or not endpoints inherit it, and also for a pool
+            // whose endpoints all name their own models (or that has none): these names
+            // reach the snapshot's `unavailable_models`.
+            if let Some(m) = pool.models.iter().find(|m| m.is_empty() || has_control(m)) {
+                return Err(invalid(
+                    format!("pools[{pi}].models"),
+                    m.escape_debug(),
+                    "model names must be non-empty without control characters",
+                ));
+            }
             let mut eps = BTreeSet::new();
             for (ei, e) in pool.endpoints.iter().enumerate() {
                 let at = |f: &str| format!("pools[{pi}].endpoints[{ei}].{f}");
@@ -808,16 +819,7 @@ impl RawConfig {
             }
         }
         let mut pool_models = BTreeMap::new();
-        for (pi, pool) in self.pools.iter().enumerate() {
-            // Checked here too for a pool whose endpoints all name their own models (or that
-            // has none): these names reach the snapshot's `unavailable_models`.
-            if let Some(m) = pool.models.iter().find(|m| m.is_empty() || has_control(m)) {
-                return Err(invalid(
-                    format!("pools[{pi}].models"),
-                    m.escape_debug(),
-                    "model names must be non-empty without control characters",
-                ));
-            }
+        for pool in &self.pools {
             pool_models.insert(pool.name.clone(), pool.models.clone());
         }
         let kubernetes = self.kubernetes.validate(&pools)?;

@@ -152,6 +152,9 @@ fn invalid_fields_are_named() {
         ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1, stats_path: stats}\n", "config field `kubernetes.gateways[0].stats_path` = `stats`: must be a URL path starting with `/`"),
         ("pools:\n  - name: p\n    endpoints: []\n  - name: p\n    endpoints: []\n", "config field `pools[1].name` = `p`: duplicate pool name"),
         ("pools:\n  - name: p\n    models: [ok, '']\n    endpoints: []\n", "config field `pools[0].models` = ``: model names must be non-empty without control characters"),
+        // A bad pool-level name inherited by an endpoint is the pool's field, not the endpoint's.
+        ("pools: [{name: p, models: [''], endpoints: [{name: e, address: 'host:8001'}]}]\n", "config field `pools[0].models` = ``: model names must be non-empty without control characters"),
+        ("pools: [{name: p, models: [ok, \"m\\n\"], endpoints: [{name: e, address: 'host:8001'}]}]\n", "config field `pools[0].models` = `m\\n`: model names must be non-empty without control characters"),
     ];
     for (yaml, want) in cases {
         assert_eq!(&err(yaml), want, "for {yaml:?}");
