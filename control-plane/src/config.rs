@@ -577,10 +577,33 @@ fn http_url(field: &str, s: &str) -> Result<http::Uri, ConfigError> {
     if !matches!(uri.scheme_str(), Some("http" | "https")) {
         return Err(invalid(field, s, "must start with http:// or https://"));
     }
-    if uri.authority().is_none() {
+    let Some(authority) = uri.authority() else {
         return Err(invalid(field, s, "has no host"));
+    };
+    if !port_ok(authority) {
+        return Err(invalid(field, s, PORT_REASON));
     }
     Ok(uri)
+}
+
+/// Why a URL with a bad port is refused: [`http::Uri::port_u16`] is `None` for a port
+/// that is not a number in 0..=65535, and hyper would then silently use the scheme's
+/// default port (80 or 443).
+const PORT_REASON: &str = "has an invalid port (expected 1..=65535)";
+
+/// Whether `authority`'s port, when one is written (`host:port`, `[v6]:port`), is a
+/// number in 1..=65535. No port at all is fine (the scheme's default); an empty one
+/// (`host:`) is not.
+fn port_ok(authority: &http::uri::Authority) -> bool {
+    let a = authority.as_str();
+    let host_port = a.rsplit_once('@').map_or(a, |(_, hp)| hp);
+    if host_port.ends_with(']') {
+        return true;
+    }
+    match host_port.rsplit_once(':') {
+        None => true,
+        Some((_, port)) => port.parse::<u16>().is_ok_and(|p| p != 0),
+    }
 }
 
 fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<Duration, ConfigError> {
@@ -909,6 +932,9 @@ impl RawKubernetes {
                         s,
                         "must be an http:// or https:// URL with a host",
                     ));
+                }
+                if uri.authority().is_some_and(|a| !port_ok(a)) {
+                    return Err(invalid("kubernetes.api_server", s, PORT_REASON));
                 }
                 Some(uri)
             }

@@ -131,6 +131,11 @@ fn invalid_fields_are_named() {
         ("push:\n  token_env: ''\n", "config field `push.token_env` = ``: must not be empty"),
         ("scrape:\n  token_env: ''\n", "config field `scrape.token_env` = ``: must not be empty"),
         ("targets:\n  - name: e\n    url: ftp://x:1/\n", "config field `targets[0].url` = `ftp://x:1/`: must start with http:// or https://"),
+        // A port out of 1..=65535 would make hyper silently use the scheme's default port.
+        ("targets:\n  - name: e\n    url: http://127.0.0.1:99999/kvroute/v1/snapshot\n", "config field `targets[0].url` = `http://127.0.0.1:99999/kvroute/v1/snapshot`: has an invalid port (expected 1..=65535)"),
+        ("targets:\n  - name: e\n    url: https://[::1]:0/kvroute/v1/snapshot\n", "config field `targets[0].url` = `https://[::1]:0/kvroute/v1/snapshot`: has an invalid port (expected 1..=65535)"),
+        ("targets:\n  - name: e\n    url: http://a:1/\n    stats_url: http://a:65536/stats\n", "config field `targets[0].stats_url` = `http://a:65536/stats`: has an invalid port (expected 1..=65535)"),
+        ("kubernetes:\n  api_server: https://k8s:70000\n", "config field `kubernetes.api_server` = `https://k8s:70000`: has an invalid port (expected 1..=65535)"),
         ("scrape:\n  tls:\n    cert_file: /c.pem\n", "config field `scrape.tls.cert_file` = `/c.pem`: needs key_file too"),
         ("push:\n  tls:\n    key_file: /k.pem\n", "config field `push.tls.key_file` = `/k.pem`: needs cert_file too"),
         ("kubernetes:\n  api_server: ftp://x\n", "config field `kubernetes.api_server` = `ftp://x`: must be an http:// or https:// URL with a host"),
@@ -163,6 +168,9 @@ fn invalid_fields_are_named() {
         ("metrics_url: ftp://x/metrics", "config field `pools[0].endpoints[1].metrics_url` = `ftp://x/metrics`: must start with http:// or https://"),
         ("metrics_url: 'not a url'", "config field `pools[0].endpoints[1].metrics_url` = `not a url`: not a URL (invalid uri character)"),
         ("slots_url: /slots", "config field `pools[0].endpoints[1].slots_url` = `/slots`: must start with http:// or https://"),
+        ("metrics_url: http://127.0.0.1:99999/metrics", "config field `pools[0].endpoints[1].metrics_url` = `http://127.0.0.1:99999/metrics`: has an invalid port (expected 1..=65535)"),
+        ("slots_url: 'http://127.0.0.1:/slots'", "config field `pools[0].endpoints[1].slots_url` = `http://127.0.0.1:/slots`: has an invalid port (expected 1..=65535)"),
+        ("metrics_url: 'http://user@h:0/metrics'", "config field `pools[0].endpoints[1].metrics_url` = `http://user@h:0/metrics`: has an invalid port (expected 1..=65535)"),
         ("cluster: ''", "config field `pools[0].endpoints[1].cluster` = ``: must not be empty"),
         ("models: ['']", "config field `pools[0].endpoints[1].models` = ``: model names must not be empty"),
     ];
