@@ -8,8 +8,9 @@
 //!   that cluster, so a missing Envoy cluster of that name is a 503 at request time);
 //! - with an Envoy config (`--envoy-config`), a cross-check: every endpoint's cluster is
 //!   defined when a kvroute filter runs in cluster mode; the ingest filter's
-//!   `ingest_token`, when written inline, equals the token found; each target's port is a
-//!   listener port carrying the ingest filter.
+//!   `ingest_token`, when written inline, equals the token found; each target's port (the
+//!   scheme's default when none is written: 80, or 443 for `https://`) is a listener port
+//!   carrying the ingest filter.
 //!
 //! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
 
@@ -280,7 +281,7 @@ pub fn check(
     if !ports.is_empty() {
         let mut all_match = !config.targets.is_empty();
         for t in &config.targets {
-            let port = t.url.port_u16().map(u64::from).unwrap_or(80);
+            let port = u64::from(target_port(&t.url));
             if !ports.contains(&port) {
                 all_match = false;
                 out.push(Finding::Note(format!(
@@ -305,6 +306,15 @@ pub fn check(
     }
 }
 
+/// The port a push to `url` connects to: the one written, else the scheme's default (443
+/// for `https://`, 80 otherwise), as the push client does.
+fn target_port(url: &http::Uri) -> u16 {
+    url.port_u16().unwrap_or(match url.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    })
+}
+
 /// The end of `--check`'s `config ok` line for an Envoy config that matched in `matched`
 /// ([`Report::envoy_matched`]): only what was checked and matched is claimed.
 pub fn envoy_ok_suffix(matched: &[&str]) -> String {
@@ -318,6 +328,53 @@ pub fn envoy_ok_suffix(matched: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `config` and its file as written, from YAML.
+    fn parsed(yaml: &str) -> (RawConfig, Config) {
+        Config::from_yaml_raw(yaml).unwrap()
+    }
+
+    /// An ingest listener on `port` (inline token `tok-0123456789abcdef`) and a route
+    /// filter configured with `route_json`, plus cluster `c`.
+    fn envoy(port: u16, route_json: &str) -> String {
+        format!(
+            "static_resources:\n  listeners:\n  - name: main\n    address: {{socket_address: {{address: 0.0.0.0, port_value: 10000}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{route_json}'}}\n  - name: ingest\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{{\"role\":\"ingest\",\"ingest_token\":\"tok-0123456789abcdef\"}}'}}\n  clusters:\n  - name: c\n"
+        )
+    }
+
+    /// An `https://` target without a port posts to 443, not 80: it matches an ingest
+    /// listener on 443 (it was reported as posting to port 80).
+    #[test]
+    fn an_https_target_without_a_port_posts_to_443() {
+        let (raw, config) =
+            parsed("targets:\n  - name: gw\n    url: https://envoy.example/kvroute/v1/snapshot\n");
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
+        );
+        assert_eq!(r.errors(), 0, "{:?}", r.findings);
+        assert_eq!(r.envoy_matched, vec!["ingest token", "ingest port"]);
+        let (raw, config) =
+            parsed("targets:\n  - name: gw\n    url: http://envoy.example/kvroute/v1/snapshot\n");
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
+        );
+        assert_eq!(
+            r.findings.last(),
+            Some(&Finding::Note(
+                "target `gw` posts to port 80, not an ingest listener port of this Envoy config \
+                 (443); fine if it is another Envoy"
+                    .into()
+            ))
+        );
+    }
 
     /// The `config ok` line claims only what matched.
     #[test]
