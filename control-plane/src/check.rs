@@ -12,6 +12,12 @@
 //!   scheme's default when none is written: 80, or 443 for `https://`) is a listener port
 //!   carrying the ingest filter.
 //!
+//! A kvroute filter is found in the Envoy config by its configuration, as the filter reads
+//! it: a JSON object with `role`, `mode` or `picker`, or with the filter's keys only
+//! (`{"decision_record":true}`), or an empty configuration of a Wasm module whose file
+//! name or URL says `kvroute`. Without `role` it routes; without `mode`, in cluster mode
+//! (the filter's defaults).
+//!
 //! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
 
 use crate::config::{Config, RawConfig};
@@ -104,7 +110,8 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
                     .map(str::to_owned);
                 view.ingest.push((port, token));
             } else {
-                let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("endpoint");
+                // The filter's default mode is `cluster` (filter/src/config.rs `Mode`).
+                let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("cluster");
                 view.modes.insert(mode.to_owned());
             }
         }
@@ -112,22 +119,99 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
     Ok(view)
 }
 
-/// kvroute filter configurations below `v`: JSON strings under a `value` key that parse
-/// as objects with a `role`, `mode` or `picker` field.
+/// The top-level keys of the filter's plugin configuration: filter/src/config.rs
+/// `RawConfig`, with kvroute-core's `RouterConfig` keys flattened in. docs/filter.md's
+/// "Configuration reference" lists the same (`tests::filter_keys_match_the_filter_docs`).
+const FILTER_KEYS: &[&str] = &[
+    "role",
+    "mode",
+    "cluster_header",
+    "endpoint_header",
+    "max_body_bytes",
+    "ingest_path",
+    "ingest_token",
+    "ingest_max_bytes",
+    "queue_name",
+    "vm_id",
+    "reservation_ttl_ms",
+    "inflight_share_ms",
+    "picker",
+    "estimator",
+    "prefix",
+    "prefix_index_blocks",
+    "models",
+    "calibrate",
+    "usage_sample_ms",
+    "admission",
+    "fail_open",
+    "debug_header",
+    "usage_tail_bytes",
+    "decision_record",
+    "share_affinity",
+    "share_learning",
+    "affinity_sync_ms",
+    "affinity_journal_bytes",
+];
+
+/// `text` as a kvroute filter configuration: a JSON object with a `role`, `mode` or
+/// `picker` field, or a non-empty one of the filter's keys only (`{"decision_record":true}`:
+/// the filter takes it as role `route`, mode `cluster`). An empty object is not told apart
+/// from another plugin's here ([`defaulted_kvroute_plugin`] is).
+fn kvroute_config(text: &str) -> Option<serde_json::Value> {
+    let j = serde_json::from_str::<serde_json::Value>(text).ok()?;
+    let o = j.as_object()?;
+    let named = ["role", "mode", "picker"]
+        .iter()
+        .any(|f| o.contains_key(*f));
+    let only_ours = !o.is_empty() && o.keys().all(|k| FILTER_KEYS.contains(&k.as_str()));
+    (named || only_ours).then_some(j)
+}
+
+/// Whether `plugin` (a Wasm plugin's `config`: it has a `vm_config`) runs the kvroute module
+/// with an empty configuration: no `configuration`, no `value` in it, a blank one or `{}`.
+/// The filter then runs with every default (role `route`, mode `cluster`). The module is
+/// told by its code's file name or URL containing `kvroute` (`kvroute_filter.wasm`).
+fn defaulted_kvroute_plugin(plugin: &serde_yaml_ng::Value) -> bool {
+    let Some(vm) = plugin.get("vm_config") else {
+        return false;
+    };
+    let empty = match plugin.get("configuration").and_then(|c| c.get("value")) {
+        None => true,
+        Some(v) => v.as_str().is_some_and(|t| {
+            t.trim().is_empty()
+                || serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(t)
+                    .is_ok_and(|o| o.is_empty())
+        }),
+    };
+    empty && vm.get("code").is_some_and(mentions_kvroute)
+}
+
+/// Whether a string below `v` contains `kvroute`.
+fn mentions_kvroute(v: &serde_yaml_ng::Value) -> bool {
+    match v {
+        serde_yaml_ng::Value::String(s) => s.contains("kvroute"),
+        serde_yaml_ng::Value::Mapping(m) => m.values().any(mentions_kvroute),
+        serde_yaml_ng::Value::Sequence(s) => s.iter().any(mentions_kvroute),
+        serde_yaml_ng::Value::Tagged(t) => mentions_kvroute(&t.value),
+        _ => false,
+    }
+}
+
+/// kvroute filter configurations below `v`: JSON strings under a `value` key that
+/// [`kvroute_config`] recognises, and `{}` for each kvroute Wasm plugin configured with
+/// nothing ([`defaulted_kvroute_plugin`]). Every configuration the filter runs as role
+/// `route` is found either way, except an empty one of a module whose file name or URL
+/// does not say `kvroute`.
 fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
     match v {
         serde_yaml_ng::Value::Mapping(m) => {
+            if defaulted_kvroute_plugin(v) {
+                out.push(serde_json::Value::Object(serde_json::Map::new()));
+            }
             for (k, val) in m {
                 if let (Some("value"), Some(s)) = (k.as_str(), val.as_str()) {
-                    if let Ok(j @ serde_json::Value::Object(_)) =
-                        serde_json::from_str::<serde_json::Value>(s)
-                    {
-                        if ["role", "mode", "picker"]
-                            .iter()
-                            .any(|f| j.get(f).is_some())
-                        {
-                            out.push(j);
-                        }
+                    if let Some(j) = kvroute_config(s) {
+                        out.push(j);
                     }
                 }
                 filter_configs(val, out);
@@ -328,6 +412,97 @@ pub fn envoy_ok_suffix(matched: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A config with one endpoint whose Envoy cluster is `missing`.
+    const MISSING_CLUSTER: &str = "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:8001\n        cluster: missing\n";
+
+    /// What `--check` says about [`MISSING_CLUSTER`] and `envoy_yaml` (with the right
+    /// ingest token): the findings after the ingest-token note, and what matched.
+    fn cluster_check(envoy_yaml: &str) -> (Vec<Finding>, Vec<&'static str>) {
+        let (raw, config) = parsed(MISSING_CLUSTER);
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(envoy_yaml),
+        );
+        (r.findings[1..].to_vec(), r.envoy_matched)
+    }
+
+    const MISSING_ERROR: &str = "cluster `missing` (endpoints p/a) is not defined in the Envoy \
+         config (clusters: c); cluster mode would route them to a cluster Envoy does not have";
+
+    /// A route filter without `mode` runs in cluster mode (the filter's default), so the
+    /// clusters are checked; so are configs without `role`, `mode` or `picker`, and an
+    /// empty configuration of the kvroute module. Before, all three were taken for endpoint
+    /// mode or not recognised, and a missing cluster passed.
+    #[test]
+    fn a_route_filter_without_mode_is_checked_in_cluster_mode() {
+        for route in [
+            r#"{"picker":{"policy":"hybrid"}}"#,
+            r#"{"decision_record":true}"#,
+            "{}",
+            "",
+        ] {
+            assert_eq!(
+                cluster_check(&envoy(10001, route)),
+                (
+                    vec![Finding::Error(MISSING_ERROR.into())],
+                    vec!["ingest token"]
+                ),
+                "route config {route:?}"
+            );
+        }
+        // No `configuration` at all.
+        let bare = envoy(10001, "").replace("            configuration: {value: ''}\n", "");
+        assert!(!bare.contains("value: ''"), "{bare}");
+        assert_eq!(
+            cluster_check(&bare),
+            (
+                vec![Finding::Error(MISSING_ERROR.into())],
+                vec!["ingest token"]
+            ),
+        );
+        // Endpoint mode, written: the cluster is not used.
+        assert_eq!(
+            cluster_check(&envoy(10001, r#"{"mode":"endpoint"}"#)),
+            (
+                vec![Finding::Note(
+                    "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not \
+                     used"
+                        .into()
+                )],
+                vec!["ingest token"]
+            )
+        );
+        // Another Wasm module's empty or foreign configuration is not kvroute's.
+        let other = envoy(10001, "{}").replacen("kvroute_filter.wasm", "other.wasm", 1);
+        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+        let other = envoy(10001, r#"{"rules":[]}"#);
+        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+    }
+
+    /// [`FILTER_KEYS`] are the top-level keys of docs/filter.md's configuration table.
+    #[test]
+    fn filter_keys_match_the_filter_docs() {
+        let doc =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/filter.md"))
+                .unwrap();
+        let table = doc.split("## Configuration reference").nth(1).unwrap();
+        let documented: BTreeSet<&str> = table
+            .lines()
+            .skip_while(|l| !l.starts_with("| field |"))
+            .skip(2)
+            .take_while(|l| l.starts_with("| `"))
+            .map(|l| {
+                let field = l[3..].split('`').next().unwrap();
+                field.split('.').next().unwrap()
+            })
+            .collect();
+        let ours: BTreeSet<&str> = FILTER_KEYS.iter().copied().collect();
+        assert_eq!(documented, ours);
+    }
 
     /// `config` and its file as written, from YAML.
     fn parsed(yaml: &str) -> (RawConfig, Config) {
