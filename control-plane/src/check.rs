@@ -10,7 +10,8 @@
 //!   defined when a kvroute filter runs in cluster mode; the ingest filter's
 //!   `ingest_token`, when written inline, equals the token found; each target's port (the
 //!   scheme's default when none is written: 80, or 443 for `https://`) is a listener port
-//!   carrying the ingest filter.
+//!   carrying the ingest filter, and its URL path that filter's `ingest_path` (else every
+//!   push is answered 404).
 //!
 //! A kvroute filter is found in the Envoy config by its configuration, as the filter reads
 //! it: a JSON object with `role`, `mode` or `picker`, or with the filter's keys only
@@ -50,7 +51,9 @@ pub struct Report {
     /// What was checked against the Envoy config and matched, in this order when present:
     /// `clusters` (cluster mode, every endpoint's cluster defined), `ingest token` (every
     /// ingest filter accepts the token, or wants none), `ingest port` (every target posts
-    /// to an ingest listener's port). Empty without an Envoy config.
+    /// to an ingest listener's port), `ingest path` (every target's URL path is the
+    /// `ingest_path` of an ingest filter on its port). Empty
+    /// without an Envoy config.
     pub envoy_matched: Vec<&'static str>,
 }
 
@@ -70,8 +73,19 @@ struct EnvoyView {
     clusters: BTreeSet<String>,
     /// Routing filter modes found (`cluster`, `endpoint`).
     modes: BTreeSet<String>,
-    /// Ingest filters: (listener port, inline `ingest_token`).
-    ingest: Vec<(Option<u64>, Option<String>)>,
+    /// Ingest filters.
+    ingest: Vec<IngestView>,
+}
+
+/// One ingest filter of an Envoy config.
+#[derive(Debug)]
+struct IngestView {
+    /// Its listener's port, when written as `socket_address.port_value`.
+    port: Option<u64>,
+    /// Its `ingest_token`, when written inline.
+    token: Option<String>,
+    /// Its `ingest_path` (default [`kvroute_core::snapshot::INGEST_PATH`]).
+    path: String,
 }
 
 fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
@@ -108,7 +122,12 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
                     .get("ingest_token")
                     .and_then(|t| t.as_str())
                     .map(str::to_owned);
-                view.ingest.push((port, token));
+                let path = c
+                    .get("ingest_path")
+                    .and_then(|p| p.as_str())
+                    .unwrap_or(kvroute_core::snapshot::INGEST_PATH)
+                    .to_owned();
+                view.ingest.push(IngestView { port, token, path });
             } else {
                 // The filter's default mode is `cluster` (filter/src/config.rs `Mode`).
                 let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("cluster");
@@ -343,7 +362,12 @@ pub fn check(
         ));
     }
     let token_errors = out.len();
-    for (port, envoy_token) in &view.ingest {
+    for IngestView {
+        port,
+        token: envoy_token,
+        ..
+    } in &view.ingest
+    {
         match (envoy_token.as_deref(), token) {
             (Some(e), Some(t)) if e != t => out.push(Finding::Error(format!(
                 "the ingest token from {source} differs from the Envoy config's `ingest_token`{}: \
@@ -361,7 +385,7 @@ pub fn check(
     if !view.ingest.is_empty() && out.len() == token_errors {
         matched.push("ingest token");
     }
-    let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|(p, _)| *p).collect();
+    let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|i| i.port).collect();
     if !ports.is_empty() {
         let mut all_match = !config.targets.is_empty();
         for t in &config.targets {
@@ -384,6 +408,59 @@ pub fn check(
             matched.push("ingest port");
         }
     }
+    if !view.ingest.is_empty() && !config.targets.is_empty() {
+        let mut all_match = true;
+        for t in &config.targets {
+            let port = u64::from(target_port(&t.url));
+            let path = match t.url.path() {
+                "" => "/",
+                p => p,
+            };
+            // The ingest filters on the target's port: the ones its pushes reach, if it
+            // posts to this Envoy. On none of them, it may post to another Envoy, and its
+            // path is compared with every ingest filter's, as a note (like the port).
+            let on_port: Vec<&IngestView> = view
+                .ingest
+                .iter()
+                .filter(|i| i.port == Some(port))
+                .collect();
+            let certain = !on_port.is_empty();
+            let candidates = if certain {
+                on_port
+            } else {
+                view.ingest.iter().collect()
+            };
+            // Claimed to match only when the target reaches that filter for sure.
+            all_match &= certain;
+            if candidates.iter().any(|i| i.path == path) {
+                continue;
+            }
+            all_match = false;
+            let paths = candidates
+                .iter()
+                .map(|i| format!("`{}`", i.path))
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(", ");
+            out.push(if certain {
+                Finding::Error(format!(
+                    "target `{}` posts to path `{path}`, but the ingest filter on listener port \
+                     {port} serves `ingest_path` {paths}: every push would be answered 404",
+                    t.name
+                ))
+            } else {
+                Finding::Note(format!(
+                    "target `{}` posts to path `{path}`, not an `ingest_path` of this Envoy \
+                     config ({paths}); fine if it is another Envoy",
+                    t.name
+                ))
+            });
+        }
+        if all_match {
+            matched.push("ingest path");
+        }
+    }
     Report {
         findings: out,
         envoy_matched: matched,
@@ -403,7 +480,7 @@ fn target_port(url: &http::Uri) -> u16 {
 /// ([`Report::envoy_matched`]): only what was checked and matched is claimed.
 pub fn envoy_ok_suffix(matched: &[&str]) -> String {
     if matched.is_empty() {
-        "; nothing in the Envoy config to match (no cluster-mode filter, ingest port or ingest token checked)".into()
+        "; nothing in the Envoy config to match (no cluster-mode filter, ingest port, ingest path or ingest token checked)".into()
     } else {
         format!("; matches the Envoy config ({})", matched.join(", "))
     }
@@ -412,6 +489,85 @@ pub fn envoy_ok_suffix(matched: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--check` with one target posting to `url` against [`envoy`] on port 10001 whose
+    /// ingest filter has `ingest_path` (the default when `None`): findings after the
+    /// ingest-token note, and what matched.
+    fn path_check(url: &str, ingest_path: Option<&str>) -> (Vec<Finding>, Vec<&'static str>) {
+        let (raw, config) = parsed(&format!("targets:\n  - name: gw\n    url: {url}\n"));
+        let mut yaml = envoy(10001, r#"{"mode":"endpoint"}"#);
+        if let Some(p) = ingest_path {
+            yaml = yaml.replace(
+                r#""role":"ingest","#,
+                &format!(r#""role":"ingest","ingest_path":"{p}","#),
+            );
+        }
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(&yaml),
+        );
+        (r.findings[2..].to_vec(), r.envoy_matched)
+    }
+
+    /// A target whose URL path is not the `ingest_path` of the ingest filter on its port
+    /// gets 404 for every push: an error (it was reported as matching). On a port of no
+    /// ingest filter (another Envoy, maybe), a note, as for the port.
+    #[test]
+    fn a_target_path_other_than_the_ingest_path_is_reported() {
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/kvroute/v1/snapshot", None),
+            (vec![], vec!["ingest token", "ingest port", "ingest path"])
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/in", Some("/in")),
+            (vec![], vec!["ingest token", "ingest port", "ingest path"])
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/snapshot?x=1", None),
+            (
+                vec![Finding::Error(
+                    "target `gw` posts to path `/snapshot`, but the ingest filter on listener \
+                     port 10001 serves `ingest_path` `/kvroute/v1/snapshot`: every push would \
+                     be answered 404"
+                        .into()
+                )],
+                vec!["ingest token", "ingest port"]
+            )
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/kvroute/v1/snapshot", Some("/in")),
+            (
+                vec![Finding::Error(
+                    "target `gw` posts to path `/kvroute/v1/snapshot`, but the ingest filter on \
+                     listener port 10001 serves `ingest_path` `/in`: every push would be \
+                     answered 404"
+                        .into()
+                )],
+                vec!["ingest token", "ingest port"]
+            )
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10101/snapshot", None),
+            (
+                vec![
+                    Finding::Note(
+                        "target `gw` posts to port 10101, not an ingest listener port of this \
+                         Envoy config (10001); fine if it is another Envoy"
+                            .into()
+                    ),
+                    Finding::Note(
+                        "target `gw` posts to path `/snapshot`, not an `ingest_path` of this \
+                         Envoy config (`/kvroute/v1/snapshot`); fine if it is another Envoy"
+                            .into()
+                    )
+                ],
+                vec!["ingest token"]
+            )
+        );
+    }
 
     /// A config with one endpoint whose Envoy cluster is `missing`.
     const MISSING_CLUSTER: &str = "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:8001\n        cluster: missing\n";
@@ -531,7 +687,10 @@ mod tests {
             Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
         );
         assert_eq!(r.errors(), 0, "{:?}", r.findings);
-        assert_eq!(r.envoy_matched, vec!["ingest token", "ingest port"]);
+        assert_eq!(
+            r.envoy_matched,
+            vec!["ingest token", "ingest port", "ingest path"]
+        );
         let (raw, config) =
             parsed("targets:\n  - name: gw\n    url: http://envoy.example/kvroute/v1/snapshot\n");
         let r = check(
@@ -560,7 +719,7 @@ mod tests {
         );
         assert_eq!(
             envoy_ok_suffix(&[]),
-            "; nothing in the Envoy config to match (no cluster-mode filter, ingest port or ingest token checked)"
+            "; nothing in the Envoy config to match (no cluster-mode filter, ingest port, ingest path or ingest token checked)"
         );
     }
 }
