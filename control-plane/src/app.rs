@@ -330,6 +330,40 @@ fn stop_all(tasks: &mut Vec<Stoppable>) {
     }
 }
 
+/// Stop the push tasks of `stopped` (target name, stop sender, task) and forget their
+/// gateway reports, then what the targets no longer among `configured` left behind: their
+/// per-target series and any ingest-token rejection (`/readyz`).
+///
+/// Each task is told to stop, aborted and awaited before anything is forgotten: a push
+/// still in flight (a slow ingest that then answers 401) would otherwise record its
+/// outcome after the forgetting, recreating the removed target's series and holding
+/// `/readyz` at 503 for a target no reload would ever clear; and a target re-added under
+/// the same name (its URL changed) would get the old task's outcome. A task stops at its
+/// next await, so this takes no longer than one poll of each.
+async fn stop_pushers(
+    hub: &Hub,
+    stopped: Vec<(String, watch::Sender<bool>, JoinHandle<()>)>,
+    configured: &[&str],
+) {
+    let mut names = Vec::new();
+    for (name, stop, task) in stopped {
+        let _ = stop.send(true);
+        task.abort();
+        // A cancelled task's JoinError is expected; a panicked one was already reported.
+        let _ = task.await;
+        names.push(name);
+    }
+    for name in &names {
+        // Its stats reader was aborted with the push task, before it could forget itself;
+        // a restarted task's reader reads the gateway again.
+        hub.forget_gateway(name);
+        if !configured.contains(&name.as_str()) {
+            hub.telemetry.forget_target(name);
+        }
+    }
+    hub.retain_push_targets(configured);
+}
+
 async fn supervise(
     hub: Arc<Hub>,
     endpoints: Arc<Merged<EndpointSpec>>,
@@ -380,18 +414,22 @@ async fn supervise(
         }
         // Same for push targets: a new gateway pod gets the current snapshot at once.
         let current = targets_rx.borrow_and_update().clone();
-        pushers.retain(|name, (target, stop, _)| {
-            let keep = !restart_pushers && current.iter().any(|t| &t.name == name && t == target);
-            if !keep {
-                let _ = stop.send(true);
-                if !current.iter().any(|t| &t.name == name) {
-                    hub.telemetry.forget_target(name);
-                }
-            }
-            keep
-        });
+        let (kept, stopped): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut pushers)
+            .into_iter()
+            .partition(|(name, (target, _, _))| {
+                !restart_pushers && current.iter().any(|t| &t.name == name && t == target)
+            });
+        pushers = kept;
         let names: Vec<&str> = current.iter().map(|t| t.name.as_str()).collect();
-        hub.retain_push_targets(&names);
+        stop_pushers(
+            &hub,
+            stopped
+                .into_iter()
+                .map(|(name, (_, stop, task))| (name, stop, task))
+                .collect(),
+            &names,
+        )
+        .await;
         for t in current.iter() {
             if !pushers.contains_key(&t.name) {
                 let (stop, stop_rx) = watch::channel(false);
@@ -483,5 +521,68 @@ async fn supervise(
     for (_, (_, stop, task)) in pushers {
         let _ = stop.send(true);
         task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A push in flight when a reload removes its target: the ingest answers 401 only
+    /// after the removal. Before, the task was only told to stop (a flag it reads between
+    /// pushes, not during one), so the late 401 marked the removed target rejected
+    /// (`/readyz` 503 for good: no reload clears a target that is not configured) and
+    /// recreated its metric series after `forget_target`.
+    #[tokio::test]
+    async fn a_removed_targets_late_401_leaves_no_trace() {
+        let ingest = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = ingest.local_addr().unwrap().port();
+        let (got_post, mut post_seen) = mpsc::channel::<()>(1);
+        tokio::spawn(async move {
+            let (mut conn, _) = ingest.accept().await.unwrap();
+            let mut buf = vec![0u8; 64 * 1024];
+            let _ = conn.read(&mut buf).await.unwrap();
+            let _ = got_post.send(()).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let _ = conn
+                .write_all(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
+                .await;
+            // Hold the connection so the client reads the answer, not a reset.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        });
+        let config = Config::from_yaml(&format!(
+            "targets:\n  - name: gone\n    url: http://127.0.0.1:{port}/kvroute/v1/snapshot\n\
+             push:\n  timeout_ms: 5000\n"
+        ))
+        .unwrap();
+        let hub = Hub::new(Duration::from_secs(1), Duration::ZERO, Duration::ZERO);
+        hub.publish();
+        hub.retain_push_targets(&["gone"]);
+        let tls = TlsSource::start("push.tls", &config.push.tls, Default::default()).unwrap();
+        let (_token_tx, token) = watch::channel(None);
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(push::run_target(
+            hub.clone(),
+            push::client(config.push.timeout, &tls.subscribe()),
+            config.targets[0].clone(),
+            config.push.clone(),
+            token,
+            "environment variable `KVROUTE_INGEST_TOKEN`".into(),
+            stop_rx,
+        ));
+        // The POST is in flight; the reload removes the target.
+        tokio::time::timeout(Duration::from_secs(5), post_seen.recv())
+            .await
+            .unwrap();
+        stop_pushers(&hub, vec![("gone".into(), stop, task)], &[]).await;
+        // Past the 401.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(hub.not_ready_reason(), None);
+        assert!(hub.ready());
+        let metrics = hub.telemetry.encode();
+        assert!(!metrics.contains("target=\"gone\""), "{metrics}");
     }
 }

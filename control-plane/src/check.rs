@@ -8,8 +8,16 @@
 //!   that cluster, so a missing Envoy cluster of that name is a 503 at request time);
 //! - with an Envoy config (`--envoy-config`), a cross-check: every endpoint's cluster is
 //!   defined when a kvroute filter runs in cluster mode; the ingest filter's
-//!   `ingest_token`, when written inline, equals the token found; each target's port is a
-//!   listener port carrying the ingest filter.
+//!   `ingest_token`, when written inline, equals the token found; each target's port (the
+//!   scheme's default when none is written: 80, or 443 for `https://`) is a listener port
+//!   carrying the ingest filter, and its URL path that filter's `ingest_path` (else every
+//!   push is answered 404).
+//!
+//! A kvroute filter is found in the Envoy config by its configuration, as the filter reads
+//! it: a JSON object with `role`, `mode` or `picker`, or with the filter's keys only
+//! (`{"decision_record":true}`), or an empty configuration of a Wasm module whose file
+//! name or URL says `kvroute`. Without `role` it routes; without `mode`, in cluster mode
+//! (the filter's defaults).
 //!
 //! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
 
@@ -43,7 +51,9 @@ pub struct Report {
     /// What was checked against the Envoy config and matched, in this order when present:
     /// `clusters` (cluster mode, every endpoint's cluster defined), `ingest token` (every
     /// ingest filter accepts the token, or wants none), `ingest port` (every target posts
-    /// to an ingest listener's port). Empty without an Envoy config.
+    /// to an ingest listener's port), `ingest path` (every target's URL path is the
+    /// `ingest_path` of an ingest filter on its port). Empty
+    /// without an Envoy config.
     pub envoy_matched: Vec<&'static str>,
 }
 
@@ -63,8 +73,19 @@ struct EnvoyView {
     clusters: BTreeSet<String>,
     /// Routing filter modes found (`cluster`, `endpoint`).
     modes: BTreeSet<String>,
-    /// Ingest filters: (listener port, inline `ingest_token`).
-    ingest: Vec<(Option<u64>, Option<String>)>,
+    /// Ingest filters.
+    ingest: Vec<IngestView>,
+}
+
+/// One ingest filter of an Envoy config.
+#[derive(Debug)]
+struct IngestView {
+    /// Its listener's port, when written as `socket_address.port_value`.
+    port: Option<u64>,
+    /// Its `ingest_token`, when written inline.
+    token: Option<String>,
+    /// Its `ingest_path` (default [`kvroute_core::snapshot::INGEST_PATH`]).
+    path: String,
 }
 
 fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
@@ -101,9 +122,15 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
                     .get("ingest_token")
                     .and_then(|t| t.as_str())
                     .map(str::to_owned);
-                view.ingest.push((port, token));
+                let path = c
+                    .get("ingest_path")
+                    .and_then(|p| p.as_str())
+                    .unwrap_or(kvroute_core::snapshot::INGEST_PATH)
+                    .to_owned();
+                view.ingest.push(IngestView { port, token, path });
             } else {
-                let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("endpoint");
+                // The filter's default mode is `cluster` (filter/src/config.rs `Mode`).
+                let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("cluster");
                 view.modes.insert(mode.to_owned());
             }
         }
@@ -111,22 +138,99 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
     Ok(view)
 }
 
-/// kvroute filter configurations below `v`: JSON strings under a `value` key that parse
-/// as objects with a `role`, `mode` or `picker` field.
+/// The top-level keys of the filter's plugin configuration: filter/src/config.rs
+/// `RawConfig`, with kvroute-core's `RouterConfig` keys flattened in. docs/filter.md's
+/// "Configuration reference" lists the same (`tests::filter_keys_match_the_filter_docs`).
+const FILTER_KEYS: &[&str] = &[
+    "role",
+    "mode",
+    "cluster_header",
+    "endpoint_header",
+    "max_body_bytes",
+    "ingest_path",
+    "ingest_token",
+    "ingest_max_bytes",
+    "queue_name",
+    "vm_id",
+    "reservation_ttl_ms",
+    "inflight_share_ms",
+    "picker",
+    "estimator",
+    "prefix",
+    "prefix_index_blocks",
+    "models",
+    "calibrate",
+    "usage_sample_ms",
+    "admission",
+    "fail_open",
+    "debug_header",
+    "usage_tail_bytes",
+    "decision_record",
+    "share_affinity",
+    "share_learning",
+    "affinity_sync_ms",
+    "affinity_journal_bytes",
+];
+
+/// `text` as a kvroute filter configuration: a JSON object with a `role`, `mode` or
+/// `picker` field, or a non-empty one of the filter's keys only (`{"decision_record":true}`:
+/// the filter takes it as role `route`, mode `cluster`). An empty object is not told apart
+/// from another plugin's here ([`defaulted_kvroute_plugin`] is).
+fn kvroute_config(text: &str) -> Option<serde_json::Value> {
+    let j = serde_json::from_str::<serde_json::Value>(text).ok()?;
+    let o = j.as_object()?;
+    let named = ["role", "mode", "picker"]
+        .iter()
+        .any(|f| o.contains_key(*f));
+    let only_ours = !o.is_empty() && o.keys().all(|k| FILTER_KEYS.contains(&k.as_str()));
+    (named || only_ours).then_some(j)
+}
+
+/// Whether `plugin` (a Wasm plugin's `config`: it has a `vm_config`) runs the kvroute module
+/// with an empty configuration: no `configuration`, no `value` in it, a blank one or `{}`.
+/// The filter then runs with every default (role `route`, mode `cluster`). The module is
+/// told by its code's file name or URL containing `kvroute` (`kvroute_filter.wasm`).
+fn defaulted_kvroute_plugin(plugin: &serde_yaml_ng::Value) -> bool {
+    let Some(vm) = plugin.get("vm_config") else {
+        return false;
+    };
+    let empty = match plugin.get("configuration").and_then(|c| c.get("value")) {
+        None => true,
+        Some(v) => v.as_str().is_some_and(|t| {
+            t.trim().is_empty()
+                || serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(t)
+                    .is_ok_and(|o| o.is_empty())
+        }),
+    };
+    empty && vm.get("code").is_some_and(mentions_kvroute)
+}
+
+/// Whether a string below `v` contains `kvroute`.
+fn mentions_kvroute(v: &serde_yaml_ng::Value) -> bool {
+    match v {
+        serde_yaml_ng::Value::String(s) => s.contains("kvroute"),
+        serde_yaml_ng::Value::Mapping(m) => m.values().any(mentions_kvroute),
+        serde_yaml_ng::Value::Sequence(s) => s.iter().any(mentions_kvroute),
+        serde_yaml_ng::Value::Tagged(t) => mentions_kvroute(&t.value),
+        _ => false,
+    }
+}
+
+/// kvroute filter configurations below `v`: JSON strings under a `value` key that
+/// [`kvroute_config`] recognises, and `{}` for each kvroute Wasm plugin configured with
+/// nothing ([`defaulted_kvroute_plugin`]). Every configuration the filter runs as role
+/// `route` is found either way, except an empty one of a module whose file name or URL
+/// does not say `kvroute`.
 fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
     match v {
         serde_yaml_ng::Value::Mapping(m) => {
+            if defaulted_kvroute_plugin(v) {
+                out.push(serde_json::Value::Object(serde_json::Map::new()));
+            }
             for (k, val) in m {
                 if let (Some("value"), Some(s)) = (k.as_str(), val.as_str()) {
-                    if let Ok(j @ serde_json::Value::Object(_)) =
-                        serde_json::from_str::<serde_json::Value>(s)
-                    {
-                        if ["role", "mode", "picker"]
-                            .iter()
-                            .any(|f| j.get(f).is_some())
-                        {
-                            out.push(j);
-                        }
+                    if let Some(j) = kvroute_config(s) {
+                        out.push(j);
                     }
                 }
                 filter_configs(val, out);
@@ -258,7 +362,12 @@ pub fn check(
         ));
     }
     let token_errors = out.len();
-    for (port, envoy_token) in &view.ingest {
+    for IngestView {
+        port,
+        token: envoy_token,
+        ..
+    } in &view.ingest
+    {
         match (envoy_token.as_deref(), token) {
             (Some(e), Some(t)) if e != t => out.push(Finding::Error(format!(
                 "the ingest token from {source} differs from the Envoy config's `ingest_token`{}: \
@@ -276,11 +385,11 @@ pub fn check(
     if !view.ingest.is_empty() && out.len() == token_errors {
         matched.push("ingest token");
     }
-    let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|(p, _)| *p).collect();
+    let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|i| i.port).collect();
     if !ports.is_empty() {
         let mut all_match = !config.targets.is_empty();
         for t in &config.targets {
-            let port = t.url.port_u16().map(u64::from).unwrap_or(80);
+            let port = u64::from(target_port(&t.url));
             if !ports.contains(&port) {
                 all_match = false;
                 out.push(Finding::Note(format!(
@@ -299,17 +408,79 @@ pub fn check(
             matched.push("ingest port");
         }
     }
+    if !view.ingest.is_empty() && !config.targets.is_empty() {
+        let mut all_match = true;
+        for t in &config.targets {
+            let port = u64::from(target_port(&t.url));
+            let path = match t.url.path() {
+                "" => "/",
+                p => p,
+            };
+            // The ingest filters on the target's port: the ones its pushes reach, if it
+            // posts to this Envoy. On none of them, it may post to another Envoy, and its
+            // path is compared with every ingest filter's, as a note (like the port).
+            let on_port: Vec<&IngestView> = view
+                .ingest
+                .iter()
+                .filter(|i| i.port == Some(port))
+                .collect();
+            let certain = !on_port.is_empty();
+            let candidates = if certain {
+                on_port
+            } else {
+                view.ingest.iter().collect()
+            };
+            // Claimed to match only when the target reaches that filter for sure.
+            all_match &= certain;
+            if candidates.iter().any(|i| i.path == path) {
+                continue;
+            }
+            all_match = false;
+            let paths = candidates
+                .iter()
+                .map(|i| format!("`{}`", i.path))
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(", ");
+            out.push(if certain {
+                Finding::Error(format!(
+                    "target `{}` posts to path `{path}`, but the ingest filter on listener port \
+                     {port} serves `ingest_path` {paths}: every push would be answered 404",
+                    t.name
+                ))
+            } else {
+                Finding::Note(format!(
+                    "target `{}` posts to path `{path}`, not an `ingest_path` of this Envoy \
+                     config ({paths}); fine if it is another Envoy",
+                    t.name
+                ))
+            });
+        }
+        if all_match {
+            matched.push("ingest path");
+        }
+    }
     Report {
         findings: out,
         envoy_matched: matched,
     }
 }
 
+/// The port a push to `url` connects to: the one written, else the scheme's default (443
+/// for `https://`, 80 otherwise), as the push client does.
+fn target_port(url: &http::Uri) -> u16 {
+    url.port_u16().unwrap_or(match url.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    })
+}
+
 /// The end of `--check`'s `config ok` line for an Envoy config that matched in `matched`
 /// ([`Report::envoy_matched`]): only what was checked and matched is claimed.
 pub fn envoy_ok_suffix(matched: &[&str]) -> String {
     if matched.is_empty() {
-        "; nothing in the Envoy config to match (no cluster-mode filter, ingest port or ingest token checked)".into()
+        "; nothing in the Envoy config to match (no cluster-mode filter, ingest port, ingest path or ingest token checked)".into()
     } else {
         format!("; matches the Envoy config ({})", matched.join(", "))
     }
@@ -318,6 +489,226 @@ pub fn envoy_ok_suffix(matched: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--check` with one target posting to `url` against [`envoy`] on port 10001 whose
+    /// ingest filter has `ingest_path` (the default when `None`): findings after the
+    /// ingest-token note, and what matched.
+    fn path_check(url: &str, ingest_path: Option<&str>) -> (Vec<Finding>, Vec<&'static str>) {
+        let (raw, config) = parsed(&format!("targets:\n  - name: gw\n    url: {url}\n"));
+        let mut yaml = envoy(10001, r#"{"mode":"endpoint"}"#);
+        if let Some(p) = ingest_path {
+            yaml = yaml.replace(
+                r#""role":"ingest","#,
+                &format!(r#""role":"ingest","ingest_path":"{p}","#),
+            );
+        }
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(&yaml),
+        );
+        (r.findings[2..].to_vec(), r.envoy_matched)
+    }
+
+    /// A target whose URL path is not the `ingest_path` of the ingest filter on its port
+    /// gets 404 for every push: an error (it was reported as matching). On a port of no
+    /// ingest filter (another Envoy, maybe), a note, as for the port.
+    #[test]
+    fn a_target_path_other_than_the_ingest_path_is_reported() {
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/kvroute/v1/snapshot", None),
+            (vec![], vec!["ingest token", "ingest port", "ingest path"])
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/in", Some("/in")),
+            (vec![], vec!["ingest token", "ingest port", "ingest path"])
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/snapshot?x=1", None),
+            (
+                vec![Finding::Error(
+                    "target `gw` posts to path `/snapshot`, but the ingest filter on listener \
+                     port 10001 serves `ingest_path` `/kvroute/v1/snapshot`: every push would \
+                     be answered 404"
+                        .into()
+                )],
+                vec!["ingest token", "ingest port"]
+            )
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10001/kvroute/v1/snapshot", Some("/in")),
+            (
+                vec![Finding::Error(
+                    "target `gw` posts to path `/kvroute/v1/snapshot`, but the ingest filter on \
+                     listener port 10001 serves `ingest_path` `/in`: every push would be \
+                     answered 404"
+                        .into()
+                )],
+                vec!["ingest token", "ingest port"]
+            )
+        );
+        assert_eq!(
+            path_check("http://127.0.0.1:10101/snapshot", None),
+            (
+                vec![
+                    Finding::Note(
+                        "target `gw` posts to port 10101, not an ingest listener port of this \
+                         Envoy config (10001); fine if it is another Envoy"
+                            .into()
+                    ),
+                    Finding::Note(
+                        "target `gw` posts to path `/snapshot`, not an `ingest_path` of this \
+                         Envoy config (`/kvroute/v1/snapshot`); fine if it is another Envoy"
+                            .into()
+                    )
+                ],
+                vec!["ingest token"]
+            )
+        );
+    }
+
+    /// A config with one endpoint whose Envoy cluster is `missing`.
+    const MISSING_CLUSTER: &str = "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: 127.0.0.1:8001\n        cluster: missing\n";
+
+    /// What `--check` says about [`MISSING_CLUSTER`] and `envoy_yaml` (with the right
+    /// ingest token): the findings after the ingest-token note, and what matched.
+    fn cluster_check(envoy_yaml: &str) -> (Vec<Finding>, Vec<&'static str>) {
+        let (raw, config) = parsed(MISSING_CLUSTER);
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(envoy_yaml),
+        );
+        (r.findings[1..].to_vec(), r.envoy_matched)
+    }
+
+    const MISSING_ERROR: &str = "cluster `missing` (endpoints p/a) is not defined in the Envoy \
+         config (clusters: c); cluster mode would route them to a cluster Envoy does not have";
+
+    /// A route filter without `mode` runs in cluster mode (the filter's default), so the
+    /// clusters are checked; so are configs without `role`, `mode` or `picker`, and an
+    /// empty configuration of the kvroute module. Before, all three were taken for endpoint
+    /// mode or not recognised, and a missing cluster passed.
+    #[test]
+    fn a_route_filter_without_mode_is_checked_in_cluster_mode() {
+        for route in [
+            r#"{"picker":{"policy":"hybrid"}}"#,
+            r#"{"decision_record":true}"#,
+            "{}",
+            "",
+        ] {
+            assert_eq!(
+                cluster_check(&envoy(10001, route)),
+                (
+                    vec![Finding::Error(MISSING_ERROR.into())],
+                    vec!["ingest token"]
+                ),
+                "route config {route:?}"
+            );
+        }
+        // No `configuration` at all.
+        let bare = envoy(10001, "").replace("            configuration: {value: ''}\n", "");
+        assert!(!bare.contains("value: ''"), "{bare}");
+        assert_eq!(
+            cluster_check(&bare),
+            (
+                vec![Finding::Error(MISSING_ERROR.into())],
+                vec!["ingest token"]
+            ),
+        );
+        // Endpoint mode, written: the cluster is not used.
+        assert_eq!(
+            cluster_check(&envoy(10001, r#"{"mode":"endpoint"}"#)),
+            (
+                vec![Finding::Note(
+                    "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not \
+                     used"
+                        .into()
+                )],
+                vec!["ingest token"]
+            )
+        );
+        // Another Wasm module's empty or foreign configuration is not kvroute's.
+        let other = envoy(10001, "{}").replacen("kvroute_filter.wasm", "other.wasm", 1);
+        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+        let other = envoy(10001, r#"{"rules":[]}"#);
+        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+    }
+
+    /// [`FILTER_KEYS`] are the top-level keys of docs/filter.md's configuration table.
+    #[test]
+    fn filter_keys_match_the_filter_docs() {
+        let doc =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/filter.md"))
+                .unwrap();
+        let table = doc.split("## Configuration reference").nth(1).unwrap();
+        let documented: BTreeSet<&str> = table
+            .lines()
+            .skip_while(|l| !l.starts_with("| field |"))
+            .skip(2)
+            .take_while(|l| l.starts_with("| `"))
+            .map(|l| {
+                let field = l[3..].split('`').next().unwrap();
+                field.split('.').next().unwrap()
+            })
+            .collect();
+        let ours: BTreeSet<&str> = FILTER_KEYS.iter().copied().collect();
+        assert_eq!(documented, ours);
+    }
+
+    /// `config` and its file as written, from YAML.
+    fn parsed(yaml: &str) -> (RawConfig, Config) {
+        Config::from_yaml_raw(yaml).unwrap()
+    }
+
+    /// An ingest listener on `port` (inline token `tok-0123456789abcdef`) and a route
+    /// filter configured with `route_json`, plus cluster `c`.
+    fn envoy(port: u16, route_json: &str) -> String {
+        format!(
+            "static_resources:\n  listeners:\n  - name: main\n    address: {{socket_address: {{address: 0.0.0.0, port_value: 10000}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{route_json}'}}\n  - name: ingest\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{{\"role\":\"ingest\",\"ingest_token\":\"tok-0123456789abcdef\"}}'}}\n  clusters:\n  - name: c\n"
+        )
+    }
+
+    /// An `https://` target without a port posts to 443, not 80: it matches an ingest
+    /// listener on 443 (it was reported as posting to port 80).
+    #[test]
+    fn an_https_target_without_a_port_posts_to_443() {
+        let (raw, config) =
+            parsed("targets:\n  - name: gw\n    url: https://envoy.example/kvroute/v1/snapshot\n");
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
+        );
+        assert_eq!(r.errors(), 0, "{:?}", r.findings);
+        assert_eq!(
+            r.envoy_matched,
+            vec!["ingest token", "ingest port", "ingest path"]
+        );
+        let (raw, config) =
+            parsed("targets:\n  - name: gw\n    url: http://envoy.example/kvroute/v1/snapshot\n");
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
+        );
+        assert_eq!(
+            r.findings.last(),
+            Some(&Finding::Note(
+                "target `gw` posts to port 80, not an ingest listener port of this Envoy config \
+                 (443); fine if it is another Envoy"
+                    .into()
+            ))
+        );
+    }
 
     /// The `config ok` line claims only what matched.
     #[test]
@@ -328,7 +719,7 @@ mod tests {
         );
         assert_eq!(
             envoy_ok_suffix(&[]),
-            "; nothing in the Envoy config to match (no cluster-mode filter, ingest port or ingest token checked)"
+            "; nothing in the Envoy config to match (no cluster-mode filter, ingest port, ingest path or ingest token checked)"
         );
     }
 }

@@ -71,11 +71,11 @@ pub struct RawScrape {
     pub max_body_bytes: usize,
     /// TLS for `https://` metrics URLs.
     pub tls: RawTls,
-    /// File holding the bearer token sent with every scrape (trailing whitespace trimmed),
+    /// File holding the bearer token sent with every scrape (surrounding whitespace trimmed),
     /// e.g. llama-server's `--api-key`. Wins over `token_env`.
     pub token_file: Option<PathBuf>,
-    /// Environment variable holding the scrape bearer token (no default: with neither field
-    /// set, scrapes carry no `Authorization`).
+    /// Environment variable holding the scrape bearer token (surrounding whitespace
+    /// trimmed; no default: with neither field set, scrapes carry no `Authorization`).
     pub token_env: Option<String>,
 }
 
@@ -157,9 +157,10 @@ pub struct RawPush {
     pub backoff_initial_ms: u64,
     /// Longest retry delay, ms (default 5000).
     pub backoff_max_ms: u64,
-    /// File holding the bearer token (trailing whitespace trimmed). Wins over `token_env`.
+    /// File holding the bearer token (surrounding whitespace trimmed). Wins over `token_env`.
     pub token_file: Option<PathBuf>,
-    /// Environment variable holding the bearer token (default `KVROUTE_INGEST_TOKEN`).
+    /// Environment variable holding the bearer token (default `KVROUTE_INGEST_TOKEN`;
+    /// surrounding whitespace trimmed, as for the file).
     pub token_env: Option<String>,
     /// TLS for `https://` ingest URLs.
     pub tls: RawTls,
@@ -576,10 +577,33 @@ fn http_url(field: &str, s: &str) -> Result<http::Uri, ConfigError> {
     if !matches!(uri.scheme_str(), Some("http" | "https")) {
         return Err(invalid(field, s, "must start with http:// or https://"));
     }
-    if uri.authority().is_none() {
+    let Some(authority) = uri.authority() else {
         return Err(invalid(field, s, "has no host"));
+    };
+    if !port_ok(authority) {
+        return Err(invalid(field, s, PORT_REASON));
     }
     Ok(uri)
+}
+
+/// Why a URL with a bad port is refused: [`http::Uri::port_u16`] is `None` for a port
+/// that is not a number in 0..=65535, and hyper would then silently use the scheme's
+/// default port (80 or 443).
+const PORT_REASON: &str = "has an invalid port (expected 1..=65535)";
+
+/// Whether `authority`'s port, when one is written (`host:port`, `[v6]:port`), is a
+/// number in 1..=65535. No port at all is fine (the scheme's default); an empty one
+/// (`host:`) is not.
+fn port_ok(authority: &http::uri::Authority) -> bool {
+    let a = authority.as_str();
+    let host_port = a.rsplit_once('@').map_or(a, |(_, hp)| hp);
+    if host_port.ends_with(']') {
+        return true;
+    }
+    match host_port.rsplit_once(':') {
+        None => true,
+        Some((_, port)) => port.parse::<u16>().is_ok_and(|p| p != 0),
+    }
 }
 
 fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<Duration, ConfigError> {
@@ -725,6 +749,17 @@ impl RawConfig {
                     "duplicate pool name",
                 ));
             }
+            // Checked before the endpoints, so that a bad pool-level name is reported as
+            // `pools[i].models` whether or not endpoints inherit it, and also for a pool
+            // whose endpoints all name their own models (or that has none): these names
+            // reach the snapshot's `unavailable_models`.
+            if let Some(m) = pool.models.iter().find(|m| m.is_empty() || has_control(m)) {
+                return Err(invalid(
+                    format!("pools[{pi}].models"),
+                    m.escape_debug(),
+                    "model names must be non-empty without control characters",
+                ));
+            }
             let mut eps = BTreeSet::new();
             for (ei, e) in pool.endpoints.iter().enumerate() {
                 let at = |f: &str| format!("pools[{pi}].endpoints[{ei}].{f}");
@@ -807,16 +842,7 @@ impl RawConfig {
             }
         }
         let mut pool_models = BTreeMap::new();
-        for (pi, pool) in self.pools.iter().enumerate() {
-            // Checked here too for a pool whose endpoints all name their own models (or that
-            // has none): these names reach the snapshot's `unavailable_models`.
-            if let Some(m) = pool.models.iter().find(|m| m.is_empty() || has_control(m)) {
-                return Err(invalid(
-                    format!("pools[{pi}].models"),
-                    m.escape_debug(),
-                    "model names must be non-empty without control characters",
-                ));
-            }
+        for pool in &self.pools {
             pool_models.insert(pool.name.clone(), pool.models.clone());
         }
         let kubernetes = self.kubernetes.validate(&pools)?;
@@ -906,6 +932,9 @@ impl RawKubernetes {
                         s,
                         "must be an http:// or https:// URL with a host",
                     ));
+                }
+                if uri.authority().is_some_and(|a| !port_ok(a)) {
+                    return Err(invalid("kubernetes.api_server", s, PORT_REASON));
                 }
                 Some(uri)
             }
@@ -1005,8 +1034,8 @@ impl PushSettings {
         }
     }
 
-    /// Read the bearer token: `token_file` (trimmed) if set, else the env var; `Ok(None)` when
-    /// neither holds one. Errors as [`TokenSettings::read`].
+    /// Read the bearer token: `token_file` if set, else the env var (both trimmed);
+    /// `Ok(None)` when neither holds one. Errors as [`TokenSettings::read`].
     pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
         self.token().read()
     }
@@ -1074,7 +1103,7 @@ impl TokenFor {
 pub struct TokenSettings {
     /// Section whose field names appear in errors.
     pub section: TokenFor,
-    /// Token file (trailing whitespace trimmed).
+    /// Token file (surrounding whitespace trimmed).
     pub file: Option<PathBuf>,
     /// Environment variable name; `None`: none is read.
     pub env: Option<String>,
@@ -1086,19 +1115,19 @@ impl TokenSettings {
         self.file.is_some() || self.env.is_some()
     }
 
-    /// Read the token: `file` (trimmed) if set, else the variable; `Ok(None)` when neither
-    /// holds one (an unset or blank variable). Errors name the section's field and the file
-    /// or variable: the file is unreadable or empty, or the token is not a valid header
-    /// value (control character or line break inside).
+    /// Read the token: `file` if set, else the variable, either trimmed of surrounding
+    /// whitespace; `Ok(None)` when neither holds one (an unset or blank variable). Errors
+    /// name the section's field and the file or variable: the file is unreadable or
+    /// empty, or the token is not a valid header value (control character or line break
+    /// inside).
     pub fn read(&self) -> Result<Option<String>, ConfigError> {
         let file_field = self.section.file_field();
         if let Some(path) = &self.file {
             let t = std::fs::read_to_string(path)
                 .map_err(|e| invalid(file_field, path.display(), format!("cannot read: {e}")))?;
-            let t = t.trim().to_owned();
-            if t.is_empty() {
+            let Some(t) = trimmed_token(&t) else {
                 return Err(invalid(file_field, path.display(), "file is empty"));
-            }
+            };
             if !is_header_safe(&t) {
                 return Err(invalid(file_field, path.display(), TOKEN_REASON));
             }
@@ -1107,7 +1136,7 @@ impl TokenSettings {
         let Some(env) = &self.env else {
             return Ok(None);
         };
-        let t = std::env::var(env).ok().filter(|t| !t.trim().is_empty());
+        let t = std::env::var(env).ok().and_then(|t| trimmed_token(&t));
         if t.as_deref().is_some_and(|t| !is_header_safe(t)) {
             return Err(invalid(self.section.env_field(), env, TOKEN_REASON));
         }
@@ -1124,6 +1153,15 @@ impl TokenSettings {
             (None, None) => None,
         }
     }
+}
+
+/// A token as read from a file or a variable, with leading and trailing whitespace (a
+/// trailing newline, stray spaces) removed, as the filter trims the token it receives;
+/// `None` when nothing is left. Both sources go through here, so a token compares the
+/// same wherever it was read from.
+fn trimmed_token(raw: &str) -> Option<String> {
+    let t = raw.trim();
+    (!t.is_empty()).then(|| t.to_owned())
 }
 
 /// Why a token is refused: every request carrying it would otherwise fail to be built.

@@ -390,7 +390,12 @@ pub struct Hub {
     published: watch::Sender<Option<Arc<Published>>>,
     last_version: Mutex<u64>,
     last_body_len: AtomicUsize,
+    /// Targets rejecting the ingest token, with why. Only configured targets
+    /// (`push_targets`) are ever in it.
     push_rejected: Mutex<BTreeMap<String, String>>,
+    /// The configured push targets' names ([`Hub::retain_push_targets`]). Locked before
+    /// `push_rejected` when both are held.
+    push_targets: Mutex<BTreeSet<String>>,
     /// Each read gateway's last in-flight report, by target name ([`crate::peers`]).
     gateway_reports: Mutex<BTreeMap<String, GatewayReport>>,
     /// Own metrics.
@@ -419,6 +424,7 @@ impl Hub {
             last_version: Mutex::new(0),
             last_body_len: AtomicUsize::new(0),
             push_rejected: Mutex::new(BTreeMap::new()),
+            push_targets: Mutex::new(BTreeSet::new()),
             gateway_reports: Mutex::new(BTreeMap::new()),
             telemetry: Telemetry::new(),
         })
@@ -672,22 +678,32 @@ impl Hub {
     }
 
     /// Note that target `target` rejects the ingest token (`Some(why)`) or accepted a push
-    /// (`None`). Any rejection makes `/readyz` answer 503.
+    /// (`None`). Any rejection makes `/readyz` answer 503. A rejection for a target that is
+    /// not configured ([`Hub::retain_push_targets`]) is ignored: a push still in flight when
+    /// its target was removed by a reload must not hold `/readyz` at 503 for a target no
+    /// reload would ever clear.
     pub fn set_push_rejected(&self, target: &str, why: Option<String>) {
+        // Held across the insert, so a reload removing `target` cannot slip in between
+        // the membership check and the insert.
+        let targets = lock(&self.push_targets);
         let mut m = lock(&self.push_rejected);
         match why {
-            Some(w) => {
+            Some(w) if targets.contains(target) => {
                 m.insert(target.to_owned(), w);
             }
+            Some(_) => {}
             None => {
                 m.remove(target);
             }
         }
     }
 
-    /// Forget rejections of targets no longer configured (reload).
+    /// Set the configured push targets' names (start, reload) and forget the rejections of
+    /// targets no longer among them.
     pub fn retain_push_targets(&self, names: &[&str]) {
-        lock(&self.push_rejected).retain(|t, _| names.contains(&t.as_str()));
+        let mut targets = lock(&self.push_targets);
+        *targets = names.iter().map(|n| (*n).to_owned()).collect();
+        lock(&self.push_rejected).retain(|t, _| targets.contains(t));
     }
 
     /// Refresh the gauges computed on read (snapshot age, endpoints by state).
@@ -823,6 +839,24 @@ impl Hub {
 mod tests {
     use super::*;
     use crate::adapters::ServerKind;
+
+    /// A rejection recorded for a target that is not configured (any more) is ignored, and
+    /// one of a configured target is cleared when a reload removes it.
+    #[test]
+    fn rejections_count_only_for_configured_targets() {
+        let hub = Hub::new(Duration::from_secs(1), Duration::ZERO, Duration::ZERO);
+        hub.publish();
+        hub.retain_push_targets(&["a"]);
+        hub.set_push_rejected("b", Some("HTTP 401".into()));
+        assert_eq!(hub.not_ready_reason(), None);
+        hub.set_push_rejected("a", Some("HTTP 401".into()));
+        assert_eq!(
+            hub.not_ready_reason().as_deref(),
+            Some("pushes to target `a` are rejected: HTTP 401")
+        );
+        hub.retain_push_targets(&["b"]);
+        assert_eq!(hub.not_ready_reason(), None);
+    }
 
     fn spec(name: &str) -> EndpointSpec {
         EndpointSpec {

@@ -361,11 +361,13 @@ impl Telemetry {
     }
 
     /// Drop a target's per-target series (a gateway pod that left), so pod churn does not
-    /// grow the exposition without bound. Failure counters keep their history.
+    /// grow the exposition without bound, and a removed target that was rejecting the token
+    /// does not show `push_auth_rejected` 1 for good. Failure counters keep their history.
     pub fn forget_target(&self, target: &str) {
         let label = TargetLabel {
             target: target.to_owned(),
         };
+        self.push_auth_rejected.remove(&label);
         self.push_duration.remove(&label);
         self.pushes.remove(&label);
         self.scrape_to_push.remove(&label);
@@ -375,6 +377,27 @@ impl Telemetry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A removed target's series go, its auth-rejected gauge included (it was left at 1);
+    /// its failure counters stay.
+    #[test]
+    fn forget_target_drops_the_auth_rejected_gauge() {
+        let t = Telemetry::new();
+        let label = TargetLabel {
+            target: "gone".into(),
+        };
+        t.push_auth_rejected.get_or_create(&label).set(1);
+        t.pushes.get_or_create(&label).inc();
+        t.push_failure("gone", "401");
+        t.forget_target("gone");
+        let text = t.encode();
+        assert!(!text.contains("kvroute_cp_push_auth_rejected{"), "{text}");
+        assert!(!text.contains("kvroute_cp_pushes_total{"), "{text}");
+        assert!(
+            text.contains("kvroute_cp_push_failures_total{target=\"gone\",reason=\"401\"} 1"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn negotiate_follows_accept() {

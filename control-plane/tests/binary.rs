@@ -138,7 +138,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             Some(0),
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
-                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port)\n",
+                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port, ingest path)\n",
                 good.len()
             )
         )
@@ -170,7 +170,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
                  note: load sharing: 1 of 2 targets have no `stats_url` (envoy-0); their in-flight load is not shared with the other gateways, which may then herd onto one endpoint between scrapes\n\
-                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port)\n",
+                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port, ingest path)\n",
                 good.len()
             )
         )
@@ -189,7 +189,8 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
         )
     );
     // A target on the client listener's port with the right token: ok, but the closing
-    // line claims only what matched (not the ingest port).
+    // line claims only what matched (not the ingest port, nor the path of a listener it
+    // does not post to).
     let client_port = base.replace(":10001/", ":10000/");
     assert_eq!(
         check(&client_port, Some(good)),
@@ -289,9 +290,9 @@ fn shipped_example_passes_check_against_every_shipped_envoy_config() {
         );
         // Endpoint mode does not use `cluster`, so clusters are not claimed to match.
         let matched = if envoy.ends_with("cluster-mode.yaml") {
-            "clusters, ingest token, ingest port"
+            "clusters, ingest token, ingest port, ingest path"
         } else {
-            "ingest token, ingest port"
+            "ingest token, ingest port, ingest path"
         };
         assert!(
             stdout.ends_with(&format!(

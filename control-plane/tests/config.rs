@@ -131,6 +131,11 @@ fn invalid_fields_are_named() {
         ("push:\n  token_env: ''\n", "config field `push.token_env` = ``: must not be empty"),
         ("scrape:\n  token_env: ''\n", "config field `scrape.token_env` = ``: must not be empty"),
         ("targets:\n  - name: e\n    url: ftp://x:1/\n", "config field `targets[0].url` = `ftp://x:1/`: must start with http:// or https://"),
+        // A port out of 1..=65535 would make hyper silently use the scheme's default port.
+        ("targets:\n  - name: e\n    url: http://127.0.0.1:99999/kvroute/v1/snapshot\n", "config field `targets[0].url` = `http://127.0.0.1:99999/kvroute/v1/snapshot`: has an invalid port (expected 1..=65535)"),
+        ("targets:\n  - name: e\n    url: https://[::1]:0/kvroute/v1/snapshot\n", "config field `targets[0].url` = `https://[::1]:0/kvroute/v1/snapshot`: has an invalid port (expected 1..=65535)"),
+        ("targets:\n  - name: e\n    url: http://a:1/\n    stats_url: http://a:65536/stats\n", "config field `targets[0].stats_url` = `http://a:65536/stats`: has an invalid port (expected 1..=65535)"),
+        ("kubernetes:\n  api_server: https://k8s:70000\n", "config field `kubernetes.api_server` = `https://k8s:70000`: has an invalid port (expected 1..=65535)"),
         ("scrape:\n  tls:\n    cert_file: /c.pem\n", "config field `scrape.tls.cert_file` = `/c.pem`: needs key_file too"),
         ("push:\n  tls:\n    key_file: /k.pem\n", "config field `push.tls.key_file` = `/k.pem`: needs cert_file too"),
         ("kubernetes:\n  api_server: ftp://x\n", "config field `kubernetes.api_server` = `ftp://x`: must be an http:// or https:// URL with a host"),
@@ -152,6 +157,9 @@ fn invalid_fields_are_named() {
         ("kubernetes:\n  gateways:\n    - {name: g, namespace: n, selector: {a: b}, port: 1, stats_path: stats}\n", "config field `kubernetes.gateways[0].stats_path` = `stats`: must be a URL path starting with `/`"),
         ("pools:\n  - name: p\n    endpoints: []\n  - name: p\n    endpoints: []\n", "config field `pools[1].name` = `p`: duplicate pool name"),
         ("pools:\n  - name: p\n    models: [ok, '']\n    endpoints: []\n", "config field `pools[0].models` = ``: model names must be non-empty without control characters"),
+        // A bad pool-level name inherited by an endpoint is the pool's field, not the endpoint's.
+        ("pools: [{name: p, models: [''], endpoints: [{name: e, address: 'host:8001'}]}]\n", "config field `pools[0].models` = ``: model names must be non-empty without control characters"),
+        ("pools: [{name: p, models: [ok, \"m\\n\"], endpoints: [{name: e, address: 'host:8001'}]}]\n", "config field `pools[0].models` = `m\\n`: model names must be non-empty without control characters"),
     ];
     for (yaml, want) in cases {
         assert_eq!(&err(yaml), want, "for {yaml:?}");
@@ -160,6 +168,9 @@ fn invalid_fields_are_named() {
         ("metrics_url: ftp://x/metrics", "config field `pools[0].endpoints[1].metrics_url` = `ftp://x/metrics`: must start with http:// or https://"),
         ("metrics_url: 'not a url'", "config field `pools[0].endpoints[1].metrics_url` = `not a url`: not a URL (invalid uri character)"),
         ("slots_url: /slots", "config field `pools[0].endpoints[1].slots_url` = `/slots`: must start with http:// or https://"),
+        ("metrics_url: http://127.0.0.1:99999/metrics", "config field `pools[0].endpoints[1].metrics_url` = `http://127.0.0.1:99999/metrics`: has an invalid port (expected 1..=65535)"),
+        ("slots_url: 'http://127.0.0.1:/slots'", "config field `pools[0].endpoints[1].slots_url` = `http://127.0.0.1:/slots`: has an invalid port (expected 1..=65535)"),
+        ("metrics_url: 'http://user@h:0/metrics'", "config field `pools[0].endpoints[1].metrics_url` = `http://user@h:0/metrics`: has an invalid port (expected 1..=65535)"),
         ("cluster: ''", "config field `pools[0].endpoints[1].cluster` = ``: must not be empty"),
         ("models: ['']", "config field `pools[0].endpoints[1].models` = ``: model names must not be empty"),
     ];
@@ -337,6 +348,37 @@ fn scrape_token_sources() {
         c.scrape.token().read().unwrap_err().to_string(),
         "config field `scrape.token_env` = `KVROUTE_TEST_SCRAPE_TOKEN_BAD`: token is not a valid HTTP header value (control character or line break inside)"
     );
+}
+
+/// An ingest or scrape token from a variable is trimmed as one from a file is (and as the
+/// filter trims what it receives): `KVROUTE_INGEST_TOKEN=' tok '` or a trailing newline
+/// (`$(cat token)` keeps none, but `export T="$(cat f)\n"` or a Secret's env does) must
+/// not read as a different token, nor be refused as a line break.
+#[test]
+fn env_tokens_are_trimmed_like_file_tokens() {
+    // Only this test reads these variables.
+    std::env::set_var("KVROUTE_TEST_PUSH_TOKEN_SPACES", " tok-0123456789abcdef ");
+    std::env::set_var("KVROUTE_TEST_PUSH_TOKEN_NEWLINE", "tok-0123456789abcdef\n");
+    std::env::set_var("KVROUTE_TEST_PUSH_TOKEN_BLANK", " \n");
+    for var in [
+        "KVROUTE_TEST_PUSH_TOKEN_SPACES",
+        "KVROUTE_TEST_PUSH_TOKEN_NEWLINE",
+    ] {
+        let c = Config::from_yaml(&format!("push:\n  token_env: {var}\n")).unwrap();
+        assert_eq!(
+            c.push.read_token().unwrap().as_deref(),
+            Some("tok-0123456789abcdef"),
+            "{var}"
+        );
+        let c = Config::from_yaml(&format!("scrape:\n  token_env: {var}\n")).unwrap();
+        assert_eq!(
+            c.scrape.token().read().unwrap().as_deref(),
+            Some("tok-0123456789abcdef"),
+            "{var}"
+        );
+    }
+    let c = Config::from_yaml("push:\n  token_env: KVROUTE_TEST_PUSH_TOKEN_BLANK\n").unwrap();
+    assert_eq!(c.push.read_token().unwrap(), None);
 }
 
 #[test]
