@@ -31,7 +31,9 @@
 //! | `/v1/embeddings` | `input`: same shapes as `prompt` | 0 (embeddings generate nothing) |
 //! | other paths | TGI-style `inputs` when present | `parameters.max_new_tokens` |
 //!
-//! `model` is required for the four OpenAI APIs ([`AnalysisError::MissingField`]).
+//! `model` is required for the four OpenAI APIs ([`AnalysisError::MissingField`]). Integer
+//! fields (`n`, the output limits) take a number with no fractional part too (`256.0`), as
+//! vLLM's and SGLang's pydantic request models do.
 //!
 //! ## Rendering for prefix hashing
 //! Chat and Responses conversations are rendered in order as `<|role|>\ncontent\n`, with the
@@ -535,12 +537,26 @@ fn de_str<'a>(token: &'a str, field: &dyn Fn() -> String) -> Result<Cow<'a, str>
     decode_str(token).map_err(|_| invalid(field(), "a string"))
 }
 
+/// A JSON number token as a non-negative integer: `256`, or a number with no fractional
+/// part (`256.0`, `2.56e2`, what Python's `json` writes for a float), which vLLM's and
+/// SGLang's request models accept for their integer fields (pydantic's lax mode takes a
+/// float whose fractional part is 0). `None` for a negative or fractional number, one of
+/// 2^64 or more, and anything not a number (`"256"` included).
+pub(crate) fn json_uint(token: &str) -> Option<u64> {
+    if let Ok(v) = serde_json::from_str::<u64>(token) {
+        return Some(v);
+    }
+    let f = serde_json::from_str::<f64>(token).ok()?;
+    // 2^64 is exact in f64; every integral f64 below it converts exactly.
+    (f >= 0.0 && f.fract() == 0.0 && f < 18_446_744_073_709_551_616.0).then_some(f as u64)
+}
+
 fn de_u64(token: Option<&str>, field: &str) -> Result<Option<u64>, AnalysisError> {
     match token {
         None => Ok(None),
-        Some(t) => serde_json::from_str::<u64>(t)
+        Some(t) => json_uint(t)
             .map(Some)
-            .map_err(|_| invalid(field, "a non-negative integer")),
+            .ok_or_else(|| invalid(field, "a non-negative integer")),
     }
 }
 

@@ -693,7 +693,7 @@ impl Router {
                 ),
                 // Routed by load, but among the endpoints that serve the body's model
                 // when it names one: the analysis is stricter than model servers are
-                // (vLLM's pydantic models take `"max_tokens": 256.0`).
+                // (vLLM's pydantic models take `"n": "1"`).
                 Err(e) => (
                     RequestInfo {
                         model: crate::analysis::requested_model(b),
@@ -1127,7 +1127,7 @@ mod tests {
         let p = "/v1/chat/completions";
         let body = |model: &str| {
             format!(
-                r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":256.0}}"#
+                r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"n":"1"}}"#
             )
         };
         let d = r.route(&snap, &t, p, Some(body("model-b").as_bytes()), NOW);

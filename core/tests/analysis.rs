@@ -439,8 +439,8 @@ fn every_byte_estimator_counts_the_whole_prompt() {
 #[test]
 fn requested_model_reads_only_the_model() {
     use kvroute_core::analysis::requested_model;
-    // A body the analysis rejects (a float limit) still names its model.
-    let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":256.0}"#;
+    // A body the analysis rejects (`n` as a string) still names its model.
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"n":"1"}"#;
     assert!(analyze(ApiKind::ChatCompletions, body, &Estimator::default()).is_err());
     assert_eq!(requested_model(body).as_deref(), Some("m"));
     assert_eq!(
@@ -460,6 +460,53 @@ fn requested_model_reads_only_the_model() {
             None,
             "{:?}",
             String::from_utf8_lossy(none)
+        );
+    }
+}
+
+/// Integer fields take a number with no fractional part (`256.0`, `2.56e2`), as vLLM's and
+/// SGLang's pydantic request models do; a fraction, a negative number or a string is still an
+/// error.
+#[test]
+fn integral_floats_are_integers() {
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","messages":[],"max_tokens":256.0,"n":2e0}"#,
+    );
+    assert_eq!((a.max_output_tokens, a.n), (Some(256), 2));
+    let a = ok(
+        ApiKind::Completions,
+        r#"{"model":"m","prompt":"x","max_tokens":2.56e2}"#,
+    );
+    assert_eq!(a.max_output_tokens, Some(256));
+    // Past u32 a limit is capped, as an integer one is.
+    let a = ok(
+        ApiKind::Completions,
+        r#"{"model":"m","prompt":"x","max_tokens":1e19}"#,
+    );
+    assert_eq!(a.max_output_tokens, Some(u32::MAX));
+    for (body, field) in [
+        (
+            r#"{"model":"m","messages":[],"max_tokens":256.5}"#,
+            "max_tokens",
+        ),
+        (
+            r#"{"model":"m","messages":[],"max_tokens":-1.0}"#,
+            "max_tokens",
+        ),
+        (
+            r#"{"model":"m","messages":[],"max_tokens":1e20}"#,
+            "max_tokens",
+        ),
+        (r#"{"model":"m","messages":[],"n":"1"}"#, "n"),
+    ] {
+        assert_eq!(
+            analyze(ApiKind::ChatCompletions, body.as_bytes(), &est()),
+            Err(AnalysisError::InvalidField {
+                field: field.into(),
+                expected: "a non-negative integer"
+            }),
+            "{body}"
         );
     }
 }

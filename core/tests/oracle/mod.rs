@@ -390,12 +390,18 @@ fn de_object<'a, T: Deserialize<'a>>(
     serde_json::from_str::<T>(raw.get()).map_err(|_| invalid(field(), expected))
 }
 
+/// A non-negative integer, or an integral float (`256.0`: pydantic's lax int, as vLLM and
+/// SGLang read it).
 fn de_u64(raw: Raw<'_>, field: &str) -> Result<Option<u64>, AnalysisError> {
-    match raw {
-        None => Ok(None),
-        Some(r) => serde_json::from_str::<u64>(r.get())
-            .map(Some)
-            .map_err(|_| invalid(field, "a non-negative integer")),
+    let Some(r) = raw else { return Ok(None) };
+    let bad = || invalid(field, "a non-negative integer");
+    let n = serde_json::from_str::<serde_json::Number>(r.get()).map_err(|_| bad())?;
+    if let Some(v) = n.as_u64() {
+        return Ok(Some(v));
+    }
+    match n.as_f64() {
+        Some(f) if f >= 0.0 && f.trunc() == f && f < 2f64.powi(64) => Ok(Some(f as u64)),
+        _ => Err(bad()),
     }
 }
 
