@@ -1150,6 +1150,15 @@ const PART: [&str; 8] = [
     "file_id",
 ];
 
+/// `PART`'s first two keys in compact form (same order), for [`Scanner::raw_match`].
+const PART_KEYS: [RawPattern; 2] = [
+    RawPattern::new(br#""type":"#),
+    RawPattern::new(br#""text":"#),
+];
+/// The token of a text part's `type`, and its pattern.
+const TEXT_TYPE_TOKEN: &str = r#""text""#;
+const TEXT_TYPE: [RawPattern; 1] = [RawPattern::new(TEXT_TYPE_TOKEN.as_bytes())];
+
 fn is_text_part(kind: &str) -> bool {
     matches!(kind, "text" | "input_text" | "output_text")
 }
@@ -1168,14 +1177,22 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
     let mut text_read: Option<Sem> = None;
     if !sc.empty(b'}') {
         loop {
-            let name = match sc.key_name()? {
-                Ok(n) => Some(n),
-                Err(BadString) => {
-                    bad = true;
-                    None
+            // `"type":` and `"text":` (indices 0 and 1 of `PART`) by a masked compare, as a
+            // message's keys; other keys and forms by name.
+            let known = match sc.raw_match(&PART_KEYS) {
+                Some(i) => Some(i),
+                None => {
+                    let name = match sc.key_name()? {
+                        Ok(n) => Some(n),
+                        Err(BadString) => {
+                            bad = true;
+                            None
+                        }
+                    };
+                    name.and_then(|n| PART.iter().position(|p| *p == n))
                 }
             };
-            match name.and_then(|n| PART.iter().position(|p| *p == n)) {
+            match known {
                 Some(i) => {
                     if let Some(s) = seen.get_mut(i) {
                         bad |= *s;
@@ -1185,6 +1202,11 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
                         first_byte(t) == b'"' && decode_str(t).is_ok_and(|k| is_text_part(&k))
                     });
                     if sc.null()? {
+                    } else if i == 0 && sc.raw_match(&TEXT_TYPE).is_some() {
+                        // `"type":"text"`, the common part: its token without a scan.
+                        if let Some(o) = tok.get_mut(0) {
+                            *o = Some(TEXT_TYPE_TOKEN);
+                        }
                     } else if i == 1 && text_kind && !bad && sc.peek() == Some(b'"') {
                         text_read = Some(
                             acc.string(sc)?

@@ -510,3 +510,49 @@ fn integral_floats_are_integers() {
         );
     }
 }
+
+/// Compact JSON takes the scanner's masked-compare path for a message's keys, its role and
+/// a text part (`Scanner::raw_match`); the same body pretty-printed takes the general
+/// readers. Both give the same analysis, prefix text included.
+#[test]
+fn compact_and_pretty_bodies_agree() {
+    let long = "word ".repeat(4000);
+    let v = serde_json::json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"content": [{"type": "text", "text": "first"}, {"text": long, "type": "text"}], "role": "user"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c"},
+            {"role": "developer", "content": [{"type": "text", "text": "last"}]},
+            {"role": "critic", "content": "a role of its own"},
+        ],
+        "max_tokens": 16
+    });
+    let compact = serde_json::to_vec(&v).unwrap();
+    let pretty = serde_json::to_vec_pretty(&v).unwrap();
+    for limit in [usize::MAX, 16 * 1024, 100, 1] {
+        let a = kvroute_core::analysis::analyze_bounded(
+            ApiKind::ChatCompletions,
+            &compact,
+            &est(),
+            limit,
+        )
+        .unwrap();
+        let b = kvroute_core::analysis::analyze_bounded(
+            ApiKind::ChatCompletions,
+            &pretty,
+            &est(),
+            limit,
+        )
+        .unwrap();
+        assert_eq!(a, b, "limit {limit}");
+    }
+    let a = analyze(ApiKind::ChatCompletions, &compact, &est()).unwrap();
+    assert!(
+        a.prefix_text
+            .starts_with("<|system|>\nBe brief.\n<|user|>\nfirst"),
+        "{}",
+        &a.prefix_text[..60]
+    );
+}
