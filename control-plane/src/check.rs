@@ -14,9 +14,10 @@
 //!   push is answered 404).
 //!
 //! A kvroute filter is found in the Envoy config by its configuration, as the filter reads
-//! it: a JSON object with `role`, `mode` or `picker`, or with the filter's keys only
-//! (`{"decision_record":true}`), or an empty configuration of a Wasm module whose file
-//! name or URL says `kvroute`. Without `role` it routes; without `mode`, in cluster mode
+//! it (a JSON string or a `google.protobuf.Struct`): an object with `role`, `mode` or
+//! `picker`, in any module; or, in a Wasm module whose file name or URL says `kvroute`, one
+//! with the filter's keys only (`{"decision_record":true}`) or an empty one. Without
+//! `role` it routes; without `mode`, in cluster mode
 //! (the filter's defaults).
 //!
 //! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
@@ -172,37 +173,44 @@ const FILTER_KEYS: &[&str] = &[
     "affinity_journal_bytes",
 ];
 
-/// `text` as a kvroute filter configuration: a JSON object with a `role`, `mode` or
-/// `picker` field, or a non-empty one of the filter's keys only (`{"decision_record":true}`:
-/// the filter takes it as role `route`, mode `cluster`). An empty object is not told apart
-/// from another plugin's here ([`defaulted_kvroute_plugin`] is).
-fn kvroute_config(text: &str) -> Option<serde_json::Value> {
-    let j = serde_json::from_str::<serde_json::Value>(text).ok()?;
-    let o = j.as_object()?;
-    let named = ["role", "mode", "picker"]
+/// Whether a plugin configuration names a field only kvroute's filter has: `role`, `mode`
+/// or `picker`. Such a configuration is kvroute's whatever its module is called.
+fn names_kvroute(o: &serde_json::Map<String, serde_json::Value>) -> bool {
+    ["role", "mode", "picker"]
         .iter()
-        .any(|f| o.contains_key(*f));
-    let only_ours = !o.is_empty() && o.keys().all(|k| FILTER_KEYS.contains(&k.as_str()));
-    (named || only_ours).then_some(j)
+        .any(|f| o.contains_key(*f))
 }
 
-/// Whether `plugin` (a Wasm plugin's `config`: it has a `vm_config`) runs the kvroute module
-/// with an empty configuration: no `configuration`, no `value` in it, a blank one or `{}`.
-/// The filter then runs with every default (role `route`, mode `cluster`). The module is
-/// told by its code's file name or URL containing `kvroute` (`kvroute_filter.wasm`).
-fn defaulted_kvroute_plugin(plugin: &serde_yaml_ng::Value) -> bool {
-    let Some(vm) = plugin.get("vm_config") else {
-        return false;
-    };
-    let empty = match plugin.get("configuration").and_then(|c| c.get("value")) {
-        None => true,
-        Some(v) => v.as_str().is_some_and(|t| {
-            t.trim().is_empty()
-                || serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(t)
-                    .is_ok_and(|o| o.is_empty())
-        }),
-    };
-    empty && vm.get("code").is_some_and(mentions_kvroute)
+/// What a Wasm plugin (`plugin`, a mapping with a `vm_config`) runs as its configuration,
+/// as JSON: the `configuration.value` string parsed (none, or a blank one, is `{}`), or a
+/// `google.protobuf.Struct` value (a mapping), which Envoy hands to the plugin as JSON.
+/// `None` when it is not JSON.
+fn plugin_json(plugin: &serde_yaml_ng::Value) -> Option<serde_json::Value> {
+    match plugin.get("configuration").and_then(|c| c.get("value")) {
+        None => Some(serde_json::Value::Object(serde_json::Map::new())),
+        Some(serde_yaml_ng::Value::String(t)) if t.trim().is_empty() => {
+            Some(serde_json::Value::Object(serde_json::Map::new()))
+        }
+        Some(serde_yaml_ng::Value::String(t)) => serde_json::from_str(t).ok(),
+        Some(v) => serde_json::to_value(v).ok(),
+    }
+}
+
+/// The kvroute configuration a Wasm plugin (`plugin`, a mapping with a `vm_config`) runs,
+/// if it runs kvroute: a JSON object naming `role`, `mode` or `picker` ([`names_kvroute`]),
+/// or, for a module whose code's file name or URL says `kvroute` (`kvroute_filter.wasm`),
+/// an object of the filter's keys only, the empty one included (the filter then runs with
+/// its defaults: role `route`, mode `cluster`). Another module's configuration made of
+/// keys the filter also has (`{"prefix":"/api"}`) is not kvroute's.
+fn plugin_kvroute_config(plugin: &serde_yaml_ng::Value) -> Option<serde_json::Value> {
+    let ours = plugin
+        .get("vm_config")
+        .and_then(|vm| vm.get("code"))
+        .is_some_and(mentions_kvroute);
+    let j = plugin_json(plugin)?;
+    let o = j.as_object()?;
+    let only_filter_keys = o.keys().all(|k| FILTER_KEYS.contains(&k.as_str()));
+    (names_kvroute(o) || (ours && only_filter_keys)).then_some(j)
 }
 
 /// Whether a string below `v` contains `kvroute`.
@@ -216,20 +224,22 @@ fn mentions_kvroute(v: &serde_yaml_ng::Value) -> bool {
     }
 }
 
-/// kvroute filter configurations below `v`: JSON strings under a `value` key that
-/// [`kvroute_config`] recognises, and `{}` for each kvroute Wasm plugin configured with
-/// nothing ([`defaulted_kvroute_plugin`]). Every configuration the filter runs as role
-/// `route` is found either way, except an empty one of a module whose file name or URL
-/// does not say `kvroute`.
+/// kvroute filter configurations below `v`: for each Wasm plugin (a mapping with a
+/// `vm_config`), what [`plugin_kvroute_config`] finds; elsewhere, JSON strings under a
+/// `value` key that name `role`, `mode` or `picker`. Every configuration the filter runs is
+/// found, except one of only the filter's optional keys, or none, in a module whose file
+/// name or URL does not say `kvroute`.
 fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
     match v {
         serde_yaml_ng::Value::Mapping(m) => {
-            if defaulted_kvroute_plugin(v) {
-                out.push(serde_json::Value::Object(serde_json::Map::new()));
+            if v.get("vm_config").is_some() {
+                out.extend(plugin_kvroute_config(v));
+                return;
             }
             for (k, val) in m {
                 if let (Some("value"), Some(s)) = (k.as_str(), val.as_str()) {
-                    if let Some(j) = kvroute_config(s) {
+                    let j = serde_json::from_str::<serde_json::Value>(s).ok();
+                    if let Some(j) = j.filter(|j| j.as_object().is_some_and(names_kvroute)) {
                         out.push(j);
                     }
                 }
@@ -637,6 +647,40 @@ mod tests {
         assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
         let other = envoy(10001, r#"{"rules":[]}"#);
         assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+        // Another module configured with keys the filter also has (`prefix`): not
+        // kvroute's, though a kvroute module with the same configuration would be.
+        let other = envoy(10001, r#"{"prefix":"/api"}"#).replacen(
+            "kvroute_filter.wasm",
+            "header_rewrite.wasm",
+            1,
+        );
+        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+    }
+
+    /// Plugins configured with a `google.protobuf.Struct` (a mapping, which Envoy hands to
+    /// the plugin as JSON) are found, the ingest filter's token and the route filter's mode
+    /// included; they were not (no ingest filter, exit 2).
+    #[test]
+    fn struct_configured_plugins_are_found() {
+        let yaml = envoy(10001, "").replace(
+            "configuration: {value: ''}",
+            "configuration: {'@type': type.googleapis.com/google.protobuf.Struct, value: {mode: endpoint}}",
+        ).replace(
+            r#"configuration: {value: '{"role":"ingest","ingest_token":"tok-0123456789abcdef"}'}"#,
+            "configuration: {'@type': type.googleapis.com/google.protobuf.Struct, value: {role: ingest, ingest_token: tok-0123456789abcdef}}",
+        );
+        assert!(!yaml.contains("value: '"), "{yaml}");
+        assert_eq!(
+            cluster_check(&yaml),
+            (
+                vec![Finding::Note(
+                    "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not \
+                     used"
+                        .into()
+                )],
+                vec!["ingest token"]
+            )
+        );
     }
 
     /// [`FILTER_KEYS`] are the top-level keys of docs/filter.md's configuration table.
