@@ -357,7 +357,13 @@ async fn stop_pushers(
         // Its stats reader was aborted with the push task, before it could forget itself;
         // a restarted task's reader reads the gateway again.
         hub.forget_gateway(name);
-        if !configured.contains(&name.as_str()) {
+        if configured.contains(&name.as_str()) {
+            // Restarted (its URL or settings changed): what the old task saw is not the new
+            // one's; a rejection of the old URL must not hold `/readyz` at 503 while the
+            // new URL fails for another reason.
+            hub.set_push_rejected(name, None);
+            hub.telemetry.clear_auth_rejected(name);
+        } else {
             hub.telemetry.forget_target(name);
         }
     }
@@ -530,6 +536,32 @@ mod tests {
     use crate::config::Config;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A target restarted under the same name (its URL changed) starts clean: the old
+    /// URL's token rejection no longer holds `/readyz` at 503, and its gauge reads 0.
+    #[tokio::test]
+    async fn a_restarted_target_drops_the_old_urls_rejection() {
+        let hub = Hub::new(Duration::from_secs(1), Duration::ZERO, Duration::ZERO);
+        hub.publish();
+        hub.retain_push_targets(&["gw"]);
+        hub.set_push_rejected("gw", Some("HTTP 401 from the old URL".into()));
+        let label = crate::telemetry::TargetLabel {
+            target: "gw".into(),
+        };
+        hub.telemetry
+            .push_auth_rejected
+            .get_or_create(&label)
+            .set(1);
+        assert!(!hub.ready());
+        let (stop, _rx) = watch::channel(false);
+        let task = tokio::spawn(async {});
+        stop_pushers(&hub, vec![("gw".into(), stop, task)], &["gw"]).await;
+        assert_eq!(hub.not_ready_reason(), None);
+        assert!(hub
+            .telemetry
+            .encode()
+            .contains("kvroute_cp_push_auth_rejected{target=\"gw\"} 0"));
+    }
 
     /// A push in flight when a reload removes its target: the ingest answers 401 only
     /// after the removal. Before, the task was only told to stop (a flag it reads between

@@ -584,6 +584,14 @@ impl Hub {
     /// time alone) publishes a new snapshot, coalesced like any change.
     pub fn record_gateway_report(&self, target: &str, report: GatewayReport) {
         let changed = {
+            // Only configured targets' reports count: a stats reader of a removed target is
+            // aborted, not awaited, and one mid-read could otherwise record after its
+            // report was forgotten, sharing a gone gateway's load until it went stale.
+            // Locked in the order `push_targets`, then the reports.
+            let targets = lock(&self.push_targets);
+            if !targets.contains(target) {
+                return;
+            }
             let mut m = lock(&self.gateway_reports);
             let changed = m.get(target).is_none_or(|r| r.load != report.load);
             m.insert(target.to_owned(), report);
@@ -1004,6 +1012,10 @@ mod tests {
                 })
                 .collect(),
         };
+        // A report of a target that is not configured is not kept.
+        hub.record_gateway_report("gw-1", report(&[("p/a", 2, 1_000)]));
+        assert!(lock(&hub.gateway_reports).is_empty());
+        hub.retain_push_targets(&["gw-1", "gw-2"]);
         hub.record_gateway_report("gw-1", report(&[("p/a", 2, 1_000)]));
         hub.record_gateway_report("gw-2", report(&[("p/a", 1, 10), ("p/c", 3, 30)]));
         let p = hub.publish();
@@ -1105,6 +1117,7 @@ mod tests {
         // Fragments are still found (peer load spliced) with the list before them.
         let t0 = now_ms();
         hub.record_success("p/a", stats(0.25, 1, &[]), t0 - 500);
+        hub.retain_push_targets(&["gw-1"]);
         hub.record_gateway_report(
             "gw-1",
             GatewayReport {

@@ -6,8 +6,9 @@
 //! ([`MetricsFormat::negotiate`]).
 //!
 //! A connection that does not send a request's headers within [`HEADER_READ_TIMEOUT`] is
-//! closed, so clients that open connections and stall (a slowloris) cannot hold the
-//! process's file descriptors, which the scrapes and pushes need.
+//! closed, so clients that open connections and stall before a request is whole (a
+//! slowloris) cannot hold the process's file descriptors, which the scrapes and pushes
+//! need. A client that never reads its answers is not bounded by it.
 
 use crate::hub::Hub;
 use crate::names::*;

@@ -360,6 +360,17 @@ impl Telemetry {
             .inc();
     }
 
+    /// Set target `target`'s `push_auth_rejected` gauge to 0, if it has one (its push task
+    /// was restarted: the new one has not been rejected yet).
+    pub fn clear_auth_rejected(&self, target: &str) {
+        let label = TargetLabel {
+            target: target.to_owned(),
+        };
+        if let Some(g) = self.push_auth_rejected.get(&label) {
+            g.set(0);
+        }
+    }
+
     /// Drop a target's per-target series (a gateway pod that left), so pod churn does not
     /// grow the exposition without bound, and a removed target that was rejecting the token
     /// does not show `push_auth_rejected` 1 for good. Failure counters keep their history.

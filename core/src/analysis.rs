@@ -32,8 +32,8 @@
 //! | other paths | TGI-style `inputs` when present | `parameters.max_new_tokens` |
 //!
 //! `model` is required for the four OpenAI APIs ([`AnalysisError::MissingField`]). Integer
-//! fields (`n`, the output limits) take a number with no fractional part too (`256.0`), as
-//! vLLM's and SGLang's pydantic request models do.
+//! fields (`n`, the output limits, `priority`) take a number with no fractional part too
+//! (`256.0`), as vLLM's and SGLang's pydantic request models do.
 //!
 //! ## Rendering for prefix hashing
 //! Chat and Responses conversations are rendered in order as `<|role|>\ncontent\n`, with the
@@ -551,6 +551,16 @@ pub(crate) fn json_uint(token: &str) -> Option<u64> {
     (f >= 0.0 && f.fract() == 0.0 && f < 18_446_744_073_709_551_616.0).then_some(f as u64)
 }
 
+/// A JSON number token as an `i32`, integral floats included, as [`json_uint`] reads a
+/// non-negative integer (vLLM's `priority`).
+fn json_i32(token: &str) -> Option<i32> {
+    if let Ok(v) = serde_json::from_str::<i32>(token) {
+        return Some(v);
+    }
+    let f = serde_json::from_str::<f64>(token).ok()?;
+    (f.fract() == 0.0 && f >= f64::from(i32::MIN) && f <= f64::from(i32::MAX)).then_some(f as i32)
+}
+
 fn de_u64(token: Option<&str>, field: &str) -> Result<Option<u64>, AnalysisError> {
     match token {
         None => Ok(None),
@@ -763,9 +773,7 @@ pub fn analyze_bounded(
     };
     let priority = match priority {
         None => 0,
-        Some(t) => {
-            serde_json::from_str::<i32>(t).map_err(|_| invalid("priority", "a 32-bit integer"))?
-        }
+        Some(t) => json_i32(t).ok_or_else(|| invalid("priority", "a 32-bit integer"))?,
     };
 
     // The main field was rendered during the scan; what precedes it in the rendering

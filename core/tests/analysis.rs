@@ -479,6 +479,11 @@ fn integral_floats_are_integers() {
         r#"{"model":"m","prompt":"x","max_tokens":2.56e2}"#,
     );
     assert_eq!(a.max_output_tokens, Some(256));
+    let a = ok(
+        ApiKind::ChatCompletions,
+        r#"{"model":"m","messages":[],"priority":-2.0}"#,
+    );
+    assert_eq!(a.priority, -2);
     // Past u32 a limit is capped, as an integer one is.
     let a = ok(
         ApiKind::Completions,
@@ -505,6 +510,19 @@ fn integral_floats_are_integers() {
             Err(AnalysisError::InvalidField {
                 field: field.into(),
                 expected: "a non-negative integer"
+            }),
+            "{body}"
+        );
+    }
+    for body in [
+        r#"{"model":"m","messages":[],"priority":0.5}"#,
+        r#"{"model":"m","messages":[],"priority":3e9}"#,
+    ] {
+        assert_eq!(
+            analyze(ApiKind::ChatCompletions, body.as_bytes(), &est()),
+            Err(AnalysisError::InvalidField {
+                field: "priority".into(),
+                expected: "a 32-bit integer"
             }),
             "{body}"
         );

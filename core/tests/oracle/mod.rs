@@ -504,8 +504,17 @@ pub fn oracle_analyze_bounded(
     };
     let priority = match b.priority {
         None => 0,
-        Some(r) => serde_json::from_str::<i32>(r.get())
-            .map_err(|_| invalid("priority", "a 32-bit integer"))?,
+        Some(r) => {
+            let bad = || invalid("priority", "a 32-bit integer");
+            let n = serde_json::from_str::<serde_json::Number>(r.get()).map_err(|_| bad())?;
+            match (n.as_i64(), n.as_f64()) {
+                (Some(v), _) => i32::try_from(v).map_err(|_| bad())?,
+                (None, Some(f)) if f.trunc() == f && f.abs() <= 2_147_483_648.0 => {
+                    i32::try_from(f as i64).map_err(|_| bad())?
+                }
+                _ => return Err(bad()),
+            }
+        }
     };
 
     let mut acc = Acc::new(estimator, prefix_limit);
