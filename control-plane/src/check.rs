@@ -721,29 +721,24 @@ mod tests {
     /// listener on 443 (it was reported as posting to port 80).
     #[test]
     fn an_https_target_without_a_port_posts_to_443() {
-        let (raw, config) =
-            parsed("targets:\n  - name: gw\n    url: https://envoy.example/kvroute/v1/snapshot\n");
-        let r = check(
-            &raw,
-            &config,
-            Some("tok-0123456789abcdef"),
-            None,
-            Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
-        );
+        // Target `url` against an endpoint-mode Envoy config whose ingest listener is on 443.
+        let on_443 = |url: &str| {
+            let (raw, config) = parsed(&format!("targets:\n  - name: gw\n    url: {url}\n"));
+            check(
+                &raw,
+                &config,
+                Some("tok-0123456789abcdef"),
+                None,
+                Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
+            )
+        };
+        let r = on_443("https://envoy.example/kvroute/v1/snapshot");
         assert_eq!(r.errors(), 0, "{:?}", r.findings);
         assert_eq!(
             r.envoy_matched,
             vec!["ingest token", "ingest port", "ingest path"]
         );
-        let (raw, config) =
-            parsed("targets:\n  - name: gw\n    url: http://envoy.example/kvroute/v1/snapshot\n");
-        let r = check(
-            &raw,
-            &config,
-            Some("tok-0123456789abcdef"),
-            None,
-            Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
-        );
+        let r = on_443("http://envoy.example/kvroute/v1/snapshot");
         assert_eq!(
             r.findings.last(),
             Some(&Finding::Note(
