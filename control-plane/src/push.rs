@@ -98,6 +98,27 @@ impl PushError {
     }
 }
 
+/// How long after its making a snapshot may go out with its own `generated_at_ms`. A later
+/// one (a push retried after failures, up to `push.heartbeat_ms` old) is re-stamped with
+/// the send time ([`kvroute_core::snapshot::restamp`]): the filter takes `generated_at_ms`
+/// for the control plane's clock at sending when it moves the snapshot's times onto
+/// Envoy's, so a snapshot that waited made every scrape in it look that much younger. Below
+/// this bound the body is sent as built (no copy per push and target); the error is at
+/// most this.
+pub const RESTAMP_AFTER_MS: u64 = 100;
+
+/// `body` (made at `generated_at_ms`), re-stamped with `now_ms` when it is older than
+/// [`RESTAMP_AFTER_MS`].
+fn stamped_if_late(body: Bytes, generated_at_ms: u64, now_ms: u64) -> Bytes {
+    if now_ms.saturating_sub(generated_at_ms) <= RESTAMP_AFTER_MS {
+        return body;
+    }
+    match kvroute_core::snapshot::restamp(&body, now_ms) {
+        Some(b) => Bytes::from(b),
+        None => body,
+    }
+}
+
 /// POST one snapshot body.
 pub async fn post(
     client: &PushClient,
@@ -191,11 +212,16 @@ pub async fn run_target(
         loop {
             let started = Instant::now();
             let bearer = token.borrow().clone();
+            let body = stamped_if_late(
+                current.body_for(&target.name, settings.peer_load.stale_after),
+                current.generated_at_ms,
+                crate::hub::now_ms(),
+            );
             match post(
                 &client,
                 &target.url,
                 bearer.as_deref(),
-                current.body_for(&target.name, settings.peer_load.stale_after),
+                body,
                 settings.timeout,
             )
             .await
@@ -265,6 +291,21 @@ mod tests {
     use super::*;
 
     /// A 404 names the usual cause: a target URL on Envoy's client listener.
+    /// A snapshot sent within [`RESTAMP_AFTER_MS`] of its making goes as built (the same
+    /// bytes, no copy); a later one carries the send time.
+    #[test]
+    fn a_late_push_carries_its_send_time() {
+        let body = Bytes::from_static(
+            br#"{"format":1,"version":3,"generated_at_ms":1000,"endpoints":[]}"#,
+        );
+        let on_time = stamped_if_late(body.clone(), 1000, 1000 + RESTAMP_AFTER_MS);
+        assert_eq!(on_time.as_ptr(), body.as_ptr());
+        assert_eq!(
+            &stamped_if_late(body, 1000, 4000)[..],
+            br#"{"format":1,"version":3,"generated_at_ms":4000,"endpoints":[]}"#
+        );
+    }
+
     #[test]
     fn a_404_says_the_url_is_not_the_ingest_listener() {
         assert_eq!(

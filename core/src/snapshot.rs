@@ -103,6 +103,34 @@ fn envelope<'a>(
     out.extend_from_slice(b"]}");
 }
 
+/// A body as [`write_envelope`] writes it, with its `generated_at_ms` replaced by `at_ms`
+/// (the rest byte for byte): for a sender whose snapshot waited before it went out (a
+/// push retried after a failure), so that the receiver, which measures the sender's clock
+/// offset from `generated_at_ms` ([`Snapshot::rebase_clock`]), measures it at sending and
+/// the waiting does not make every scrape look that much younger. `None` when `body` does
+/// not open as [`write_envelope`] writes it. One copy of the body.
+pub fn restamp(body: &[u8], at_ms: u64) -> Option<Vec<u8>> {
+    use std::io::Write as _;
+    const KEY: &[u8] = b"\"generated_at_ms\":";
+    // `{"format":F,"version":V,` comes first: the key is within the first 64 bytes.
+    let head = body.get(..body.len().min(64))?;
+    let start = memchr::memmem::find(head, KEY)? + KEY.len();
+    let digits = body
+        .get(start..)?
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
+    if digits == 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len() + 4);
+    out.extend_from_slice(body.get(..start)?);
+    // Writing into a Vec cannot fail.
+    let _ = write!(out, "{at_ms}");
+    out.extend_from_slice(body.get(start + digits..)?);
+    Some(out)
+}
+
 /// One snapshot of the fleet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

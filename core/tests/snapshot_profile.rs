@@ -10,7 +10,7 @@ use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::profile::{builtin, builtin_profiles};
 use kvroute_core::snapshot::{
-    check_address, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION,
+    check_address, restamp, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION,
 };
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -380,4 +380,53 @@ fn rebase_clock_keeps_scrape_ages_on_the_receivers_clock() {
     let mut early = Snapshot::new(3, 5_000, vec![EndpointStats::fixture(0, 1_000)]);
     early.rebase_clock(2_000);
     assert_eq!(at(&early), [0]);
+}
+
+/// A snapshot that waited 5 s before it was sent, re-stamped at sending: the receiver's
+/// rebase keeps each scrape's true age (without it, the age less the 5 s wait); the body is
+/// otherwise the same bytes, and one that does not open as `write_envelope` writes it is
+/// refused.
+#[test]
+fn restamp_moves_only_generated_at() {
+    let snap = Snapshot::new(
+        7,
+        20_000,
+        vec![
+            EndpointStats::fixture(0, 19_000),
+            EndpointStats::fixture(1, 19_500),
+        ],
+    );
+    let body = snap.encode();
+    let sent = restamp(&body, 25_000).unwrap();
+    let text = String::from_utf8(sent.clone()).unwrap();
+    assert_eq!(
+        text,
+        String::from_utf8(body.clone()).unwrap().replacen(
+            "\"generated_at_ms\":20000",
+            "\"generated_at_ms\":25000",
+            1
+        )
+    );
+    let mut got = Snapshot::decode(&sent).unwrap();
+    // Received on a clock 1 s behind the sender's, at its 25,000.
+    got.rebase_clock(24_000);
+    let ages: Vec<u64> = got
+        .endpoints
+        .iter()
+        .map(|e| 24_000 - e.scraped_at_ms)
+        .collect();
+    assert_eq!(ages, [6_000, 5_500]);
+    let mut stale = Snapshot::decode(&body).unwrap();
+    stale.rebase_clock(24_000);
+    let ages: Vec<u64> = stale
+        .endpoints
+        .iter()
+        .map(|e| 24_000 - e.scraped_at_ms)
+        .collect();
+    assert_eq!(ages, [1_000, 500]);
+    assert_eq!(restamp(b"{\"endpoints\":[]}", 1), None);
+    assert_eq!(
+        restamp(b"{\"format\":1,\"version\":1,\"generated_at_ms\":x}", 1),
+        None
+    );
 }
