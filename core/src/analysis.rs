@@ -940,29 +940,26 @@ enum MessageField {
 }
 
 /// A message's keys as compact JSON writes them, told by one masked compare each
-/// ([`Scanner::raw_match`]); [`MESSAGE_FIELDS`] in the same order. Other forms are read
-/// by name.
-const MESSAGE_KEYS: [RawPattern; 3] = [
-    RawPattern::new(br#""content":"#),
-    RawPattern::new(br#""role":"#),
-    RawPattern::new(br#""tool_calls":"#),
-];
-const MESSAGE_FIELDS: [MessageField; 3] = [
-    MessageField::Content,
-    MessageField::Role,
-    MessageField::ToolCalls,
+/// ([`Scanner::raw_match`]). Other forms are read by name.
+const MESSAGE_KEYS: [(RawPattern, MessageField); 3] = [
+    (RawPattern::key("content"), MessageField::Content),
+    (RawPattern::key("role"), MessageField::Role),
+    (RawPattern::key("tool_calls"), MessageField::ToolCalls),
 ];
 
-/// The chat roles of OpenAI's API as JSON strings with no escape ([`ROLES`] in the same
-/// order); any other role is read as a string.
-const ROLE_VALUES: [RawPattern; 5] = [
-    RawPattern::new(br#""user""#),
-    RawPattern::new(br#""assistant""#),
-    RawPattern::new(br#""system""#),
-    RawPattern::new(br#""tool""#),
-    RawPattern::new(br#""developer""#),
+/// The chat roles of OpenAI's API as JSON strings with no escape; any other role is read
+/// as a string.
+const ROLE_VALUES: [(RawPattern, &str); 5] = [
+    role("user"),
+    role("assistant"),
+    role("system"),
+    role("tool"),
+    role("developer"),
 ];
-const ROLES: [&str; 5] = ["user", "assistant", "system", "tool", "developer"];
+
+const fn role(name: &'static str) -> (RawPattern, &'static str) {
+    (RawPattern::string(name), name)
+}
 
 /// Chat `messages`, read in place.
 fn messages(acc: &mut Acc<'_>, sc: &mut Scanner<'_>) -> Syn<Main> {
@@ -1009,10 +1006,7 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
     if !sc.empty(b'}') {
         loop {
             let field = match sc.raw_match(&MESSAGE_KEYS) {
-                Some(i) => MESSAGE_FIELDS
-                    .get(i)
-                    .copied()
-                    .unwrap_or(MessageField::Other),
+                Some(field) => field,
                 None => {
                     let Ok(name) = sc.key_name()? else {
                         bad_object = true;
@@ -1036,7 +1030,7 @@ fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
                     role_seen = true;
                     if !sc.null()? {
                         let role = match sc.raw_match(&ROLE_VALUES) {
-                            Some(i) => Ok(Cow::Borrowed(ROLES.get(i).copied().unwrap_or(""))),
+                            Some(role) => Ok(Cow::Borrowed(role)),
                             None => match sc.plain_string() {
                                 Some(r) => Ok(Cow::Borrowed(r)),
                                 None => de_str(sc.skip_value()?, &|| path(".role")),
@@ -1158,14 +1152,13 @@ const PART: [&str; 8] = [
     "file_id",
 ];
 
-/// `PART`'s first two keys in compact form (same order), for [`Scanner::raw_match`].
-const PART_KEYS: [RawPattern; 2] = [
-    RawPattern::new(br#""type":"#),
-    RawPattern::new(br#""text":"#),
-];
+/// `PART`'s first two keys in compact form with their index there, for
+/// [`Scanner::raw_match`].
+const PART_KEYS: [(RawPattern, usize); 2] =
+    [(RawPattern::key("type"), 0), (RawPattern::key("text"), 1)];
 /// The token of a text part's `type`, and its pattern.
 const TEXT_TYPE_TOKEN: &str = r#""text""#;
-const TEXT_TYPE: [RawPattern; 1] = [RawPattern::new(TEXT_TYPE_TOKEN.as_bytes())];
+const TEXT_TYPE: [(RawPattern, ()); 1] = [(RawPattern::string("text"), ())];
 
 fn is_text_part(kind: &str) -> bool {
     matches!(kind, "text" | "input_text" | "output_text")

@@ -331,28 +331,38 @@ pub(crate) struct RawPattern {
 }
 
 impl RawPattern {
-    /// The pattern of `raw`. One longer than 16 bytes never matches.
-    pub(crate) const fn new(raw: &[u8]) -> Self {
-        if raw.len() > 16 {
-            return Self {
-                bits: 1,
-                mask: 0,
-                len: 0,
-            };
+    /// The pattern of the concatenated `parts`. One longer than 16 bytes never matches.
+    pub(crate) const fn new(parts: &[&[u8]]) -> Self {
+        let (mut bits, mut mask, mut len) = (0u128, 0u128, 0usize);
+        let mut rest = parts;
+        while let [part, more @ ..] = rest {
+            let mut bytes = *part;
+            while let [b, tail @ ..] = bytes {
+                if len == 16 {
+                    return Self {
+                        bits: 1,
+                        mask: 0,
+                        len: 0,
+                    };
+                }
+                bits |= (*b as u128) << (8 * len);
+                mask |= 0xFF << (8 * len);
+                len += 1;
+                bytes = tail;
+            }
+            rest = more;
         }
-        let (mut bits, mut mask, mut shift) = (0u128, 0u128, 0u32);
-        let mut rest = raw;
-        while let [b, tail @ ..] = rest {
-            bits |= (*b as u128) << shift;
-            mask |= 0xFF << shift;
-            shift += 8;
-            rest = tail;
-        }
-        Self {
-            bits,
-            mask,
-            len: raw.len(),
-        }
+        Self { bits, mask, len }
+    }
+
+    /// The object key `"name":` in compact JSON.
+    pub(crate) const fn key(name: &str) -> Self {
+        Self::new(&[b"\"", name.as_bytes(), b"\":"])
+    }
+
+    /// The JSON string `"text"` (no escape in `text`).
+    pub(crate) const fn string(text: &str) -> Self {
+        Self::new(&[b"\"", text.as_bytes(), b"\""])
     }
 }
 
@@ -745,22 +755,22 @@ impl<'a> Scanner<'a> {
         Some(s)
     }
 
-    /// Which of `patterns` the bytes at the cursor are, exactly, with no whitespace
-    /// skipped: consumes the match and returns its index, or consumes nothing and returns
+    /// Which pattern of `table` the bytes at the cursor are, exactly, with no whitespace
+    /// skipped: consumes the match and returns its meaning, or consumes nothing and returns
     /// `None` (also within 16 bytes of the end, where no 16-byte load fits). Patterns are
     /// raw JSON in its compact form, such as the key `"role":` or the value `"user"`:
     /// one 16-byte load and a masked compare per pattern, where reading the key as a
     /// string and comparing its name cost ~220 Wasm operations (`key_name` and the
     /// string `match`, wasi-libc's byte-wise `memcmp`), a chat message's two keys ~450 of
-    /// its ~1.5 k (docs/overhead.md). Any other form (whitespace, escapes, another key)
+    /// its ~1.65 k (docs/overhead.md). Any other form (whitespace, escapes, another key)
     /// is the general readers' ([`Self::key_name`], [`Self::plain_string`]), which decode
     /// it to the same name.
     #[inline]
-    pub(crate) fn raw_match(&mut self, patterns: &[RawPattern]) -> Option<usize> {
+    pub(crate) fn raw_match<T: Copy>(&mut self, table: &[(RawPattern, T)]) -> Option<T> {
         let w = u128::from_le_bytes(*self.rest().first_chunk::<16>()?);
-        let i = patterns.iter().position(|p| w & p.mask == p.bits)?;
-        self.pos += patterns.get(i)?.len;
-        Some(i)
+        let (p, meaning) = table.iter().find(|(p, _)| w & p.mask == p.bits)?;
+        self.pos += p.len;
+        Some(*meaning)
     }
 
     /// At an object key: read it and the `:` after it, and return the key decoded
@@ -920,8 +930,8 @@ mod tests {
     #[test]
     fn raw_match_takes_only_the_exact_bytes() {
         let pats = [
-            RawPattern::new(br#""role":"#),
-            RawPattern::new(br#""content":"#),
+            (RawPattern::key("role"), 0),
+            (RawPattern::key("content"), 1),
         ];
         let at = |text: &str| {
             let mut sc = Scanner::new(text);
@@ -939,7 +949,7 @@ mod tests {
         // Within 16 bytes of the end no load fits.
         assert_eq!(at(r#""role":"user"}"#), (None, 0));
         // A pattern longer than 16 bytes never matches.
-        let long = [RawPattern::new(b"0123456789abcdefg")];
+        let long = [(RawPattern::new(&[b"0123456789", b"abcdefg"]), ())];
         let mut sc = Scanner::new("0123456789abcdefghijklmnopqrstuvwxyz");
         assert_eq!(sc.raw_match(&long), None);
     }
