@@ -91,13 +91,7 @@ pub fn extract(expo: &Exposition, slots: Option<&[u8]>) -> Result<ServerStats, A
             None,
         ),
     };
-    let monotonic_total = match (
-        LABELS.sum(expo, PROMPT_TOKENS),
-        LABELS.sum(expo, PREDICTED_TOKENS),
-    ) {
-        (None, None) => None,
-        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
-    };
+    let monotonic_total = LABELS.sum_of(expo, &[PROMPT_TOKENS, PREDICTED_TOKENS]);
     Ok(ServerStats {
         kind: ServerKind::Llamacpp,
         kv_usage,

@@ -313,6 +313,16 @@ impl LabelRules {
         self.sum_where(expo, name, None)
     }
 
+    /// Σ of [`Self::sum`] over the families `names` that are present; `None` when none is
+    /// (e.g. prompt plus generation tokens, a counter that only grows while the server
+    /// lives, with either family missing).
+    pub fn sum_of(&self, expo: &Exposition, names: &[&str]) -> Option<f64> {
+        names
+            .iter()
+            .filter_map(|name| self.sum(expo, name))
+            .reduce(|a, b| a + b)
+    }
+
     /// Σ over distinct ranks of [`Self::per_rank_where`]; `None` when no series of `name`
     /// matches `select` (matching but all non-finite: 0).
     pub fn sum_where(
@@ -598,6 +608,24 @@ mod tests {
         let s = extract(ServerKind::Auto, &e, None).unwrap();
         assert_eq!((s.kind, s.running), (ServerKind::Trtllm, 1024));
         assert_eq!(s.monotonic_total, Some(3.0 * 1024.0));
+    }
+
+    /// `sum_of` adds the families present, ranks summed and copies not, and is `None` only
+    /// when every family is absent.
+    #[test]
+    fn sum_of_adds_the_families_present() {
+        let e = Exposition::parse(concat!(
+            "vllm:prompt_tokens_total{engine=\"0\"} 100\n",
+            "vllm:prompt_tokens_total{engine=\"1\"} 20\n",
+            "vllm:generation_tokens_total{engine=\"0\",pid=\"1\"} 7\n",
+            "vllm:generation_tokens_total{engine=\"0\",pid=\"2\"} 7\n",
+        ))
+        .unwrap();
+        let (p, g) = (vllm::PROMPT_TOKENS, vllm::GENERATION_TOKENS);
+        assert_eq!(vllm::LABELS.sum_of(&e, &[p, g]), Some(127.0));
+        assert_eq!(vllm::LABELS.sum_of(&e, &[g, "vllm:absent"]), Some(7.0));
+        assert_eq!(vllm::LABELS.sum_of(&e, &["vllm:absent"]), None);
+        assert_eq!(vllm::LABELS.sum_of(&e, &[]), None);
     }
 
     /// A normal data-parallel exposition keeps every engine, in first-seen order, each at

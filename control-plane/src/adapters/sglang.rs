@@ -55,13 +55,7 @@ pub fn extract(expo: &Exposition) -> Result<ServerStats, AdapterError> {
         .sum(expo, MAX_TOTAL_TOKENS)
         .filter(|v| v.is_finite() && *v > 0.0)
         .map(|v| v.round() as u64);
-    let monotonic_total = match (
-        LABELS.sum(expo, PROMPT_TOKENS),
-        LABELS.sum(expo, GENERATION_TOKENS),
-    ) {
-        (None, None) => None,
-        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
-    };
+    let monotonic_total = LABELS.sum_of(expo, &[PROMPT_TOKENS, GENERATION_TOKENS]);
     Ok(ServerStats {
         kind: ServerKind::Sglang,
         kv_usage,

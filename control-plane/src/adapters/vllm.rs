@@ -159,13 +159,7 @@ pub(crate) fn extract_as(expo: &Exposition, kind: ServerKind) -> Result<ServerSt
                 .filter_map(|s| seconds_to_ms(s.value))
                 .min()
         });
-    let monotonic_total = match (
-        LABELS.sum(expo, PROMPT_TOKENS),
-        LABELS.sum(expo, GENERATION_TOKENS),
-    ) {
-        (None, None) => None,
-        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
-    };
+    let monotonic_total = LABELS.sum_of(expo, &[PROMPT_TOKENS, GENERATION_TOKENS]);
     Ok(ServerStats {
         kind,
         kv_usage,
