@@ -23,6 +23,7 @@
 //! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
 
 use crate::config::{Config, RawConfig};
+use kvroute_core::plugin_config::{Config as PluginConfig, Mode, Role};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One line of the report.
@@ -68,25 +69,37 @@ impl Report {
     }
 }
 
+/// Envoy's `per_connection_buffer_limit_bytes` when a listener does not set it: 1 MiB
+/// (envoy/config/listener/v3/listener.proto: "If unspecified, an implementation defined
+/// default is applied (1MiB)"). A filter that reads the whole body before the request goes
+/// on holds it in that buffer, and Envoy answers 413 past it.
+pub const ENVOY_DEFAULT_BUFFER_LIMIT: u64 = 1024 * 1024;
+
 /// What the kvroute filter configurations inside an Envoy config say.
 #[derive(Debug, Default)]
 struct EnvoyView {
     clusters: BTreeSet<String>,
-    /// Routing filter modes found (`cluster`, `endpoint`).
-    modes: BTreeSet<String>,
+    /// Routing filters.
+    route: Vec<FilterView>,
     /// Ingest filters.
-    ingest: Vec<IngestView>,
+    ingest: Vec<FilterView>,
+    /// kvroute plugin configurations the filter refuses (Envoy then refuses the plugin),
+    /// each with where it is.
+    invalid: Vec<String>,
 }
 
-/// One ingest filter of an Envoy config.
+/// One valid kvroute filter configuration of an Envoy config, and its listener.
 #[derive(Debug)]
-struct IngestView {
+struct FilterView {
     /// Its listener's port, when written as `socket_address.port_value`.
     port: Option<u64>,
-    /// Its `ingest_token`, when written inline.
-    token: Option<String>,
-    /// Its `ingest_path` (default [`kvroute_core::snapshot::INGEST_PATH`]).
-    path: String,
+    /// Its listener, as a report names it: `listener `main` (port 10000)`.
+    listener: String,
+    /// The listener's `per_connection_buffer_limit_bytes` as written, bytes (`None`: unset,
+    /// [`ENVOY_DEFAULT_BUFFER_LIMIT`]).
+    buffer_limit: Option<u64>,
+    /// The configuration, validated by the filter's own rules.
+    config: PluginConfig,
 }
 
 fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
@@ -115,121 +128,102 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
             .and_then(|a| a.get("socket_address"))
             .and_then(|s| s.get("port_value"))
             .and_then(serde_yaml_ng::Value::as_u64);
+        let name = l
+            .get("name")
+            .and_then(|n| n.as_str())
+            .unwrap_or("(unnamed)");
+        let listener = match port {
+            Some(p) => format!("listener `{name}` (port {p})"),
+            None => format!("listener `{name}`"),
+        };
+        let buffer_limit = l
+            .get("per_connection_buffer_limit_bytes")
+            .and_then(serde_yaml_ng::Value::as_u64);
         let mut configs = Vec::new();
         filter_configs(l, &mut configs);
-        for c in configs {
-            if c.get("role").and_then(|r| r.as_str()) == Some("ingest") {
-                let token = c
-                    .get("ingest_token")
-                    .and_then(|t| t.as_str())
-                    .map(str::to_owned);
-                let path = c
-                    .get("ingest_path")
-                    .and_then(|p| p.as_str())
-                    .unwrap_or(kvroute_core::snapshot::INGEST_PATH)
-                    .to_owned();
-                view.ingest.push(IngestView { port, token, path });
-            } else {
-                // The filter's default mode is `cluster` (filter/src/config.rs `Mode`).
-                let mode = c.get("mode").and_then(|m| m.as_str()).unwrap_or("cluster");
-                view.modes.insert(mode.to_owned());
+        for text in configs {
+            match PluginConfig::parse(text.as_bytes()) {
+                Ok(config) => {
+                    let f = FilterView {
+                        port,
+                        listener: listener.clone(),
+                        buffer_limit,
+                        config,
+                    };
+                    match f.config.role {
+                        Role::Ingest => view.ingest.push(f),
+                        Role::Route => view.route.push(f),
+                    }
+                }
+                Err(e) => view.invalid.push(format!(
+                    "{listener}: {e}; Envoy refuses to load the plugin with this configuration"
+                )),
             }
         }
     }
     Ok(view)
 }
 
-/// The top-level keys of the filter's plugin configuration: filter/src/config.rs
-/// `RawConfig`, with kvroute-core's `RouterConfig` keys flattened in. docs/filter.md's
-/// "Configuration reference" lists the same (`tests::filter_keys_match_the_filter_docs`).
-const FILTER_KEYS: &[&str] = &[
-    "role",
-    "mode",
-    "cluster_header",
-    "endpoint_header",
-    "max_body_bytes",
-    "ingest_path",
-    "ingest_token",
-    "ingest_max_bytes",
-    "queue_name",
-    "vm_id",
-    "reservation_ttl_ms",
-    "inflight_share_ms",
-    "picker",
-    "estimator",
-    "prefix",
-    "prefix_index_blocks",
-    "models",
-    "calibrate",
-    "usage_sample_ms",
-    "admission",
-    "fail_open",
-    "debug_header",
-    "usage_tail_bytes",
-    "decision_record",
-    "share_affinity",
-    "share_learning",
-    "affinity_sync_ms",
-    "affinity_journal_bytes",
-];
-
 /// Whether a plugin configuration names a field only kvroute's filter has: `role`, `mode`
 /// or `picker`. Such a configuration is kvroute's whatever its module is called.
-fn names_kvroute(o: &serde_json::Map<String, serde_json::Value>) -> bool {
-    ["role", "mode", "picker"]
-        .iter()
-        .any(|f| o.contains_key(*f))
+fn names_kvroute(text: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(text).is_ok_and(|j| {
+        j.as_object().is_some_and(|o| {
+            ["role", "mode", "picker"]
+                .iter()
+                .any(|f| o.contains_key(*f))
+        })
+    })
 }
 
-/// What a Wasm plugin (`plugin`, a mapping with a `vm_config`) runs as its configuration,
-/// as JSON: the `configuration.value` string parsed (none, or a blank one, is `{}`), or a
-/// `google.protobuf.Struct` value (a mapping), which Envoy hands to the plugin as JSON.
-/// `None` when it is not JSON.
-fn plugin_json(plugin: &serde_yaml_ng::Value) -> Option<serde_json::Value> {
+/// The configuration text a Wasm plugin (`plugin`, a mapping with a `vm_config`) hands to
+/// its module: the `configuration.value` string (none: empty, the filter's defaults), or a
+/// `google.protobuf.Struct` value (a mapping), which Envoy hands over as JSON. `None` for a
+/// value of another type.
+fn plugin_text(plugin: &serde_yaml_ng::Value) -> Option<String> {
     match plugin.get("configuration").and_then(|c| c.get("value")) {
-        None => Some(serde_json::Value::Object(serde_json::Map::new())),
-        Some(serde_yaml_ng::Value::String(t)) if t.trim().is_empty() => {
-            Some(serde_json::Value::Object(serde_json::Map::new()))
-        }
-        Some(serde_yaml_ng::Value::String(t)) => serde_json::from_str(t).ok(),
-        Some(v) => serde_json::to_value(v).ok(),
+        None => Some(String::new()),
+        Some(serde_yaml_ng::Value::String(t)) => Some(t.clone()),
+        Some(v @ serde_yaml_ng::Value::Mapping(_)) => serde_json::to_string(v).ok(),
+        Some(_) => None,
     }
 }
 
 /// The kvroute configuration a Wasm plugin (`plugin`, a mapping with a `vm_config`) runs,
-/// if it runs kvroute: a JSON object naming `role`, `mode` or `picker` ([`names_kvroute`]),
-/// or, for a module whose code's file name or URL says `kvroute` (`kvroute_filter.wasm`),
-/// an object of the filter's keys only, the empty one included (the filter then runs with
-/// its defaults: role `route`, mode `cluster`). Another module's configuration made of
-/// keys the filter also has (`{"prefix":"/api"}`) is not kvroute's.
-fn plugin_kvroute_config(plugin: &serde_yaml_ng::Value) -> Option<serde_json::Value> {
+/// if it runs kvroute: whatever it is configured with when its module's file name says
+/// `kvroute` (`kvroute_filter.wasm`: a configuration the filter refuses is then reported,
+/// not skipped); otherwise a JSON object naming `role`, `mode` or `picker`
+/// ([`names_kvroute`]). Another module's configuration made of keys the filter also has
+/// (`{"prefix":"/api"}`) is not kvroute's.
+fn plugin_kvroute_config(plugin: &serde_yaml_ng::Value) -> Option<String> {
     let ours = plugin
         .get("vm_config")
         .and_then(|vm| vm.get("code"))
-        .is_some_and(mentions_kvroute);
-    let j = plugin_json(plugin)?;
-    let o = j.as_object()?;
-    let only_filter_keys = o.keys().all(|k| FILTER_KEYS.contains(&k.as_str()));
-    (names_kvroute(o) || (ours && only_filter_keys)).then_some(j)
+        .is_some_and(names_kvroute_file);
+    let text = plugin_text(plugin)?;
+    (ours || names_kvroute(&text)).then_some(text)
 }
 
-/// Whether a string below `v` contains `kvroute`.
-fn mentions_kvroute(v: &serde_yaml_ng::Value) -> bool {
+/// Whether a file name (the last `/`-separated part of a string) below `v` says `kvroute`.
+fn names_kvroute_file(v: &serde_yaml_ng::Value) -> bool {
     match v {
-        serde_yaml_ng::Value::String(s) => s.contains("kvroute"),
-        serde_yaml_ng::Value::Mapping(m) => m.values().any(mentions_kvroute),
-        serde_yaml_ng::Value::Sequence(s) => s.iter().any(mentions_kvroute),
-        serde_yaml_ng::Value::Tagged(t) => mentions_kvroute(&t.value),
+        serde_yaml_ng::Value::String(s) => s
+            .rsplit('/')
+            .next()
+            .is_some_and(|file| file.contains("kvroute")),
+        serde_yaml_ng::Value::Mapping(m) => m.values().any(names_kvroute_file),
+        serde_yaml_ng::Value::Sequence(s) => s.iter().any(names_kvroute_file),
+        serde_yaml_ng::Value::Tagged(t) => names_kvroute_file(&t.value),
         _ => false,
     }
 }
 
-/// kvroute filter configurations below `v`: for each Wasm plugin (a mapping with a
+/// kvroute filter configurations below `v`, as text: for each Wasm plugin (a mapping with a
 /// `vm_config`), what [`plugin_kvroute_config`] finds; elsewhere, JSON strings under a
 /// `value` key that name `role`, `mode` or `picker`. Every configuration the filter runs is
-/// found, except one of only the filter's optional keys, or none, in a module whose file
-/// name or URL does not say `kvroute`.
-fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
+/// found, except one without those keys in a module whose file name does not say
+/// `kvroute`.
+fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<String>) {
     match v {
         serde_yaml_ng::Value::Mapping(m) => {
             if v.get("vm_config").is_some() {
@@ -238,9 +232,8 @@ fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
             }
             for (k, val) in m {
                 if let (Some("value"), Some(s)) = (k.as_str(), val.as_str()) {
-                    let j = serde_json::from_str::<serde_json::Value>(s).ok();
-                    if let Some(j) = j.filter(|j| j.as_object().is_some_and(names_kvroute)) {
-                        out.push(j);
+                    if names_kvroute(s) {
+                        out.push(s.to_owned());
                     }
                 }
                 filter_configs(val, out);
@@ -250,6 +243,16 @@ fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<serde_json::Value>) {
         serde_yaml_ng::Value::Tagged(t) => filter_configs(&t.value, out),
         _ => {}
     }
+}
+
+/// Whether an endpoint `address` (`host:port`) names its host by an IP literal
+/// (`10.0.0.1:8000`, `[::1]:8000`), as the hosts of an Envoy cluster are matched.
+fn ip_literal(address: &str) -> bool {
+    let host = match address.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map(|(h, _)| h),
+        None => address.rsplit_once(':').map(|(h, _)| h),
+    };
+    host.is_some_and(|h| h.parse::<std::net::IpAddr>().is_ok())
 }
 
 /// Check a validated config (`raw` is the same file as written, for what was defaulted)
@@ -341,7 +344,13 @@ pub fn check(
             };
         }
     };
-    if view.modes.contains("cluster") {
+    for e in &view.invalid {
+        out.push(Finding::Error(format!(
+            "the Envoy config's kvroute filter on {e}"
+        )));
+    }
+    let mode = |m: Mode| view.route.iter().any(|f| f.config.mode == m);
+    if mode(Mode::Cluster) {
         let mut missing: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for e in &config.endpoints {
             if !view.clusters.contains(&e.cluster) {
@@ -359,10 +368,53 @@ pub fn check(
                 view.clusters.iter().cloned().collect::<Vec<_>>().join(", ")
             )));
         }
-    } else if !view.modes.is_empty() {
+    } else if mode(Mode::Endpoint) {
         out.push(Finding::Note(
             "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not used".into(),
         ));
+    }
+    if mode(Mode::Endpoint) {
+        let named: Vec<String> = config
+            .endpoints
+            .iter()
+            .filter(|e| !ip_literal(&e.address))
+            .map(|e| format!("{} (`{}`)", e.id, e.address))
+            .collect();
+        if !named.is_empty() {
+            out.push(Finding::Error(format!(
+                "endpoint mode names the chosen host by its address, and Envoy matches it \
+                 against its cluster's host addresses, which are IPs; {} give a host name, \
+                 which never matches, so their requests would go wherever the cluster's \
+                 fallback policy sends them: give IP addresses",
+                named.join(", ")
+            )));
+        }
+    }
+    for f in &view.route {
+        let max = f.config.max_body_bytes as u64;
+        let (limit, source) = f.buffer_limit();
+        if limit < max {
+            out.push(Finding::Note(format!(
+                "{}: `per_connection_buffer_limit_bytes` is {limit} bytes{source}, below the kvroute \
+                 filter's `max_body_bytes` ({max}): Envoy answers its own 413 to a body between \
+                 the two instead of letting the filter route it by load; set the limit to at \
+                 least twice `max_body_bytes` (docs/filter.md)",
+                f.listener
+            )));
+        }
+    }
+    for f in &view.ingest {
+        let max = f.config.ingest_max_bytes as u64;
+        let (limit, source) = f.buffer_limit();
+        if limit < max {
+            out.push(Finding::Error(format!(
+                "{}: `per_connection_buffer_limit_bytes` is {limit} bytes{source}, below the ingest \
+                 filter's `ingest_max_bytes` ({max}): Envoy answers its own 413 to a snapshot \
+                 between the two, and routing goes on with stale stats; set the listener's \
+                 limit to at least `ingest_max_bytes`",
+                f.listener
+            )));
+        }
     }
     if view.ingest.is_empty() && !config.targets.is_empty() {
         out.push(Finding::Error(
@@ -372,27 +424,23 @@ pub fn check(
         ));
     }
     let token_errors = out.len();
-    for IngestView {
-        port,
-        token: envoy_token,
-        ..
-    } in &view.ingest
-    {
-        match (envoy_token.as_deref(), token) {
-            (Some(e), Some(t)) if e != t => out.push(Finding::Error(format!(
-                "the ingest token from {source} differs from the Envoy config's `ingest_token`{}: \
-                 every push would be answered 401",
-                port.map(|p| format!(" (listener port {p})"))
-                    .unwrap_or_default()
+    for f in &view.ingest {
+        let envoy_token = f.config.ingest_token.as_str();
+        match token {
+            Some(t) if envoy_token != t => out.push(Finding::Error(format!(
+                "the ingest token from {source} differs from the Envoy config's `ingest_token` \
+                 ({}): every push would be answered 401",
+                f.listener
             ))),
-            (Some(_), None) => out.push(Finding::Error(format!(
-                "the Envoy config's ingest filter requires an `ingest_token`, but none was found \
-                 in {source}: every push would be answered 401"
+            None => out.push(Finding::Error(format!(
+                "the Envoy config's ingest filter ({}) requires an `ingest_token`, but none was \
+                 found in {source}: every push would be answered 401",
+                f.listener
             ))),
             _ => {}
         }
     }
-    if !view.ingest.is_empty() && out.len() == token_errors {
+    if !view.ingest.is_empty() && view.invalid.is_empty() && out.len() == token_errors {
         matched.push("ingest token");
     }
     let ports: BTreeSet<u64> = view.ingest.iter().filter_map(|i| i.port).collect();
@@ -429,7 +477,7 @@ pub fn check(
             // The ingest filters on the target's port: the ones its pushes reach, if it
             // posts to this Envoy. On none of them, it may post to another Envoy, and its
             // path is compared with every ingest filter's, as a note (like the port).
-            let on_port: Vec<&IngestView> = view
+            let on_port: Vec<&FilterView> = view
                 .ingest
                 .iter()
                 .filter(|i| i.port == Some(port))
@@ -442,13 +490,13 @@ pub fn check(
             };
             // Claimed to match only when the target reaches that filter for sure.
             all_match &= certain;
-            if candidates.iter().any(|i| i.path == path) {
+            if candidates.iter().any(|i| i.config.ingest_path == path) {
                 continue;
             }
             all_match = false;
             let paths = candidates
                 .iter()
-                .map(|i| format!("`{}`", i.path))
+                .map(|i| format!("`{}`", i.config.ingest_path))
                 .collect::<BTreeSet<_>>()
                 .into_iter()
                 .collect::<Vec<_>>()
@@ -474,6 +522,19 @@ pub fn check(
     Report {
         findings: out,
         envoy_matched: matched,
+    }
+}
+
+impl FilterView {
+    /// The listener's buffer limit in effect, bytes, and what a report says of its source.
+    fn buffer_limit(&self) -> (u64, &'static str) {
+        match self.buffer_limit {
+            Some(b) => (b, ""),
+            None => (
+                ENVOY_DEFAULT_BUFFER_LIMIT,
+                " (Envoy's default: the listener does not set it)",
+            ),
+        }
     }
 }
 
@@ -642,19 +703,163 @@ mod tests {
                 vec!["ingest token"]
             )
         );
-        // Another Wasm module's empty or foreign configuration is not kvroute's.
-        let other = envoy(10001, "{}").replacen("kvroute_filter.wasm", "other.wasm", 1);
-        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
-        let other = envoy(10001, r#"{"rules":[]}"#);
-        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
-        // Another module configured with keys the filter also has (`prefix`): not
-        // kvroute's, though a kvroute module with the same configuration would be.
-        let other = envoy(10001, r#"{"prefix":"/api"}"#).replacen(
-            "kvroute_filter.wasm",
-            "header_rewrite.wasm",
-            1,
+        // Another Wasm module's empty or foreign configuration is not kvroute's, nor is
+        // one of keys the filter also has (`prefix`), nor a module in a folder named
+        // after kvroute.
+        for (file, config) in [
+            ("other.wasm", "{}"),
+            ("other.wasm", r#"{"rules":[]}"#),
+            ("header_rewrite.wasm", r#"{"prefix":"/api"}"#),
+            ("kvroute/other.wasm", r#"{"rules":[]}"#),
+        ] {
+            let other = envoy(10001, config).replacen("kvroute_filter.wasm", file, 1);
+            assert_eq!(
+                cluster_check(&other),
+                (vec![], vec!["ingest token"]),
+                "{file} {config}"
+            );
+        }
+    }
+
+    /// What `--check` says about one endpoint at `address` (cluster `c`) against
+    /// `envoy_yaml`, with the right ingest token: the findings after the token note.
+    fn endpoint_check(address: &str, envoy_yaml: &str) -> (Vec<Finding>, Vec<&'static str>) {
+        let (raw, config) = parsed(&format!(
+            "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: '{address}'\n        cluster: c\n"
+        ));
+        let r = check(
+            &raw,
+            &config,
+            Some("tok-0123456789abcdef"),
+            None,
+            Some(envoy_yaml),
         );
-        assert_eq!(cluster_check(&other), (vec![], vec!["ingest token"]));
+        (r.findings[1..].to_vec(), r.envoy_matched)
+    }
+
+    /// A kvroute plugin configuration the filter refuses (and Envoy with it) is an error
+    /// naming the listener and the filter's own message, and nothing is claimed to match
+    /// the ingest token; such configurations passed as `config ok`.
+    #[test]
+    fn plugin_configs_the_filter_refuses_are_errors() {
+        let ingest = r#"{"role":"ingest","ingest_token":"tok-0123456789abcdef"}"#;
+        let cases = [
+            (
+                r#"{"mode":"cluster",,}"#,
+                "listener `main` (port 10000): kvroute plugin config is not valid JSON: key \
+                 must be a string at line 1 column 19",
+            ),
+            (
+                r#"{"role":"ingest","ingest_token":"short"}"#,
+                "listener `ingest` (port 10001): kvroute plugin config field `ingest_token` = \
+                 <redacted>: role ingest needs a token of at least 16 characters",
+            ),
+            (
+                r#"{"role":"ingest"}"#,
+                "listener `ingest` (port 10001): kvroute plugin config field `ingest_token` = \
+                 <redacted>: role ingest needs a token of at least 16 characters",
+            ),
+            (
+                r#"{"role":"ingest","ingest_token":5}"#,
+                "listener `ingest` (port 10001): kvroute plugin config: invalid type: integer \
+                 `5`, expected a string at line 1 column 33 (fields and values: docs/filter.md, \
+                 \"Configuration reference\")",
+            ),
+        ];
+        for (bad, message) in cases {
+            let yaml = if bad.contains("ingest") {
+                envoy(10001, "{}").replace(ingest, bad)
+            } else {
+                envoy(10001, bad)
+            };
+            let (findings, matched) = endpoint_check("127.0.0.1:8001", &yaml);
+            assert_eq!(
+                findings.first(),
+                Some(&Finding::Error(format!(
+                    "the Envoy config's kvroute filter on {message}; Envoy refuses to load the \
+                     plugin with this configuration"
+                ))),
+                "{bad}"
+            );
+            assert!(!matched.contains(&"ingest token"), "{bad}: {matched:?}");
+        }
+        assert_eq!(
+            endpoint_check("127.0.0.1:8001", &envoy(10001, "{}")),
+            (vec![], vec!["clusters", "ingest token"])
+        );
+    }
+
+    /// A listener whose buffer limit is below what its kvroute filter reads is reported:
+    /// an error for the ingest filter (pushes of larger snapshots get Envoy's 413), a note
+    /// for the route filter (larger bodies get Envoy's 413 instead of being routed by load).
+    #[test]
+    fn a_buffer_limit_below_the_filter_limits_is_reported() {
+        let ingest = r#"{"role":"ingest","ingest_token":"tok-0123456789abcdef"}"#;
+        let bigger =
+            r#"{"role":"ingest","ingest_token":"tok-0123456789abcdef","ingest_max_bytes":4194304}"#;
+        let yaml = envoy(10001, "{}").replace(ingest, bigger);
+        assert_eq!(
+            endpoint_check("127.0.0.1:8001", &yaml).0,
+            vec![Finding::Error(
+                "listener `ingest` (port 10001): `per_connection_buffer_limit_bytes` is 1048576 \
+                 bytes (Envoy's default: the listener does not set it), below the ingest \
+                 filter's `ingest_max_bytes` (4194304): Envoy answers its own 413 to a snapshot \
+                 between the two, and routing goes on with stale stats; set the listener's \
+                 limit to at least `ingest_max_bytes`"
+                    .into()
+            )]
+        );
+        let raised = yaml.replace(
+            "  - name: ingest\n",
+            "  - name: ingest\n    per_connection_buffer_limit_bytes: 4194304\n",
+        );
+        assert_eq!(endpoint_check("127.0.0.1:8001", &raised).0, vec![]);
+        let route_default = envoy(10001, r#"{"max_body_bytes":2097152}"#)
+            .replace("    per_connection_buffer_limit_bytes: 8388608\n", "");
+        assert_eq!(
+            endpoint_check("127.0.0.1:8001", &route_default).0,
+            vec![Finding::Note(
+                "listener `main` (port 10000): `per_connection_buffer_limit_bytes` is 1048576 \
+                 bytes (Envoy's default: the listener does not set it), below the kvroute \
+                 filter's `max_body_bytes` (2097152): Envoy answers its own 413 to a body \
+                 between the two instead of letting the filter route it by load; set the limit \
+                 to at least twice `max_body_bytes` (docs/filter.md)"
+                    .into()
+            )]
+        );
+    }
+
+    /// In endpoint mode an endpoint named by a host name is an error: Envoy matches the
+    /// endpoint header against its cluster's host IPs, and a miss goes to the fallback
+    /// policy's host, silently (the decision record named the unmatched endpoint).
+    #[test]
+    fn endpoint_mode_needs_ip_addresses() {
+        let yaml = envoy(10001, r#"{"mode":"endpoint"}"#);
+        let note = Finding::Note(
+            "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not used".into(),
+        );
+        for ok in ["10.0.0.1:8000", "[::1]:8000"] {
+            assert_eq!(endpoint_check(ok, &yaml).0, vec![note.clone()], "{ok}");
+        }
+        assert_eq!(
+            endpoint_check("vllm-1.example:8002", &yaml).0,
+            vec![
+                note,
+                Finding::Error(
+                    "endpoint mode names the chosen host by its address, and Envoy matches it \
+                     against its cluster's host addresses, which are IPs; p/a \
+                     (`vllm-1.example:8002`) give a host name, which never matches, so their \
+                     requests would go wherever the cluster's fallback policy sends them: give \
+                     IP addresses"
+                        .into()
+                )
+            ]
+        );
+        // Cluster mode does not care.
+        assert_eq!(
+            endpoint_check("vllm-1.example:8002", &envoy(10001, "{}")).0,
+            vec![]
+        );
     }
 
     /// Plugins configured with a `google.protobuf.Struct` (a mapping, which Envoy hands to
@@ -683,27 +888,6 @@ mod tests {
         );
     }
 
-    /// [`FILTER_KEYS`] are the top-level keys of docs/filter.md's configuration table.
-    #[test]
-    fn filter_keys_match_the_filter_docs() {
-        let doc =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/filter.md"))
-                .unwrap();
-        let table = doc.split("## Configuration reference").nth(1).unwrap();
-        let documented: BTreeSet<&str> = table
-            .lines()
-            .skip_while(|l| !l.starts_with("| field |"))
-            .skip(2)
-            .take_while(|l| l.starts_with("| `"))
-            .map(|l| {
-                let field = l[3..].split('`').next().unwrap();
-                field.split('.').next().unwrap()
-            })
-            .collect();
-        let ours: BTreeSet<&str> = FILTER_KEYS.iter().copied().collect();
-        assert_eq!(documented, ours);
-    }
-
     /// `config` and its file as written, from YAML.
     fn parsed(yaml: &str) -> (RawConfig, Config) {
         Config::from_yaml_raw(yaml).unwrap()
@@ -713,7 +897,7 @@ mod tests {
     /// filter configured with `route_json`, plus cluster `c`.
     fn envoy(port: u16, route_json: &str) -> String {
         format!(
-            "static_resources:\n  listeners:\n  - name: main\n    address: {{socket_address: {{address: 0.0.0.0, port_value: 10000}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{route_json}'}}\n  - name: ingest\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{{\"role\":\"ingest\",\"ingest_token\":\"tok-0123456789abcdef\"}}'}}\n  clusters:\n  - name: c\n"
+            "static_resources:\n  listeners:\n  - name: main\n    address: {{socket_address: {{address: 0.0.0.0, port_value: 10000}}}}\n    per_connection_buffer_limit_bytes: 8388608\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{route_json}'}}\n  - name: ingest\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{{\"role\":\"ingest\",\"ingest_token\":\"tok-0123456789abcdef\"}}'}}\n  clusters:\n  - name: c\n"
         )
     }
 

@@ -16,6 +16,9 @@
 //!    against the per-endpoint record of routed prefixes ([`prefix::PrefixIndex`]).
 //! 4. [`picker::Picker::pick`] chooses a primary endpoint and ordered fallbacks from a
 //!    [`snapshot::Snapshot`] plus the in-flight reservations ([`inflight::InflightTable`]).
+//!
+//! [`plugin_config`] is the filter's plugin configuration, here so that the control plane's
+//! `--check` validates an Envoy config's kvroute plugins with the filter's own rules.
 
 pub mod admission;
 pub mod affinity;
@@ -28,6 +31,7 @@ pub mod output_len;
 pub mod peer;
 pub mod percentile;
 pub mod picker;
+pub mod plugin_config;
 pub mod prefill_rate;
 pub mod prefix;
 pub mod profile;

@@ -52,10 +52,6 @@ pub const PEER_DEAD_MS: u64 = 60_000;
 /// reconfigured ones).
 pub const PEER_SCAN: u32 = 256;
 
-/// Default `inflight_share_ms`: how long a worker's view of the others' reservations may
-/// age before its next decision reads them again, ms.
-pub const DEFAULT_SHARE_MS: u64 = 20;
-
 /// How long a read of the worker counter (`kvroute.worker.seq`) serves, ms: workers are
 /// numbered when Envoy starts or reconfigures the plugin, so a new worker's table is
 /// first read up to this late, and a read of the others' tables costs no read of the

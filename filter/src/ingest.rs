@@ -17,12 +17,12 @@
 //! [`consume_snapshots`] is the root context's consumer of the shared queue, which
 //! publishes each snapshot to shared data for the route role's workers.
 
-use crate::config::Config;
 use crate::host::{Host, Level, MetricKind};
 use crate::names::metric;
 use crate::reply::{self, LocalReply};
 use crate::shared;
 use crate::stream::Flow;
+use kvroute_core::plugin_config::Config;
 use std::rc::Rc;
 use subtle::ConstantTimeEq;
 

@@ -5,7 +5,6 @@
 //!
 //! | module | job |
 //! |---|---|
-//! | [`config`] | plugin JSON → validated [`config::Config`] |
 //! | [`host`] | the host seam (trait); its in-memory mock only under `cfg(test)` or the `testing` feature |
 //! | [`names`] | every header, shared-data key and metric name |
 //! | [`reply`] | every reply the filter makes itself (OpenAI error object, `GET /v1/models`) |
@@ -17,9 +16,11 @@
 //! | [`stream`] | role `route`: the per-request state machine (request pause/decide, response usage) |
 //! | `wasm` | proxy-wasm contexts and the real host (wasm32 only) |
 //!
+//! The plugin configuration (JSON → validated `Config`) is `kvroute_core::plugin_config`,
+//! shared with `kvroute-cp --check`.
+//!
 //! See `docs/filter.md` for the data flow and the README for configuration.
 
-pub mod config;
 pub mod host;
 pub mod inflight;
 pub mod ingest;

@@ -1,8 +1,6 @@
 //! Header, shared-data, queue and metric names: every name the filter exposes, in one place.
 
-/// Gateway API Inference Extension destination header: `host:port[,host:port...]`
-/// (<https://gateway-api-inference-extension.sigs.k8s.io/> "endpoint picker protocol").
-pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
+pub use kvroute_core::plugin_config::ENDPOINT_HEADER;
 /// Debug header carrying the decision reason (when `debug_header` is on).
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
 /// Property holding the decision record (when `decision_record` is on); Envoy keeps it as

@@ -21,7 +21,6 @@
 //! Requests routed without their body (no body, upgrade, over `max_body_bytes`, encoded)
 //! are picked with zero prompt tokens: the policy then ranks by load alone.
 
-use crate::config::{Config, Mode};
 use crate::host::{Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY};
 use crate::shared::SnapshotCache;
@@ -29,6 +28,7 @@ use crate::sharing::{Journal, Synced};
 use kvroute_core::admission::AdmissionQueue;
 use kvroute_core::estimate::Estimator;
 use kvroute_core::picker::PickReason;
+use kvroute_core::plugin_config::{Config, Mode};
 use kvroute_core::router::{Basis, Outcome, Route, Router};
 use kvroute_core::snapshot::Snapshot;
 use std::collections::BTreeMap;

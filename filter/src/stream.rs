@@ -607,10 +607,10 @@ impl Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
     use crate::host::mock::MockHost;
     use crate::names::metric;
     use crate::shared;
+    use kvroute_core::plugin_config::Config;
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
 
     const NOW: u64 = 1_000_000;

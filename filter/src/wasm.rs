@@ -4,12 +4,12 @@
 //! (role `ingest`).
 //! Compiled for `wasm32` only; everything it calls is unit-tested natively with the mock.
 
-use crate::config::{Config, Role};
 use crate::host::{Host, HostError, Level, MetricKind};
 use crate::ingest::{consume_snapshots, IngestStream};
 use crate::names::metric;
 use crate::router::Worker;
 use crate::stream::{Flow, Stream};
+use kvroute_core::plugin_config::{Config, Role};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};

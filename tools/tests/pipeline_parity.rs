@@ -22,10 +22,10 @@ use std::path::PathBuf;
 
 use kvroute_core::inflight::InflightTable;
 use kvroute_core::picker::PolicyKind;
+use kvroute_core::plugin_config::Config;
 use kvroute_core::router::Outcome;
 use kvroute_core::shared_data::dir as shared_data_dir;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
-use kvroute_filter::config::Config;
 use kvroute_filter::host::mock::MockHost;
 use kvroute_filter::router::{Decision, Held, Worker};
 use kvroute_filter::shared;

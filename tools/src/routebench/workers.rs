@@ -30,7 +30,7 @@ use kvroute_core::inflight::InflightTable;
 use kvroute_core::router::Router;
 use kvroute_core::snapshot::Snapshot;
 
-/// The filter's default `inflight_share_ms`, ms (`kvroute_filter::inflight::DEFAULT_SHARE_MS`).
+/// The filter's default `inflight_share_ms`, ms (`kvroute_core::plugin_config::DEFAULT_INFLIGHT_SHARE_MS`).
 pub const DEFAULT_INFLIGHT_SHARE_MS: u64 = 20;
 /// The filter's tick, ms: the longest a changed in-flight table waits for publication
 /// (`kvroute_filter::router::RELEASE_FLUSH_MS`).
@@ -40,7 +40,7 @@ pub const TICK_MS: u64 = 100;
 pub const HEARTBEAT_MS: u64 = 1_000;
 /// Reservation lifetime in the replay, ms: never lapses within a run.
 const RESERVATION_TTL_MS: u64 = u64::MAX / 4;
-/// The filter's default `affinity_sync_ms` (`filter/src/config.rs`), ms.
+/// The filter's default `affinity_sync_ms` (`kvroute_core::plugin_config`), ms.
 pub const DEFAULT_AFFINITY_SYNC_MS: u64 = 100;
 
 /// How many filter workers route, and how often they share (virtual milliseconds).
@@ -432,7 +432,7 @@ mod tests {
     /// The model's constants are the filter's (tools depends on the filter only in tests).
     #[test]
     fn the_models_defaults_are_the_filters() {
-        let filter = kvroute_filter::config::RawConfig::default();
+        let filter = kvroute_core::plugin_config::RawConfig::default();
         assert_eq!(DEFAULT_INFLIGHT_SHARE_MS, filter.inflight_share_ms);
         assert_eq!(DEFAULT_AFFINITY_SYNC_MS, filter.affinity_sync_ms);
         assert!(filter.share_affinity && filter.share_learning);

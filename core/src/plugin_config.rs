@@ -1,13 +1,27 @@
-//! Plugin configuration: parsed from the plugin's JSON `configuration` with serde
-//! (`deny_unknown_fields`, every field defaulted), then validated into [`Config`] by
-//! `TryFrom<RawConfig>`. A bad config makes `on_configure` return false with one log line
-//! naming the field (see [`ConfigError`]).
+//! The kvroute filter's plugin configuration: parsed from the plugin's JSON
+//! `configuration` with serde (`deny_unknown_fields`, every field defaulted), then validated
+//! into [`Config`] by `TryFrom<RawConfig>`. A bad config makes the filter's `on_configure`
+//! return false with one log line naming the field (see [`ConfigError`]), and Envoy refuses
+//! the plugin.
+//!
+//! It lives in core, not in the filter, so that `kvroute-cp --check --envoy-config` judges
+//! the plugin configurations of an Envoy config with the filter's own rules.
 //!
 //! Every field, its default and unit is listed in docs/filter.md's configuration table.
 
-use kvroute_core::picker::Picker;
-use kvroute_core::router::RouterConfig;
+use crate::picker::Picker;
+use crate::router::RouterConfig;
 use serde::Deserialize;
+
+/// Gateway API Inference Extension destination header, the default `endpoint_header`:
+/// `host:port[,host:port...]`
+/// (<https://gateway-api-inference-extension.sigs.k8s.io/> "endpoint picker protocol").
+pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
+
+/// Default `inflight_share_ms`: how long a worker's view of the other workers' in-flight
+/// reservations may age before its next decision reads them again, milliseconds (the
+/// measurements behind it: docs/overhead.md, "Per-worker in-flight tables").
+pub const DEFAULT_INFLIGHT_SHARE_MS: u64 = 20;
 
 /// Which job this plugin instance does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -41,7 +55,7 @@ pub enum Mode {
 /// entries of 4 MiB bodies could hold 256 MiB.
 pub const DEFAULT_MAX_QUEUE_BYTES: usize = 8 * 1024 * 1024;
 
-/// Admission control (see `kvroute_core::admission`).
+/// Admission control (see [`crate::admission`]).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdmissionConfig {
@@ -110,7 +124,7 @@ pub struct RawConfig {
     /// How old a worker's copy of the other workers' in-flight reservations may get before
     /// its next decision reads them again, and how often at most a worker that keeps
     /// reserving publishes its own, milliseconds (default 20,
-    /// `kvroute_filter::inflight::DEFAULT_SHARE_MS`; 0: every decision reads and every
+    /// [`DEFAULT_INFLIGHT_SHARE_MS`]; 0: every decision reads and every
     /// reservation publishes; at most 10000). See `kvroute_filter::inflight`.
     pub inflight_share_ms: u64,
     /// The router's own keys, at the top level of the JSON: `picker` (policy,
@@ -152,7 +166,7 @@ pub struct RawConfig {
     /// worker stays unknown to the others.
     pub affinity_sync_ms: u64,
     /// Bound on each shared journal, bytes (default 262144,
-    /// `kvroute_core::affinity::DEFAULT_JOURNAL_BYTES`; at least 1024).
+    /// [`crate::affinity::DEFAULT_JOURNAL_BYTES`]; at least 1024).
     pub affinity_journal_bytes: usize,
 }
 
@@ -171,25 +185,25 @@ impl Default for RawConfig {
             role: Role::Route,
             mode: Mode::Cluster,
             cluster_header: "x-kvroute-cluster".into(),
-            endpoint_header: crate::names::ENDPOINT_HEADER.into(),
+            endpoint_header: ENDPOINT_HEADER.into(),
             max_body_bytes: 4 * 1024 * 1024,
-            ingest_path: kvroute_core::snapshot::INGEST_PATH.into(),
+            ingest_path: crate::snapshot::INGEST_PATH.into(),
             ingest_token: String::new(),
             ingest_max_bytes: 1024 * 1024,
             queue_name: "kvroute.snapshots".into(),
             vm_id: "kvroute".into(),
-            reservation_ttl_ms: kvroute_core::inflight::DEFAULT_TTL_MS,
-            inflight_share_ms: crate::inflight::DEFAULT_SHARE_MS,
+            reservation_ttl_ms: crate::inflight::DEFAULT_TTL_MS,
+            inflight_share_ms: DEFAULT_INFLIGHT_SHARE_MS,
             router: RouterConfig::default(),
             admission: AdmissionConfig::default(),
             fail_open: true,
             debug_header: false,
-            usage_tail_bytes: kvroute_core::usage::DEFAULT_MAX_TAIL,
+            usage_tail_bytes: crate::usage::DEFAULT_MAX_TAIL,
             decision_record: false,
             share_affinity: true,
             share_learning: true,
             affinity_sync_ms: 100,
-            affinity_journal_bytes: kvroute_core::affinity::DEFAULT_JOURNAL_BYTES,
+            affinity_journal_bytes: crate::affinity::DEFAULT_JOURNAL_BYTES,
         }
     }
 }
@@ -363,9 +377,15 @@ impl Config {
         let raw: RawConfig = if bytes.iter().all(|b| b.is_ascii_whitespace()) {
             RawConfig::default()
         } else {
-            serde_json::from_slice(bytes).map_err(|e| match e.classify() {
-                serde_json::error::Category::Data => ConfigError::Schema(e.to_string()),
-                _ => ConfigError::Parse(e.to_string()),
+            serde_json::from_slice(bytes).map_err(|e| {
+                // serde_json reports some type errors as syntax errors (a number where an
+                // enum's string belongs: `"mode": 5` is "expected value"), so the category
+                // comes from whether the text is JSON at all.
+                if serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok() {
+                    ConfigError::Schema(e.to_string())
+                } else {
+                    ConfigError::Parse(e.to_string())
+                }
             })?
         };
         Config::try_from(raw)
@@ -528,6 +548,13 @@ mod tests {
                 "kvroute plugin config: invalid type: string \"yes\", expected a boolean \
                  at line 1 column 21 (fields and values: docs/filter.md, \"Configuration reference\")",
             ),
+            // serde_json calls this "expected value", a syntax error; it was reported as
+            // "not valid JSON".
+            (
+                r#"{"mode":5}"#,
+                "kvroute plugin config: expected value at line 1 column 9 (fields and values: \
+                 docs/filter.md, \"Configuration reference\")",
+            ),
         ];
         for (json, want) in cases {
             let err = Config::parse(json.as_bytes()).unwrap_err();
@@ -586,5 +613,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!err.contains("secret"), "{err}");
+    }
+
+    /// Every top-level key of docs/filter.md's configuration table is one the filter reads
+    /// (a value of the wrong type is a type error, not an unknown field), and a key it does
+    /// not list is refused as unknown. (`kvroute-cp --check` kept its own copy of these
+    /// keys, held to the table; it now validates with this module.)
+    #[test]
+    fn documented_keys_are_the_filters() {
+        let doc =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/filter.md"))
+                .unwrap();
+        let table = doc.split("## Configuration reference").nth(1).unwrap();
+        let documented: std::collections::BTreeSet<&str> = table
+            .lines()
+            .skip_while(|l| !l.starts_with("| field |"))
+            .skip(2)
+            .take_while(|l| l.starts_with("| `"))
+            .map(|l| l[3..].split('`').next().unwrap().split('.').next().unwrap())
+            .collect();
+        assert_eq!(documented.len(), 28, "{documented:?}");
+        for key in &documented {
+            // `-1.5` fits none of the fields (no top-level field is a float): each answers
+            // with a type error naming its type.
+            let Err(err) = Config::parse(format!(r#"{{"{key}":-1.5}}"#).as_bytes()) else {
+                panic!("{key} took -1.5");
+            };
+            assert!(
+                matches!(&err, ConfigError::Schema(m) if !m.contains("unknown field")),
+                "{key}: {err}"
+            );
+        }
+        let err = Config::parse(br#"{"undocumented":1}"#).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Schema(m) if m.contains("unknown field")),
+            "{err}"
+        );
     }
 }
