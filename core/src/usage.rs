@@ -107,8 +107,12 @@ pub fn parse_json(body: &[u8]) -> Option<Usage> {
 }
 
 /// Read the last `"usage": {...}` object found in `tail`, the end of a JSON body too large
-/// to keep whole. The object is located by brace matching (usage objects hold only numbers
-/// and nested objects, no strings with braces). `None` when absent or cut off.
+/// to keep whole. The object's end is found by [`crate::json_scan::Scanner::skip_value`],
+/// the request analysis's JSON scanner, which steps over strings whole (escapes included),
+/// so a brace inside a string value (a server's extra text field in the usage) neither ends
+/// nor extends it. `None` when absent or cut off. The scan starts at the `{` after a `"usage":`,
+/// outside any string of a valid body (inside one, its quotes would be escaped), wherever
+/// the tail begins.
 pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
     memchr::memmem::rfind_iter(tail, USAGE_KEY)
         .find_map(|pos| usage_object_at(tail, pos + USAGE_KEY.len()))
@@ -134,25 +138,17 @@ fn usage_object_start(buf: &[u8], i: usize) -> Option<usize> {
     (buf.get(open) == Some(&b'{')).then_some(open)
 }
 
+/// The usage of the object of a `"usage"` key, `i` just past the key in `buf`
+/// ([`parse_json_tail`]).
 fn usage_object_at(buf: &[u8], i: usize) -> Option<Usage> {
-    let mut i = usage_object_start(buf, i)?;
-    let start = i;
-    let mut depth = 0usize;
-    while let Some(b) = buf.get(i) {
-        match b {
-            b'{' => depth += 1,
-            b'}' => {
-                depth = depth.saturating_sub(1);
-                if depth == 0 {
-                    let obj: RawUsage = serde_json::from_slice(buf.get(start..=i)?).ok()?;
-                    return obj.into_usage();
-                }
-            }
-            _ => {}
-        }
-        i += 1;
-    }
-    None
+    let rest = buf.get(usage_object_start(buf, i)?..)?;
+    // Only the object need be UTF-8: the scan stops at its end.
+    let text = match std::str::from_utf8(rest) {
+        Ok(text) => text,
+        Err(e) => std::str::from_utf8(rest.get(..e.valid_up_to())?).ok()?,
+    };
+    let object = crate::json_scan::Scanner::new(text).skip_value().ok()?;
+    serde_json::from_str::<RawUsage>(object).ok()?.into_usage()
 }
 
 /// How a response body is framed, told from its first bytes instead of its
@@ -935,6 +931,58 @@ mod tests {
         assert_eq!(parse_json_tail(br#""usage":null"#), None);
     }
 
+    /// Braces inside strings (in the usage object, escaped quotes and backslashes before
+    /// them, or in the surrounding object) do not end or extend the usage object.
+    #[test]
+    fn braces_inside_strings_do_not_cut_the_tail_usage() {
+        let usage = |prompt_tokens, completion_tokens| {
+            Some(Usage {
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens: None,
+            })
+        };
+        for (name, tail, want) in [
+            (
+                "a closing brace in a string",
+                &br#"x","usage":{"prompt_tokens":3,"note":"}","completion_tokens":4}}"#[..],
+                usage(3, 4),
+            ),
+            (
+                "an opening brace in a string",
+                br#"x","usage":{"prompt_tokens":3,"note":"{","completion_tokens":4}}"#,
+                usage(3, 4),
+            ),
+            (
+                "an escaped quote before a brace",
+                br#"x","usage":{"note":"say \"}\" {","prompt_tokens":5,"completion_tokens":6}}"#,
+                usage(5, 6),
+            ),
+            (
+                "an escaped backslash, then the closing quote",
+                br#"x","usage":{"note":"a\\","prompt_tokens":7,"x":"}","completion_tokens":8}}"#,
+                usage(7, 8),
+            ),
+            (
+                "braces in the surrounding object's strings",
+                br#"{"text":"}}{","usage":{"prompt_tokens":9,"completion_tokens":1},"end":"{"}"#,
+                usage(9, 1),
+            ),
+            (
+                "cut inside a string of the usage",
+                br#"x","usage":{"prompt_tokens":3,"note":"}"#,
+                None,
+            ),
+            (
+                "an earlier usage, the last one cut",
+                br#""usage":{"prompt_tokens":2,"s":"{"},"usage":{"prompt_tokens":1,"s":"}"#,
+                usage(2, 0),
+            ),
+        ] {
+            assert_eq!(parse_json_tail(tail), want, "{name}");
+        }
+    }
+
     #[test]
     fn sse_usage_in_one_chunk() {
         let mut s = SseUsageScanner::default();
@@ -1164,6 +1212,34 @@ mod tests {
             let mut s = SseUsageScanner::default();
             s.feed(format!("data: {}\n\n", lines.replace('\n', "\ndata: ")).as_bytes());
             prop_assert_eq!(s.usage(), parsed, "{}", event);
+        }
+
+        /// A body whose strings (before the usage, in it, after it) hold braces, quotes and
+        /// backslashes, JSON-escaped: every tail that begins at or before the `"usage"` key
+        /// reads the usage, exactly as `parse_json` reads the whole body; a tail that begins
+        /// after it reads none.
+        #[test]
+        fn tails_read_the_usage_whatever_the_strings_hold(
+            strings in proptest::array::uniform3("[a-z{}\"\\\\:, é]{0,8}"),
+            prompt_tokens in 0u64..100_000,
+            completion_tokens in 0u64..100_000,
+            nested in any::<bool>(),
+        ) {
+            let [before, inside, after] = strings.map(|s| serde_json::to_string(&s).unwrap());
+            let usage = format!(r#"{{"prompt_tokens":{prompt_tokens},"note":{inside},"completion_tokens":{completion_tokens}}}"#);
+            let inner = format!(r#"{{"text":{before},"usage":{usage},"end":{after}}}"#);
+            let body = if nested {
+                format!(r#"{{"type":"response.completed","response":{inner},"x":{after}}}"#)
+            } else {
+                inner
+            };
+            let want = Some(Usage { prompt_tokens, completion_tokens, cached_tokens: None });
+            prop_assert_eq!(parse_json(body.as_bytes()), want, "{}", body);
+            let key = body.find("\"usage\"").unwrap();
+            for cut in 0..body.len() {
+                let got = parse_json_tail(&body.as_bytes()[cut..]);
+                prop_assert_eq!(got, if cut <= key { want } else { None }, "{} from {}", body, cut);
+            }
         }
 
         /// Arbitrary bytes never panic and never grow the tail past the bound.
