@@ -259,6 +259,93 @@ async fn ingest_down_then_back_gets_newer_versions() {
     cp.shutdown().await;
 }
 
+/// What a test's `tracing` subscriber wrote, shared with the test.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    /// Capture this thread's `info` and above (the test's current-thread runtime, where
+    /// kvroute-cp's tasks run) until the guard drops.
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let writer = self.clone();
+        tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .without_time()
+                .with_max_level(tracing::Level::INFO)
+                .finish(),
+        )
+    }
+
+    /// The lines written so far that contain `text`.
+    fn lines_with(&self, text: &str) -> Vec<String> {
+        String::from_utf8(self.0.lock().unwrap().clone())
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(text))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// A target's first accepted push is logged at `info` exactly once, with the version the
+/// ingest took; the pushes after it are not, until one fails: the first accepted after the
+/// failure is logged once more.
+#[tokio::test]
+async fn the_first_accepted_push_is_logged_once() {
+    const ACCEPTED: &str = "snapshot accepted by the ingest listener";
+    let logs = Logs::default();
+    let _capture = logs.capture();
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], "")).await;
+    wait_for(WAIT, "three pushes", || ingest.count() >= 3).await;
+    let version = |i: usize| ingest.received.lock().unwrap()[i].snapshot.version;
+    let line = |v: u64| {
+        format!(
+            " INFO kvroute_cp::push: {ACCEPTED} target=envoy-0 url={} version={v}",
+            ingest.url()
+        )
+    };
+    assert_eq!(logs.lines_with(ACCEPTED), vec![line(version(0))]);
+    // The ingest fails pushes (nothing is recorded), then takes them again.
+    *ingest.status.lock().unwrap() = 500;
+    wait_for(WAIT, "a failed push", || {
+        cp.hub()
+            .telemetry
+            .push_failures
+            .get(&kvroute_cp::telemetry::TargetReason {
+                target: "envoy-0".into(),
+                reason: "500".into(),
+            })
+            .is_some_and(|c| c.get() >= 1)
+    })
+    .await;
+    let before = ingest.count();
+    *ingest.status.lock().unwrap() = 204;
+    wait_for(WAIT, "three pushes after recovery", || {
+        ingest.count() >= before + 3
+    })
+    .await;
+    assert_eq!(
+        logs.lines_with(ACCEPTED),
+        vec![line(version(0)), line(version(before))]
+    );
+    cp.shutdown().await;
+}
+
 #[tokio::test]
 async fn one_unreachable_target_does_not_delay_the_other() {
     let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;

@@ -309,8 +309,10 @@ pub enum Outcome {
     /// snapshot list, but none of them can take it now (unhealthy, or filtered out by the
     /// policy), or a model of the snapshot's `unavailable_models` (a configured pool serves
     /// it but has no endpoint now): the host answers 503 with `retry-after`. Also a request
-    /// without a model when no endpoint is healthy.
-    NoEndpoints,
+    /// without a model when no endpoint is healthy. Carries the request's model when it
+    /// names one (read by the analysis, or by [`crate::analysis::requested_model`] from a
+    /// body the analysis rejects), for the reply to name: the host reads no body again.
+    NoEndpoints(Option<String>),
     /// Neither an endpoint of the snapshot, healthy or not, nor its `unavailable_models`
     /// lists the requested model (base model or LoRA adapter): the client asked for
     /// something this fleet does not serve, so the host answers 404 (`model_not_found`, as
@@ -868,7 +870,7 @@ impl Router {
             PickOutcome::Picked(p) => {
                 let Some(primary) = snap.endpoints.get(p.primary) else {
                     // The picker returns indices into the snapshot it was given.
-                    return Outcome::NoEndpoints;
+                    return Outcome::NoEndpoints(req.model.clone());
                 };
                 let matched = matches.get(p.primary).copied().unwrap_or(0);
                 let prefill_tokens =
@@ -904,7 +906,7 @@ impl Router {
             }
             PickOutcome::NoEndpoints => match req.model.as_deref() {
                 Some(m) if !self.fleet.models.contains(m) => Outcome::UnknownModel(m.to_owned()),
-                _ => Outcome::NoEndpoints,
+                _ => Outcome::NoEndpoints(req.model.clone()),
             },
             PickOutcome::NoCapacity => Outcome::NoCapacity {
                 priority: req.priority,
@@ -1136,6 +1138,16 @@ mod tests {
         assert_eq!(route(&d).facts.model.as_deref(), Some("model-b"));
         let d = r.route(&snap, &t, p, Some(body("model-c").as_bytes()), NOW);
         assert_eq!(d.outcome, Outcome::UnknownModel("model-c".into()));
+        // A served model nobody can take now: the decision names it, read from the body
+        // once, for the 503.
+        let down = |mut e: EndpointStats| {
+            e.healthy = false;
+            e
+        };
+        let sick = Snapshot::new(2, NOW, snap.endpoints.iter().cloned().map(down).collect());
+        let d = r.route(&sick, &t, p, Some(body("model-b").as_bytes()), NOW);
+        assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::Unparsable));
+        assert_eq!(d.outcome, Outcome::NoEndpoints(Some("model-b".into())));
         // No model to read: any endpoint, by load.
         let d = r.route(&snap, &t, p, Some(br#"{"model":7,"messages":[]}"#), NOW);
         assert_eq!(route(&d).endpoint, "pool/e0");
@@ -1159,7 +1171,7 @@ mod tests {
         assert_eq!(d.outcome, Outcome::UnknownModel("other".into()));
         for m in ["sick", "sick-lora"] {
             let d = r.route(&snap, &t, p, Some(body(m).as_bytes()), NOW);
-            assert_eq!(d.outcome, Outcome::NoEndpoints, "{m}");
+            assert_eq!(d.outcome, Outcome::NoEndpoints(Some(m.into())), "{m}");
         }
         assert_eq!(
             route(&r.route(&snap, &t, p, Some(body("m").as_bytes()), NOW)).endpoint,
@@ -1171,7 +1183,7 @@ mod tests {
         let snap = Snapshot::new(2, NOW, vec![down]);
         assert_eq!(
             r.route(&snap, &t, p, None, NOW).outcome,
-            Outcome::NoEndpoints
+            Outcome::NoEndpoints(None)
         );
     }
 
@@ -1188,7 +1200,10 @@ mod tests {
         let mut snap = Snapshot::new(1, NOW, vec![ep(0, 0.1)]);
         snap.unavailable_models = vec!["scaled-to-zero".into()];
         let d = r.route(&snap, &t, p, Some(body("scaled-to-zero").as_bytes()), NOW);
-        assert_eq!(d.outcome, Outcome::NoEndpoints);
+        assert_eq!(
+            d.outcome,
+            Outcome::NoEndpoints(Some("scaled-to-zero".into()))
+        );
         assert_eq!(
             r.route(&snap, &t, p, Some(body("other").as_bytes()), NOW)
                 .outcome,
@@ -1202,7 +1217,10 @@ mod tests {
         let mut empty = Snapshot::new(2, NOW, vec![]);
         empty.unavailable_models = vec!["scaled-to-zero".into()];
         let d = r.route(&empty, &t, p, Some(body("scaled-to-zero").as_bytes()), NOW);
-        assert_eq!(d.outcome, Outcome::NoEndpoints);
+        assert_eq!(
+            d.outcome,
+            Outcome::NoEndpoints(Some("scaled-to-zero".into()))
+        );
         // The next snapshot without the list: the name is unknown again (the fleet view is
         // rebuilt per snapshot, nothing is remembered).
         let d = r.route(

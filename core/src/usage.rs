@@ -21,7 +21,7 @@
 //! A stream's **first token** is told apart from what a server or an intermediary sends
 //! before it by [`FirstTokenScanner`] (the rule is on its doc): SSE comments such as
 //! LiteLLM's `: ping` or OpenRouter's `: OPENROUTER PROCESSING` keep-alives, events without
-//! data, `data: [DONE]`, a failed stream's `data: {"error": ...}`, and the Responses API's
+//! data, `data: [DONE]`, a failed stream's `data: {"error": ...}` (not `"error": null`), and the Responses API's
 //! `response.created` / `response.in_progress` events, which vLLM and OpenAI send before
 //! generation begins.
 
@@ -107,8 +107,12 @@ pub fn parse_json(body: &[u8]) -> Option<Usage> {
 }
 
 /// Read the last `"usage": {...}` object found in `tail`, the end of a JSON body too large
-/// to keep whole. The object is located by brace matching (usage objects hold only numbers
-/// and nested objects, no strings with braces). `None` when absent or cut off.
+/// to keep whole. The object's end is found by [`crate::json_scan::Scanner::skip_value`],
+/// the request analysis's JSON scanner, which steps over strings whole (escapes included),
+/// so a brace inside a string value (a server's extra text field in the usage) neither ends
+/// nor extends it. `None` when absent or cut off. The scan starts at the `{` after a `"usage":`,
+/// outside any string of a valid body (inside one, its quotes would be escaped), wherever
+/// the tail begins.
 pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
     memchr::memmem::rfind_iter(tail, USAGE_KEY)
         .find_map(|pos| usage_object_at(tail, pos + USAGE_KEY.len()))
@@ -134,25 +138,17 @@ fn usage_object_start(buf: &[u8], i: usize) -> Option<usize> {
     (buf.get(open) == Some(&b'{')).then_some(open)
 }
 
+/// The usage of the object of a `"usage"` key, `i` just past the key in `buf`
+/// ([`parse_json_tail`]).
 fn usage_object_at(buf: &[u8], i: usize) -> Option<Usage> {
-    let mut i = usage_object_start(buf, i)?;
-    let start = i;
-    let mut depth = 0usize;
-    while let Some(b) = buf.get(i) {
-        match b {
-            b'{' => depth += 1,
-            b'}' => {
-                depth = depth.saturating_sub(1);
-                if depth == 0 {
-                    let obj: RawUsage = serde_json::from_slice(buf.get(start..=i)?).ok()?;
-                    return obj.into_usage();
-                }
-            }
-            _ => {}
-        }
-        i += 1;
-    }
-    None
+    let rest = buf.get(usage_object_start(buf, i)?..)?;
+    // Only the object need be UTF-8: the scan stops at its end.
+    let text = match std::str::from_utf8(rest) {
+        Ok(text) => text,
+        Err(e) => std::str::from_utf8(rest.get(..e.valid_up_to())?).ok()?,
+    };
+    let object = crate::json_scan::Scanner::new(text).skip_value().ok()?;
+    serde_json::from_str::<RawUsage>(object).ok()?.into_usage()
 }
 
 /// How a response body is framed, told from its first bytes instead of its
@@ -220,13 +216,21 @@ impl BodyFraming {
 /// The value of a `data` field that ends an OpenAI-style stream: no token.
 const DONE: &[u8] = b"[DONE]";
 
-/// Starts of `data` values that are no token: [`DONE`], and the error object that vLLM
-/// and SGLang send in place of further tokens when a streamed request fails (`data:
-/// {"error": {"message": ..., "type": ..., "code": ...}}`: `json.dumps` of vLLM's
-/// `ErrorResponse`, `create_streaming_error_response` in
+/// The start of the error object that vLLM and SGLang send in place of further tokens when
+/// a streamed request fails (`data: {"error": {"message": ..., "type": ..., "code": ...}}`:
+/// `json.dumps` of vLLM's `ErrorResponse`, `create_streaming_error_response` in
 /// `vllm/entrypoints/openai/engine/serving.py`; SGLang's, of `{"error": ...}`, in
-/// `python/sglang/srt/openai_api/adapter.py`), as OpenAI's chat streams do.
-const NO_TOKEN_DATA: [&[u8]; 2] = [DONE, b"{\"error\""];
+/// `python/sglang/srt/openai_api/adapter.py`), as OpenAI's chat streams do. No token unless
+/// the key's value is [`NULL`] (`{"error":null,"choices":[...]}`, a token event whose
+/// serializer writes every field).
+const ERROR_KEY: &[u8] = b"{\"error\"";
+
+/// The JSON value of an [`ERROR_KEY`] that leaves its event a token event.
+const NULL: &[u8] = b"null";
+
+/// Starts of `data` values that may be no token: [`DONE`] (always) and [`ERROR_KEY`] (unless
+/// its value is [`NULL`]).
+const NO_TOKEN_DATA: [&[u8]; 2] = [DONE, ERROR_KEY];
 
 /// U+FEFF in UTF-8: one at the very start of an event stream is stripped before its lines
 /// are read (SSE spec, "One leading U+FEFF BYTE ORDER MARK character must be ignored").
@@ -341,6 +345,21 @@ enum LinePart {
     Skip,
 }
 
+/// How far a `data` value that began with [`ERROR_KEY`] has gone: its value is decided
+/// [`NULL`] (a token) or not (no token) by the JSON after the key, `[ \t]*:[ \t]*null`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum ErrorValue {
+    /// The value did not begin with [`ERROR_KEY`] (or not yet).
+    #[default]
+    None,
+    /// Past [`ERROR_KEY`], whitespace only since.
+    Key,
+    /// Past the key's `:`, whitespace only since.
+    Colon,
+    /// This many bytes of [`NULL`] matched (1 to 3; the 4th decides a token).
+    Null(usize),
+}
+
 /// The field of the line [`FirstTokenScanner`] is reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum Field {
@@ -359,7 +378,8 @@ enum Field {
 /// with `:` is a comment; the name ends at the first `:` and one space after it is skipped; a
 /// blank line ends the event), whose value is not empty and starts with none of
 /// `NO_TOKEN_DATA` (`[DONE]`, OpenAI's end marker, on which openai-python ends a stream;
-/// `{"error"`, a failed stream's error object), in an event whose `event` type, set by an
+/// `{"error"`, a failed stream's error object, unless what follows is `:` and `null`, with
+/// spaces or tabs around the `:`), in an event whose `event` type, set by an
 /// `event` line before it, is none of `LIFECYCLE_EVENTS` (the Responses API's
 /// `response.created`, `response.in_progress`, `response.queued`, which vLLM sends the
 /// first two of before it awaits the engine's first output, and its `error` and
@@ -371,14 +391,17 @@ enum Field {
 /// - events of `event`, `id` or `retry` fields only (`event: ping`, `retry: 3000`), and
 ///   fields the spec ignores (llama.cpp's `error:` lines);
 /// - `data: [DONE]` before any token: no token was generated;
-/// - `data: {"error": ...}`: vLLM's and SGLang's error in a stream that already began;
+/// - `data: {"error": ...}`: vLLM's and SGLang's error in a stream that already began
+///   (`data: {"error": null, ...}` is a token event: its error is none);
 /// - `event: response.created` / `response.in_progress` / `response.queued` / `error` /
 ///   `response.failed` and their data.
 ///
 /// A `data` value is decided by its first byte at which it stops being a prefix of one of
 /// `NO_TOKEN_DATA` (the third byte of a JSON token event, `{"i` of `{"id": ...}`), so a
 /// data line split across chunks is found in the chunk where that byte is; a value that is
-/// a proper prefix of one (`[DO`, `{"err`) is decided, as a token, at its line's end. An
+/// a proper prefix of one (`[DO`, `{"err`) is decided, as a token, at its line's end. A
+/// value that begins with `{"error"` is decided at the `l` that ends its `null` (a token),
+/// or at its first byte, or its line's end, that rules `null` out (no token). An
 /// `event` line after the `data` line of the same event does not undo a decision (servers
 /// send `event` first).
 #[derive(Debug, Clone, Default)]
@@ -392,6 +415,8 @@ pub struct FirstTokenScanner {
     lines: SseLines,
     /// The current event's type is one of [`LIFECYCLE_EVENTS`].
     lifecycle: bool,
+    /// The current `data` value began with [`ERROR_KEY`]: how far past it.
+    error: ErrorValue,
     found: bool,
 }
 
@@ -494,6 +519,7 @@ impl FirstTokenScanner {
 
     fn value_byte(&mut self, b: u8) {
         match self.field {
+            Field::Data if self.error != ErrorValue::None => self.error_value_byte(b),
             Field::Data => {
                 let n = self.len;
                 let kept = self.kept.get(..n);
@@ -507,11 +533,32 @@ impl FirstTokenScanner {
                     *slot = b;
                 }
                 self.len = n + 1;
-                if done {
-                    self.part = LinePart::Skip;
+                match (done, *marker == ERROR_KEY) {
+                    (true, true) => self.error = ErrorValue::Key,
+                    (true, false) => self.part = LinePart::Skip,
+                    (false, _) => {}
                 }
             }
             Field::Event => self.keep(b, FIRST_TOKEN_KEEP),
+        }
+    }
+
+    /// A byte of a `data` value past its [`ERROR_KEY`]: on towards `:` and [`NULL`], a token
+    /// once `null` is whole, no token (the rest of the line skipped) at any other byte.
+    fn error_value_byte(&mut self, b: u8) {
+        let space = b == b' ' || b == b'\t';
+        let next = match self.error {
+            ErrorValue::Key if space => Some(ErrorValue::Key),
+            ErrorValue::Key if b == b':' => Some(ErrorValue::Colon),
+            ErrorValue::Colon if space => Some(ErrorValue::Colon),
+            ErrorValue::Colon => (NULL.first() == Some(&b)).then_some(ErrorValue::Null(1)),
+            ErrorValue::Null(n) => (NULL.get(n) == Some(&b)).then_some(ErrorValue::Null(n + 1)),
+            ErrorValue::Key | ErrorValue::None => None,
+        };
+        match next {
+            Some(ErrorValue::Null(n)) if n == NULL.len() => self.found = true,
+            Some(e) => self.error = e,
+            None => self.part = LinePart::Skip,
         }
     }
 
@@ -522,9 +569,10 @@ impl FirstTokenScanner {
             // A name without `:` is a field with an empty value.
             LinePart::Name if self.kept() == b"event" => self.lifecycle = false,
             LinePart::ValueStart | LinePart::Value => match self.field {
-                // A non-empty proper prefix of a marker (a full one went to `Skip`).
+                // A non-empty proper prefix of a marker (a full `[DONE]` went to `Skip`; an
+                // error key whose `null` the line did not finish is no token).
                 Field::Data => {
-                    if self.len > 0 {
+                    if self.len > 0 && self.error == ErrorValue::None {
                         self.found = true;
                     }
                 }
@@ -534,6 +582,7 @@ impl FirstTokenScanner {
         }
         self.part = LinePart::Start;
         self.len = 0;
+        self.error = ErrorValue::None;
     }
 }
 
@@ -882,6 +931,58 @@ mod tests {
         assert_eq!(parse_json_tail(br#""usage":null"#), None);
     }
 
+    /// Braces inside strings (in the usage object, escaped quotes and backslashes before
+    /// them, or in the surrounding object) do not end or extend the usage object.
+    #[test]
+    fn braces_inside_strings_do_not_cut_the_tail_usage() {
+        let usage = |prompt_tokens, completion_tokens| {
+            Some(Usage {
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens: None,
+            })
+        };
+        for (name, tail, want) in [
+            (
+                "a closing brace in a string",
+                &br#"x","usage":{"prompt_tokens":3,"note":"}","completion_tokens":4}}"#[..],
+                usage(3, 4),
+            ),
+            (
+                "an opening brace in a string",
+                br#"x","usage":{"prompt_tokens":3,"note":"{","completion_tokens":4}}"#,
+                usage(3, 4),
+            ),
+            (
+                "an escaped quote before a brace",
+                br#"x","usage":{"note":"say \"}\" {","prompt_tokens":5,"completion_tokens":6}}"#,
+                usage(5, 6),
+            ),
+            (
+                "an escaped backslash, then the closing quote",
+                br#"x","usage":{"note":"a\\","prompt_tokens":7,"x":"}","completion_tokens":8}}"#,
+                usage(7, 8),
+            ),
+            (
+                "braces in the surrounding object's strings",
+                br#"{"text":"}}{","usage":{"prompt_tokens":9,"completion_tokens":1},"end":"{"}"#,
+                usage(9, 1),
+            ),
+            (
+                "cut inside a string of the usage",
+                br#"x","usage":{"prompt_tokens":3,"note":"}"#,
+                None,
+            ),
+            (
+                "an earlier usage, the last one cut",
+                br#""usage":{"prompt_tokens":2,"s":"{"},"usage":{"prompt_tokens":1,"s":"}"#,
+                usage(2, 0),
+            ),
+        ] {
+            assert_eq!(parse_json_tail(tail), want, "{name}");
+        }
+    }
+
     #[test]
     fn sse_usage_in_one_chunk() {
         let mut s = SseUsageScanner::default();
@@ -1113,6 +1214,34 @@ mod tests {
             prop_assert_eq!(s.usage(), parsed, "{}", event);
         }
 
+        /// A body whose strings (before the usage, in it, after it) hold braces, quotes and
+        /// backslashes, JSON-escaped: every tail that begins at or before the `"usage"` key
+        /// reads the usage, exactly as `parse_json` reads the whole body; a tail that begins
+        /// after it reads none.
+        #[test]
+        fn tails_read_the_usage_whatever_the_strings_hold(
+            strings in proptest::array::uniform3("[a-z{}\"\\\\:, é]{0,8}"),
+            prompt_tokens in 0u64..100_000,
+            completion_tokens in 0u64..100_000,
+            nested in any::<bool>(),
+        ) {
+            let [before, inside, after] = strings.map(|s| serde_json::to_string(&s).unwrap());
+            let usage = format!(r#"{{"prompt_tokens":{prompt_tokens},"note":{inside},"completion_tokens":{completion_tokens}}}"#);
+            let inner = format!(r#"{{"text":{before},"usage":{usage},"end":{after}}}"#);
+            let body = if nested {
+                format!(r#"{{"type":"response.completed","response":{inner},"x":{after}}}"#)
+            } else {
+                inner
+            };
+            let want = Some(Usage { prompt_tokens, completion_tokens, cached_tokens: None });
+            prop_assert_eq!(parse_json(body.as_bytes()), want, "{}", body);
+            let key = body.find("\"usage\"").unwrap();
+            for cut in 0..body.len() {
+                let got = parse_json_tail(&body.as_bytes()[cut..]);
+                prop_assert_eq!(got, if cut <= key { want } else { None }, "{} from {}", body, cut);
+            }
+        }
+
         /// Arbitrary bytes never panic and never grow the tail past the bound.
         #[test]
         fn arbitrary_bytes(chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..100), 0..10)) {
@@ -1227,6 +1356,70 @@ mod tests {
         }
     }
 
+    /// `"error": null` is no error: a token event that carries it (a serializer writing every
+    /// field) is the first token, decided at the `l` ending `null`; any other value, or a
+    /// line that ends first, keeps the event an error.
+    #[test]
+    fn an_error_key_is_an_error_event_unless_its_value_is_null() {
+        for (name, chunks, want) in [
+            (
+                "null error, compact",
+                &[
+                    &b"data: {\"error\":null,\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n"[..],
+                ][..],
+                &[true][..],
+            ),
+            (
+                "null error, spaced",
+                &[b"data: {\"error\" :\t null, \"choices\":[]}\n\n"],
+                &[true],
+            ),
+            (
+                "null error alone",
+                &[b"data:{\"error\":null}\r\n\r\n"],
+                &[true],
+            ),
+            (
+                "object error",
+                &[b"data: {\"error\":{\"message\":\"x\",\"code\":500}}\n\n"],
+                &[false],
+            ),
+            ("string error", &[b"data: {\"error\": \"x\"}\n\n"], &[false]),
+            ("false error", &[b"data: {\"error\": false}\n\n"], &[false]),
+            ("not quite null", &[b"data: {\"error\": nul}\n\n"], &[false]),
+            (
+                "null cut by the line end",
+                &[b"data: {\"error\": nul\n\n"],
+                &[false],
+            ),
+            ("no colon", &[b"data: {\"error\" null}\n\n"], &[false]),
+            (
+                "split inside null",
+                &[b"data: {\"error\": nu", b"ll, \"choices\":[]}\n\n"],
+                &[false, true],
+            ),
+            (
+                "split before the colon",
+                &[b"data: {\"error\"", b":null}\n\n"],
+                &[false, true],
+            ),
+            (
+                "object error, then a null error",
+                &[b"data: {\"error\":{}}\n\ndata: {\"error\":null}\n\n"],
+                &[true],
+            ),
+        ] {
+            assert_eq!(first_token_by_chunk(chunks), want, "{name}");
+        }
+        // Decided at the `l` that ends `null`, fed byte by byte.
+        let body = b"data: {\"error\": null}\n\n";
+        let bytes: Vec<&[u8]> = body.chunks(1).collect();
+        let at = body.iter().rposition(|&b| b == b'l');
+        assert_eq!(at, Some(19));
+        assert_eq!(first_token_by_chunk(&bytes).iter().position(|&f| f), at);
+        assert_eq!(first_token_oracle(body), at);
+    }
+
     #[test]
     fn a_token_split_across_chunks_is_found_where_its_value_begins() {
         for (name, chunks, want) in [
@@ -1319,9 +1512,10 @@ mod tests {
 
     /// Where the first token of `body` is decided, read as a whole by the SSE spec's rules
     /// (the oracle for [`FirstTokenScanner`]): the index of the first byte of the first
-    /// token's `data` value at which it stops being a prefix of one of `NO_TOKEN_DATA`, or of its line's end when the
-    /// value is a proper prefix of it; `None` when the body shows no token. One leading
-    /// byte order mark is skipped, as the spec says.
+    /// token's `data` value at which it stops being a prefix of one of `NO_TOKEN_DATA`, or of
+    /// its line's end when the value is a proper prefix of it, or of the `l` ending the
+    /// `null` of an error key's `[ \t]*:[ \t]*null`; `None` when the body shows no token.
+    /// One leading byte order mark is skipped, as the spec says.
     fn first_token_oracle(body: &[u8]) -> Option<usize> {
         match body.strip_prefix(BOM) {
             Some(rest) => first_token_in_lines(rest).map(|i| i + BOM.len()),
@@ -1344,12 +1538,23 @@ mod tests {
             let (name, value) = spec_field(line);
             match name {
                 b"event" => lifecycle = LIFECYCLE_EVENTS.contains(&value),
-                b"data"
-                    if !lifecycle
-                        && !value.is_empty()
-                        && !NO_TOKEN_DATA.iter().any(|m| value.starts_with(m)) =>
-                {
+                b"data" if !lifecycle && !value.is_empty() => {
                     let at = end - value.len();
+                    if let Some(rest) = value.strip_prefix(ERROR_KEY) {
+                        let spaces =
+                            |s: &[u8]| s.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+                        let colon = ERROR_KEY.len() + spaces(rest);
+                        if value.get(colon) == Some(&b':') {
+                            let null = colon + 1 + spaces(&value[colon + 1..]);
+                            if value[null..].starts_with(NULL) {
+                                return Some(at + null + NULL.len() - 1);
+                            }
+                        }
+                        continue;
+                    }
+                    if value.starts_with(DONE) {
+                        continue;
+                    }
                     let decided =
                         |j: usize| !NO_TOKEN_DATA.iter().any(|m| m.starts_with(&value[..=j]));
                     return match (0..value.len()).find(|&j| decided(j)) {
@@ -1411,7 +1616,9 @@ mod tests {
                     "data:", "data: ", "data: [DONE]", "data:[DONE]", "data: [DO", "data: [",
                     "data: {\"choices\":[]}", "data:x", "error: {}", "data: {\"error\": {}}",
                     "data:{\"error\"", "data: {\"err", "data: {\"", "event: error",
-                    "event: response.failed",
+                    "event: response.failed", "data: {\"error\":null,\"choices\":[]}",
+                    "data: {\"error\" :\tnull}", "data: {\"error\": nul", "data:{\"error\":",
+                    "data: {\"error\": {\"code\": 500}}",
                 ]),
                 proptest::sample::select(vec!["\n", "\r\n", "\r"]),
             ), 0..12),
@@ -1445,7 +1652,7 @@ mod tests {
                 &b"data"[..], b"data:", b"data: {", b"event: ", b"event", b"dat", b"eventx",
                 b":", b" ", b"\n", b"\r", b"\r\n",
                 b"[DONE]", b"[DO", b"[", b"x", b"{}", b"response.created", b"response.queued",
-                b"{\"error\"", b"{\"e", b"error", b"\"",
+                b"{\"error\"", b"{\"e", b"error", b"\"", b"null", b"nu", b"\t", b"{\"error\":null",
                 b"\0", b"\xFF\xFE", b"\xEF", b"\xEF\xBB\xBF", b"\xBB\xBF",
             ]), 0..40),
             cuts in proptest::collection::vec(0usize..400, 0..10),

@@ -74,8 +74,9 @@ pub struct Routed {
 pub enum Decision {
     /// Route (apply with [`Worker::apply_route`]).
     Route(Box<Routed>),
-    /// Endpoints list the request's model but none can take it now (503, `retry-after`).
-    NoEndpoints,
+    /// Endpoints list the request's model but none can take it now (503, `retry-after`);
+    /// the model the request names, if any ([`Outcome::NoEndpoints`]), for the reply.
+    NoEndpoints(Option<String>),
     /// No endpoint lists the requested model (404 `model_not_found`); the model's name.
     UnknownModel(String),
     /// Every endpoint is saturated.
@@ -546,7 +547,7 @@ impl Worker {
                     at_ms: now,
                 }))
             }
-            Outcome::NoEndpoints => Decision::NoEndpoints,
+            Outcome::NoEndpoints(m) => Decision::NoEndpoints(m),
             Outcome::UnknownModel(m) => Decision::UnknownModel(m),
             Outcome::NoCapacity { priority, size } => Decision::NoCapacity { priority, size },
         }
@@ -673,22 +674,20 @@ impl Worker {
 impl Worker {
     /// The reply to a request nobody can take: 404 `model_not_found` for a model no
     /// endpoint lists ([`Decision::UnknownModel`]), else 503 `no_healthy_endpoint` with
-    /// `retry-after` naming the model of `body` (read again: this is the error path).
-    /// Counted either way. `None` for any other decision.
+    /// `retry-after` naming the model the decision carries (the core read it from the body;
+    /// the body is not read again). Counted either way. `None` for any other decision.
     pub fn unserved_reply<H: Host>(
         &self,
         host: &H,
         decision: &Decision,
-        body: Option<&[u8]>,
     ) -> Option<crate::reply::LocalReply> {
         match decision {
             Decision::UnknownModel(model) => {
                 host.metric_add(MetricKind::Counter, metric::MODEL_NOT_FOUND, 1);
                 Some(crate::reply::model_not_found(model))
             }
-            Decision::NoEndpoints => {
+            Decision::NoEndpoints(model) => {
                 host.metric_add(MetricKind::Counter, metric::NO_ENDPOINTS, 1);
-                let model = body.and_then(kvroute_core::analysis::requested_model);
                 Some(crate::reply::no_healthy_endpoint(
                     model.as_deref(),
                     self.config.admission.retry_after_s,
@@ -744,9 +743,9 @@ impl Worker {
                     host.resume_request();
                     resumed += 1;
                 }
-                d @ (Decision::NoEndpoints | Decision::UnknownModel(_)) => {
+                d @ (Decision::NoEndpoints(_) | Decision::UnknownModel(_)) => {
                     self.admission.pop();
-                    if let Some(r) = self.unserved_reply(host, &d, body) {
+                    if let Some(r) = self.unserved_reply(host, &d) {
                         r.send(host);
                     }
                 }

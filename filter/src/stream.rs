@@ -276,8 +276,8 @@ impl Stream {
                 self.decided_at_ms = at_ms;
                 Flow::Continue
             }
-            d @ (Decision::NoEndpoints | Decision::UnknownModel(_)) => {
-                let r = self.worker.borrow().unserved_reply(host, &d, body);
+            d @ (Decision::NoEndpoints(_) | Decision::UnknownModel(_)) => {
+                let r = self.worker.borrow().unserved_reply(host, &d);
                 if let Some(r) = r {
                     self.reply(host, &r);
                 }
@@ -818,6 +818,22 @@ mod tests {
         }
         assert_eq!(h.metric(metric::NO_ENDPOINTS), 2);
         assert_eq!(h.metric(metric::MODEL_NOT_FOUND), 1);
+        // A body the analysis rejects (`"n": "1"`): the 503 still names its model, which
+        // the decision carries from the core's one read of it.
+        let body = br#"{"model":"sick","messages":[{"role":"user","content":"x"}],"n":"1"}"#;
+        let r = request(&h, "/v1/chat/completions", body);
+        let mut s = Stream::new(w.clone(), 5);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, body.len(), true), Flow::Pause);
+        let replies = r.replies();
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].status, 503);
+        assert_eq!(
+            String::from_utf8(replies[0].body.clone()).unwrap(),
+            r#"{"error":{"code":"no_healthy_endpoint","message":"No healthy endpoint serves model `sick` right now; retry later.","param":null,"type":"server_error"}}"#
+        );
+        assert_eq!(h.metric(metric::PARSE_ERRORS), 1);
+        assert_eq!(h.metric(metric::NO_ENDPOINTS), 3);
     }
 
     /// A model of a pool with no endpoint at all (the snapshot's `unavailable_models`:

@@ -163,7 +163,7 @@ fn filter_and_benchmark_pick_identically() {
                 }
                 last = Some(b.endpoint.clone());
             }
-            (Decision::NoEndpoints, Outcome::NoEndpoints) => no_endpoints += 1,
+            (Decision::NoEndpoints(a), Outcome::NoEndpoints(b)) if a == b => no_endpoints += 1,
             (Decision::UnknownModel(a), Outcome::UnknownModel(b)) if a == b => no_endpoints += 1,
             (f, b) => panic!("request {i} ({path}): filter {f:?}, benchmark {b:?}"),
         }

@@ -829,7 +829,7 @@ pub fn run_router(
                     };
                     let demand = match decision.outcome {
                         Outcome::Route(_) | Outcome::NoCapacity { .. } => 0,
-                        Outcome::NoEndpoints | Outcome::UnknownModel(_) => {
+                        Outcome::NoEndpoints(_) | Outcome::UnknownModel(_) => {
                             router.demand(&info).1.tokens
                         }
                     };
@@ -837,7 +837,7 @@ pub fn run_router(
                 });
                 // A worker that does not exist cannot happen (`assign` draws among them).
                 let (outcome, demand) = decided.unwrap_or((
-                    Outcome::NoEndpoints,
+                    Outcome::NoEndpoints(None),
                     u64::from(prompt) + PROFILE_EXPECTED_OUTPUT,
                 ));
                 match outcome {
@@ -853,7 +853,7 @@ pub fn run_router(
                         reserve = size;
                         least_loaded
                     }
-                    Outcome::NoEndpoints | Outcome::UnknownModel(_) => {
+                    Outcome::NoEndpoints(_) | Outcome::UnknownModel(_) => {
                         overflow += 1;
                         prefill_estimate = u64::from(prompt);
                         reserve = demand;
