@@ -429,12 +429,12 @@ pub fn check(
         match token {
             Some(t) if envoy_token != t => out.push(Finding::Error(format!(
                 "the ingest token from {source} differs from the Envoy config's `ingest_token` \
-                 ({}): every push would be answered 401",
+                 on {}: every push would be answered 401",
                 f.listener
             ))),
             None => out.push(Finding::Error(format!(
-                "the Envoy config's ingest filter ({}) requires an `ingest_token`, but none was \
-                 found in {source}: every push would be answered 401",
+                "the Envoy config's ingest filter on {} requires an `ingest_token`, but none \
+                 was found in {source}: every push would be answered 401",
                 f.listener
             ))),
             _ => {}

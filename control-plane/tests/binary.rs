@@ -153,7 +153,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` (19 bytes)\n\
              note: pool `llama`: `cluster` not set for 1 endpoint(s) (a); it defaults to the pool name, so in cluster mode the filter routes them to Envoy cluster `llama`\n\
              error: cluster `llama` (endpoints llama/a) is not defined in the Envoy config (clusters: default, vllm-a, vllm-b); cluster mode would route them to a cluster Envoy does not have\n\
-             error: the ingest token from environment variable `KVROUTE_INGEST_TOKEN` differs from the Envoy config's `ingest_token` (listener port 10001): every push would be answered 401\n\
+             error: the ingest token from environment variable `KVROUTE_INGEST_TOKEN` differs from the Envoy config's `ingest_token` on listener `ingest` (port 10001): every push would be answered 401\n\
              config NOT ok: 2 error(s)\n"
                 .to_string()
         )
@@ -182,7 +182,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
         (
             Some(2),
             "note: ingest token: none found in environment variable `KVROUTE_INGEST_TOKEN`: pushes carry no Authorization, and an ingest filter with an `ingest_token` answers them 401\n\
-             error: the Envoy config's ingest filter requires an `ingest_token`, but none was found in environment variable `KVROUTE_INGEST_TOKEN`: every push would be answered 401\n\
+             error: the Envoy config's ingest filter on listener `ingest` (port 10001) requires an `ingest_token`, but none was found in environment variable `KVROUTE_INGEST_TOKEN`: every push would be answered 401\n\
              note: target `envoy-0` posts to port 10101, not an ingest listener port of this Envoy config (10001); fine if it is another Envoy\n\
              config NOT ok: 1 error(s)\n"
                 .to_string()
