@@ -59,6 +59,11 @@ pub mod metric {
     /// Cluster-mode requests Envoy could not send because the chosen cluster does not exist
     /// (answered 503 `cluster_not_found`, naming it) (counter).
     pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
+    /// Endpoint-mode requests whose response came from an upstream none of the endpoint
+    /// header's hosts names: Envoy's cluster has no host at the chosen address and its
+    /// fallback policy chose one (counter; checked once per endpoint per 10 s,
+    /// `crate::router::UPSTREAM_CHECK_MS`).
+    pub const UPSTREAM_MISMATCH: &str = "kvroute.outcome.upstream_mismatch";
     /// `GET /v1/models` answered from the snapshot (counter).
     pub const MODELS_LISTED: &str = "kvroute.models_listed";
     /// Prefix chains learned from other workers' routing (counter, [`crate::sharing`]).

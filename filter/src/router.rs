@@ -157,6 +157,9 @@ pub struct Worker {
     /// Releases not yet added to the `released` counter (added with the next reservation's
     /// counters, or on the tick: no host call of their own).
     released_uncounted: i64,
+    /// Endpoint mode: when each endpoint's requests were last checked against the upstream
+    /// Envoy reached (`upstream.address`), Unix ms ([`Worker::upstream_check_due`]).
+    upstream_checked: std::collections::HashMap<String, u64>,
 }
 
 /// The route role's tick is at most this long, ms, so a worker's releases, and
@@ -164,6 +167,18 @@ pub struct Worker {
 /// workers within it ([`crate::inflight`]) whatever the sharing settings. Scraped KV stats
 /// are older than this anyway (the control plane scrapes once a second).
 pub const RELEASE_FLUSH_MS: u64 = 100;
+
+/// Endpoint mode: how often at most one endpoint's routing is checked against the upstream
+/// Envoy reached, ms. The check reads `upstream.address` at a response's headers, a host
+/// call that returns data (~10 k instructions, docs/overhead.md "Host calls"), so it runs
+/// for one response per endpoint per interval: a wrong address shows within seconds of the
+/// first request to it, for no measurable cost per request.
+pub const UPSTREAM_CHECK_MS: u64 = 10_000;
+
+/// Most endpoints [`Worker::upstream_check_due`] remembers; past it the record starts
+/// over (an endpoint is then checked once more), so endpoints that left the snapshot
+/// cannot grow it without bound.
+const UPSTREAM_CHECKED_MAX: usize = 4096;
 
 /// The decision's reason as the debug header and the decision record show it: policy (or
 /// `stale_fallback`), endpoint, prefix blocks matched / hashed, the load-only cause, the
@@ -262,6 +277,7 @@ impl Worker {
                 config.inflight_share_ms,
             ),
             released_uncounted: 0,
+            upstream_checked: std::collections::HashMap::new(),
             config,
         })
     }
@@ -586,6 +602,30 @@ impl Worker {
             endpoint: r.endpoint.clone(),
             tokens: r.reserve_tokens,
             prefill_tokens: r.prefill_tokens,
+        }
+    }
+
+    /// Endpoint mode: whether the response to a request routed to `endpoint` at `now_ms`
+    /// has its upstream checked (at most once per endpoint per [`UPSTREAM_CHECK_MS`]); if
+    /// so, the check is recorded as made. Always false in cluster mode, where Envoy's own
+    /// `cluster_not_found` shows a wrong name.
+    pub fn upstream_check_due(&mut self, endpoint: &str, now_ms: u64) -> bool {
+        if self.config.mode != Mode::Endpoint {
+            return false;
+        }
+        match self.upstream_checked.get_mut(endpoint) {
+            Some(at) if now_ms.saturating_sub(*at) < UPSTREAM_CHECK_MS => false,
+            Some(at) => {
+                *at = now_ms;
+                true
+            }
+            None => {
+                if self.upstream_checked.len() >= UPSTREAM_CHECKED_MAX {
+                    self.upstream_checked.clear();
+                }
+                self.upstream_checked.insert(endpoint.to_owned(), now_ms);
+                true
+            }
         }
     }
 

@@ -115,6 +115,9 @@ pub struct Stream {
     /// event stream (when the request holds pending prefill) until the token shows, the
     /// stream ends, or, unread, [`FIRST_TOKEN_MAX_CHUNKS`] chunks showed none.
     first: Option<AwaitFirstToken>,
+    /// Endpoint mode, when this response checks the routing ([`Worker::upstream_check_due`]):
+    /// the endpoint header's hosts (`primary,fallback...`), one of which Envoy must reach.
+    check_upstream: Option<String>,
 }
 
 /// Value of header `name` (ASCII case-insensitive) in `headers` as one host call returned
@@ -144,6 +147,7 @@ impl Stream {
             resp: Resp::None,
             read_usage: false,
             first: None,
+            check_upstream: None,
         }
     }
 
@@ -264,13 +268,22 @@ impl Stream {
         };
         match decision {
             Decision::Route(mut routed) => {
-                self.held = Some(self.worker.borrow_mut().apply_route(host, &mut routed));
+                let held = self.worker.borrow_mut().apply_route(host, &mut routed);
                 let Routed {
+                    value,
                     reason,
                     route,
                     at_ms,
                     ..
                 } = *routed;
+                if self
+                    .worker
+                    .borrow_mut()
+                    .upstream_check_due(&held.endpoint, at_ms)
+                {
+                    self.check_upstream = Some(value);
+                }
+                self.held = Some(held);
                 self.facts = route.facts;
                 self.reason = reason;
                 self.decided_at_ms = at_ms;
@@ -367,6 +380,32 @@ impl Stream {
         Some(reply::cluster_not_found(&cluster))
     }
 
+    /// Endpoint mode: compare the upstream Envoy reached (`upstream.address`) with the
+    /// endpoint header's `hosts`. Envoy's `override_host` policy sends a request whose hosts
+    /// its cluster does not have (a host name, an IP outside the cluster) wherever its
+    /// fallback policy does, silently; this makes that visible: counted
+    /// (`kvroute.outcome.upstream_mismatch`) and logged at warn, naming both. A response
+    /// Envoy made itself (no upstream) is not compared.
+    fn check_upstream<H: Host>(&self, host: &H, hosts: &str) {
+        let Some(upstream) = host.property(&["upstream", "address"]) else {
+            return;
+        };
+        if hosts.split(',').any(|h| h == upstream) {
+            return;
+        }
+        host.metric_add(MetricKind::Counter, metric::UPSTREAM_MISMATCH, 1);
+        let endpoint = self.held.as_ref().map_or("?", |h| h.endpoint.as_str());
+        host.log(
+            Level::Warn,
+            &format!(
+                "kvroute: endpoint mode: a request routed to endpoint {endpoint} ({hosts}) \
+                 reached upstream {upstream}: the cluster has no host at that address, so \
+                 Envoy's fallback policy chose one; give endpoints the IPs of the cluster's \
+                 hosts (docs/filter.md, \"Endpoint mode\")"
+            ),
+        );
+    }
+
     /// Response headers arrived; `end_of_stream` when no body follows.
     ///
     /// A response with a body has none of its headers read: its framing (SSE or JSON) is
@@ -379,6 +418,9 @@ impl Stream {
             return Flow::Continue;
         }
         self.adopt_resumed(host);
+        if let Some(hosts) = self.check_upstream.take() {
+            self.check_upstream(host, &hosts);
+        }
         if end_of_stream {
             let status = host.response_header(":status");
             if let Some(r) = self.missing_cluster(host, status.as_deref()) {
@@ -609,6 +651,7 @@ mod tests {
     use super::*;
     use crate::host::mock::MockHost;
     use crate::names::metric;
+    use crate::router::UPSTREAM_CHECK_MS;
     use crate::shared;
     use kvroute_core::plugin_config::Config;
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
@@ -2100,5 +2143,54 @@ mod tests {
             s_flush(&w, &h);
             assert_eq!(held(&h), 0);
         }
+    }
+
+    /// Endpoint mode: a response from an upstream none of the endpoint header's hosts
+    /// names (Envoy's cluster has no host at the chosen address, so its fallback policy
+    /// chose one) is counted and logged, naming both; one from a named host is not. The
+    /// check reads `upstream.address` once per endpoint per `UPSTREAM_CHECK_MS`; cluster
+    /// mode never reads it.
+    #[test]
+    fn endpoint_mode_reports_an_upstream_the_filter_did_not_choose() {
+        // One response on a fresh stream, the upstream Envoy reached set to `upstream`:
+        // how many times the filter read it.
+        let respond = |h: &MockHost, w: &Rc<RefCell<Worker>>, upstream: &str| -> u32 {
+            let r = request(h, "/v1/chat/completions", BODY)
+                .with_property("upstream.address", upstream);
+            let mut s = Stream::new(w.clone(), 7);
+            s.on_request_headers(&r, false);
+            assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+            s.on_response_headers(&r, false);
+            let reads = r.calls.borrow().get("property").copied().unwrap_or(0);
+            s.on_done(&r);
+            reads
+        };
+        let cfg = r#"{"mode":"endpoint","picker":{"policy":"least_kv","max_fallbacks":1}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.1), ep(1, 0.5)]);
+        // The primary (10.0.0.0) or the fallback (10.0.0.1, after a retry): as chosen.
+        assert_eq!(respond(&h, &w, "10.0.0.1:8000"), 1);
+        assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 0);
+        assert!(h.logs.borrow().is_empty(), "{:?}", h.logs.borrow());
+        // Checked 10 s ago at most: not read again, whatever it would show.
+        *h.now.borrow_mut() += UPSTREAM_CHECK_MS - 1;
+        assert_eq!(respond(&h, &w, "10.0.0.9:8000"), 0);
+        assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 0);
+        // Due again: an upstream the filter did not choose.
+        *h.now.borrow_mut() += 1;
+        assert_eq!(respond(&h, &w, "10.0.0.9:8000"), 1);
+        assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 1);
+        assert_eq!(
+            *h.logs.borrow(),
+            [
+                "kvroute: endpoint mode: a request routed to endpoint pool/e0 \
+              (10.0.0.0:8000,10.0.0.1:8000) reached upstream 10.0.0.9:8000: the cluster has \
+              no host at that address, so Envoy's fallback policy chose one; give endpoints \
+              the IPs of the cluster's hosts (docs/filter.md, \"Endpoint mode\")"
+            ]
+        );
+        // Cluster mode: never read.
+        let (h, w) = setup("{}", vec![ep(0, 0.1), ep(1, 0.5)]);
+        assert_eq!(respond(&h, &w, "10.0.0.9:8000"), 0);
+        assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 0);
     }
 }

@@ -248,6 +248,54 @@ async fn endpoint_mode_override_host_with_fallback() {
     assert_eq!(r.header("x-backend"), Some("b2"));
 }
 
+/// Endpoint mode: the filter chooses an endpoint whose address is no host of the cluster
+/// (here an IP the cluster lacks); Envoy's `override_host` falls back to round robin and
+/// the response comes from another host. The filter reads `upstream.address` in real
+/// Envoy, counts the mismatch and logs both addresses (it went unnoticed: the decision
+/// named the chosen endpoint).
+#[tokio::test]
+async fn endpoint_mode_reports_an_upstream_it_did_not_choose() {
+    let fleet = Fleet::start(FleetOptions {
+        backends: 2,
+        mode: FleetMode::OverrideHost,
+        route_config: r#""picker":{"policy":"least_kv","stale_after_ms":60000,"max_fallbacks":0}"#
+            .into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let now = now_ms();
+    let mut outside = fleet.endpoint(1, 0.1, now);
+    outside.address = "127.0.0.9:9".into();
+    let eps = vec![fleet.endpoint(0, 0.9, now), outside];
+    fleet.push(&Snapshot::new(1, now, eps)).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("mismatch"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        fleet
+            .custom("kvroute.outcome.upstream_mismatch")
+            .await
+            .unwrap(),
+        1
+    );
+    let backend = r.header("x-backend").unwrap_or_default();
+    let reached = match backend {
+        "b0" => fleet.backends[0].address(),
+        _ => fleet.backends[1].address(),
+    };
+    let log = fleet.envoy.log();
+    assert!(
+        log.contains(&format!(
+            "routed to endpoint pool/e1 (127.0.0.9:9) reached upstream {reached}"
+        )),
+        "{backend}: {log}"
+    );
+    assert!(fleet.envoy.wasm_failures().await.unwrap().is_empty());
+}
+
 #[tokio::test]
 async fn endpoint_mode_original_dst_single_host() {
     let fleet = Fleet::start(FleetOptions {
