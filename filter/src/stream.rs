@@ -28,9 +28,9 @@
 //! Role `ingest` has its own stream type: [`crate::ingest::IngestStream`].
 
 use crate::host::{Host, Level, MetricKind};
-use crate::names::{metric, DECISION_HEADER};
+use crate::names::{metric, DECISION_HEADER, FAIL_OPEN_REASON};
 use crate::reply::{self, LocalReply};
-use crate::router::{Decision, Held, Parked, RequestFacts, Routed, Worker};
+use crate::router::{Decision, Held, Parked, RequestFacts, Resumed, Routed, Worker};
 use kvroute_core::usage::{self, BodyFraming, FirstTokenScanner, SseUsageScanner};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -330,7 +330,7 @@ impl Stream {
                 host.metric_add(MetricKind::Counter, metric::FAIL_OPEN, 1);
                 host.log(Level::Debug, &format!("kvroute: fail open: {why}"));
                 if fail_open {
-                    self.reason = "fail_open".into();
+                    self.reason = FAIL_OPEN_REASON.into();
                     Flow::Continue
                 } else {
                     let ra = self.worker.borrow().config.admission.retry_after_s;
@@ -568,9 +568,10 @@ impl Stream {
     fn adopt_resumed<H: Host>(&mut self, host: &H) {
         if self.queued {
             let got = self.worker.borrow_mut().resumed.remove(&self.context_id);
-            if let Some(routed) = got {
+            if let Some(Resumed { route, reason }) = got {
                 self.queued = false;
-                if let Some((held, facts, at)) = routed {
+                self.reason = reason;
+                if let Some((held, facts, at)) = route {
                     self.held = Some(held);
                     self.facts = facts;
                     self.decided_at_ms = at;
@@ -608,7 +609,7 @@ impl Stream {
 mod tests {
     use super::*;
     use crate::host::mock::MockHost;
-    use crate::names::metric;
+    use crate::names::{metric, DECISION_PROPERTY};
     use crate::shared;
     use kvroute_core::plugin_config::Config;
     use kvroute_core::snapshot::{EndpointStats, Snapshot};
@@ -1636,6 +1637,39 @@ mod tests {
             .headers
             .contains(&("retry-after".into(), "1".into())));
         assert_eq!(w.borrow().admission.len(), 0);
+    }
+
+    /// A request held while saturated and resumed by the tick carries its real decision
+    /// reason, as one decided at once does: the tick sets it on the upstream request and as
+    /// the decision record, and the stream adopts it for the response's
+    /// `x-kvroute-decision`.
+    #[test]
+    fn a_resumed_request_carries_its_decision_reason() {
+        let cfg = r#"{"debug_header":true,"decision_record":true,
+            "picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        assert_eq!(w.borrow_mut().tick(&h), 0, "still saturated");
+        assert_eq!(h.header(DECISION_HEADER), None);
+        shared::publish_snapshot(
+            &h,
+            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
+        )
+        .unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 1);
+        // The tick decided on the held stream's context (the mock's root host here).
+        let reason = h.header(DECISION_HEADER).unwrap();
+        assert_eq!(
+            reason.split_once(";top=").map(|(head, _)| head),
+            Some("policy:least_kv;endpoint=pool/e1")
+        );
+        assert_eq!(h.property(&[DECISION_PROPERTY]), Some(reason.clone()));
+        assert_eq!(s.on_response_headers(&r, false), Flow::Continue);
+        assert_eq!(r.response_header(DECISION_HEADER), Some(reason));
+        s.on_done(&r);
     }
 
     /// A held request whose body does not parse is decided by load alone, again at every
