@@ -110,7 +110,8 @@ pub struct Parked {
     pub context_id: u32,
     /// Request path.
     pub path: String,
-    /// Request body (empty when decided without it).
+    /// Request body (empty for a request that has none: one whose body the filter does
+    /// not read is never parked).
     pub body: Vec<u8>,
 }
 
