@@ -59,16 +59,62 @@ use crate::json_scan::{
 
 /// The top-level `model` string of a JSON object body, read with serde_json with nothing
 /// else checked: the model of a body [`analyze`] rejects (a field of another type than the
-/// API's, a malformed message), so that a request routed by load alone still goes to an
-/// endpoint that serves its model, and an error reply can name it. `None` when the body is
-/// not a JSON object, or `model` is absent or not a string. Parses the whole body: for the
-/// error path only.
+/// API's, a malformed message, a repeated top-level field), so that a request routed by
+/// load alone still goes to an endpoint that serves its model, and an error reply can name
+/// it. When `model` is repeated, the last one counts, as Python's `json` (so vLLM's and
+/// SGLang's pydantic request models) reads such a body. `None` when the body is not a JSON
+/// object, or its (last) `model` is absent or not a string; a `model` key nested inside
+/// another value does not count. Parses the whole body, keeping no value but the model's:
+/// for the error path only.
 pub fn requested_model(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct M {
-        model: Option<String>,
+    use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
+    use std::fmt;
+
+    /// Whether an object key (escapes decoded) is `model`, without keeping it.
+    struct IsModel(bool);
+    impl<'de> serde::Deserialize<'de> for IsModel {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Key;
+            impl Visitor<'_> for Key {
+                type Value = IsModel;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("an object key")
+                }
+                fn visit_str<E: serde::de::Error>(self, k: &str) -> Result<IsModel, E> {
+                    Ok(IsModel(k == "model"))
+                }
+            }
+            d.deserialize_str(Key)
+        }
     }
-    serde_json::from_slice::<M>(body).ok()?.model
+
+    /// The top-level object's last `model` value, when a string.
+    struct LastModel;
+    impl<'de> Visitor<'de> for LastModel {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut model = None;
+            while let Some(IsModel(is_model)) = map.next_key()? {
+                if is_model {
+                    model = match map.next_value::<serde_json::Value>()? {
+                        serde_json::Value::String(s) => Some(s),
+                        _ => None,
+                    };
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(model)
+        }
+    }
+
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let model = de.deserialize_map(LastModel).ok()?;
+    de.end().ok()?;
+    model
 }
 
 /// Which OpenAI-compatible API a request targets, derived from the request path.

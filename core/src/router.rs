@@ -1153,6 +1153,47 @@ mod tests {
         assert_eq!(route(&d).endpoint, "pool/e0");
     }
 
+    /// A body with a repeated top-level `model` is one the analysis rejects but vLLM takes
+    /// (Python's `json`: the last one counts): routed by load among the endpoints serving
+    /// that last model, never to one that does not serve it, and named in the outcome.
+    #[test]
+    fn a_repeated_model_key_routes_among_the_last_models_endpoints() {
+        let mut r = router(PolicyKind::LeastRequest);
+        let mut a = ep(0, 0.1);
+        a.models = vec!["model-a".into()];
+        let mut b = ep(1, 0.1);
+        b.models = vec!["model-b".into()];
+        b.running = 50;
+        let snap = Snapshot::new(1, NOW, vec![a, b]);
+        let t = InflightTable::default();
+        let p = "/v1/chat/completions";
+        for body in [
+            &br#"{"model":"model-b","model":"model-b","messages":[]}"#[..],
+            br#"{"model":"model-a","messages":[{"role":"user","content":"hi"}],"model":"model-b"}"#,
+        ] {
+            let d = r.route(&snap, &t, p, Some(body), NOW);
+            let text = String::from_utf8_lossy(body);
+            assert_eq!(
+                d.basis,
+                Basis::LoadOnly(LoadOnlyCause::Unparsable),
+                "{text}"
+            );
+            assert_eq!(route(&d).endpoint, "pool/e1", "{text}");
+            assert_eq!(route(&d).facts.model.as_deref(), Some("model-b"), "{text}");
+        }
+        let body = br#"{"model":"model-c","model":"model-c","messages":[]}"#;
+        let d = r.route(&snap, &t, p, Some(body), NOW);
+        assert_eq!(d.outcome, Outcome::UnknownModel("model-c".into()));
+        let down = |mut e: EndpointStats| {
+            e.healthy = false;
+            e
+        };
+        let sick = Snapshot::new(2, NOW, snap.endpoints.iter().cloned().map(down).collect());
+        let body = br#"{"model":"model-b","model":"model-b","messages":[]}"#;
+        let d = r.route(&sick, &t, p, Some(body), NOW);
+        assert_eq!(d.outcome, Outcome::NoEndpoints(Some("model-b".into())));
+    }
+
     /// A model no endpoint lists is the client's error (404); a listed model whose endpoints
     /// are all unhealthy is the fleet's (503). LoRA adapters count as listed models.
     #[test]

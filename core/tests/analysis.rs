@@ -464,6 +464,47 @@ fn requested_model_reads_only_the_model() {
     }
 }
 
+/// A repeated top-level `model` is read as Python's `json` (so vLLM's pydantic request
+/// models) reads it: the last one counts, whether it repeats the same name or another, and
+/// a last one that is not a string names no model. Keys are compared decoded
+/// (`mod\u0065l` is `model`); a `model` key inside another value is not the request's.
+#[test]
+fn requested_model_takes_the_last_top_level_model() {
+    use kvroute_core::analysis::requested_model;
+    let dup = br#"{"model":"other","model":"other","messages":[]}"#;
+    assert!(analyze(ApiKind::ChatCompletions, dup, &Estimator::default()).is_err());
+    for (body, want) in [
+        (&dup[..], Some("other")),
+        (br#"{"model":"a","messages":[],"model":"b"}"#, Some("b")),
+        (br#"{"model":"a","model":"b"}"#, Some("b")),
+        (br#"{"model":"a"}"#, Some("a")),
+        (
+            br#"{"stream":true,"n":"1","messages":[{"role":"user","content":"hi"}],"model":"m"}"#,
+            Some("m"),
+        ),
+        (
+            br#"{"messages":[{"role":"user","content":"hi","model":"x"}],"model":"m","tools":[{"model":"y"}]}"#,
+            Some("m"),
+        ),
+        (
+            br#"{"messages":[{"role":"user","content":"hi","model":"x"}],"extra":{"model":"y"}}"#,
+            None,
+        ),
+        (br#"{"model":"a","model":7}"#, None),
+        (br#"{"model":"a","model":null}"#, None),
+        (br#"{"model":"a","model":{"name":"b"}}"#, None),
+        (br#"{"model":7,"model":"b"}"#, Some("b")),
+        (br#"{"model":"a","model":"b"} x"#, None),
+    ] {
+        assert_eq!(
+            requested_model(body).as_deref(),
+            want,
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+}
+
 /// Integer fields take a number with no fractional part (`256.0`, `2.56e2`), as vLLM's and
 /// SGLang's pydantic request models do; a fraction, a negative number or a string is still an
 /// error.

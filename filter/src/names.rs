@@ -3,6 +3,10 @@
 pub use kvroute_core::plugin_config::ENDPOINT_HEADER;
 /// Debug header carrying the decision reason (when `debug_header` is on).
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// [`DECISION_HEADER`]'s value for a request that fell open to Envoy's default route (no
+/// snapshot yet, or an internal error, with `fail_open` on): decided at once or resumed
+/// from the admission queue.
+pub const FAIL_OPEN_REASON: &str = "fail_open";
 /// Property holding the decision record (when `decision_record` is on); Envoy keeps it as
 /// filter state `wasm.kvroute_decision`, read in access logs with
 /// `%FILTER_STATE(wasm.kvroute_decision:PLAIN)%`.

@@ -22,7 +22,7 @@
 //! are picked with zero prompt tokens: the policy then ranks by load alone.
 
 use crate::host::{Host, Level, MetricKind};
-use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY};
+use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY, FAIL_OPEN_REASON};
 use crate::shared::SnapshotCache;
 use crate::sharing::{Journal, Synced};
 use kvroute_core::admission::AdmissionQueue;
@@ -90,6 +90,19 @@ pub enum Decision {
     FailOpen(String),
 }
 
+/// A parked request the admission tick resumed, for its stream to adopt when it next runs
+/// ([`Worker::resumed`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resumed {
+    /// The reservation, facts and decision time (Unix ms) of a routed one; `None` for one
+    /// resumed unrouted (fail open).
+    pub route: Option<(Held, RequestFacts, u64)>,
+    /// Its decision reason, kept by the stream for the response's `x-kvroute-decision` as a
+    /// request decided at once keeps its own: [`Routed::reason`] (empty unless
+    /// `debug_header` or `decision_record` is on), or [`FAIL_OPEN_REASON`].
+    pub reason: String,
+}
+
 /// A request parked in the admission queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parked {
@@ -97,7 +110,8 @@ pub struct Parked {
     pub context_id: u32,
     /// Request path.
     pub path: String,
-    /// Request body (empty when decided without it).
+    /// Request body (empty for a request that has none: one whose body the filter does
+    /// not read is never parked).
     pub body: Vec<u8>,
 }
 
@@ -132,10 +146,8 @@ pub struct Worker {
     seq: u32,
     /// Admission queue.
     pub admission: AdmissionQueue<Parked>,
-    /// Parked requests the tick resumed, by context id, for their streams to adopt: the
-    /// reservation, facts and decision time of a routed one; `None` for one resumed
-    /// unrouted (fail open).
-    pub resumed: BTreeMap<u32, Option<(Held, RequestFacts, u64)>>,
+    /// Parked requests the tick resumed, by context id, for their streams to adopt.
+    pub resumed: BTreeMap<u32, Resumed>,
     /// This worker's number among the proxy's workers (writer id in the shared journals).
     worker_number: u32,
     /// Last sequence number seen in the affinity journal.
@@ -778,8 +790,9 @@ impl Worker {
                 Decision::Route(mut routed) => {
                     self.admission.pop();
                     let held = self.apply_route(host, &mut routed);
-                    self.resumed
-                        .insert(p.context_id, Some((held, routed.route.facts.clone(), now)));
+                    let Routed { reason, route, .. } = *routed;
+                    let route = Some((held, route.facts, now));
+                    self.resumed.insert(p.context_id, Resumed { route, reason });
                     host.resume_request();
                     resumed += 1;
                 }
@@ -797,7 +810,11 @@ impl Worker {
                     // `fail_open` allows it, and then its stream must know it left the queue
                     // (the rest of a body past `max_body_bytes` flows only then).
                     if self.config.fail_open {
-                        self.resumed.insert(p.context_id, None);
+                        let unrouted = Resumed {
+                            route: None,
+                            reason: FAIL_OPEN_REASON.to_owned(),
+                        };
+                        self.resumed.insert(p.context_id, unrouted);
                         host.resume_request();
                         resumed += 1;
                     } else {

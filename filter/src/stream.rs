@@ -8,6 +8,10 @@
 //! 2. body: keep pausing until end of stream (if the buffered size passes `max_body_bytes`,
 //!    decide by load alone and continue), then read the body and decide.
 //!
+//! A saturated request (admission on) is held in the admission queue only when its body was
+//! read or it has none: one whose body follows unread streams once decided, and holding it
+//! would make Envoy buffer that body until its own 413, so it is answered 429 at once.
+//!
 //! Response side: never buffered, and its headers are not read (only a body-less
 //! response's `:status`). The time from decision to response headers is recorded as TTFB,
 //! and the router's sampler chooses whether this response is read for `usage`
@@ -28,9 +32,9 @@
 //! Role `ingest` has its own stream type: [`crate::ingest::IngestStream`].
 
 use crate::host::{Host, Level, MetricKind};
-use crate::names::{metric, DECISION_HEADER};
+use crate::names::{metric, DECISION_HEADER, FAIL_OPEN_REASON};
 use crate::reply::{self, LocalReply};
-use crate::router::{Decision, Held, Parked, RequestFacts, Routed, Worker};
+use crate::router::{Decision, Held, Parked, RequestFacts, Resumed, Routed, Worker};
 use kvroute_core::usage::{self, BodyFraming, FirstTokenScanner, SseUsageScanner};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -91,6 +95,32 @@ struct AwaitFirstToken {
     scanner: FirstTokenScanner,
     /// Chunks looked at so far.
     chunks: u32,
+}
+
+/// What a decision has of the request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body<'a> {
+    /// There is none (end of stream at the request headers). Nothing follows for Envoy to
+    /// buffer, so a saturated request of this kind can be held in the admission queue.
+    None,
+    /// One follows that the filter does not read: over `max_body_bytes` (declared, or
+    /// buffered past it), `Content-Encoding`, or an upgrade's. It is routed by load alone
+    /// and streams once decided; it is never held, since a paused stream makes Envoy
+    /// buffer the body until `per_connection_buffer_limit_bytes`, where Envoy answers its
+    /// own 413.
+    Unread,
+    /// The whole body, read (Envoy buffered it).
+    Read(&'a [u8]),
+}
+
+impl<'a> Body<'a> {
+    /// The body the router reads: `None` when it has none to read.
+    fn read(self) -> Option<&'a [u8]> {
+        match self {
+            Body::Read(b) => Some(b),
+            Body::None | Body::Unread => None,
+        }
+    }
 }
 
 /// Per-stream state.
@@ -194,8 +224,11 @@ impl Stream {
         let too_big = get("content-length")
             .and_then(|l| l.trim().parse::<u64>().ok())
             .is_some_and(|l| l > max as u64);
-        if end_of_stream || upgrade || encoded || too_big {
-            return self.decide(host, None);
+        if end_of_stream {
+            return self.decide(host, Body::None);
+        }
+        if upgrade || encoded || too_big {
+            return self.decide(host, Body::Unread);
         }
         Flow::Pause
     }
@@ -218,13 +251,13 @@ impl Stream {
         }
         let max = self.worker.borrow().config.max_body_bytes;
         if buffered > max {
-            return self.decide(host, None);
+            return self.decide(host, Body::Unread);
         }
         if !end_of_stream {
             return Flow::Pause;
         }
         let body = host.request_body(buffered).unwrap_or_default();
-        self.decide(host, Some(&body))
+        self.decide(host, Body::Read(&body))
     }
 
     /// Request trailers arrived (HTTP/2, or HTTP/1 chunked with trailers enabled): the body
@@ -241,17 +274,17 @@ impl Stream {
             return Flow::Continue;
         }
         let body = host.request_body(self.body_len).unwrap_or_default();
-        self.decide(host, Some(&body))
+        self.decide(host, Body::Read(&body))
     }
 
-    fn decide<H: Host>(&mut self, host: &H, body: Option<&[u8]>) -> Flow {
+    fn decide<H: Host>(&mut self, host: &H, body: Body<'_>) -> Flow {
         self.decided = true;
         // One clock read serves the decision, the reservation and the TTFB start.
         let started = host.now_us();
-        let decision = self
-            .worker
-            .borrow_mut()
-            .decide(host, &self.path, body, started / 1_000);
+        let decision =
+            self.worker
+                .borrow_mut()
+                .decide(host, &self.path, body.read(), started / 1_000);
         let flow = self.apply(host, decision, body);
         host.metric_record(
             MetricKind::Histogram,
@@ -261,7 +294,7 @@ impl Stream {
         flow
     }
 
-    fn apply<H: Host>(&mut self, host: &H, decision: Decision, body: Option<&[u8]>) -> Flow {
+    fn apply<H: Host>(&mut self, host: &H, decision: Decision, body: Body<'_>) -> Flow {
         let (fail_open, admission) = {
             let w = self.worker.borrow();
             (w.config.fail_open, w.config.admission.clone())
@@ -297,8 +330,15 @@ impl Stream {
                 Flow::Pause
             }
             Decision::NoCapacity { priority, size } => {
-                if admission.enabled {
-                    let body = body.unwrap_or_default();
+                // A body the filter does not read is never held ([`Body::Unread`]): it gets
+                // the 429 of a full queue.
+                if admission.enabled && body == Body::Unread {
+                    host.log(
+                        Level::Debug,
+                        "kvroute: saturated, not held: its body is not read (Envoy would buffer it)",
+                    );
+                } else if admission.enabled {
+                    let body = body.read().unwrap_or_default();
                     let bytes = Parked::bytes_of(&self.path, body);
                     let now = host.now_ms();
                     let pushed = {
@@ -343,7 +383,7 @@ impl Stream {
                 host.metric_add(MetricKind::Counter, metric::FAIL_OPEN, 1);
                 host.log(Level::Debug, &format!("kvroute: fail open: {why}"));
                 if fail_open {
-                    self.reason = "fail_open".into();
+                    self.reason = FAIL_OPEN_REASON.into();
                     Flow::Continue
                 } else {
                     let ra = self.worker.borrow().config.admission.retry_after_s;
@@ -610,9 +650,10 @@ impl Stream {
     fn adopt_resumed<H: Host>(&mut self, host: &H) {
         if self.queued {
             let got = self.worker.borrow_mut().resumed.remove(&self.context_id);
-            if let Some(routed) = got {
+            if let Some(Resumed { route, reason }) = got {
                 self.queued = false;
-                if let Some((held, facts, at)) = routed {
+                self.reason = reason;
+                if let Some((held, facts, at)) = route {
                     self.held = Some(held);
                     self.facts = facts;
                     self.decided_at_ms = at;
@@ -650,7 +691,7 @@ impl Stream {
 mod tests {
     use super::*;
     use crate::host::mock::MockHost;
-    use crate::names::metric;
+    use crate::names::{metric, DECISION_PROPERTY};
     use crate::router::UPSTREAM_CHECK_MS;
     use crate::shared;
     use kvroute_core::plugin_config::Config;
@@ -1681,6 +1722,39 @@ mod tests {
         assert_eq!(w.borrow().admission.len(), 0);
     }
 
+    /// A request held while saturated and resumed by the tick carries its real decision
+    /// reason, as one decided at once does: the tick sets it on the upstream request and as
+    /// the decision record, and the stream adopts it for the response's
+    /// `x-kvroute-decision`.
+    #[test]
+    fn a_resumed_request_carries_its_decision_reason() {
+        let cfg = r#"{"debug_header":true,"decision_record":true,
+            "picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        assert_eq!(w.borrow_mut().tick(&h), 0, "still saturated");
+        assert_eq!(h.header(DECISION_HEADER), None);
+        shared::publish_snapshot(
+            &h,
+            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
+        )
+        .unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 1);
+        // The tick decided on the held stream's context (the mock's root host here).
+        let reason = h.header(DECISION_HEADER).unwrap();
+        assert_eq!(
+            reason.split_once(";top=").map(|(head, _)| head),
+            Some("policy:least_kv;endpoint=pool/e1")
+        );
+        assert_eq!(h.property(&[DECISION_PROPERTY]), Some(reason.clone()));
+        assert_eq!(s.on_response_headers(&r, false), Flow::Continue);
+        assert_eq!(r.response_header(DECISION_HEADER), Some(reason));
+        s.on_done(&r);
+    }
+
     /// A held request whose body does not parse is decided by load alone, again at every
     /// tick: its parse error and load-only basis are counted once, at its first decision,
     /// not once per tick.
@@ -1856,36 +1930,88 @@ mod tests {
         s.worker.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
     }
-
-    /// A request parked in the admission queue after its body passed `max_body_bytes` must
-    /// stay paused when more body (or trailers) arrives: it continues only on resume.
+    /// A saturated request whose body the filter does not read (over `max_body_bytes`,
+    /// buffered past it or declared; `Content-Encoding`; an upgrade) is never held, even
+    /// with admission on: its paused stream would make Envoy buffer the body until
+    /// `per_connection_buffer_limit_bytes`, then answer its own text 413. It gets the 429
+    /// of a full queue at once, with `retry-after`, counted as rejected; the rest of its
+    /// body stays paused (answered). A request with no body has nothing to buffer and is
+    /// still held, then resumed when capacity frees.
     #[test]
-    fn parked_oversized_request_stays_paused_on_more_body() {
+    fn saturated_requests_whose_body_is_not_read_are_answered_not_held() {
         let cfg = r#"{"max_body_bytes":16,"picker":{"policy":"least_kv","min_kv_headroom":0.5},
             "admission":{"enabled":true}}"#;
         let (h, w) = setup(cfg, vec![ep(0, 0.95)]);
+        let answered_429 = |r: &MockHost, what: &str| {
+            let replies = r.replies();
+            assert_eq!(replies.len(), 1, "{what}");
+            assert_eq!(replies[0].status, 429, "{what}");
+            assert!(
+                replies[0]
+                    .headers
+                    .contains(&("retry-after".into(), "1".into())),
+                "{what}"
+            );
+            assert_eq!(
+                String::from_utf8(replies[0].body.clone()).unwrap(),
+                reply::saturated(1).body,
+                "{what}"
+            );
+        };
+        // Buffered past `max_body_bytes`: decided by load, answered, and kept paused.
         let r = request(&h, "/v1/chat/completions", BODY);
         let mut s = Stream::new(w.clone(), 9);
         assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
         assert_eq!(s.on_request_body(&r, 20, false), Flow::Pause);
-        assert_eq!(w.borrow().admission.len(), 1, "parked");
-        assert_eq!(
-            w.borrow().admission.held_bytes(),
-            20,
-            "`/v1/chat/completions` only: the body was not read"
-        );
+        answered_429(&r, "buffered past max_body_bytes");
         assert_eq!(s.on_request_body(&r, 40, false), Flow::Pause);
         assert_eq!(s.on_request_trailers(&r), Flow::Pause);
-        // Capacity frees: the tick resumes it; the rest of the body then flows.
+        s.on_done(&r);
+        // Decided at the headers, with a body that follows.
+        for (ctx, (k, v)) in [
+            (10, ("content-length", "101")),
+            (11, ("content-encoding", "gzip")),
+            (12, ("upgrade", "websocket")),
+        ] {
+            let r = request(&h, "/v1/chat/completions", BODY).with_header(k, v);
+            let mut s = Stream::new(w.clone(), ctx);
+            assert_eq!(s.on_request_headers(&r, false), Flow::Pause, "{k}");
+            answered_429(&r, k);
+            s.on_done(&r);
+        }
+        assert_eq!(w.borrow().admission.len(), 0);
+        assert_eq!(h.metric(metric::QUEUED), 0);
+        assert_eq!(h.metric(metric::REJECTED), 4);
+        assert_eq!(h.metric(metric::QUEUE_LENGTH), 0);
+        assert_eq!(
+            h.logs.borrow().last().map(String::as_str),
+            Some("kvroute: saturated, not held: its body is not read (Envoy would buffer it)")
+        );
+        // No body at all (end of stream at the headers): held, its path only, then resumed.
+        let r = request(&h, "/v1/chat/completions", b"");
+        let mut s = Stream::new(w.clone(), 13);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
+        assert!(r.replies().is_empty());
+        assert_eq!(
+            (
+                w.borrow().admission.len(),
+                w.borrow().admission.held_bytes()
+            ),
+            (1, "/v1/chat/completions".len())
+        );
+        assert_eq!(h.metric(metric::QUEUED), 1);
         shared::publish_snapshot(&h, &Snapshot::new(2, NOW, vec![ep(0, 0.1)]).encode()).unwrap();
         assert_eq!(w.borrow_mut().tick(&h), 1);
-        assert_eq!(w.borrow().admission.len(), 0);
-        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(
+            h.ctx_events.borrow().clone(),
+            vec![(13, "resume".to_string())]
+        );
         assert_eq!(h.metric(metric::RESERVED), 1);
+        s.on_response_headers(&r, false);
         s.on_done(&r);
-        // Releases reach the other workers (and the counter) with the tick.
-        s.worker.borrow_mut().publish_inflight(&h, NOW);
+        s_flush(&w, &h);
         assert_eq!(h.metric(metric::RELEASED), 1);
+        assert_eq!(h.metric(metric::REJECTED), 4);
     }
 
     #[test]
@@ -2096,24 +2222,24 @@ mod tests {
         assert_eq!(held(&h), 0);
         assert_eq!(h.metric(metric::RELEASED), 1);
     }
-
     /// A parked request whose re-decision in the tick fails open (its snapshot became
     /// unreadable) follows `fail_open` as a request decided at once does: resumed unrouted,
-    /// and then the rest of its body (past `max_body_bytes`) flows; with `fail_open: false`
-    /// answered 503. Before, it was resumed whatever `fail_open` said, and its stream,
-    /// never told it left the queue, paused the rest of its body for good.
+    /// its stream told it left the queue, and its response marked `fail_open` with
+    /// `debug_header`; with `fail_open: false` answered 503. Before, it was resumed
+    /// whatever `fail_open` said, and its stream, never told it left the queue, paused the
+    /// rest of its body for good.
     #[test]
     fn a_parked_request_that_fails_open_in_the_tick_follows_fail_open() {
         for fail_open in [true, false] {
             let cfg = format!(
-                r#"{{"max_body_bytes":16,"fail_open":{fail_open},
+                r#"{{"debug_header":true,"fail_open":{fail_open},
                 "picker":{{"policy":"least_kv","min_kv_headroom":0.5}},"admission":{{"enabled":true}}}}"#
             );
             let (h, w) = setup(&cfg, vec![ep(0, 0.95)]);
             let r = request(&h, "/v1/chat/completions", BODY);
             let mut s = Stream::new(w.clone(), 9);
             s.on_request_headers(&r, false);
-            assert_eq!(s.on_request_body(&r, 20, false), Flow::Pause);
+            assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
             assert_eq!(w.borrow().admission.len(), 1, "parked");
             // A newer version whose bytes do not decode.
             shared::publish_snapshot(&h, &Snapshot::new(2, NOW, vec![ep(0, 0.1)]).encode())
@@ -2129,8 +2255,11 @@ mod tests {
                     h.ctx_events.borrow().clone(),
                     vec![(9, "resume".to_string())]
                 );
-                assert_eq!(s.on_request_body(&r, 40, false), Flow::Continue);
-                assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+                assert_eq!(s.on_response_headers(&r, false), Flow::Continue);
+                assert_eq!(
+                    r.response_header(DECISION_HEADER).as_deref(),
+                    Some("fail_open")
+                );
             } else {
                 assert_eq!(resumed, 0);
                 assert_eq!(

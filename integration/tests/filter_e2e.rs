@@ -373,7 +373,7 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
         route_config: concat!(
             r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
             r#""admission":{"enabled":true,"timeout_ms":1500,"tick_ms":20,"retry_after_s":2,"#,
-            r#""max_queue_bytes":4096}"#
+            r#""max_queue_bytes":4096},"debug_header":true"#
         )
         .into(),
         ..FleetOptions::default()
@@ -400,6 +400,11 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     let r = held.await.unwrap().unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-backend"), Some("b1"));
+    // Resumed by the tick, it carries the decision that resumed it, as any routed request.
+    assert_eq!(
+        r.header("x-kvroute-decision"),
+        Some("policy:least_kv;endpoint=pool/e1")
+    );
 
     fleet.push_usages(3, &[0.95, 0.97]).await.unwrap();
     let started = std::time::Instant::now();

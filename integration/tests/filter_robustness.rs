@@ -1,6 +1,7 @@
 //! kvroute filter in real Envoy: herd protection across workers, reservations released on
 //! aborts, slow uploads, staleness fallback, oversized and compressed bodies (a chunked one
-//! too, against Envoy's buffer limit), and every shared request body plus malformed JSON
+//! too, against Envoy's buffer limit, and one answered 429 while every endpoint is
+//! saturated), and every shared request body plus malformed JSON
 //! without a filter-made 5xx or a VM failure.
 
 use kvroute_core::snapshot::Snapshot;
@@ -351,6 +352,78 @@ async fn chunked_upload_past_max_body_is_routed_by_load_when_envoy_buffers_more(
     let (status, served, _) = chunked_past_max_body(131_072).await.unwrap();
     assert_eq!(status, "HTTP/1.1 413 Payload Too Large");
     assert_eq!(served, None);
+}
+
+/// Every endpoint saturated, admission on: a body the filter does not read (over
+/// `max_body_bytes`, declared by `Content-Length` or buffered past it in a chunked upload)
+/// is answered OpenAI's 429 at once, counted as rejected, never held. Held, its paused
+/// stream made Envoy buffer the body until `per_connection_buffer_limit_bytes` and answer
+/// its own `413 text/plain` "Payload Too Large".
+#[tokio::test]
+async fn a_saturated_body_past_max_body_is_answered_429_not_held() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: concat!(
+            r#""max_body_bytes":131072,"picker":{"policy":"least_kv","stale_after_ms":60000,"#,
+            r#""min_kv_headroom":0.5},"admission":{"enabled":true,"timeout_ms":5000,"retry_after_s":2}"#
+        )
+        .into(),
+        buffer_limit: 262_144,
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    fleet.push_usages(1, &[0.9, 0.9]).await.unwrap();
+    let body = chat(&"word ".repeat(120_000));
+    assert_eq!(body.len(), 600_071);
+    let declared = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut by_length: Vec<Vec<u8>> = vec![declared.into_bytes()];
+    by_length.extend(body.chunks(32 * 1024).map(<[u8]>::to_vec));
+    let chunked_head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    let mut chunked: Vec<Vec<u8>> = vec![chunked_head.to_vec()];
+    chunked.extend(body.chunks(32 * 1024).map(http_chunk));
+    chunked.push(b"0\r\n\r\n".to_vec());
+    for (what, parts) in [("content-length", by_length), ("chunked", chunked)] {
+        let started = std::time::Instant::now();
+        // Written by hand: the reply closes the connection mid-upload, and the writes
+        // after it fail.
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", fleet.port))
+            .await
+            .unwrap();
+        for p in &parts {
+            if conn.write_all(p).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut reply = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut reply)).await;
+        let got = String::from_utf8_lossy(&reply);
+        let (head, text) = got.split_once("\r\n\r\n").unwrap_or((&got, ""));
+        assert_eq!(
+            head.lines().next(),
+            Some("HTTP/1.1 429 Too Many Requests"),
+            "{what}: {got}"
+        );
+        assert!(
+            head.to_ascii_lowercase().contains("\r\nretry-after: 2\r\n"),
+            "{what}: {head}"
+        );
+        assert_eq!(
+            text,
+            r#"{"error":{"code":"saturated","message":"Every endpoint serving this model is out of KV-cache capacity; retry later.","param":null,"type":"rate_limit_error"}}"#,
+            "{what}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{what}: not held"
+        );
+    }
+    assert_eq!(fleet.counts(), vec![0, 0]);
+    assert_eq!(fleet.custom("kvroute.outcome.rejected").await.unwrap(), 2);
+    assert_eq!(fleet.custom("kvroute.outcome.queued").await.unwrap(), 0);
 }
 
 #[tokio::test]
