@@ -86,6 +86,9 @@ struct EnvoyView {
     /// kvroute plugin configurations the filter refuses (Envoy then refuses the plugin),
     /// each with where it is.
     invalid: Vec<String>,
+    /// Whether the file has `static_resources` (an Envoy bootstrap with its listeners and
+    /// clusters written out, the only kind the cross-check reads).
+    bootstrap: bool,
 }
 
 /// One valid kvroute filter configuration of an Envoy config, and its listener.
@@ -107,6 +110,7 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
         serde_yaml_ng::from_str(yaml).map_err(|e| format!("Envoy config is not YAML: {e}"))?;
     let mut view = EnvoyView::default();
     let sr = v.get("static_resources");
+    view.bootstrap = sr.is_some();
     for c in sr
         .and_then(|s| s.get("clusters"))
         .and_then(|c| c.as_sequence())
@@ -344,6 +348,14 @@ pub fn check(
             };
         }
     };
+    if !view.bootstrap {
+        out.push(Finding::Note(
+            "the Envoy config has no `static_resources`: `--envoy-config` cross-checks an Envoy \
+             bootstrap's listeners and clusters; Istio resources (EnvoyFilter, WasmPlugin) and \
+             configuration Envoy gets over xDS are not checked"
+                .into(),
+        ));
+    }
     for e in &view.invalid {
         out.push(Finding::Error(format!(
             "the Envoy config's kvroute filter on {e}"
@@ -826,6 +838,25 @@ mod tests {
                  to at least twice `max_body_bytes` (docs/filter.md)"
                     .into()
             )]
+        );
+    }
+
+    /// A file without `static_resources` (an Istio EnvoyFilter) is said not to be
+    /// cross-checked, instead of passing with nothing matched and no word why.
+    #[test]
+    fn a_file_without_static_resources_is_said_not_to_be_checked() {
+        let istio = "apiVersion: networking.istio.io/v1alpha3\nkind: EnvoyFilter\nmetadata: {name: kvroute}\n";
+        assert_eq!(
+            endpoint_check("127.0.0.1:8001", istio),
+            (
+                vec![Finding::Note(
+                    "the Envoy config has no `static_resources`: `--envoy-config` cross-checks \
+                     an Envoy bootstrap's listeners and clusters; Istio resources (EnvoyFilter, \
+                     WasmPlugin) and configuration Envoy gets over xDS are not checked"
+                        .into()
+                )],
+                vec![]
+            )
         );
     }
 
