@@ -658,7 +658,13 @@ mod tests {
     /// What `--check` says about [`MISSING_CLUSTER`] and `envoy_yaml` (with the right
     /// ingest token): the findings after the ingest-token note, and what matched.
     fn cluster_check(envoy_yaml: &str) -> (Vec<Finding>, Vec<&'static str>) {
-        let (raw, config) = parsed(MISSING_CLUSTER);
+        envoy_check(MISSING_CLUSTER, envoy_yaml)
+    }
+
+    /// What `--check` says about the config `yaml` and `envoy_yaml`, with the right ingest
+    /// token: the findings after the ingest-token note, and what matched.
+    fn envoy_check(yaml: &str, envoy_yaml: &str) -> (Vec<Finding>, Vec<&'static str>) {
+        let (raw, config) = parsed(yaml);
         let r = check(
             &raw,
             &config,
@@ -736,17 +742,12 @@ mod tests {
     /// What `--check` says about one endpoint at `address` (cluster `c`) against
     /// `envoy_yaml`, with the right ingest token: the findings after the token note.
     fn endpoint_check(address: &str, envoy_yaml: &str) -> (Vec<Finding>, Vec<&'static str>) {
-        let (raw, config) = parsed(&format!(
-            "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: '{address}'\n        cluster: c\n"
-        ));
-        let r = check(
-            &raw,
-            &config,
-            Some("tok-0123456789abcdef"),
-            None,
-            Some(envoy_yaml),
-        );
-        (r.findings[1..].to_vec(), r.envoy_matched)
+        envoy_check(
+            &format!(
+                "pools:\n  - name: p\n    endpoints:\n      - name: a\n        address: '{address}'\n        cluster: c\n"
+            ),
+            envoy_yaml,
+        )
     }
 
     /// A kvroute plugin configuration the filter refuses (and Envoy with it) is an error

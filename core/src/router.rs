@@ -1114,17 +1114,23 @@ mod tests {
         assert_eq!(route(&d).endpoint, "pool/e0");
     }
 
-    /// A body the analysis rejects is routed by load among the endpoints serving the model it
-    /// names; a model nobody serves is still unknown.
-    #[test]
-    fn an_unparsable_body_keeps_its_model() {
-        let mut r = router(PolicyKind::LeastRequest);
+    /// `pool/e0` serving `model-a` and `pool/e1` serving `model-b`, the busier by load (50
+    /// running).
+    fn two_models() -> Snapshot {
         let mut a = ep(0, 0.1);
         a.models = vec!["model-a".into()];
         let mut b = ep(1, 0.1);
         b.models = vec!["model-b".into()];
         b.running = 50;
-        let snap = Snapshot::new(1, NOW, vec![a, b]);
+        Snapshot::new(1, NOW, vec![a, b])
+    }
+
+    /// A body the analysis rejects is routed by load among the endpoints serving the model it
+    /// names; a model nobody serves is still unknown.
+    #[test]
+    fn an_unparsable_body_keeps_its_model() {
+        let mut r = router(PolicyKind::LeastRequest);
+        let snap = two_models();
         let t = InflightTable::default();
         let p = "/v1/chat/completions";
         let body = |model: &str| {
@@ -1159,12 +1165,7 @@ mod tests {
     #[test]
     fn a_repeated_model_key_routes_among_the_last_models_endpoints() {
         let mut r = router(PolicyKind::LeastRequest);
-        let mut a = ep(0, 0.1);
-        a.models = vec!["model-a".into()];
-        let mut b = ep(1, 0.1);
-        b.models = vec!["model-b".into()];
-        b.running = 50;
-        let snap = Snapshot::new(1, NOW, vec![a, b]);
+        let snap = two_models();
         let t = InflightTable::default();
         let p = "/v1/chat/completions";
         for body in [

@@ -28,6 +28,23 @@ async fn assert_no_leak(fleet: &Fleet) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Send `parts` to the proxy on `port`, 5 ms apart, and read its reply until it closes
+/// (at most 5 s): the reply as text. Written by hand, not by `raw_exchange`: a reply sent
+/// mid-upload (a 413 or a 429) closes the connection, and the writes after it fail, which
+/// ends the upload.
+async fn upload_in_parts(port: u16, parts: &[Vec<u8>]) -> std::io::Result<String> {
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    for p in parts {
+        if conn.write_all(p).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut reply = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut reply)).await;
+    Ok(String::from_utf8_lossy(&reply).into_owned())
+}
+
 #[tokio::test]
 async fn herd_of_identical_requests_is_spread() {
     let fleet = Fleet::start(FleetOptions {
@@ -318,18 +335,7 @@ async fn chunked_past_max_body(
     let mut parts: Vec<Vec<u8>> = vec![head.to_vec()];
     parts.extend(body.chunks(32 * 1024).map(http_chunk));
     parts.push(b"0\r\n\r\n".to_vec());
-    // Written by hand, not by `raw_exchange`: Envoy's 413 closes the connection mid-upload,
-    // and the writes after it fail.
-    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", fleet.port)).await?;
-    for p in &parts {
-        if conn.write_all(p).await.is_err() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let mut reply = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut reply)).await;
-    let got = String::from_utf8_lossy(&reply);
+    let got = upload_in_parts(fleet.port, &parts).await?;
     let status = got.lines().next().unwrap_or_default().to_owned();
     let served = fleet
         .backends
@@ -387,20 +393,7 @@ async fn a_saturated_body_past_max_body_is_answered_429_not_held() {
     chunked.push(b"0\r\n\r\n".to_vec());
     for (what, parts) in [("content-length", by_length), ("chunked", chunked)] {
         let started = std::time::Instant::now();
-        // Written by hand: the reply closes the connection mid-upload, and the writes
-        // after it fail.
-        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", fleet.port))
-            .await
-            .unwrap();
-        for p in &parts {
-            if conn.write_all(p).await.is_err() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let mut reply = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut reply)).await;
-        let got = String::from_utf8_lossy(&reply);
+        let got = upload_in_parts(fleet.port, &parts).await.unwrap();
         let (head, text) = got.split_once("\r\n\r\n").unwrap_or((&got, ""));
         assert_eq!(
             head.lines().next(),
