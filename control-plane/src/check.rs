@@ -403,28 +403,22 @@ pub fn check(
         }
     }
     for f in &view.route {
-        let max = f.config.max_body_bytes as u64;
-        let (limit, source) = f.buffer_limit();
-        if limit < max {
+        let max = f.config.max_body_bytes;
+        if let Some(head) = f.buffer_below(max) {
             out.push(Finding::Note(format!(
-                "{}: `per_connection_buffer_limit_bytes` is {limit} bytes{source}, below the kvroute \
-                 filter's `max_body_bytes` ({max}): Envoy answers its own 413 to a body between \
-                 the two instead of letting the filter route it by load; set the limit to at \
-                 least twice `max_body_bytes` (docs/filter.md)",
-                f.listener
+                "{head} the kvroute filter's `max_body_bytes` ({max}): Envoy answers its own 413 \
+                 to a body between the two instead of letting the filter route it by load; set \
+                 the limit to at least twice `max_body_bytes` (docs/filter.md)"
             )));
         }
     }
     for f in &view.ingest {
-        let max = f.config.ingest_max_bytes as u64;
-        let (limit, source) = f.buffer_limit();
-        if limit < max {
+        let max = f.config.ingest_max_bytes;
+        if let Some(head) = f.buffer_below(max) {
             out.push(Finding::Error(format!(
-                "{}: `per_connection_buffer_limit_bytes` is {limit} bytes{source}, below the ingest \
-                 filter's `ingest_max_bytes` ({max}): Envoy answers its own 413 to a snapshot \
-                 between the two, and routing goes on with stale stats; set the listener's \
-                 limit to at least `ingest_max_bytes`",
-                f.listener
+                "{head} the ingest filter's `ingest_max_bytes` ({max}): Envoy answers its own 413 \
+                 to a snapshot between the two, and routing goes on with stale stats; set the \
+                 listener's limit to at least `ingest_max_bytes`"
             )));
         }
     }
@@ -538,15 +532,23 @@ pub fn check(
 }
 
 impl FilterView {
-    /// The listener's buffer limit in effect, bytes, and what a report says of its source.
-    fn buffer_limit(&self) -> (u64, &'static str) {
-        match self.buffer_limit {
+    /// When the listener's buffer limit in effect is below `bytes` (a limit of the filter's
+    /// that needs the whole body held): the start of a report line, naming the listener
+    /// and the limit, up to "below".
+    fn buffer_below(&self, bytes: usize) -> Option<String> {
+        let (limit, source) = match self.buffer_limit {
             Some(b) => (b, ""),
             None => (
                 ENVOY_DEFAULT_BUFFER_LIMIT,
                 " (Envoy's default: the listener does not set it)",
             ),
-        }
+        };
+        (limit < bytes as u64).then(|| {
+            format!(
+                "{}: `per_connection_buffer_limit_bytes` is {limit} bytes{source}, below",
+                self.listener
+            )
+        })
     }
 }
 
