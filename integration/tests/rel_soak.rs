@@ -3,7 +3,8 @@
 //!
 //! `make test` runs it for 60 s (`test-reliability`); `make soak` for 600 s. Knobs:
 //! `KVROUTE_SOAK_SECONDS` (default 60), `KVROUTE_SOAK_RPS` (requests per second, default 10),
-//! `KVROUTE_SOAK_OUT` (where the JSON report goes; default `target/soak-report.json`).
+//! `KVROUTE_SOAK_OUT` (where the JSON report goes; `make` sets `$(TARGET_DIR)/soak-report.json`,
+//! which honours `CARGO_TARGET_DIR`; unset, `target/soak-report.json` in the workspace).
 //!
 //! Pass criteria, after a warm-up of max(15 s, 20 % of the run):
 //! - Envoy's resident set (`VmRSS`) and the filter's Wasm linear memory (gauge
