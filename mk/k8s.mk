@@ -53,14 +53,15 @@ validate-manifests: kubernetes-validate ## Every Kubernetes manifest against the
 	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	if command -v kubectl >/dev/null; then \
 	  kubectl kustomize deploy/kustomize > "$$tmp/kustomize.yaml"; \
+	  kubectl kustomize deploy/monitoring > "$$tmp/monitoring.yaml"; \
 	  diff -u examples/kubernetes/kvroute-cp.yaml "$$tmp/kustomize.yaml" \
 	    || { echo "examples/kubernetes/kvroute-cp.yaml is stale: run make k8s-manifests"; exit 1; }; \
 	  kubectl patch --local -f examples/istio/testdata/gateway-deployment.yaml --type strategic \
 	    --patch-file examples/istio/gateway-patch.yaml -o yaml > "$$tmp/gateway-patched.yaml"; \
 	else \
-	  echo "validate-manifests: no kubectl: skipped the kustomize render check and the gateway patch"; \
+	  echo "validate-manifests: no kubectl: skipped the kustomize render check, the monitoring overlay and the gateway patch"; \
 	fi; \
-	files="examples/kubernetes/kvroute-cp.yaml deploy/kustomize/monitoring/servicemonitor.yaml examples/istio/kvroute-envoyfilter.yaml examples/istio/routing.yaml examples/istio/networkpolicy.yaml $$(ls $$tmp/*.yaml 2>/dev/null)"; \
+	files="examples/kubernetes/kvroute-cp.yaml deploy/monitoring/servicemonitor.yaml examples/istio/kvroute-envoyfilter.yaml examples/istio/routing.yaml examples/istio/networkpolicy.yaml $$(ls $$tmp/*.yaml 2>/dev/null)"; \
 	"$(KUBERNETES_VALIDATE)" --strict $$files > "$$tmp/out.txt" 2>&1 || { cat "$$tmp/out.txt"; exit 1; }; \
 	cat "$$tmp/out.txt"; \
 	if grep -E '^WARN' "$$tmp/out.txt" | grep -vE "for kind ($(K8S_CRD_KINDS)) with"; then \
