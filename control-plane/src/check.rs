@@ -13,12 +13,13 @@
 //!   carrying the ingest filter, and its URL path that filter's `ingest_path` (else every
 //!   push is answered 404).
 //!
-//! A kvroute filter is found in the Envoy config by its configuration, as the filter reads
-//! it (a JSON string or a `google.protobuf.Struct`): an object with `role`, `mode` or
-//! `picker`, in any module; or, in a Wasm module whose file name or URL says `kvroute`, one
-//! with the filter's keys only (`{"decision_record":true}`) or an empty one. Without
-//! `role` it routes; without `mode`, in cluster mode
-//! (the filter's defaults).
+//! A kvroute filter is found in the Envoy config by its configuration, read as the filter
+//! receives it (the string of a `google.protobuf.StringValue`, the bytes of a `BytesValue`;
+//! any other type, `Struct` included, reaches the filter as protobuf and is refused): an
+//! object with `role`, `mode` or `picker`, in any module; or any configuration, none
+//! included, of a Wasm module whose file name says `kvroute`. Each is validated by the
+//! filter's own code ([`kvroute_core::plugin_config`]). Without `role` it routes; without
+//! `mode`, in cluster mode (the filter's defaults).
 //!
 //! Findings are [`Finding::Error`] (the check fails, exit 2) or [`Finding::Note`].
 
@@ -86,6 +87,8 @@ struct EnvoyView {
     /// kvroute plugin configurations the filter refuses (Envoy then refuses the plugin),
     /// each with where it is.
     invalid: Vec<String>,
+    /// Listeners with a kvroute plugin lacking `allow_on_headers_stop_iteration: true`.
+    no_stop: Vec<String>,
     /// Whether the file has `static_resources` (an Envoy bootstrap with its listeners and
     /// clusters written out, the only kind the cross-check reads).
     bootstrap: bool,
@@ -142,11 +145,17 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
         };
         let buffer_limit = l
             .get("per_connection_buffer_limit_bytes")
-            .and_then(serde_yaml_ng::Value::as_u64);
+            .and_then(proto_uint);
         let mut configs = Vec::new();
         filter_configs(l, &mut configs);
-        for text in configs {
-            match PluginConfig::parse(text.as_bytes()) {
+        for found in configs {
+            if !found.stops {
+                view.no_stop.push(listener.clone());
+            }
+            let parsed = found
+                .config
+                .and_then(|bytes| PluginConfig::parse(&bytes).map_err(|e| e.to_string()));
+            match parsed {
                 Ok(config) => {
                     let f = FilterView {
                         port,
@@ -168,6 +177,20 @@ fn envoy_view(yaml: &str) -> Result<EnvoyView, String> {
     Ok(view)
 }
 
+/// A protobuf `uint32`/`uint64` field as Envoy reads it from YAML (proto3's JSON mapping): a
+/// number, an integral float (`2097152.0`) or a decimal string (`"2097152"`).
+fn proto_uint(v: &serde_yaml_ng::Value) -> Option<u64> {
+    match v {
+        serde_yaml_ng::Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 2f64.powi(64))
+                .map(|f| f as u64)
+        }),
+        serde_yaml_ng::Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
 /// Whether a plugin configuration names a field only kvroute's filter has: `role`, `mode`
 /// or `picker`. Such a configuration is kvroute's whatever its module is called.
 fn names_kvroute(text: &str) -> bool {
@@ -180,16 +203,41 @@ fn names_kvroute(text: &str) -> bool {
     })
 }
 
-/// The configuration text a Wasm plugin (`plugin`, a mapping with a `vm_config`) hands to
-/// its module: the `configuration.value` string (none: empty, the filter's defaults), or a
-/// `google.protobuf.Struct` value (a mapping), which Envoy hands over as JSON. `None` for a
-/// value of another type.
-fn plugin_text(plugin: &serde_yaml_ng::Value) -> Option<String> {
-    match plugin.get("configuration").and_then(|c| c.get("value")) {
-        None => Some(String::new()),
-        Some(serde_yaml_ng::Value::String(t)) => Some(t.clone()),
-        Some(v @ serde_yaml_ng::Value::Mapping(_)) => serde_json::to_string(v).ok(),
-        Some(_) => None,
+/// The bytes a Wasm plugin (`plugin`, a mapping with a `vm_config`) hands to its module as
+/// its configuration. Envoy unwraps a `google.protobuf.StringValue` (the string) and a
+/// `google.protobuf.BytesValue` (written base64 in YAML, handed over decoded); any other
+/// type, `google.protobuf.Struct` included, reaches the module as that message's protobuf
+/// encoding, which the filter refuses as not JSON (Envoy 1.40 then refuses the plugin):
+/// `Err` says so. No `configuration`, or no `@type` (as this module's tests write it), is
+/// read as a string.
+fn plugin_bytes(plugin: &serde_yaml_ng::Value) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    let Some(c) = plugin.get("configuration") else {
+        return Ok(Vec::new());
+    };
+    let kind = c.get("@type").and_then(|t| t.as_str()).unwrap_or_default();
+    let kind = kind.rsplit('/').next().unwrap_or_default();
+    match (kind, c.get("value")) {
+        ("google.protobuf.StringValue" | "", None) => Ok(Vec::new()),
+        ("google.protobuf.StringValue" | "", Some(serde_yaml_ng::Value::String(t))) => {
+            Ok(t.clone().into_bytes())
+        }
+        ("google.protobuf.BytesValue", Some(serde_yaml_ng::Value::String(b))) => {
+            base64::engine::general_purpose::STANDARD
+                .decode(b.trim())
+                .map_err(|e| {
+                    format!("a `google.protobuf.BytesValue` configuration is not base64: {e}")
+                })
+        }
+        ("google.protobuf.BytesValue", None) => Ok(Vec::new()),
+        ("google.protobuf.StringValue" | "google.protobuf.BytesValue" | "", Some(_)) => {
+            Err("the configuration's `value` is not a string".into())
+        }
+        (other, _) => Err(format!(
+            "the configuration is a `{other}`, which Envoy hands to a Wasm plugin as protobuf \
+             bytes, not JSON, so the filter refuses it; write the JSON as a \
+             `google.protobuf.StringValue`"
+        )),
     }
 }
 
@@ -199,13 +247,42 @@ fn plugin_text(plugin: &serde_yaml_ng::Value) -> Option<String> {
 /// not skipped); otherwise a JSON object naming `role`, `mode` or `picker`
 /// ([`names_kvroute`]). Another module's configuration made of keys the filter also has
 /// (`{"prefix":"/api"}`) is not kvroute's.
-fn plugin_kvroute_config(plugin: &serde_yaml_ng::Value) -> Option<String> {
+fn plugin_kvroute_config(plugin: &serde_yaml_ng::Value) -> Option<Found> {
     let ours = plugin
         .get("vm_config")
         .and_then(|vm| vm.get("code"))
         .is_some_and(names_kvroute_file);
-    let text = plugin_text(plugin)?;
-    (ours || names_kvroute(&text)).then_some(text)
+    let stops = plugin
+        .get("allow_on_headers_stop_iteration")
+        .and_then(serde_yaml_ng::Value::as_bool)
+        == Some(true);
+    let config = match plugin_bytes(plugin) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes).into_owned();
+            (ours || names_kvroute(&text)).then_some(Ok(bytes))?
+        }
+        Err(e) => {
+            // Not JSON as the module sees it: kvroute's when its file says so, or when the
+            // value written names a kvroute field.
+            let named = plugin
+                .get("configuration")
+                .and_then(|c| c.get("value"))
+                .and_then(|v| serde_json::to_string(v).ok())
+                .is_some_and(|j| names_kvroute(&j));
+            (ours || named).then_some(Err(e))?
+        }
+    };
+    Some(Found { config, stops })
+}
+
+/// A kvroute plugin found in an Envoy config ([`plugin_kvroute_config`]).
+#[derive(Debug)]
+struct Found {
+    /// The configuration bytes the module receives, or why Envoy hands it none it can read.
+    config: Result<Vec<u8>, String>,
+    /// Whether the plugin has `allow_on_headers_stop_iteration: true`; a `value` string
+    /// found outside a plugin counts as having it (its plugin is not known).
+    stops: bool,
 }
 
 /// Whether a file name (the last `/`-separated part of a string) below `v` says `kvroute`.
@@ -227,7 +304,7 @@ fn names_kvroute_file(v: &serde_yaml_ng::Value) -> bool {
 /// `value` key that name `role`, `mode` or `picker`. Every configuration the filter runs is
 /// found, except one without those keys in a module whose file name does not say
 /// `kvroute`.
-fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<String>) {
+fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<Found>) {
     match v {
         serde_yaml_ng::Value::Mapping(m) => {
             if v.get("vm_config").is_some() {
@@ -237,7 +314,10 @@ fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<String>) {
             for (k, val) in m {
                 if let (Some("value"), Some(s)) = (k.as_str(), val.as_str()) {
                     if names_kvroute(s) {
-                        out.push(s.to_owned());
+                        out.push(Found {
+                            config: Ok(s.as_bytes().to_vec()),
+                            stops: true,
+                        });
                     }
                 }
                 filter_configs(val, out);
@@ -249,14 +329,19 @@ fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<String>) {
     }
 }
 
-/// Whether an endpoint `address` (`host:port`) names its host by an IP literal
-/// (`10.0.0.1:8000`, `[::1]:8000`), as the hosts of an Envoy cluster are matched.
+/// Whether an endpoint `address` (`host:port`) names its host by an IP literal written as
+/// Envoy writes a host's address (`10.0.0.1:8000`, `[::1]:8000`: the canonical text form,
+/// RFC 5952 for IPv6), the form Envoy's `override_host` compares with its cluster's hosts:
+/// `[0:0:0:0:0:0:0:1]:8000` is the same IP but never matches.
 fn ip_literal(address: &str) -> bool {
     let host = match address.strip_prefix('[') {
         Some(rest) => rest.split_once(']').map(|(h, _)| h),
         None => address.rsplit_once(':').map(|(h, _)| h),
     };
-    host.is_some_and(|h| h.parse::<std::net::IpAddr>().is_ok())
+    host.is_some_and(|h| {
+        h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.to_string() == h)
+    })
 }
 
 /// Check a validated config (`raw` is the same file as written, for what was defaulted)
@@ -356,6 +441,14 @@ pub fn check(
                 .into(),
         ));
     }
+    for l in &view.no_stop {
+        out.push(Finding::Error(format!(
+            "the Envoy config's kvroute plugin on {l} lacks `allow_on_headers_stop_iteration: \
+             true` (a Wasm `PluginConfig` field, Envoy >= 1.35): without it the filter cannot \
+             hold a request at its headers to read the body, so ingest pushes hang until they \
+             time out and requests are routed without their body"
+        )));
+    }
     for e in &view.invalid {
         out.push(Finding::Error(format!(
             "the Envoy config's kvroute filter on {e}"
@@ -395,9 +488,10 @@ pub fn check(
         if !named.is_empty() {
             out.push(Finding::Error(format!(
                 "endpoint mode names the chosen host by its address, and Envoy matches it \
-                 against its cluster's host addresses, which are IPs; {} give a host name, \
-                 which never matches, so their requests would go wherever the cluster's \
-                 fallback policy sends them: give IP addresses",
+                 against its cluster's host addresses as text, IPs written the way Envoy \
+                 writes them (`10.0.0.7:8000`, `[::1]:8000`); {} never match (a host name, \
+                 or an IP written otherwise), so their requests would go wherever the \
+                 cluster's fallback policy sends them",
                 named.join(", ")
             )));
         }
@@ -872,8 +966,16 @@ mod tests {
         let note = Finding::Note(
             "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not used".into(),
         );
-        for ok in ["10.0.0.1:8000", "[::1]:8000"] {
+        for ok in ["10.0.0.1:8000", "[::1]:8000", "[fd00::7]:8000"] {
             assert_eq!(endpoint_check(ok, &yaml).0, vec![note.clone()], "{ok}");
+        }
+        // The same IPs written otherwise: Envoy's text never equals them.
+        for odd in [
+            "[0:0:0:0:0:0:0:1]:8000",
+            "[::FFFF:127.0.0.1]:8000",
+            "[FD00::7]:8000",
+        ] {
+            assert_eq!(endpoint_check(odd, &yaml).0.len(), 2, "{odd}");
         }
         assert_eq!(
             endpoint_check("vllm-1.example:8002", &yaml).0,
@@ -881,10 +983,10 @@ mod tests {
                 note,
                 Finding::Error(
                     "endpoint mode names the chosen host by its address, and Envoy matches it \
-                     against its cluster's host addresses, which are IPs; p/a \
-                     (`vllm-1.example:8002`) give a host name, which never matches, so their \
-                     requests would go wherever the cluster's fallback policy sends them: give \
-                     IP addresses"
+                     against its cluster's host addresses as text, IPs written the way Envoy \
+                     writes them (`10.0.0.7:8000`, `[::1]:8000`); p/a (`vllm-1.example:8002`) \
+                     never match (a host name, or an IP written otherwise), so their requests \
+                     would go wherever the cluster's fallback policy sends them"
                         .into()
                 )
             ]
@@ -896,30 +998,82 @@ mod tests {
         );
     }
 
-    /// Plugins configured with a `google.protobuf.Struct` (a mapping, which Envoy hands to
-    /// the plugin as JSON) are found, the ingest filter's token and the route filter's mode
-    /// included; they were not (no ingest filter, exit 2).
+    /// A `google.protobuf.Struct` configuration reaches a Wasm plugin as protobuf bytes,
+    /// which the filter refuses (Envoy 1.40 then refuses the plugin): an error, where it
+    /// passed as JSON. A `google.protobuf.BytesValue` is handed over decoded, so its base64
+    /// text is the configuration (it was parsed as written and refused).
     #[test]
-    fn struct_configured_plugins_are_found() {
-        let yaml = envoy(10001, "").replace(
-            "configuration: {value: ''}",
-            "configuration: {'@type': type.googleapis.com/google.protobuf.Struct, value: {mode: endpoint}}",
-        ).replace(
-            r#"configuration: {value: '{"role":"ingest","ingest_token":"tok-0123456789abcdef"}'}"#,
+    fn configurations_are_read_as_envoy_hands_them_over() {
+        let ingest =
+            r#"configuration: {value: '{"role":"ingest","ingest_token":"tok-0123456789abcdef"}'}"#;
+        let structured = envoy(10001, "").replace(
+            ingest,
             "configuration: {'@type': type.googleapis.com/google.protobuf.Struct, value: {role: ingest, ingest_token: tok-0123456789abcdef}}",
         );
-        assert!(!yaml.contains("value: '"), "{yaml}");
+        let (findings, matched) = endpoint_check("127.0.0.1:8001", &structured);
         assert_eq!(
-            cluster_check(&yaml),
-            (
-                vec![Finding::Note(
-                    "the Envoy config's kvroute filter runs in endpoint mode: `cluster` is not \
-                     used"
-                        .into()
-                )],
-                vec!["ingest token"]
-            )
+            findings.first(),
+            Some(&Finding::Error(
+                "the Envoy config's kvroute filter on listener `ingest` (port 10001): the \
+                 configuration is a `google.protobuf.Struct`, which Envoy hands to a Wasm plugin \
+                 as protobuf bytes, not JSON, so the filter refuses it; write the JSON as a \
+                 `google.protobuf.StringValue`; Envoy refuses to load the plugin with this \
+                 configuration"
+                    .into()
+            ))
         );
+        assert!(!matched.contains(&"ingest token"), "{matched:?}");
+        // base64 of {"role":"ingest","ingest_token":"tok-0123456789abcdef"}
+        let bytes = envoy(10001, "").replace(
+            ingest,
+            "configuration: {'@type': type.googleapis.com/google.protobuf.BytesValue, value: eyJyb2xlIjoiaW5nZXN0IiwiaW5nZXN0X3Rva2VuIjoidG9rLTAxMjM0NTY3ODlhYmNkZWYifQ==}",
+        );
+        assert_eq!(
+            endpoint_check("127.0.0.1:8001", &bytes),
+            (vec![], vec!["clusters", "ingest token"])
+        );
+    }
+
+    /// A kvroute plugin without `allow_on_headers_stop_iteration: true` cannot read bodies
+    /// (ingest pushes hang): an error naming its listener.
+    #[test]
+    fn a_plugin_that_cannot_stop_at_headers_is_an_error() {
+        let yaml = envoy(10001, "{}").replacen(
+            "            allow_on_headers_stop_iteration: true\n",
+            "",
+            1,
+        );
+        assert_eq!(
+            endpoint_check("127.0.0.1:8001", &yaml).0,
+            vec![Finding::Error(
+                "the Envoy config's kvroute plugin on listener `main` (port 10000) lacks \
+                 `allow_on_headers_stop_iteration: true` (a Wasm `PluginConfig` field, Envoy >= \
+                 1.35): without it the filter cannot hold a request at its headers to read the \
+                 body, so ingest pushes hang until they time out and requests are routed \
+                 without their body"
+                    .into()
+            )]
+        );
+    }
+
+    /// `per_connection_buffer_limit_bytes` written as Envoy also reads it: a decimal string
+    /// or an integral float (they read as unset, Envoy's 1 MiB).
+    #[test]
+    fn buffer_limits_are_read_in_every_form_envoy_takes() {
+        let bigger =
+            r#"{"role":"ingest","ingest_token":"tok-0123456789abcdef","ingest_max_bytes":4194304}"#;
+        let base = envoy(10001, "{}").replace(
+            r#"{"role":"ingest","ingest_token":"tok-0123456789abcdef"}"#,
+            bigger,
+        );
+        for (limit, errors) in [("'8388608'", 0), ("8388608.0", 0), ("'100'", 1), ("100", 1)] {
+            let yaml = base.replace(
+                "  - name: ingest\n",
+                &format!("  - name: ingest\n    per_connection_buffer_limit_bytes: {limit}\n"),
+            );
+            let found = endpoint_check("127.0.0.1:8001", &yaml).0;
+            assert_eq!(found.len(), errors, "{limit}: {found:?}");
+        }
     }
 
     /// `config` and its file as written, from YAML.
@@ -931,7 +1085,7 @@ mod tests {
     /// filter configured with `route_json`, plus cluster `c`.
     fn envoy(port: u16, route_json: &str) -> String {
         format!(
-            "static_resources:\n  listeners:\n  - name: main\n    address: {{socket_address: {{address: 0.0.0.0, port_value: 10000}}}}\n    per_connection_buffer_limit_bytes: 8388608\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{route_json}'}}\n  - name: ingest\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{{\"role\":\"ingest\",\"ingest_token\":\"tok-0123456789abcdef\"}}'}}\n  clusters:\n  - name: c\n"
+            "static_resources:\n  listeners:\n  - name: main\n    address: {{socket_address: {{address: 0.0.0.0, port_value: 10000}}}}\n    per_connection_buffer_limit_bytes: 8388608\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            allow_on_headers_stop_iteration: true\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{route_json}'}}\n  - name: ingest\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n    filter_chains:\n    - filters:\n      - name: wasm\n        typed_config:\n          config:\n            allow_on_headers_stop_iteration: true\n            vm_config: {{vm_id: kvroute, code: {{local: {{filename: /etc/envoy/kvroute_filter.wasm}}}}}}\n            configuration: {{value: '{{\"role\":\"ingest\",\"ingest_token\":\"tok-0123456789abcdef\"}}'}}\n  clusters:\n  - name: c\n"
         )
     }
 

@@ -422,8 +422,9 @@ impl Stream {
 
     /// Endpoint mode: compare the upstream Envoy reached (`upstream.address`) with the
     /// endpoint header's `hosts`. Envoy's `override_host` policy sends a request whose hosts
-    /// its cluster does not have (a host name, an IP outside the cluster) wherever its
-    /// fallback policy does, silently; this makes that visible: counted
+    /// its cluster does not have (a host name, an IP outside the cluster or written
+    /// otherwise), or whose hosts all failed, wherever its fallback policy does, silently;
+    /// this makes that visible: counted
     /// (`kvroute.outcome.upstream_mismatch`) and logged at warn, naming both. A response
     /// Envoy made itself (no upstream) is not compared.
     fn check_upstream<H: Host>(&self, host: &H, hosts: &str) {
@@ -439,9 +440,10 @@ impl Stream {
             Level::Warn,
             &format!(
                 "kvroute: endpoint mode: a request routed to endpoint {endpoint} ({hosts}) \
-                 reached upstream {upstream}: the cluster has no host at that address, so \
-                 Envoy's fallback policy chose one; give endpoints the IPs of the cluster's \
-                 hosts (docs/filter.md, \"Endpoint mode\")"
+                 reached upstream {upstream}, none of those: Envoy's fallback policy chose it, \
+                 because the cluster has no host at a listed address (give endpoints the \
+                 cluster hosts' IPs, written as Envoy writes them) or every listed host \
+                 failed (docs/filter.md, \"Endpoint mode\")"
             ),
         );
     }
@@ -2312,9 +2314,10 @@ mod tests {
             *h.logs.borrow(),
             [
                 "kvroute: endpoint mode: a request routed to endpoint pool/e0 \
-              (10.0.0.0:8000,10.0.0.1:8000) reached upstream 10.0.0.9:8000: the cluster has \
-              no host at that address, so Envoy's fallback policy chose one; give endpoints \
-              the IPs of the cluster's hosts (docs/filter.md, \"Endpoint mode\")"
+                 (10.0.0.0:8000,10.0.0.1:8000) reached upstream 10.0.0.9:8000, none of those: \
+                 Envoy's fallback policy chose it, because the cluster has no host at a listed \
+                 address (give endpoints the cluster hosts' IPs, written as Envoy writes them) \
+                 or every listed host failed (docs/filter.md, \"Endpoint mode\")"
             ]
         );
         // Cluster mode: never read.
