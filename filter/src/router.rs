@@ -618,27 +618,29 @@ impl Worker {
     }
 
     /// Endpoint mode: whether the response to a request routed to `endpoint` at `now_ms`
-    /// has its upstream checked (at most once per endpoint per [`UPSTREAM_CHECK_MS`]); if
-    /// so, the check is recorded as made. Always false in cluster mode, where Envoy's own
+    /// has its upstream checked: when no check of it was made in the last
+    /// [`UPSTREAM_CHECK_MS`] ([`Self::upstream_checked`] records one). Requests in flight
+    /// together before the first check all check (each a host call; at most the requests
+    /// in flight to one endpoint). Always false in cluster mode, where Envoy's own
     /// `cluster_not_found` shows a wrong name.
-    pub fn upstream_check_due(&mut self, endpoint: &str, now_ms: u64) -> bool {
-        if self.config.mode != Mode::Endpoint {
-            return false;
+    pub fn upstream_check_due(&self, endpoint: &str, now_ms: u64) -> bool {
+        self.config.mode == Mode::Endpoint
+            && self
+                .upstream_checked
+                .get(endpoint)
+                .is_none_or(|at| now_ms.saturating_sub(*at) >= UPSTREAM_CHECK_MS)
+    }
+
+    /// Record a check of `endpoint`'s upstream at `now_ms` (made at a response's headers,
+    /// so a request that ends without one, aborted or answered by the filter, leaves the
+    /// next one due).
+    pub fn upstream_checked(&mut self, endpoint: &str, now_ms: u64) {
+        if !self.upstream_checked.contains_key(endpoint)
+            && self.upstream_checked.len() >= UPSTREAM_CHECKED_MAX
+        {
+            self.upstream_checked.clear();
         }
-        match self.upstream_checked.get_mut(endpoint) {
-            Some(at) if now_ms.saturating_sub(*at) < UPSTREAM_CHECK_MS => false,
-            Some(at) => {
-                *at = now_ms;
-                true
-            }
-            None => {
-                if self.upstream_checked.len() >= UPSTREAM_CHECKED_MAX {
-                    self.upstream_checked.clear();
-                }
-                self.upstream_checked.insert(endpoint.to_owned(), now_ms);
-                true
-            }
-        }
+        self.upstream_checked.insert(endpoint.to_owned(), now_ms);
     }
 
     /// Add the releases not yet counted to the `released` counter (one host call).

@@ -311,7 +311,7 @@ impl Stream {
                 } = *routed;
                 if self
                     .worker
-                    .borrow_mut()
+                    .borrow()
                     .upstream_check_due(&held.endpoint, at_ms)
                 {
                     self.check_upstream = Some(value);
@@ -428,7 +428,13 @@ impl Stream {
     /// (`kvroute.outcome.upstream_mismatch`) and logged at warn, naming both. A response
     /// Envoy made itself (no upstream) is not compared.
     fn check_upstream<H: Host>(&self, host: &H, hosts: &str) {
-        let Some(upstream) = host.property(&["upstream", "address"]) else {
+        let upstream = host.property(&["upstream", "address"]);
+        if let Some(h) = &self.held {
+            self.worker
+                .borrow_mut()
+                .upstream_checked(&h.endpoint, host.now_ms());
+        }
+        let Some(upstream) = upstream else {
             return;
         };
         if hosts.split(',').any(|h| h == upstream) {
@@ -2298,6 +2304,13 @@ mod tests {
         };
         let cfg = r#"{"mode":"endpoint","picker":{"policy":"least_kv","max_fallbacks":1}}"#;
         let (h, w) = setup(cfg, vec![ep(0, 0.1), ep(1, 0.5)]);
+        // A request that ends before its response headers (aborted) checks nothing and
+        // leaves the endpoint due.
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 6);
+        s.on_request_headers(&r, false);
+        s.on_request_body(&r, BODY.len(), true);
+        s.on_done(&r);
         // The primary (10.0.0.0) or the fallback (10.0.0.1, after a retry): as chosen.
         assert_eq!(respond(&h, &w, "10.0.0.1:8000"), 1);
         assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 0);
