@@ -218,7 +218,7 @@ fn plugin_bytes(plugin: &serde_yaml_ng::Value) -> Result<Vec<u8>, String> {
     let kind = c.get("@type").and_then(|t| t.as_str()).unwrap_or_default();
     let kind = kind.rsplit('/').next().unwrap_or_default();
     match (kind, c.get("value")) {
-        ("google.protobuf.StringValue" | "", None) => Ok(Vec::new()),
+        ("google.protobuf.StringValue" | "google.protobuf.BytesValue" | "", None) => Ok(Vec::new()),
         ("google.protobuf.StringValue" | "", Some(serde_yaml_ng::Value::String(t))) => {
             Ok(t.clone().into_bytes())
         }
@@ -229,7 +229,6 @@ fn plugin_bytes(plugin: &serde_yaml_ng::Value) -> Result<Vec<u8>, String> {
                     format!("a `google.protobuf.BytesValue` configuration is not base64: {e}")
                 })
         }
-        ("google.protobuf.BytesValue", None) => Ok(Vec::new()),
         ("google.protobuf.StringValue" | "google.protobuf.BytesValue" | "", Some(_)) => {
             Err("the configuration's `value` is not a string".into())
         }
@@ -299,7 +298,7 @@ fn names_kvroute_file(v: &serde_yaml_ng::Value) -> bool {
     }
 }
 
-/// kvroute filter configurations below `v`, as text: for each Wasm plugin (a mapping with a
+/// kvroute filter configurations below `v` ([`Found`]): for each Wasm plugin (a mapping with a
 /// `vm_config`), what [`plugin_kvroute_config`] finds; elsewhere, JSON strings under a
 /// `value` key that name `role`, `mode` or `picker`. Every configuration the filter runs is
 /// found, except one without those keys in a module whose file name does not say
@@ -333,7 +332,7 @@ fn filter_configs(v: &serde_yaml_ng::Value, out: &mut Vec<Found>) {
 /// Envoy writes a host's address (`10.0.0.1:8000`, `[::1]:8000`: the canonical text form,
 /// RFC 5952 for IPv6), the form Envoy's `override_host` compares with its cluster's hosts:
 /// `[0:0:0:0:0:0:0:1]:8000` is the same IP but never matches.
-fn ip_literal(address: &str) -> bool {
+fn written_as_envoy_ip(address: &str) -> bool {
     let host = match address.strip_prefix('[') {
         Some(rest) => rest.split_once(']').map(|(h, _)| h),
         None => address.rsplit_once(':').map(|(h, _)| h),
@@ -482,7 +481,7 @@ pub fn check(
         let named: Vec<String> = config
             .endpoints
             .iter()
-            .filter(|e| !ip_literal(&e.address))
+            .filter(|e| !written_as_envoy_ip(&e.address))
             .map(|e| format!("{} (`{}`)", e.id, e.address))
             .collect();
         if !named.is_empty() {

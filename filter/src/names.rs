@@ -64,8 +64,8 @@ pub mod metric {
     /// (answered 503 `cluster_not_found`, naming it) (counter).
     pub const CLUSTER_NOT_FOUND: &str = "kvroute.outcome.cluster_not_found";
     /// Endpoint-mode requests whose response came from an upstream none of the endpoint
-    /// header's hosts names: Envoy's cluster has no host at the chosen address and its
-    /// fallback policy chose one (counter; checked once per endpoint per 10 s,
+    /// header's hosts names: Envoy's fallback policy chose it, because the cluster has no
+    /// host at a listed address or every listed host failed (counter; checked once per endpoint per 10 s,
     /// `crate::router::UPSTREAM_CHECK_MS`).
     pub const UPSTREAM_MISMATCH: &str = "kvroute.outcome.upstream_mismatch";
     /// `GET /v1/models` answered from the snapshot (counter).

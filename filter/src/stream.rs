@@ -428,20 +428,21 @@ impl Stream {
     /// (`kvroute.outcome.upstream_mismatch`) and logged at warn, naming both. A response
     /// Envoy made itself (no upstream) is not compared.
     fn check_upstream<H: Host>(&self, host: &H, hosts: &str) {
-        let upstream = host.property(&["upstream", "address"]);
-        if let Some(h) = &self.held {
-            self.worker
-                .borrow_mut()
-                .upstream_checked(&h.endpoint, host.now_ms());
-        }
-        let Some(upstream) = upstream else {
+        let Some(endpoint) = self.held.as_ref().map(|h| h.endpoint.as_str()) else {
+            return;
+        };
+        // Recorded at the decision's time, the clock `upstream_check_due` was asked with
+        // (no clock read of its own).
+        self.worker
+            .borrow_mut()
+            .upstream_checked(endpoint, self.decided_at_ms);
+        let Some(upstream) = host.property(&["upstream", "address"]) else {
             return;
         };
         if hosts.split(',').any(|h| h == upstream) {
             return;
         }
         host.metric_add(MetricKind::Counter, metric::UPSTREAM_MISMATCH, 1);
-        let endpoint = self.held.as_ref().map_or("?", |h| h.endpoint.as_str());
         host.log(
             Level::Warn,
             &format!(
