@@ -1125,6 +1125,15 @@ mod tests {
         Snapshot::new(1, NOW, vec![a, b])
     }
 
+    /// `snap`'s endpoints, every one unhealthy (version 2).
+    fn all_unhealthy(snap: &Snapshot) -> Snapshot {
+        let down = |mut e: EndpointStats| {
+            e.healthy = false;
+            e
+        };
+        Snapshot::new(2, NOW, snap.endpoints.iter().cloned().map(down).collect())
+    }
+
     /// A body the analysis rejects is routed by load among the endpoints serving the model it
     /// names; a model nobody serves is still unknown.
     #[test]
@@ -1146,11 +1155,7 @@ mod tests {
         assert_eq!(d.outcome, Outcome::UnknownModel("model-c".into()));
         // A served model nobody can take now: the decision names it, read from the body
         // once, for the 503.
-        let down = |mut e: EndpointStats| {
-            e.healthy = false;
-            e
-        };
-        let sick = Snapshot::new(2, NOW, snap.endpoints.iter().cloned().map(down).collect());
+        let sick = all_unhealthy(&snap);
         let d = r.route(&sick, &t, p, Some(body("model-b").as_bytes()), NOW);
         assert_eq!(d.basis, Basis::LoadOnly(LoadOnlyCause::Unparsable));
         assert_eq!(d.outcome, Outcome::NoEndpoints(Some("model-b".into())));
@@ -1185,11 +1190,7 @@ mod tests {
         let body = br#"{"model":"model-c","model":"model-c","messages":[]}"#;
         let d = r.route(&snap, &t, p, Some(body), NOW);
         assert_eq!(d.outcome, Outcome::UnknownModel("model-c".into()));
-        let down = |mut e: EndpointStats| {
-            e.healthy = false;
-            e
-        };
-        let sick = Snapshot::new(2, NOW, snap.endpoints.iter().cloned().map(down).collect());
+        let sick = all_unhealthy(&snap);
         let body = br#"{"model":"model-b","model":"model-b","messages":[]}"#;
         let d = r.route(&sick, &t, p, Some(body), NOW);
         assert_eq!(d.outcome, Outcome::NoEndpoints(Some("model-b".into())));
