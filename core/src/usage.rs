@@ -106,22 +106,97 @@ pub fn parse_json(body: &[u8]) -> Option<Usage> {
         .and_then(RawUsage::into_usage)
 }
 
-/// Read the last `"usage": {...}` object found in `tail`, the end of a JSON body too large
-/// to keep whole. The object's end is found by [`crate::json_scan::Scanner::skip_value`],
-/// the request analysis's JSON scanner, which steps over strings whole (escapes included),
-/// so a brace inside a string value (a server's extra text field in the usage) neither ends
-/// nor extends it. `None` when absent or cut off. The scan starts at the `{` after a `"usage":`,
-/// outside any string of a valid body (inside one, its quotes would be escaped), wherever
-/// the tail begins.
+/// Read the response's own `usage` from `tail`, the end of a JSON body too large to keep
+/// whole (the filter's JSON responses, and [`SseUsageScanner`]'s events longer than its
+/// tail).
+///
+/// **The rule.** The response's own `usage` is a key of the top-level object, or of an
+/// object in it (the Responses API's `response.usage`, in a `response.completed` event), as
+/// [`parse_json`] reads it of a whole body. In `tail` it is the last `"usage"` key at depth
+/// 1 (a member of the object that the tail's end closes), else the last one at depth 2. A
+/// key's depth is how many containers close after its value, up to the tail's end: the body
+/// ends there, and the count starts at the key, outside any string, wherever the tail
+/// begins. Its value must be an object that parses, else `None`: a `usage` that is `null`,
+/// malformed, or cut off by the body's end is not replaced by an earlier one, which is a
+/// nested object's (an output item's, a tool's), not the response's. Deeper `usage` keys
+/// (in the Responses API's user-set `metadata`, which OpenAI writes after `usage`) are
+/// passed over. `None` too when the tail holds no such key or ends inside a string or a
+/// value (a body cut short). Where it differs from [`parse_json`], for shapes no server
+/// sends: a depth-2 key is read whatever its object's name, and a top-level
+/// `"usage": null` is `None` even with a `response.usage` beside it.
+///
+/// A `"usage"` (quotes included) in a valid body is a key when `:` follows it, never part
+/// of a string: a string's own quotes are escaped, and the quote before `usage` is checked
+/// for a backslash (a key ending in `\"usage`). The usage object's end is found by
+/// [`crate::json_scan::Scanner::skip_value`], the request analysis's JSON scanner, and the
+/// depth by `nesting_change`; both step over strings whole (escapes included), so a brace
+/// inside a string value (a server's extra text field in the usage) neither ends nor
+/// extends an object. Linear in the tail: each stretch between two keys is scanned once.
 pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
-    memchr::memmem::rfind_iter(tail, USAGE_KEY)
-        .find_map(|pos| usage_object_at(tail, pos + USAGE_KEY.len()))
+    // The key after the one being looked at (the scan runs backward): where its opening
+    // quote is, and its depth.
+    let mut later: Option<(usize, isize)> = None;
+    // Where the value of the last depth-2 key starts, used if no depth-1 key precedes it.
+    let mut member: Option<usize> = None;
+    for pos in memchr::memmem::rfind_iter(tail, USAGE_KEY) {
+        if quote_is_escaped(tail, pos) {
+            continue;
+        }
+        // Followed by no `:`: a string value, not a key.
+        let Some(value) = key_value_start(tail, pos + USAGE_KEY.len()) else {
+            continue;
+        };
+        let (end, later_depth) = later.unwrap_or((tail.len(), 0));
+        let depth = later_depth - nesting_change(tail.get(value..end)?)?;
+        match depth {
+            // The tail ends before this value does: a body cut short (or not JSON).
+            ..=0 => return None,
+            1 => return usage_object_at(tail, value),
+            2 => member = member.or(Some(value)),
+            _ => {}
+        }
+        later = Some((pos, depth));
+    }
+    usage_object_at(tail, member?)
 }
 
-/// Where the object of a `"usage"` key starts: `i` is just past the key in `buf`, and what
-/// follows must be whitespace, `:`, whitespace and `{` (the index returned). `None` for any
-/// other value (`null` included).
-fn usage_object_start(buf: &[u8], i: usize) -> Option<usize> {
+/// True when the quote at `quote` in `buf` is escaped: an odd run of backslashes before it
+/// (then it is inside a string, and what follows it is no key of its own).
+fn quote_is_escaped(buf: &[u8], quote: usize) -> bool {
+    let before = buf.get(..quote).unwrap_or_default();
+    before.iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
+}
+
+/// The change in container nesting across `json`, JSON text that begins outside any string:
+/// +1 for each `{` or `[`, −1 for each `}` or `]`, strings stepped over whole (a quote after
+/// a backslash is no string's end). `None` when `json` ends inside a string.
+fn nesting_change(json: &[u8]) -> Option<isize> {
+    let mut level = 0isize;
+    let mut i = 0;
+    while let Some(&b) = json.get(i) {
+        match b {
+            b'{' | b'[' => level += 1,
+            b'}' | b']' => level -= 1,
+            b'"' => loop {
+                // The string's next quote or backslash (`memchr2`, SIMD).
+                i += 1 + memchr::memchr2(b'"', b'\\', json.get(i + 1..)?)?;
+                if json.get(i) == Some(&b'"') {
+                    break;
+                }
+                // A backslash: the byte it escapes is no quote of the string's end.
+                i += 1;
+            },
+            _ => {}
+        }
+        i += 1;
+    }
+    Some(level)
+}
+
+/// Where the value of a `"usage"` key starts: `i` is just past the key in `buf`, and what
+/// follows must be whitespace, `:` and whitespace (the index returned, of the value's first
+/// byte). `None` when no `:` follows (the quoted word is a string value, not a key).
+fn key_value_start(buf: &[u8], i: usize) -> Option<usize> {
     let skip_ws = |i: usize| {
         i + buf
             .get(i..)
@@ -131,17 +206,23 @@ fn usage_object_start(buf: &[u8], i: usize) -> Option<usize> {
             .count()
     };
     let colon = skip_ws(i);
-    if buf.get(colon) != Some(&b':') {
-        return None;
-    }
-    let open = skip_ws(colon + 1);
+    (buf.get(colon) == Some(&b':')).then(|| skip_ws(colon + 1))
+}
+
+/// Where the object of a `"usage"` key starts: `i` is just past the key in `buf`, and what
+/// follows must be whitespace, `:`, whitespace and `{` (the index returned). `None` for any
+/// other value (`null` included).
+fn usage_object_start(buf: &[u8], i: usize) -> Option<usize> {
+    let open = key_value_start(buf, i)?;
     (buf.get(open) == Some(&b'{')).then_some(open)
 }
 
-/// The usage of the object of a `"usage"` key, `i` just past the key in `buf`
-/// ([`parse_json_tail`]).
-fn usage_object_at(buf: &[u8], i: usize) -> Option<Usage> {
-    let rest = buf.get(usage_object_start(buf, i)?..)?;
+/// The usage of the value of a `"usage"` key that starts at `value` in `buf`
+/// ([`parse_json_tail`]); `None` unless it is an object that parses.
+fn usage_object_at(buf: &[u8], value: usize) -> Option<Usage> {
+    let rest = buf
+        .get(value..)
+        .filter(|rest| rest.first() == Some(&b'{'))?;
     // Only the object need be UTF-8: the scan stops at its end.
     let text = match std::str::from_utf8(rest) {
         Ok(text) => text,
@@ -345,8 +426,9 @@ enum LinePart {
     Skip,
 }
 
-/// How far a `data` value that began with [`ERROR_KEY`] has gone: its value is decided
-/// [`NULL`] (a token) or not (no token) by the JSON after the key, `[ \t]*:[ \t]*null`.
+/// How far an event's data that began with [`ERROR_KEY`] has gone: its value is decided
+/// [`NULL`] (a token) or not (no token) by the JSON after the key, `[ \t\n]*:[ \t\n]*null`
+/// (the LF is the one that joins two `data` lines; a line holds none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum ErrorValue {
     /// The value did not begin with [`ERROR_KEY`] (or not yet).
@@ -372,15 +454,17 @@ enum Field {
 /// chunk by chunk, in constant memory (the bytes of one field name, `event` value or `data`
 /// value start, at most 20).
 ///
-/// **The rule.** The first token is the first `data` field, read as the WHATWG SSE spec
+/// **The rule.** The first token is the first event's data, read as the WHATWG SSE spec
 /// reads lines (<https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation>:
 /// one leading byte order mark is skipped; lines end with CRLF, LF or CR; a line starting
-/// with `:` is a comment; the name ends at the first `:` and one space after it is skipped; a
-/// blank line ends the event), whose value is not empty and starts with none of
-/// `NO_TOKEN_DATA` (`[DONE]`, OpenAI's end marker, on which openai-python ends a stream;
-/// `{"error"`, a failed stream's error object, unless what follows is `:` and `null`, with
-/// spaces or tabs around the `:`), in an event whose `event` type, set by an
-/// `event` line before it, is none of `LIFECYCLE_EVENTS` (the Responses API's
+/// with `:` is a comment; the name ends at the first `:` and one space after it is skipped;
+/// an event's `data` lines are one value, each line's followed by a LF; a blank line ends
+/// the event), whose value, past the LFs of empty `data` lines before it (JSON whitespace),
+/// is not empty and starts with none of `NO_TOKEN_DATA` (`[DONE]`, OpenAI's end marker, on
+/// which openai-python ends a stream; `{"error"`, a failed stream's error object, unless
+/// what follows is `:` and `null`, with spaces, tabs or the LFs between `data` lines around
+/// the `:`), taking the `data` lines read while the event's `event` type, set by an
+/// `event` line before them, is none of `LIFECYCLE_EVENTS` (the Responses API's
 /// `response.created`, `response.in_progress`, `response.queued`, which vLLM sends the
 /// first two of before it awaits the engine's first output, and its `error` and
 /// `response.failed`). So these are no token:
@@ -396,14 +480,17 @@ enum Field {
 /// - `event: response.created` / `response.in_progress` / `response.queued` / `error` /
 ///   `response.failed` and their data.
 ///
-/// A `data` value is decided by its first byte at which it stops being a prefix of one of
+/// An event's data is decided by its first byte at which it stops being a prefix of one of
 /// `NO_TOKEN_DATA` (the third byte of a JSON token event, `{"i` of `{"id": ...}`), so a
-/// data line split across chunks is found in the chunk where that byte is; a value that is
-/// a proper prefix of one (`[DO`, `{"err`) is decided, as a token, at its line's end. A
-/// value that begins with `{"error"` is decided at the `l` that ends its `null` (a token),
-/// or at its first byte, or its line's end, that rules `null` out (no token). An
-/// `event` line after the `data` line of the same event does not undo a decision (servers
-/// send `event` first).
+/// data line split across chunks is found in the chunk where that byte is; a line that is
+/// a proper prefix of one (`[DO`, `{"err`) is decided, as a token, at its line's end (the
+/// LF that follows it in the data). Data that begins with `{"error"` is decided at the `l`
+/// that ends its `null` (a token), or at its first byte, or its line's end, that rules
+/// `null` out (no token), on whichever of the event's `data` lines that is (an error object
+/// written over two lines, `data: {"error":` then `data: {"message": ...}}`, is no token).
+/// Once data is no token, the rest of its event's `data` lines are passed over. An `event`
+/// line after the `data` line of the same event does not undo a decision (servers send
+/// `event` first).
 #[derive(Debug, Clone, Default)]
 pub struct FirstTokenScanner {
     part: LinePart,
@@ -415,8 +502,12 @@ pub struct FirstTokenScanner {
     lines: SseLines,
     /// The current event's type is one of [`LIFECYCLE_EVENTS`].
     lifecycle: bool,
-    /// The current `data` value began with [`ERROR_KEY`]: how far past it.
+    /// The current event's data began with [`ERROR_KEY`]: how far past it (kept across its
+    /// `data` lines, which are one value).
     error: ErrorValue,
+    /// The current event's data is decided no token (it starts with [`DONE`], or its error
+    /// is not [`NULL`]): its further `data` lines are passed over.
+    settled: bool,
     found: bool,
 }
 
@@ -499,7 +590,7 @@ impl FirstTokenScanner {
     /// The name ended at a `:`.
     fn start_value(&mut self) {
         let field = match self.kept() {
-            b"data" if !self.lifecycle => Some(Field::Data),
+            b"data" if !self.lifecycle && !self.settled => Some(Field::Data),
             b"event" => {
                 self.lifecycle = false;
                 Some(Field::Event)
@@ -535,7 +626,10 @@ impl FirstTokenScanner {
                 self.len = n + 1;
                 match (done, *marker == ERROR_KEY) {
                     (true, true) => self.error = ErrorValue::Key,
-                    (true, false) => self.part = LinePart::Skip,
+                    (true, false) => {
+                        self.settled = true;
+                        self.part = LinePart::Skip;
+                    }
                     (false, _) => {}
                 }
             }
@@ -543,8 +637,9 @@ impl FirstTokenScanner {
         }
     }
 
-    /// A byte of a `data` value past its [`ERROR_KEY`]: on towards `:` and [`NULL`], a token
-    /// once `null` is whole, no token (the rest of the line skipped) at any other byte.
+    /// A byte of an event's data past its [`ERROR_KEY`]: on towards `:` and [`NULL`], a token
+    /// once `null` is whole, no token (the rest of the event's data passed over) at any
+    /// other byte.
     fn error_value_byte(&mut self, b: u8) {
         let space = b == b' ' || b == b'\t';
         let next = match self.error {
@@ -558,31 +653,53 @@ impl FirstTokenScanner {
         match next {
             Some(ErrorValue::Null(n)) if n == NULL.len() => self.found = true,
             Some(e) => self.error = e,
-            None => self.part = LinePart::Skip,
+            None => {
+                self.settled = true;
+                self.part = LinePart::Skip;
+            }
         }
     }
 
     fn end_line(&mut self) {
         match self.part {
-            // A blank line ends the event, and its type with it.
-            LinePart::Start => self.lifecycle = false,
-            // A name without `:` is a field with an empty value.
+            // A blank line ends the event: its type and its data with it.
+            LinePart::Start => {
+                self.lifecycle = false;
+                self.error = ErrorValue::None;
+                self.settled = false;
+            }
+            // A name without `:` is a field with an empty value. For `data`, that value adds
+            // only a LF to the event's data, which changes nothing here: before the data
+            // begins it is passed over, after `{"error"` or its `:` it is whitespace, and no
+            // other undecided state outlives a `data` line's end (`data_line_end`).
             LinePart::Name if self.kept() == b"event" => self.lifecycle = false,
             LinePart::ValueStart | LinePart::Value => match self.field {
-                // A non-empty proper prefix of a marker (a full `[DONE]` went to `Skip`; an
-                // error key whose `null` the line did not finish is no token).
-                Field::Data => {
-                    if self.len > 0 && self.error == ErrorValue::None {
-                        self.found = true;
-                    }
-                }
+                Field::Data => self.data_line_end(),
                 Field::Event => self.lifecycle = LIFECYCLE_EVENTS.contains(&self.kept()),
             },
             LinePart::Name | LinePart::Skip => {}
         }
         self.part = LinePart::Start;
         self.len = 0;
-        self.error = ErrorValue::None;
+    }
+
+    /// A `data` line ended: the LF that the SSE spec appends to the event's data after each
+    /// `data` line is the data's next byte (a `data` line that ended in `Skip` was decided
+    /// already).
+    fn data_line_end(&mut self) {
+        match self.error {
+            // The data has not begun (an empty line): a LF before it is JSON whitespace,
+            // passed over.
+            ErrorValue::None if self.len == 0 => {}
+            // A non-empty proper prefix of a marker (a full `[DONE]` went to `Skip`), which
+            // a LF continues neither: a token.
+            ErrorValue::None => self.found = true,
+            // Whitespace between `{"error"`, its `:` and its value: the next `data` line
+            // goes on with it.
+            ErrorValue::Key | ErrorValue::Colon => {}
+            // `null` cut by the LF: the error is some other value.
+            ErrorValue::Null(_) => self.settled = true,
+        }
     }
 }
 
@@ -668,8 +785,9 @@ impl DataTail {
 ///   has a `"usage"` key whose value is an object (the gate: token events, with no usage
 ///   or `"usage": null`, cost a `memmem` search, not a parse);
 /// - longer data (an overflow, counted by [`Self::overflows`]) keeps only its last
-///   `max_tail` bytes, and the last `"usage"` object wholly inside them is read by
-///   [`parse_json_tail`]. So the Responses API's `response.completed`, which carries the
+///   `max_tail` bytes, and the event's own `usage` in them (its last `"usage"` key of the
+///   top-level object, else of an object in it; the rule on [`parse_json_tail`]) is read
+///   by [`parse_json_tail`]. So the Responses API's `response.completed`, which carries the
 ///   whole output before its `usage` (`{"type":"response.completed","response":{...,
 ///   "output":[...],...,"usage":{...},...}}`), is read however long the output is, as
 ///   long as what follows `usage` in it fits in `max_tail` with it (with OpenAI's field
@@ -976,7 +1094,82 @@ mod tests {
             (
                 "an earlier usage, the last one cut",
                 br#""usage":{"prompt_tokens":2,"s":"{"},"usage":{"prompt_tokens":1,"s":"}"#,
-                usage(2, 0),
+                None,
+            ),
+        ] {
+            assert_eq!(parse_json_tail(tail), want, "{name}");
+        }
+    }
+
+    /// The tail's usage is the response's own: the last `"usage"` key of the top-level
+    /// object (else of an object in it, the Responses API's `response.usage`), whatever its
+    /// value. A later `usage` nested deeper is passed over; when the response's own is cut,
+    /// malformed or `null`, an earlier `usage` (nested, or cut off by the tail) is not read
+    /// in its place.
+    #[test]
+    fn the_tail_reads_only_the_responses_own_usage() {
+        let usage = |prompt_tokens, completion_tokens| {
+            Some(Usage {
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens: None,
+            })
+        };
+        for (name, tail, want) in [
+            (
+                "the body cut inside its usage, a nested usage before it",
+                &br#"{"choices":[{"x":{"usage":{"prompt_tokens":2}}}],"usage":{"prompt_tokens":1"#[..],
+                None,
+            ),
+            (
+                "a malformed usage, a nested usage before it",
+                br#"{"choices":[{"x":{"usage":{"prompt_tokens":2}}}],"usage":{"prompt_tokens":"1"}}"#,
+                None,
+            ),
+            (
+                "a null usage, a nested usage before it",
+                br#"{"choices":[{"x":{"usage":{"prompt_tokens":2}}}],"usage":null}"#,
+                None,
+            ),
+            (
+                "a null usage, spaced, after a whole earlier one in the tail",
+                b"\"usage\":{\"prompt_tokens\":2}}],\"usage\" :\n null}",
+                None,
+            ),
+            (
+                "a nested usage object after the response's own",
+                br#"{"usage":{"prompt_tokens":3,"completion_tokens":1},"x":[{"usage":{"prompt_tokens":9}}]}"#,
+                usage(3, 1),
+            ),
+            (
+                "a nested usage without prompt tokens after the response's own",
+                br#"{"usage":{"prompt_tokens":3,"completion_tokens":1},"x":{"usage":{"note":1}}}"#,
+                usage(3, 1),
+            ),
+            (
+                "a metadata key usage after the Responses API's usage",
+                br#"{"object":"response","usage":{"input_tokens":4,"output_tokens":2},"metadata":{"usage":"high"}}"#,
+                usage(4, 2),
+            ),
+            (
+                "response.usage, with a deeper usage after it",
+                br#"{"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":1},"metadata":{"usage":"x"}},"sequence_number":9}"#,
+                usage(5, 1),
+            ),
+            (
+                "a key that ends in an escaped quote and usage",
+                br#"{"usage":{"prompt_tokens":3,"completion_tokens":1},"a\"usage":{"prompt_tokens":9}}"#,
+                usage(3, 1),
+            ),
+            (
+                "the word as a string value",
+                br#"{"usage":{"prompt_tokens":3,"completion_tokens":1},"kind":"usage"}"#,
+                usage(3, 1),
+            ),
+            (
+                "the body cut inside a string after its usage",
+                br#"{"usage":{"prompt_tokens":3},"note":"abc"#,
+                None,
             ),
         ] {
             assert_eq!(parse_json_tail(tail), want, "{name}");
@@ -1215,19 +1408,25 @@ mod tests {
         }
 
         /// A body whose strings (before the usage, in it, after it) hold braces, quotes and
-        /// backslashes, JSON-escaped: every tail that begins at or before the `"usage"` key
-        /// reads the usage, exactly as `parse_json` reads the whole body; a tail that begins
-        /// after it reads none.
+        /// backslashes, JSON-escaped, with a nested `usage` after the response's own (an
+        /// object in an array, a string in an object): every tail that begins at or before
+        /// the response's `"usage"` key reads the usage, exactly as `parse_json` reads the
+        /// whole body; a tail that begins after it reads none.
         #[test]
         fn tails_read_the_usage_whatever_the_strings_hold(
             strings in proptest::array::uniform3("[a-z{}\"\\\\:, é]{0,8}"),
             prompt_tokens in 0u64..100_000,
             completion_tokens in 0u64..100_000,
             nested in any::<bool>(),
+            later in proptest::sample::select(vec![
+                "null",
+                r#"{"usage":"high"}"#,
+                r#"[{"usage":{"prompt_tokens":1,"completion_tokens":1}}]"#,
+            ]),
         ) {
             let [before, inside, after] = strings.map(|s| serde_json::to_string(&s).unwrap());
             let usage = format!(r#"{{"prompt_tokens":{prompt_tokens},"note":{inside},"completion_tokens":{completion_tokens}}}"#);
-            let inner = format!(r#"{{"text":{before},"usage":{usage},"end":{after}}}"#);
+            let inner = format!(r#"{{"text":{before},"usage":{usage},"end":{after},"later":{later}}}"#);
             let body = if nested {
                 format!(r#"{{"type":"response.completed","response":{inner},"x":{after}}}"#)
             } else {
@@ -1420,6 +1619,97 @@ mod tests {
         assert_eq!(first_token_oracle(body), at);
     }
 
+    /// An event's `data` lines are one value, joined by LFs (SSE spec), and the LF between
+    /// two of them is JSON whitespace: an error object split over two lines is an error, an
+    /// `"error": null` split over two lines a token, and a value that starts with `[DONE]`
+    /// stays no token whatever lines follow it in its event. Empty `data` lines before the
+    /// value are passed over; a blank line ends the event and its value.
+    #[test]
+    fn an_events_data_lines_are_one_value() {
+        for (name, chunks, want) in [
+            (
+                "an error object over two lines",
+                &[&b"data: {\"error\":\ndata: {\"message\":\"x\"}}\n\n"[..]][..],
+                &[false][..],
+            ),
+            (
+                "an error object over two lines, CR",
+                &[b"data:{\"error\"\rdata: {}}\r\r"],
+                &[false],
+            ),
+            (
+                "an error, then a token line in its event",
+                &[b"data: {\"error\":{}}\ndata: {\"choices\":[]}\n\n"],
+                &[false],
+            ),
+            (
+                "another field between the lines",
+                &[b"data: {\"error\":\nid: 7\ndata: {\"code\":500}}\n\n"],
+                &[false],
+            ),
+            (
+                "a null error over two lines",
+                &[b"data: {\"error\":\ndata: null, \"choices\":[]}\n\n"],
+                &[true],
+            ),
+            (
+                "a null error, the colon on the second line",
+                &[b"data: {\"error\"\r\ndata: :null}\r\n\r\n"],
+                &[true],
+            ),
+            (
+                "null broken by the line end",
+                &[b"data: {\"error\": nu\ndata: ll}\n\n"],
+                &[false],
+            ),
+            (
+                "done, then more data in its event",
+                &[b"data: [DONE]\ndata: x\n\n"],
+                &[false],
+            ),
+            (
+                "an empty data line first",
+                &[b"data:\ndata\ndata: {\"choices\":[]}\n\n"],
+                &[true],
+            ),
+            (
+                "an empty data line, then an error",
+                &[b"data:\ndata: {\"error\":{}}\n\n"],
+                &[false],
+            ),
+            (
+                "an error event, then a token event",
+                &[b"data: {\"error\":\n\ndata: {\"choices\":[]}\n\n"],
+                &[true],
+            ),
+            (
+                "a marker's prefix, then its rest",
+                &[b"data: [DO\ndata: NE]\n\n"],
+                &[true],
+            ),
+            (
+                "split between the lines",
+                &[b"data: {\"error\":\n", b"data: {}}\n\n"],
+                &[false, false],
+            ),
+        ] {
+            assert_eq!(first_token_by_chunk(chunks), want, "{name}");
+            let body = chunks.concat();
+            assert_eq!(
+                first_token_oracle(&body).is_some(),
+                *want.last().unwrap(),
+                "{name}: oracle"
+            );
+        }
+        // Decided at the `l` that ends `null` on the second line, fed byte by byte.
+        let body = b"data: {\"error\":\ndata: null}\n\n";
+        let bytes: Vec<&[u8]> = body.chunks(1).collect();
+        let at = body.iter().rposition(|&b| b == b'l');
+        assert_eq!(at, Some(25));
+        assert_eq!(first_token_by_chunk(&bytes).iter().position(|&f| f), at);
+        assert_eq!(first_token_oracle(body), at);
+    }
+
     #[test]
     fn a_token_split_across_chunks_is_found_where_its_value_begins() {
         for (name, chunks, want) in [
@@ -1511,11 +1801,11 @@ mod tests {
     }
 
     /// Where the first token of `body` is decided, read as a whole by the SSE spec's rules
-    /// (the oracle for [`FirstTokenScanner`]): the index of the first byte of the first
-    /// token's `data` value at which it stops being a prefix of one of `NO_TOKEN_DATA`, or of
-    /// its line's end when the value is a proper prefix of it, or of the `l` ending the
-    /// `null` of an error key's `[ \t]*:[ \t]*null`; `None` when the body shows no token.
-    /// One leading byte order mark is skipped, as the spec says.
+    /// (the oracle for [`FirstTokenScanner`]): each event's data is its `data` values (those
+    /// read while its type is none of `LIFECYCLE_EVENTS`), each followed by a LF at its
+    /// line end's index ([`event_data_decided`] has the rule). The first event whose data
+    /// is a token decides; `None` when the body shows no token. One leading byte order mark
+    /// is skipped, as the spec says.
     fn first_token_oracle(body: &[u8]) -> Option<usize> {
         match body.strip_prefix(BOM) {
             Some(rest) => first_token_in_lines(rest).map(|i| i + BOM.len()),
@@ -1526,9 +1816,15 @@ mod tests {
     /// [`first_token_oracle`] of a body without a leading byte order mark.
     fn first_token_in_lines(body: &[u8]) -> Option<usize> {
         let mut lifecycle = false;
+        // The current event's data: each byte with its index in `body`.
+        let mut data: Vec<(u8, usize)> = Vec::new();
         for (start, end, terminator) in spec_lines(body) {
             let line = &body[start..end];
             if line.is_empty() {
+                if let Some(at) = event_data_decided(&data) {
+                    return Some(at);
+                }
+                data.clear();
                 lifecycle = false;
                 continue;
             }
@@ -1538,34 +1834,49 @@ mod tests {
             let (name, value) = spec_field(line);
             match name {
                 b"event" => lifecycle = LIFECYCLE_EVENTS.contains(&value),
-                b"data" if !lifecycle && !value.is_empty() => {
+                b"data" if !lifecycle => {
                     let at = end - value.len();
-                    if let Some(rest) = value.strip_prefix(ERROR_KEY) {
-                        let spaces =
-                            |s: &[u8]| s.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
-                        let colon = ERROR_KEY.len() + spaces(rest);
-                        if value.get(colon) == Some(&b':') {
-                            let null = colon + 1 + spaces(&value[colon + 1..]);
-                            if value[null..].starts_with(NULL) {
-                                return Some(at + null + NULL.len() - 1);
-                            }
-                        }
-                        continue;
-                    }
-                    if value.starts_with(DONE) {
-                        continue;
-                    }
-                    let decided =
-                        |j: usize| !NO_TOKEN_DATA.iter().any(|m| m.starts_with(&value[..=j]));
-                    return match (0..value.len()).find(|&j| decided(j)) {
-                        Some(j) => Some(at + j),
-                        None => terminator,
-                    };
+                    data.extend(value.iter().enumerate().map(|(j, &b)| (b, at + j)));
+                    // A line that the body ends without a line end has no LF yet.
+                    data.extend(terminator.map(|t| (b'\n', t)));
                 }
                 _ => {}
             }
         }
-        None
+        event_data_decided(&data)
+    }
+
+    /// Where an event's data (bytes with their indexes) is decided a token, by the rule on
+    /// [`FirstTokenScanner`] applied to the whole: past its leading LFs, the first byte at
+    /// which it stops being a prefix of one of `NO_TOKEN_DATA`, or, past `{"error"`, the `l`
+    /// ending the `null` of `[ \t\n]*:[ \t\n]*null`; `None` when it is no token (empty,
+    /// `[DONE]`, another error, or undecided when the data ends).
+    fn event_data_decided(data: &[(u8, usize)]) -> Option<usize> {
+        let begun = data
+            .iter()
+            .position(|&(b, _)| b != b'\n')
+            .unwrap_or(data.len());
+        let (value, at): (Vec<u8>, Vec<usize>) = data[begun..].iter().copied().unzip();
+        if let Some(rest) = value.strip_prefix(ERROR_KEY) {
+            let spaces = |s: &[u8]| {
+                s.iter()
+                    .take_while(|&&b| matches!(b, b' ' | b'\t' | b'\n'))
+                    .count()
+            };
+            let colon = ERROR_KEY.len() + spaces(rest);
+            if value.get(colon) != Some(&b':') {
+                return None;
+            }
+            let null = colon + 1 + spaces(&value[colon + 1..]);
+            return value[null..]
+                .starts_with(NULL)
+                .then(|| at[null + NULL.len() - 1]);
+        }
+        if value.starts_with(DONE) {
+            return None;
+        }
+        let decided = |j: usize| !NO_TOKEN_DATA.iter().any(|m| m.starts_with(&value[..=j]));
+        (0..value.len()).find(|&j| decided(j)).map(|j| at[j])
     }
 
     /// The lines of `body` (one without a leading byte order mark) as the SSE spec cuts them,
@@ -1604,8 +1915,9 @@ mod tests {
     }
 
     proptest! {
-        /// However a stream of comments, data-less events, lifecycle events, `[DONE]` and
-        /// tokens, with any line ends, is cut into chunks, the scanner reports the first
+        /// However a stream of comments, data-less events, lifecycle events, `[DONE]`,
+        /// tokens and events of several `data` lines (an error object or its `null` written
+        /// over two), with any line ends, is cut into chunks, the scanner reports the first
         /// token exactly from the chunk that holds the byte deciding it.
         #[test]
         fn first_token_is_found_in_the_chunk_that_decides_it(
@@ -1618,7 +1930,9 @@ mod tests {
                     "data:{\"error\"", "data: {\"err", "data: {\"", "event: error",
                     "event: response.failed", "data: {\"error\":null,\"choices\":[]}",
                     "data: {\"error\" :\tnull}", "data: {\"error\": nul", "data:{\"error\":",
-                    "data: {\"error\": {\"code\": 500}}",
+                    "data: {\"error\": {\"code\": 500}}", "data: {\"error\":",
+                    "data: null, \"choices\":[]}", "data: {\"message\":\"x\"}}", "data: nu",
+                    "data: ll}", "data: :null}", "data:\t null}", "data: \"x\"}",
                 ]),
                 proptest::sample::select(vec!["\n", "\r\n", "\r"]),
             ), 0..12),
@@ -1653,7 +1967,8 @@ mod tests {
                 b":", b" ", b"\n", b"\r", b"\r\n",
                 b"[DONE]", b"[DO", b"[", b"x", b"{}", b"response.created", b"response.queued",
                 b"{\"error\"", b"{\"e", b"error", b"\"", b"null", b"nu", b"\t", b"{\"error\":null",
-                b"\0", b"\xFF\xFE", b"\xEF", b"\xEF\xBB\xBF", b"\xBB\xBF",
+                b"\0", b"\xFF\xFE", b"\xEF", b"\xEF\xBB\xBF", b"\xBB\xBF", b"\ndata: ",
+                b"\rdata:",
             ]), 0..40),
             cuts in proptest::collection::vec(0usize..400, 0..10),
         ) {
