@@ -249,6 +249,14 @@ struct Acc<'e> {
     aside: String,
     /// A sampling window's text, decoded ahead of the tally ([`Self::string`]).
     window: String,
+    /// Raw bytes (escapes undecoded) the tally took as text between sampling windows
+    /// ([`Scanner::skip_raw`]).
+    skipped_raw: u64,
+    /// Raw bytes of the strings' text that was decoded (the rendering, the windows, the
+    /// pieces around them), and their decoded length: the sample of how much the escapes
+    /// shrink the skipped bytes ([`Self::prompt_tokens`]).
+    read_raw: u64,
+    read_decoded: u64,
 }
 
 /// Bytes decoded ahead in one round ([`Acc::string`]): a sampling window (256 bytes) fits
@@ -258,6 +266,11 @@ const WINDOW_READ_BYTES: usize = 4096;
 /// Fewer bytes left to read than this go piece by piece (the walk takes whole 32-byte
 /// steps only).
 const WINDOW_READ_MIN_BYTES: usize = 64;
+
+/// Longest stretch read as a piece within this many bytes of the rendering's end and past
+/// it (where the tally finishes a word a window's end cut, or seeks a window's start):
+/// then back to [`Scanner::skip_raw`].
+const PAST_RENDERING_STRETCH_BYTES: usize = 64;
 
 impl<'e> Acc<'e> {
     /// `body_len`, the request body's size in bytes, sizes the prefix rendering once
@@ -276,6 +289,9 @@ impl<'e> Acc<'e> {
             prompts: 1,
             aside: String::new(),
             window: String::new(),
+            skipped_raw: 0,
+            read_raw: 0,
+            read_decoded: 0,
         }
     }
 
@@ -346,6 +362,20 @@ impl<'e> Acc<'e> {
     /// same counts.
     fn string(&mut self, sc: &mut Scanner<'_>) -> Syn<Result<(), BadString>> {
         sc.open_quote()?;
+        // What of the string was decoded, raw and decoded: all of it less what was skipped.
+        let (start, fed, skipped) = (sc.pos(), self.tally.fed(), self.skipped_raw);
+        let r = self.string_text(sc)?;
+        let skipped = self.skipped_raw.saturating_sub(skipped);
+        // The string's raw bytes, its closing quote excluded.
+        let raw = sc.pos().saturating_sub(start + 1) as u64;
+        self.read_raw += raw.saturating_sub(skipped);
+        self.read_decoded += self.tally.fed().saturating_sub(fed).saturating_sub(skipped);
+        Ok(r)
+    }
+
+    /// [`Self::string`] after its opening quote.
+    #[inline(always)]
+    fn string_text(&mut self, sc: &mut Scanner<'_>) -> Syn<Result<(), BadString>> {
         let mut ok = Ok(());
         // Start of this string in the rendering while the tally is deferred (`None`: the
         // pieces go to the tally as they come).
@@ -370,8 +400,12 @@ impl<'e> Acc<'e> {
                 // the next window are passed without making pieces of them.
                 let room = self.tally.skip_room();
                 if room > 0 {
-                    let (passed, closed) = sc.pass_plain(room);
-                    self.tally.skip(passed);
+                    // Raw bytes, not decoded ones: the tally takes them as text, and
+                    // `prompt_tokens` takes the escapes' share back out.
+                    let room = usize::try_from(room).unwrap_or(usize::MAX);
+                    let (passed, closed) = sc.skip_raw(room);
+                    self.tally.skip(passed as u64);
+                    self.skipped_raw += passed as u64;
                     if closed {
                         break;
                     }
@@ -389,7 +423,14 @@ impl<'e> Acc<'e> {
                     }
                 }
             }
-            let n = sc.string_stretch();
+            // At or past the rendering's end a stretch may not run on unbounded (to the
+            // string's end in text without escapes): the skip above takes what it can.
+            let bounded = self.prefix.len() + PAST_RENDERING_STRETCH_BYTES > self.prefix_limit;
+            let n = if bounded {
+                sc.string_stretch_within(PAST_RENDERING_STRETCH_BYTES)
+            } else {
+                sc.string_stretch()
+            };
             if ok.is_ok() && n > 0 {
                 let piece = sc.ahead(n);
                 match deferred {
@@ -404,6 +445,15 @@ impl<'e> Acc<'e> {
                 }
             }
             sc.advance(n);
+            if bounded
+                && sc
+                    .rest()
+                    .first()
+                    .is_some_and(|&c| c != b'"' && c != b'\\' && c >= 0x20)
+            {
+                // The bound ended the stretch, not a special byte.
+                continue;
+            }
             // One-letter escapes (`\n`, `\"`, ...: nearly all of them in chat text) are
             // read inline; the general reader (a call returning a `Result`) and decoder
             // take `\u` escapes, the closing quote and errors.
@@ -532,7 +582,18 @@ impl<'e> Acc<'e> {
         self.exact_tokens = self.exact_tokens.saturating_add(1);
     }
 
-    fn prompt_tokens(&self, model: Option<&str>) -> u64 {
+    /// The estimate. Between sampling windows the tally was handed raw bytes, in which
+    /// each escape is 2 to 12 bytes for a decoded 1 to 4 (`\n` 2 → 1, `\u4e1c` 6 → 3):
+    /// they are scaled by the windows' decoded ÷ raw bytes, a sample of the same text,
+    /// and the difference is taken out of the tally's tail ([`Tally::untake`]).
+    fn prompt_tokens(&mut self, model: Option<&str>) -> u64 {
+        if self.skipped_raw > 0 && self.read_raw > 0 {
+            let shrunk = u128::from(self.skipped_raw)
+                * u128::from(self.read_raw.saturating_sub(self.read_decoded))
+                / u128::from(self.read_raw);
+            self.tally
+                .untake(u64::try_from(shrunk).unwrap_or(self.skipped_raw));
+        }
         let cal = self.estimator.calibration(model);
         let text = (self.tally.tokens(&CharClassCosts::default()) * cal).ceil();
         let text = if text.is_finite() && text > 0.0 {

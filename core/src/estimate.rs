@@ -722,6 +722,25 @@ impl Tally {
         }
     }
 
+    /// Bytes fed so far (and skipped, [`Self::skip`]) to a sampled tally; 0 for one that
+    /// counts every byte.
+    #[inline]
+    pub fn fed(&self) -> u64 {
+        self.sample
+            .as_deref()
+            .map_or(0, |st| st.head_bytes + st.tail_bytes)
+    }
+
+    /// Take back `len` bytes of a sampled tally's tail counted by [`Self::skip`] (never
+    /// below the bytes its windows read): for a caller that skipped raw bytes of which
+    /// it learned afterwards that fewer were text. Nothing for a tally that is not
+    /// sampled, or whose head is not full.
+    pub fn untake(&mut self, len: u64) {
+        if let Some(st) = self.sample.as_deref_mut() {
+            st.tail_bytes = st.tail_bytes.saturating_sub(len).max(st.window_bytes);
+        }
+    }
+
     /// [`Self::feed`] past its skip step: the exact scan, or the sampled tally's phases.
     #[inline(never)]
     fn feed_counted(&mut self, bytes: &[u8]) {

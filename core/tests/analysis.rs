@@ -384,6 +384,15 @@ fn bounded_analysis_keeps_every_result_and_the_prefix_hashes() {
         assert!(full.prefix_text.starts_with(&b.prefix_text));
         let mut rest = b.clone();
         rest.prefix_text = full.prefix_text.clone();
+        // Past the rendering the bounded analysis skips raw bytes between the sampling
+        // windows and takes the escapes' share out by the windows' ratio (`Scanner::skip_raw`):
+        // 107,192 / 107,068 / 107,016 tokens at limits 16 KiB / 1000 / 1 against 107,041.
+        let (got, want) = (b.prompt_tokens, full.prompt_tokens);
+        assert!(
+            got.abs_diff(want) * 200 <= want,
+            "limit {limit}: {got} vs {want}"
+        );
+        rest.prompt_tokens = want;
         assert_eq!(rest, full, "limit {limit}");
     }
     let b = analyze_bounded(
@@ -614,4 +623,59 @@ fn compact_and_pretty_bodies_agree() {
         "{}",
         &a.prefix_text[..60]
     );
+}
+
+/// Past the 16 KiB rendering, the bytes between sampling windows are skipped raw: a defect
+/// there (a control character, a bad escape, a lone surrogate) goes unnoticed, and the
+/// body is estimated as if those bytes were plain text (the model server still rejects
+/// it). The same defect in the rendering, or in a window, is an error. Invalid UTF-8 is an
+/// error anywhere (the whole body is validated first).
+#[test]
+fn defects_between_sampling_windows_are_not_read() {
+    use kvroute_core::analysis::analyze_bounded;
+    use kvroute_core::estimate::{SAMPLE_HEAD_BYTES, SAMPLE_STRIDE_BYTES};
+    use kvroute_core::prefix::PrefixConfig;
+    let limit = PrefixConfig::default().max_bytes();
+    // Text offsets: the third window starts at the head's end plus two strides (18,432:
+    // past the 16 KiB rendering); 22,000 lies between it and the fourth.
+    let window = (SAMPLE_HEAD_BYTES + 2 * SAMPLE_STRIDE_BYTES) as usize;
+    assert_eq!((window, limit), (18_432, 16_384));
+    let chat = |content: &str| {
+        format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#)
+    };
+    let text = "ab ".repeat(20_000);
+    let at = |offset: usize, defect: &str| {
+        let mut t = text.clone();
+        t.replace_range(offset..offset + defect.len(), defect);
+        chat(&t)
+    };
+    let analyse =
+        |body: &str| analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est(), limit);
+    for defect in ["\u{1}", "\\x", "\\ud800"] {
+        // Between windows: estimated as the same bytes of plain text.
+        let plain = analyse(&at(22_000, &"z".repeat(defect.len()))).unwrap();
+        let got = analyse(&at(22_000, defect)).unwrap_or_else(|e| panic!("{defect:?}: {e}"));
+        assert_eq!(got.prompt_tokens, plain.prompt_tokens, "{defect:?}");
+        assert_eq!(got.prefix_text, plain.prefix_text, "{defect:?}");
+        // In the rendering and in a window: read, so refused.
+        for offset in [1_000, window + 100] {
+            let e = analyse(&at(offset, defect)).expect_err(defect);
+            let want_json = defect != "\\ud800";
+            assert_eq!(
+                matches!(e, AnalysisError::InvalidJson { .. }),
+                want_json,
+                "{defect:?} at {offset}: {e}"
+            );
+            if !want_json {
+                assert_eq!(e, invalid("messages[0].content", "a string"));
+            }
+        }
+    }
+    let mut bytes = at(22_000, "z").into_bytes();
+    let z = bytes.iter().rposition(|&b| b == b'z').unwrap();
+    bytes[z] = 0xFF;
+    assert!(matches!(
+        analyze_bounded(ApiKind::ChatCompletions, &bytes, &est(), limit),
+        Err(AnalysisError::InvalidJson { .. })
+    ));
 }

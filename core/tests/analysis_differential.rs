@@ -33,13 +33,37 @@ const APIS: [ApiKind; 5] = [
     ApiKind::Other,
 ];
 
-/// Both analysers on one body; `Err` describes the first difference.
+/// Both analysers on one body, with the sampled estimator and with one that counts every
+/// byte; `Err` describes the first difference.
+///
+/// Counting every byte, the two agree exactly. Sampled, a bounded analysis skips the raw
+/// bytes between the sampling windows past its rendering (`Scanner::skip_raw`), so its
+/// windows fall a few bytes from the oracle's, which decodes every byte: `prompt_tokens`
+/// may then differ by the sample's noise (on the shared prompts as chat, up to 5.3 %,
+/// mean +0.2 %), allowed up to 10 %, the estimator's median target; every other field
+/// agrees exactly.
 fn differ(api: ApiKind, body: &[u8], limit: usize) -> Result<(), String> {
-    let est = Estimator::default();
-    let new = analyze_bounded(api, body, &est, limit);
-    let old = oracle::oracle_analyze_bounded(api, body, &est, limit);
+    differ_with(api, body, limit, &Estimator::every_byte(), 0)?;
+    differ_with(api, body, limit, &Estimator::default(), 10)
+}
+
+fn differ_with(
+    api: ApiKind,
+    body: &[u8],
+    limit: usize,
+    est: &Estimator,
+    tokens_pct: u64,
+) -> Result<(), String> {
+    let new = analyze_bounded(api, body, est, limit);
+    let old = oracle::oracle_analyze_bounded(api, body, est, limit);
     let same = match (&new, &old) {
-        (Ok(a), Ok(b)) => a == b,
+        (Ok(a), Ok(b)) => {
+            let (x, y) = (a.prompt_tokens, b.prompt_tokens);
+            let near = x.abs_diff(y) * 100 <= y * tokens_pct;
+            let mut a = a.clone();
+            a.prompt_tokens = if near { y } else { x };
+            a == *b
+        }
         (Err(AnalysisError::InvalidJson { .. }), Err(AnalysisError::InvalidJson { .. })) => true,
         (Err(a), Err(b)) => a == b,
         _ => false,

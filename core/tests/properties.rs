@@ -288,13 +288,14 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Any prefix limit, wherever it falls (inside a stretch, at an escape, inside a
-    /// multi-byte character, in the role marker): the estimate is the plain text's, whether
-    /// the tally read a string back from the rendering, piece by piece, or passed it between
-    /// sampling windows (`Scanner::pass_plain`) or decoded a window ahead; and the
-    /// rendering is the unbounded one cut
-    /// at the first character boundary at or past the limit. Both key orders: `content`
-    /// after `role` is rendered in place; before it (serde_json's sorted keys), aside and
-    /// then appended.
+    /// multi-byte character, in the role marker): the rendering is the unbounded one cut at
+    /// the first character boundary at or past the limit, and the estimate is the plain
+    /// text's: exactly when counting every byte, whether the tally read a string back from
+    /// the rendering, piece by piece, or decoded it ahead in rounds; sampled, within 10 %
+    /// (past the rendering the bytes between windows are skipped raw, `Scanner::skip_raw`,
+    /// which moves the windows a few bytes: over 2,000 cases of both orders, mean
+    /// deviation +0.005 %, p99 3.8 %, max 5.7 %). Both key orders: `content` after `role`
+    /// is rendered in place; before it (serde_json's sorted keys), aside and then appended.
     #[test]
     fn any_prefix_limit_keeps_the_estimate_and_cuts_the_rendering(
         text in "([a-z 东é]{1,80}[\"\\\\\n\t\u{1}]){40,300}",
@@ -312,7 +313,8 @@ proptest! {
             format!(r#"{{"model":"m","messages":[{{"content":{content},"role":"user"}}]}}"#),
         ] {
             let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit).unwrap();
-            prop_assert_eq!(a.prompt_tokens, est.estimate_text(&text) + 6);
+            let want = est.estimate_text(&text) + 6;
+            prop_assert!(a.prompt_tokens.abs_diff(want) * 10 <= want, "{} vs {}", a.prompt_tokens, want);
             prop_assert_eq!(&a.prefix_text, &full[..cut]);
             // Counting every byte (read ahead in rounds past the rendering) too.
             let every = Estimator::every_byte();

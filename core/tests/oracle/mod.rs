@@ -145,7 +145,12 @@ impl<'e> Acc<'e> {
             estimator,
             prefix: String::new(),
             prefix_limit,
-            tally: Tally::sampled(),
+            // As the analysis counts (`Estimator::tally`, crate-private).
+            tally: if estimator.every_byte {
+                Tally::new()
+            } else {
+                Tally::sampled()
+            },
             overhead_tokens: 0,
             exact_tokens: 0,
             exact: false,
