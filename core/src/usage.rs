@@ -1049,17 +1049,19 @@ mod tests {
         assert_eq!(parse_json_tail(br#""usage":null"#), None);
     }
 
+    /// A usage with no cached tokens.
+    fn usage(prompt_tokens: u64, completion_tokens: u64) -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens: None,
+        })
+    }
+
     /// Braces inside strings (in the usage object, escaped quotes and backslashes before
     /// them, or in the surrounding object) do not end or extend the usage object.
     #[test]
     fn braces_inside_strings_do_not_cut_the_tail_usage() {
-        let usage = |prompt_tokens, completion_tokens| {
-            Some(Usage {
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens: None,
-            })
-        };
         for (name, tail, want) in [
             (
                 "a closing brace in a string",
@@ -1108,13 +1110,6 @@ mod tests {
     /// in its place.
     #[test]
     fn the_tail_reads_only_the_responses_own_usage() {
-        let usage = |prompt_tokens, completion_tokens| {
-            Some(Usage {
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens: None,
-            })
-        };
         for (name, tail, want) in [
             (
                 "the body cut inside its usage, a nested usage before it",

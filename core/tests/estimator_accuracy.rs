@@ -47,6 +47,18 @@ fn errors(est: &[f64], truth: &[usize]) -> Row {
     }
 }
 
+/// One row of the table in docs/core.md.
+fn print_row(tokenizer: &str, subset: &str, r: &Row) {
+    println!(
+        "| {tokenizer} | {subset} | {} | {:.1}% | {:.1}% | {:.1}% | {:+.1}% |",
+        r.n,
+        r.median * 100.0,
+        r.p90 * 100.0,
+        r.p99 * 100.0,
+        r.bias * 100.0
+    );
+}
+
 /// The subset of prompts longer than 1 KiB: the ones the sampled tail
 /// ([`kvroute_core::estimate::SAMPLE_HEAD_BYTES`]) can reach.
 const OVER_1_KIB: &str = "over 1 KiB";
@@ -93,14 +105,7 @@ fn estimator_within_targets_on_shared_prompts() {
                 .map(|((_, e), t)| (*e, *t))
                 .unzip();
             let r = errors(&e, &t);
-            println!(
-                "| {name} | {subset} | {} | {:.1}% | {:.1}% | {:.1}% | {:+.1}% |",
-                r.n,
-                r.median * 100.0,
-                r.p90 * 100.0,
-                r.p99 * 100.0,
-                r.bias * 100.0
-            );
+            print_row(name, subset, &r);
             if subset == "all" {
                 assert!(r.median <= 0.10, "{name}: median {:.3} > 0.10", r.median);
                 assert!(r.p90 <= 0.25, "{name}: p90 {:.3} > 0.25", r.p90);
@@ -207,14 +212,7 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
         let truth: Vec<usize> = long.iter().map(|p| bpe.encode_ordinary(p).len()).collect();
         for (subset, estimates) in &rows {
             let r = errors(estimates, &truth);
-            println!(
-                "| {name} | {subset} | {} | {:.1}% | {:.1}% | {:.1}% | {:+.1}% |",
-                r.n,
-                r.median * 100.0,
-                r.p90 * 100.0,
-                r.p99 * 100.0,
-                r.bias * 100.0
-            );
+            print_row(name, subset, &r);
             assert!(
                 r.median <= 0.10,
                 "{name} {subset}: median {:.3} > 0.10",
