@@ -263,9 +263,11 @@ struct Acc<'e> {
 /// in one; a tally that counts every byte reads on in rounds of this. The word a window's
 /// end cuts is finished piece by piece.
 const WINDOW_READ_BYTES: usize = 4096;
-/// Fewer bytes left to read than this go piece by piece (the walk takes whole 32-byte
-/// steps only).
-const WINDOW_READ_MIN_BYTES: usize = 64;
+/// Bytes decoded past what the tally reads in a round: the walk takes whole 32-byte steps
+/// only, and the tally finishes the word a window's end cuts; both in the same call, where
+/// the bytes left over went piece by piece (~480 Wasm operations per window at 1 MiB,
+/// docs/overhead.md). Past the window the tally only counts them.
+const WINDOW_READ_PAST_BYTES: usize = 64;
 
 /// Longest stretch read as a piece within this many bytes of the rendering's end and past
 /// it (where the tally finishes a word a window's end cut, or seeks a window's start):
@@ -414,9 +416,10 @@ impl<'e> Acc<'e> {
                 // at most `WINDOW_READ_BYTES` per round) and fed to the tally in one call,
                 // not piece by piece.
                 let read = usize::try_from(self.tally.read_room()).unwrap_or(usize::MAX);
-                if read >= WINDOW_READ_MIN_BYTES {
+                if read > 0 {
                     self.window.clear();
-                    let walk = sc.decode_plain_into(read.min(WINDOW_READ_BYTES), &mut self.window);
+                    let limit = read.min(WINDOW_READ_BYTES) + WINDOW_READ_PAST_BYTES;
+                    let walk = sc.decode_plain_into(limit, &mut self.window);
                     self.tally.feed(self.window.as_bytes());
                     if walk.closed {
                         break;
