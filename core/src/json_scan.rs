@@ -212,9 +212,21 @@ fn quote_mask64(chunk: &[u8; 64]) -> u64 {
     }
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     {
+        // Eight bytes per step on a `u64` (LLVM does not vectorise the byte loop: a 1 MiB
+        // skip took 2.3× the time of the walk it replaced, natively). A byte of `x` is
+        // zero exactly where `w` has a quote; `(x & 0x7F) + 0x7F` sets a byte's high bit
+        // when its low seven bits are not all zero, and `| x` when its own high bit is
+        // set, so `!t` has the high bit of exactly the zero bytes (no borrow between
+        // bytes, unlike `special_mask`'s). The multiply gathers the eight high bits.
+        const LOW7: u64 = LO * 0x7F;
         let mut m = 0u64;
-        for (i, &b) in chunk.iter().enumerate() {
-            m |= u64::from(b == b'"') << i;
+        for (k, word) in chunk.chunks_exact(8).enumerate() {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(word);
+            let x = u64::from_le_bytes(b) ^ (LO * u64::from(b'"'));
+            let t = ((x & LOW7).wrapping_add(LOW7) | x) & HI;
+            let bits = ((!t & HI) >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56;
+            m |= bits << (8 * k);
         }
         m
     }
@@ -1129,6 +1141,22 @@ mod tests {
                 let both = (u32::from(special) << at) | (1 << (31 - at));
                 let want = if at == 31 - at { 1 << at } else { both };
                 assert_eq!(special_mask32(&b), want, "{c} at {at}, `\\` at {}", 31 - at);
+            }
+        }
+    }
+
+    /// `quote_mask64` sets exactly the bits of the quotes: every byte value at every
+    /// position, alone and beside a quote.
+    #[test]
+    fn quote_mask64_flags_exactly_the_quotes() {
+        for at in 0..64 {
+            for c in 0..=255u8 {
+                let mut b = [b'x'; 64];
+                b[at] = c;
+                assert_eq!(quote_mask64(&b), u64::from(c == b'"') << at, "{c} at {at}");
+                b[63 - at] = b'"';
+                let want = (u64::from(c == b'"') << at) | (1 << (63 - at));
+                assert_eq!(quote_mask64(&b), want, "{c} at {at}, `\"` at {}", 63 - at);
             }
         }
     }
