@@ -411,6 +411,12 @@ impl RawPattern {
         Self::new(&[b"\"", name.as_bytes(), b"\":"])
     }
 
+    /// The object key `"name": ` as Python's `json.dumps` writes it by default (separators
+    /// `", "` and `": "`; also `requests` and `aiohttp` with `json=`).
+    pub(crate) const fn key_spaced(name: &str) -> Self {
+        Self::new(&[b"\"", name.as_bytes(), b"\": "])
+    }
+
     /// The JSON string `"text"` (no escape in `text`).
     pub(crate) const fn string(text: &str) -> Self {
         Self::new(&[b"\"", text.as_bytes(), b"\""])

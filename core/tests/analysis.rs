@@ -679,3 +679,17 @@ fn defects_between_sampling_windows_are_not_read() {
         Err(AnalysisError::InvalidJson { .. })
     ));
 }
+
+/// Python's `json.dumps` (and `requests` / `aiohttp` with `json=`) writes `", "` and `": "`:
+/// its keys are matched by their spaced patterns, with the same results as compact JSON.
+#[test]
+fn json_dumps_separators_read_as_compact_json() {
+    let compact = r#"{"model":"m","max_tokens":5,"messages":[{"role":"system","content":"Be brief."},{"content":[{"type":"text","text":"Hi \"you\""},{"text":"there","type":"text"}],"role":"user"},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]}]}"#;
+    let spaced = r#"{"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "Be brief."}, {"content": [{"type": "text", "text": "Hi \"you\""}, {"text": "there", "type": "text"}], "role": "user"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}"#;
+    let a = ok(ApiKind::ChatCompletions, compact);
+    assert_eq!(a, ok(ApiKind::ChatCompletions, spaced));
+    assert_eq!(
+        a.prefix_text,
+        "<|system|>\nBe brief.\n<|user|>\nHi \"you\"there\n<|assistant|>\n<|tool_call|>f{}\n\n"
+    );
+}
