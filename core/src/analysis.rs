@@ -446,8 +446,9 @@ impl<'e> Acc<'e> {
             } else {
                 sc.string_stretch()
             };
+            // A piece after a lone surrogate is not read, but it is text: still validated.
+            let piece = if n > 0 { sc.ahead(n)? } else { "" };
             if ok.is_ok() && n > 0 {
-                let piece = sc.ahead(n);
                 match deferred {
                     Some(_) if self.prefix.len() + piece.len() <= self.prefix_limit => {
                         self.prefix.push_str(piece);
@@ -845,13 +846,16 @@ pub fn analyze(
 /// Past the rendering, with a sampling estimator ([`Estimator::default`]), the string
 /// bytes between the tally's sampling windows are skipped raw (only each string's end is
 /// looked for, `json_scan::Scanner::skip_raw`): they are neither decoded nor checked, so
-/// a control character, a bad escape or a lone surrogate there is not an error, and
+/// a control character, a bad escape, a lone surrogate or a byte that is not UTF-8 there
+/// is not an error (the body is validated as UTF-8 only where it is read as text,
+/// `json_scan::Scanner::from_bytes`; anywhere else such a byte is an
+/// [`AnalysisError::InvalidJson`] at that byte), and
 /// `prompt_tokens` differs from [`analyze`]'s by the sample's noise (the windows fall a few
 /// bytes apart; on the shared prompts as chat up to ~6 %, mean ~0). Every other field is
 /// the same. With [`Estimator::every_byte`] nothing is skipped and every result is the same.
 ///
-/// Order of checks (the first failing one is reported): JSON syntax of the whole body
-/// (and no repeated top-level field), then `model`, `stream`, `n`, `cache_salt`,
+/// Order of checks (the first failing one is reported): JSON syntax and UTF-8 of the
+/// whole body, in the scan's order (and no repeated top-level field), then `model`, `stream`, `n`, `cache_salt`,
 /// `priority`, then the API's fields in the order of the table in the module doc, the
 /// prompt's elements in array order.
 pub fn analyze_bounded(
@@ -860,20 +864,8 @@ pub fn analyze_bounded(
     estimator: &Estimator,
     prefix_limit: usize,
 ) -> Result<RequestAnalysis, AnalysisError> {
-    // SIMD validation first (the whole body, 16+ bytes per step); std's only for the
-    // position of an error.
-    let text = simdutf8::basic::from_utf8(body)
-        .or_else(|_| std::str::from_utf8(body))
-        .map_err(|e| {
-            let (line, column) = byte_position(body, e.valid_up_to());
-            AnalysisError::InvalidJson {
-                line,
-                column,
-                message: "body is not valid UTF-8".into(),
-            }
-        })?;
     let mut acc = Acc::new(estimator, prefix_limit, body.len());
-    let (f, main) = scan_top(api, text, &mut acc).map_err(|e| syntax(body, e))?;
+    let (f, main) = scan_top(api, body, &mut acc).map_err(|e| syntax(body, e))?;
     let [model, _messages, tools_tok, prompt, input, instructions, stream, n, max_tokens, max_completion_tokens, max_output_tokens, cache_salt, priority, inputs, parameters] =
         f;
 
@@ -990,10 +982,12 @@ pub fn analyze_bounded(
 /// in [`TOP`], and the API's main prompt field read in place into `acc`.
 fn scan_top<'a>(
     api: ApiKind,
-    text: &'a str,
+    body: &'a [u8],
     acc: &mut Acc<'_>,
 ) -> Syn<([Option<&'a str>; 15], Main)> {
-    let mut sc = Scanner::new(text);
+    // The body is validated as UTF-8 where it is read as text (`Scanner::from_bytes`):
+    // its first `prefix_limit` bytes, which the rendering reads, in one pass now.
+    let mut sc = Scanner::from_bytes(body, acc.prefix_limit);
     if sc.peek() != Some(b'{') {
         let start = sc.pos();
         sc.skip_value()?;
@@ -1319,6 +1313,21 @@ const PART_KEYS: [(RawPattern, usize); 4] = [
 const TEXT_TYPE_TOKEN: &str = r#""text""#;
 const TEXT_TYPE: [(RawPattern, ()); 1] = [(RawPattern::string("text"), ())];
 
+/// The part types [`part`] reads (the rest are hashed by their JSON).
+const PART_TYPES: [&str; 11] = [
+    "text",
+    "input_text",
+    "output_text",
+    "refusal",
+    "image_url",
+    "input_image",
+    "input_audio",
+    "video_url",
+    "input_video",
+    "file",
+    "input_file",
+];
+
 fn is_text_part(kind: &str) -> bool {
     matches!(kind, "text" | "input_text" | "output_text")
 }
@@ -1389,10 +1398,15 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
             }
         }
     }
-    let raw = sc.since(start);
     if bad {
         return Ok(Err(invalid(path(), "a content part object")));
     }
+    // The part's JSON, hashed for a type read as nothing else: taken as text (validated
+    // again, in one pass) only then. A text part read in place may have passed bytes raw,
+    // which are not validated (`analyze_bounded`); an image's data may be large.
+    let known = text_read.is_some()
+        || tok[0].is_some_and(|t| decode_str(t).is_ok_and(|k| PART_TYPES.contains(&&*k)));
+    let raw = if known { "" } else { sc.since(start)? };
     let [kind, text, image_url, input_audio, video_url, refusal, file_data, file_id] = tok;
     Ok((|| {
         let kind_tok = kind.ok_or_else(|| missing(format!("{}.type", path())))?;

@@ -15,6 +15,15 @@
 //! strings, and no limit on nesting: containers are tracked on a heap stack, never by
 //! recursion, so no input can overflow the call stack. `core/tests/analysis_differential.rs`
 //! holds the two to the same results.
+//!
+//! The scanner works on bytes. A body ([`Scanner::from_bytes`]) is validated as UTF-8 only
+//! where its text is read, a stretch at a time in one `simdutf8` pass ([`Scanner::text`]:
+//! keys, pieces, tokens; [`Scanner::decode_plain_into`]), never where
+//! [`Scanner::skip_raw`] passes it: outside strings every byte is ASCII or a syntax
+//! error, and the rest of every string is read, or kept or skipped as a token whose text
+//! is validated, so a bad byte anywhere else is still an error, at that byte. Validating
+//! the whole body up front cost ~19 % of a 1 MiB decision for bytes the raw skip passes
+//! (docs/overhead.md).
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -44,6 +53,8 @@ pub(crate) struct Walk {
     pub escapes: usize,
     /// Byte range of the plain text after the last escape, up to where the walk stopped
     /// (the closing quote excluded): walked, but not handed to the escape callback.
+    /// Offsets into the scanned bytes from [`Scanner::decode_plain_into`], into the
+    /// validated stretch within [`Scanner::walk_plain`].
     pub plain: Range<usize>,
 }
 
@@ -59,12 +70,64 @@ impl Walk {
     }
 }
 
-/// Cursor over a JSON text.
+/// Cursor over a JSON text: its bytes, and the stretch of them last validated as UTF-8.
 pub(crate) struct Scanner<'a> {
-    text: &'a str,
+    bytes: &'a [u8],
     pos: usize,
     /// Open containers of [`Self::skip_value`] (`[` or `{`); reused across calls.
     stack: Vec<u8>,
+    /// `bytes[valid_at..]`'s first `valid.len()` bytes, validated as UTF-8: text is sliced
+    /// from it ([`Self::text`]), and a read past it validates the next stretch
+    /// ([`Self::cover`]).
+    valid: &'a str,
+    valid_at: usize,
+}
+
+/// Bytes validated past the end of a text read that the validated stretch does not hold
+/// ([`Scanner::cover`]): past the prefix rendering, where such reads are a sampling
+/// window's text and the word its end cuts (at most 64 bytes, `analysis.rs`), one
+/// validation takes both; more would validate bytes the next raw skip passes (1 MiB body:
+/// 16 / 64 / 160 bytes ahead, 3.099 M / 3.073 M / 3.087 M Wasm operations per decision).
+const COVER_AHEAD_BYTES: usize = 64;
+
+/// Message of the syntax error at a byte that is not UTF-8.
+const NOT_UTF8: &str = "body is not valid UTF-8";
+
+/// Whether `b` continues a multi-byte UTF-8 character (`0b10xx_xxxx`).
+#[inline(always)]
+fn is_continuation(b: u8) -> bool {
+    (b as i8) < -0x40
+}
+
+/// `at` moved back onto the start of the character it is inside (at most 3 bytes back,
+/// never below `floor`). Where no character starts within 3 bytes (the bytes are not
+/// UTF-8), `at` itself: the text read from there reports the error.
+#[inline]
+fn char_start(bytes: &[u8], at: usize, floor: usize) -> usize {
+    let mut i = at;
+    while i > floor && bytes.get(i).copied().is_some_and(is_continuation) {
+        if at - i == 3 {
+            return at;
+        }
+        i -= 1;
+    }
+    i
+}
+
+/// The longest prefix of `b` that is UTF-8: all of `b` in one SIMD pass when it is
+/// (simdutf8, 16+ bytes per step); std's validation, which tells where it stops, only
+/// when it is not.
+fn utf8_prefix(b: &[u8]) -> &str {
+    if let Ok(s) = simdutf8::basic::from_utf8(b) {
+        return s;
+    }
+    match std::str::from_utf8(b) {
+        Ok(s) => s,
+        Err(e) => b
+            .get(..e.valid_up_to())
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .unwrap_or_default(),
+    }
 }
 
 const LO: u64 = 0x0101_0101_0101_0101;
@@ -424,12 +487,77 @@ impl RawPattern {
 }
 
 impl<'a> Scanner<'a> {
-    /// A scanner at the start of `text`.
+    /// A scanner at the start of `text` (UTF-8 already: nothing is validated again).
     pub(crate) fn new(text: &'a str) -> Self {
         Self {
-            text,
+            bytes: text.as_bytes(),
             pos: 0,
             stack: Vec::new(),
+            valid: text,
+            valid_at: 0,
+        }
+    }
+
+    /// A scanner at the start of `bytes`, which are validated as UTF-8 only where they are
+    /// read as text: the first `first` bytes now, in one pass, and the rest stretch by
+    /// stretch as reads reach them ([`Self::text`], [`Self::decode_plain_into`]). Bytes
+    /// passed by [`Self::skip_raw`] are never validated. A byte that is not UTF-8 is a
+    /// syntax error where text is read over it.
+    pub(crate) fn from_bytes(bytes: &'a [u8], first: usize) -> Self {
+        let mut sc = Self {
+            bytes,
+            pos: 0,
+            stack: Vec::new(),
+            valid: "",
+            valid_at: 0,
+        };
+        sc.cover(0, first);
+        sc
+    }
+
+    /// Validate `bytes[start..end]` (and [`COVER_AHEAD_BYTES`] more, up to the end of a
+    /// character they cut) and make it the validated stretch; where the bytes are not
+    /// UTF-8, the stretch ends before the first bad one. Validating the whole body up
+    /// front took ~19 % of a 1 MiB decision's Wasm operations for bytes that the raw skip
+    /// then passes unread (docs/overhead.md).
+    #[inline]
+    fn cover(&mut self, start: usize, end: usize) {
+        let len = self.bytes.len();
+        let mut end = end.saturating_add(COVER_AHEAD_BYTES).min(len);
+        let stop = len.min(end + 3);
+        while end < stop && self.bytes.get(end).copied().is_some_and(is_continuation) {
+            end += 1;
+        }
+        self.valid = utf8_prefix(self.bytes.get(start..end).unwrap_or_default());
+        self.valid_at = start;
+    }
+
+    /// The validated text of `bytes[start..end]`, if the validated stretch holds it.
+    #[inline(always)]
+    fn valid_text(&self, start: usize, end: usize) -> Option<&'a str> {
+        self.valid
+            .get(start.wrapping_sub(self.valid_at)..end.wrapping_sub(self.valid_at))
+    }
+
+    /// The text of `bytes[start..end]` (`start` and `end` on character boundaries): sliced
+    /// from the validated stretch, or validated now ([`Self::cover`]); a syntax error at
+    /// the first byte that is not UTF-8.
+    #[inline]
+    pub(crate) fn text(&mut self, start: usize, end: usize) -> Syn<&'a str> {
+        match self.valid_text(start, end) {
+            Some(s) => Ok(s),
+            None => self.text_uncovered(start, end),
+        }
+    }
+
+    /// [`Self::text`] where the validated stretch does not hold the range: out of line, so
+    /// that the common case inlined at each read stays a slice.
+    #[inline(never)]
+    fn text_uncovered(&mut self, start: usize, end: usize) -> Syn<&'a str> {
+        self.cover(start, end);
+        match self.valid_text(start, end) {
+            Some(s) => Ok(s),
+            None => err(self.valid_at + self.valid.len(), NOT_UTF8),
         }
     }
 
@@ -439,23 +567,23 @@ impl<'a> Scanner<'a> {
         self.pos
     }
 
-    /// The text from `start` to the current position.
+    /// The text from `start` to the current position ([`Self::text`]).
     #[inline]
-    pub(crate) fn since(&self, start: usize) -> &'a str {
-        self.text.get(start..self.pos).unwrap_or("")
+    pub(crate) fn since(&mut self, start: usize) -> Syn<&'a str> {
+        self.text(start, self.pos)
     }
 
     /// The bytes from the current position on.
     #[inline]
     pub(crate) fn rest(&self) -> &'a [u8] {
-        self.text.as_bytes().get(self.pos..).unwrap_or(&[])
+        self.bytes.get(self.pos..).unwrap_or(&[])
     }
 
-    /// The text of `len` bytes from the current position (a `&str` when it ends on a
+    /// The text of `len` bytes from the current position ([`Self::text`]; it must end on a
     /// character boundary, which it does before an ASCII delimiter).
     #[inline]
-    pub(crate) fn ahead(&self, len: usize) -> &'a str {
-        self.text.get(self.pos..self.pos + len).unwrap_or("")
+    pub(crate) fn ahead(&mut self, len: usize) -> Syn<&'a str> {
+        self.text(self.pos, self.pos + len)
     }
 
     /// Move forward `n` bytes.
@@ -467,7 +595,7 @@ impl<'a> Scanner<'a> {
     /// Skip JSON whitespace and return the next byte, if any.
     #[inline]
     pub(crate) fn peek(&mut self) -> Option<u8> {
-        let b = self.text.as_bytes();
+        let b = self.bytes;
         while let Some(&c) = b.get(self.pos) {
             // Above the space, no byte is whitespace: one compare for nearly every call
             // (compact JSON has none), before the four-way match.
@@ -547,18 +675,15 @@ impl<'a> Scanner<'a> {
     }
 
     /// [`Self::string_stretch`] within the next `max` bytes (`max` ≥ 4), ended on a
-    /// character boundary.
+    /// character boundary ([`char_start`]).
     #[inline]
     pub(crate) fn string_stretch_within(&self, max: usize) -> usize {
         let rest = self.rest();
         if rest.len() <= max {
             return plain_len(rest);
         }
-        let mut n = plain_len(rest.get(..max).unwrap_or_default());
-        while n > 0 && !self.text.is_char_boundary(self.pos + n) {
-            n -= 1;
-        }
-        n
+        let n = plain_len(rest.get(..max).unwrap_or_default());
+        char_start(self.bytes, self.pos + n, self.pos) - self.pos
     }
 
     /// Inside a string, at a byte that ended a stretch: `Ok(None)` at the closing quote
@@ -647,14 +772,14 @@ impl<'a> Scanner<'a> {
     /// Each byte of the mask is read through the text, not the step, so that the
     /// caller's slice at each escape's backslash (its check for a character boundary)
     /// reads nothing new and folds away (~8 Wasm operations per escape).
+    ///
+    /// The walk stays within the validated stretch ([`Self::valid`]; the caller covers
+    /// the bytes it asks for), and its ranges are offsets into that stretch's text.
     #[inline(always)]
-    pub(crate) fn walk_plain(
-        &mut self,
-        limit: usize,
-        mut escape: impl FnMut(Range<usize>, u8),
-    ) -> Walk {
-        let bytes = self.text.as_bytes();
-        let start = self.pos;
+    fn walk_plain(&mut self, limit: usize, mut escape: impl FnMut(Range<usize>, u8)) -> Walk {
+        let (text, off) = (self.valid, self.valid_at);
+        let bytes = text.as_bytes();
+        let start = self.pos.wrapping_sub(off);
         let stop = bytes.len().min(start.saturating_add(limit));
         let mut escapes = 0usize;
         let mut from = start;
@@ -674,7 +799,7 @@ impl<'a> Scanner<'a> {
                 let at = bytes.get(p);
                 match at {
                     Some(b'"') => {
-                        self.pos = p + 1;
+                        self.pos = off + p + 1;
                         return Walk {
                             closed: true,
                             escapes,
@@ -702,7 +827,7 @@ impl<'a> Scanner<'a> {
             if m != 0 {
                 // Stopped at a byte the walk does not take.
                 let p = base + m.trailing_zeros() as usize;
-                self.pos = p;
+                self.pos = off + p;
                 return Walk {
                     closed: false,
                     escapes,
@@ -714,10 +839,10 @@ impl<'a> Scanner<'a> {
         // A step can end inside a multi-byte character: stop before it (the bytes backed
         // over are plain text), since the caller's next piece must start on a boundary.
         let mut end = base + carry as usize;
-        while end > start && !self.text.is_char_boundary(end) {
+        while end > start && !text.is_char_boundary(end) {
             end -= 1;
         }
-        self.pos = end;
+        self.pos = off + end;
         Walk {
             closed: false,
             escapes,
@@ -726,34 +851,69 @@ impl<'a> Scanner<'a> {
     }
 
     /// [`Self::walk_plain`], appending what it walked, decoded, to `out`: the plain text and
-    /// each one-letter escape's byte.
+    /// each one-letter escape's byte. The bytes within `limit` are validated as UTF-8
+    /// first where the validated stretch does not hold them ([`Self::cover`], one pass
+    /// for them all); where they are not UTF-8, the walk stops before the bad byte, and
+    /// the caller's reader of the rest reports it. A walk that reaches the stretch's end
+    /// goes on in the next one, so a stretch's end costs no piece-by-piece reading. The
+    /// returned range is absolute.
     #[inline(always)]
     pub(crate) fn decode_plain_into(&mut self, limit: usize, out: &mut String) -> Walk {
-        let text = self.text;
-        let walk = self.walk_plain(limit, |plain, b| {
-            // Two escapes in a row (`\n\n`) leave nothing between them to copy; the
-            // test and the `if let` also let the slice's checks at its start and the
-            // push's empty-string case fold (~29 Wasm operations per escape).
-            if plain.start < plain.end {
-                if let Some(piece) = text.get(plain) {
-                    out.push_str(piece);
-                }
+        let stop = self.bytes.len().min(self.pos.saturating_add(limit));
+        let mut escapes = 0;
+        loop {
+            // Not in the stretch, or it ends short of the limit with no whole step left:
+            // one validation from here to the limit.
+            let held = self.pos.wrapping_sub(self.valid_at);
+            let len = self.valid.len();
+            if held >= len || (self.valid_at + len < stop && held + 32 > len) {
+                self.cover(self.pos, stop);
             }
-            out.push(char::from(b));
-        });
-        if let Some(piece) = text.get(walk.plain.clone()) {
-            out.push_str(piece);
+            let (text, at) = (self.valid, self.valid_at);
+            let from = self.pos;
+            let walk = self.walk_plain(stop - from.min(stop), |plain, b| {
+                // Two escapes in a row (`\n\n`) leave nothing between them to copy; the
+                // test and the `if let` also let the slice's checks at its start and the
+                // push's empty-string case fold (~29 Wasm operations per escape).
+                if plain.start < plain.end {
+                    if let Some(piece) = text.get(plain) {
+                        out.push_str(piece);
+                    }
+                }
+                out.push(char::from(b));
+            });
+            if let Some(piece) = text.get(walk.plain.clone()) {
+                out.push_str(piece);
+            }
+            escapes += walk.escapes;
+            let end = at + text.len();
+            // On past the stretch's end when it, not the limit or a byte the walk does not
+            // take, stopped the walk (and the walk moved). A backslash there may be a
+            // one-letter escape whose letter lay past the stretch: the next walk takes it
+            // (or stops on it at once).
+            let on = !walk.closed
+                && end < stop
+                && self.pos > from
+                && self.pos + 32 > end
+                && self.rest().first().is_some_and(|&c| c != b'"' && c >= 0x20);
+            if !on {
+                return Walk {
+                    closed: walk.closed,
+                    escapes,
+                    plain: at + walk.plain.start..at + walk.plain.end,
+                };
+            }
         }
-        walk
     }
 
     /// Inside a string, past what the analysis reads (the prefix rendering and the
     /// sampling windows): move at most `room` bytes on without decoding anything, and
     /// return the raw bytes passed and whether the closing quote was reached (and
     /// consumed). Only the string's end is looked for: each `"` found 64 bytes per step,
-    /// and an odd run of backslashes before it makes it an escaped quote. What is passed is not checked: a control character, a bad escape,
-    /// a lone surrogate or (in the caller) invalid UTF-8 in these bytes goes unnoticed,
-    /// where decoding them cost ~2.5 Wasm operations per byte (docs/overhead.md).
+    /// and an odd run of backslashes before it makes it an escaped quote. What is passed
+    /// is not checked: a control character, a bad escape, a lone surrogate or bytes that
+    /// are not UTF-8 go unnoticed, where decoding them cost ~2.5 Wasm operations per byte
+    /// and validating them ~0.7 (docs/overhead.md).
     ///
     /// Without a closing quote within `room` bytes (or before the text's end), the cursor
     /// lands at `room` bytes, backed onto a place where the string can be decoded on from:
@@ -763,7 +923,7 @@ impl<'a> Scanner<'a> {
     /// there at the same byte.
     #[inline]
     pub(crate) fn skip_raw(&mut self, room: usize) -> (usize, bool) {
-        let bytes = self.text.as_bytes();
+        let bytes = self.bytes;
         let start = self.pos;
         let stop = bytes.len().min(start.saturating_add(room));
         // Backslashes right before `at`, counted back to the cursor: escapes before the
@@ -813,10 +973,7 @@ impl<'a> Scanner<'a> {
             }
             from = quote + 1;
         }
-        let mut at = stop;
-        while at > start && !self.text.is_char_boundary(at) {
-            at -= 1;
-        }
+        let mut at = char_start(bytes, stop, start);
         // On an escape's letter: back to its backslash.
         if run_before(at) % 2 == 1 {
             at -= 1;
@@ -859,25 +1016,25 @@ impl<'a> Scanner<'a> {
         let start = self.pos;
         self.open_quote()?;
         self.skip_string_rest()?;
-        Ok(self.since(start))
+        self.since(start)
     }
 
     /// At a string (after whitespace): when it has no escape, consume it and return its
     /// text (between the quotes, borrowed); otherwise consume nothing and return `None`
     /// (the general readers then take it, and report any error at the same byte). Object
     /// keys and a message's role are such strings: one SIMD scan reads them, with no token
-    /// to decode afterwards.
+    /// to decode afterwards. Text that is not UTF-8 is left to the general readers too.
     #[inline(always)]
     pub(crate) fn plain_string(&mut self) -> Option<&'a str> {
         if self.peek() != Some(b'"') {
             return None;
         }
         let start = self.pos + 1;
-        let n = plain_len(self.text.as_bytes().get(start..).unwrap_or_default());
-        if self.text.as_bytes().get(start + n) != Some(&b'"') {
+        let n = plain_len(self.bytes.get(start..).unwrap_or_default());
+        if self.bytes.get(start + n) != Some(&b'"') {
             return None;
         }
-        let s = self.text.get(start..start + n)?;
+        let s = self.text(start, start + n).ok()?;
         self.pos = start + n + 1;
         Some(s)
     }
@@ -922,9 +1079,18 @@ impl<'a> Scanner<'a> {
         Ok(k)
     }
 
+    /// [`Self::key`] without its text: inside a value [`Self::skip_value`] validates as
+    /// text in one pass.
+    fn skip_key(&mut self) -> Syn<()> {
+        self.peek();
+        self.open_quote()?;
+        self.skip_string_rest()?;
+        self.expect(b':', "expected `:`")
+    }
+
     fn literal(&mut self, word: &'static [u8]) -> Syn<()> {
         for &w in word {
-            match self.text.as_bytes().get(self.pos) {
+            match self.bytes.get(self.pos) {
                 Some(&c) if c == w => self.pos += 1,
                 Some(_) => return self.error("expected ident"),
                 None => return self.error("EOF while parsing a value"),
@@ -935,14 +1101,14 @@ impl<'a> Scanner<'a> {
 
     fn digits(&mut self) -> usize {
         let start = self.pos;
-        while let Some(b'0'..=b'9') = self.text.as_bytes().get(self.pos) {
+        while let Some(b'0'..=b'9') = self.bytes.get(self.pos) {
             self.pos += 1;
         }
         self.pos - start
     }
 
     fn number(&mut self) -> Syn<()> {
-        let b = self.text.as_bytes();
+        let b = self.bytes;
         if b.get(self.pos) == Some(&b'-') {
             self.pos += 1;
         }
@@ -985,7 +1151,8 @@ impl<'a> Scanner<'a> {
         Ok(false)
     }
 
-    /// Validate and skip one value (after whitespace); returns its text.
+    /// Validate and skip one value (after whitespace); returns its text, validated as
+    /// UTF-8 in one pass at its end ([`Self::text`]).
     pub(crate) fn skip_value(&mut self) -> Syn<&'a str> {
         self.peek();
         let start = self.pos;
@@ -1007,7 +1174,7 @@ impl<'a> Scanner<'a> {
                     if !self.empty(close) {
                         self.stack.push(open);
                         if open == b'{' {
-                            self.key()?;
+                            self.skip_key()?;
                         }
                         continue;
                     }
@@ -1018,13 +1185,13 @@ impl<'a> Scanner<'a> {
             // After a value: close what ends here, up to the next value.
             loop {
                 if self.stack.len() <= base {
-                    return Ok(self.since(start));
+                    return self.since(start);
                 }
                 let open = self.stack.last().copied().unwrap_or(b'[');
                 let close = if open == b'[' { b']' } else { b'}' };
                 if self.comma_or_close(close)? {
                     if open == b'{' {
-                        self.key()?;
+                        self.skip_key()?;
                     }
                     break;
                 }
@@ -1425,6 +1592,60 @@ mod tests {
             let text = format!("{}\"{inner}\" tail", " ".repeat(lead));
             skip_raw_holds(&text, lead + 1, room);
         }
+    }
+
+    /// A walk over bytes validated stretch by stretch (`from_bytes` with the first
+    /// stretch ending anywhere) goes on across each stretch's end: it decodes exactly the
+    /// text it passed, and it stops short of the closing quote only where a whole step no
+    /// longer fits before the text's end, as a walk over one validated text does.
+    #[test]
+    fn decode_plain_into_goes_on_across_validated_stretches() {
+        let inner = "ab é 东京 \\n x".repeat(12);
+        let text = format!(" \"{inner}\" tail");
+        let quote = text.rfind('"').unwrap();
+        let want = inner.replace("\\n", "\n");
+        for first in 0..text.len() + 2 {
+            let mut sc = Scanner::from_bytes(text.as_bytes(), first);
+            sc.advance(2);
+            let mut out = String::new();
+            let walk = sc.decode_plain_into(usize::MAX, &mut out);
+            let end = sc.pos() - usize::from(walk.closed);
+            let passed = text[2..end].replace("\\n", "\n");
+            assert_eq!(out, passed, "first {first}");
+            assert!(
+                walk.closed || quote - sc.pos() < 36,
+                "first {first}: {}",
+                sc.pos()
+            );
+            if walk.closed {
+                assert_eq!(out, want, "first {first}");
+            }
+        }
+    }
+
+    /// Bytes that are not UTF-8 are an error only where they are read as text, at the bad
+    /// byte: not before it, and not where `skip_raw` passes them.
+    #[test]
+    fn text_is_validated_where_it_is_read() {
+        let mut bytes = b"\"abc\xff\xfedef\" \"gh\"".to_vec();
+        for first in [0, 3, 4, 20] {
+            let mut sc = Scanner::from_bytes(&bytes, first);
+            assert_eq!(sc.text(1, 4), Ok("abc"), "first {first}");
+            assert_eq!(sc.text(0, 9).map_err(|e| e.pos), Err(4), "first {first}");
+            assert_eq!(sc.text(12, 14), Ok("gh"), "first {first}");
+            sc.advance(1);
+            assert_eq!(sc.skip_raw(usize::MAX), (8, true), "first {first}");
+            assert_eq!(sc.skip_value(), Ok("\"gh\""), "first {first}");
+            let mut sc = Scanner::from_bytes(&bytes, first);
+            assert_eq!(sc.skip_value().map_err(|e| e.pos), Err(4), "first {first}");
+        }
+        // A stray continuation byte with no character start within 3 bytes: the stretch
+        // within a limit is not moved back past it.
+        bytes = b"\"a\x80\x80\x80\x80\x80b\"".to_vec();
+        let sc = Scanner::from_bytes(&bytes, 0);
+        assert_eq!(char_start(&bytes, 6, 1), 6);
+        assert_eq!(char_start("a\u{1F600}".as_bytes(), 4, 0), 1);
+        assert_eq!(sc.pos(), 0);
     }
 
     /// `key_name` as the general path reads a key: `key`, then `decode_str`.

@@ -329,7 +329,7 @@ fn invalid_json_reports_position() {
             line: 1,
             column: 11,
             message,
-        }) => assert_eq!(message, "body is not valid UTF-8"),
+        }) => assert_eq!(message, "body is not valid UTF-8 at line 1 column 11"),
         r => panic!("{r:?}"),
     }
     // Deep nesting is captured as raw slices without recursion (no stack overflow), and a
@@ -626,10 +626,9 @@ fn compact_and_pretty_bodies_agree() {
 }
 
 /// Past the 16 KiB rendering, the bytes between sampling windows are skipped raw: a defect
-/// there (a control character, a bad escape, a lone surrogate) goes unnoticed, and the
-/// body is estimated as if those bytes were plain text (the model server still rejects
-/// it). The same defect in the rendering, or in a window, is an error. Invalid UTF-8 is an
-/// error anywhere (the whole body is validated first).
+/// there (a control character, a bad escape, a lone surrogate, a byte that is not UTF-8)
+/// goes unnoticed, and the body is estimated as if those bytes were plain text (the model
+/// server still rejects it). The same defect in the rendering, or in a window, is an error.
 #[test]
 fn defects_between_sampling_windows_are_not_read() {
     use kvroute_core::analysis::analyze_bounded;
@@ -644,40 +643,119 @@ fn defects_between_sampling_windows_are_not_read() {
         format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#)
     };
     let text = "ab ".repeat(20_000);
-    let at = |offset: usize, defect: &str| {
-        let mut t = text.clone();
-        t.replace_range(offset..offset + defect.len(), defect);
-        chat(&t)
+    // The chat body with `defect` over the text's bytes from `offset` on.
+    let at = |offset: usize, defect: &[u8]| {
+        let mut body = chat(&text).into_bytes();
+        let start = body.windows(3).position(|w| w == b"ab ").unwrap() + offset;
+        body[start..start + defect.len()].copy_from_slice(defect);
+        body
     };
-    let analyse =
-        |body: &str| analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est(), limit);
-    for defect in ["\u{1}", "\\x", "\\ud800"] {
+    let analyse = |body: &[u8]| analyze_bounded(ApiKind::ChatCompletions, body, &est(), limit);
+    let defects: [&[u8]; 6] = [b"\x01", b"\\x", b"\\ud800", b"\xff", b"\x80", b"\xe4\xb8"];
+    for defect in defects {
+        let name = String::from_utf8_lossy(defect);
         // Between windows: estimated as the same bytes of plain text.
-        let plain = analyse(&at(22_000, &"z".repeat(defect.len()))).unwrap();
-        let got = analyse(&at(22_000, defect)).unwrap_or_else(|e| panic!("{defect:?}: {e}"));
-        assert_eq!(got.prompt_tokens, plain.prompt_tokens, "{defect:?}");
-        assert_eq!(got.prefix_text, plain.prefix_text, "{defect:?}");
+        let plain = analyse(&at(22_000, &b"z".repeat(defect.len()))).unwrap();
+        let got = analyse(&at(22_000, defect)).unwrap_or_else(|e| panic!("{name:?}: {e}"));
+        assert_eq!(got.prompt_tokens, plain.prompt_tokens, "{name:?}");
+        assert_eq!(got.prefix_text, plain.prefix_text, "{name:?}");
         // In the rendering and in a window: read, so refused.
         for offset in [1_000, window + 100] {
-            let e = analyse(&at(offset, defect)).expect_err(defect);
-            let want_json = defect != "\\ud800";
+            let e = analyse(&at(offset, defect)).expect_err(&name);
+            let want_json = defect != b"\\ud800";
             assert_eq!(
                 matches!(e, AnalysisError::InvalidJson { .. }),
                 want_json,
-                "{defect:?} at {offset}: {e}"
+                "{name:?} at {offset}: {e}"
             );
             if !want_json {
                 assert_eq!(e, invalid("messages[0].content", "a string"));
             }
+            if defect[0] >= 0x80 {
+                // At the bad byte (the body is one line; the text starts at column 52).
+                let column = 52 + offset;
+                match e {
+                    AnalysisError::InvalidJson {
+                        line: 1,
+                        column: c,
+                        message,
+                    } => {
+                        assert_eq!(c, column, "{name:?} at {offset}: {message}");
+                        assert!(message.starts_with("body is not valid UTF-8"), "{message}");
+                    }
+                    e => panic!("{name:?} at {offset}: {e}"),
+                }
+            }
         }
     }
-    let mut bytes = at(22_000, "z").into_bytes();
-    let z = bytes.iter().rposition(|&b| b == b'z').unwrap();
-    bytes[z] = 0xFF;
-    assert!(matches!(
-        analyze_bounded(ApiKind::ChatCompletions, &bytes, &est(), limit),
-        Err(AnalysisError::InvalidJson { .. })
-    ));
+}
+
+/// A byte that is not UTF-8 anywhere in a body that is read whole (under 16 KiB: nothing
+/// is skipped raw) is an `InvalidJson` error, inside a string at that byte: in keys, roles,
+/// the rendering, skipped fields, kept tokens, under any prefix limit and with either
+/// estimator.
+#[test]
+fn bytes_that_are_not_utf8_are_errors_where_read() {
+    use kvroute_core::analysis::analyze_bounded;
+    let bodies = [
+        (
+            ApiKind::ChatCompletions,
+            r#"{"model":"m\u00e9","temperature":0.5,"x":{"k\u00e9y":["s\n","东"]},"tools":[{"type":"function","function":{"name":"f","parameters":{"a":"b"}}}],"messages":[{"content":"before role \"q\" é","role":"system"},{"role":"user","name":"ann","content":[{"type":"text","text":"part one\nwith 东京 text"},{"type":"image_url","image_url":{"url":"data:x"}},{"type":"custom","v":"w"}]},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"g","arguments":"{\"q\":1}"}}]},{"role":"us\u0065r","content":"tail \u4e1c text that runs on for a while, past one 32-byte step"}],"stream":true}"#,
+        ),
+        (
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":["first é prompt with some text","second \t one"],"max_tokens":5}"#,
+        ),
+        (
+            ApiKind::Responses,
+            r#"{"model":"m","instructions":"be brief é","input":[{"role":"user","content":[{"type":"input_text","text":"hi 东"}]},{"type":"function_call","name":"f","arguments":"{}"},{"type":"function_call_output","output":"out é"}]}"#,
+        ),
+    ];
+    for (api, body) in bodies {
+        let body = body.as_bytes();
+        // The bytes inside strings, their quotes and backslashes excluded (a bad byte
+        // there leaves the string's syntax as it was).
+        let mut inside = vec![false; body.len()];
+        let (mut in_string, mut escaped) = (false, false);
+        for (i, &c) in body.iter().enumerate() {
+            if escaped {
+                escaped = false;
+                inside[i] = true;
+            } else if in_string && c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                in_string = !in_string;
+            } else {
+                inside[i] = in_string;
+            }
+        }
+        for (i, &inside) in inside.iter().enumerate() {
+            for bad in [0xFF, 0x80] {
+                let mut b = body.to_vec();
+                b[i] = bad;
+                if std::str::from_utf8(&b).is_ok() {
+                    // A continuation byte for another.
+                    continue;
+                }
+                for limit in [usize::MAX, 16 * 1024, 37, 0] {
+                    for estimator in [Estimator::every_byte(), est()] {
+                        match analyze_bounded(api, &b, &estimator, limit) {
+                            Err(AnalysisError::InvalidJson {
+                                line: 1,
+                                column,
+                                message,
+                            }) => {
+                                if inside && body[i] < 0x80 {
+                                    assert_eq!(column, i + 1, "{api:?} byte {i}, {message}");
+                                }
+                            }
+                            r => panic!("{api:?} byte {i} = {bad:#x}, limit {limit}: {r:?}"),
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Python's `json.dumps` (and `requests` / `aiohttp` with `json=`) writes `", "` and `": "`:
