@@ -368,7 +368,8 @@ impl<'e> Acc<'e> {
     /// (8 % of a 16 KiB request's Wasm operations, docs/overhead.md). From the piece
     /// that reaches the limit on, the pieces go to the tally one by one. The tally's
     /// result does not depend on how a text is split (`estimate.rs`), so both give the
-    /// same counts.
+    /// same counts. Past the limit, a sampled tally's windows are decoded ahead and the
+    /// bytes between them skipped raw (see [`analyze_bounded`]).
     fn string(&mut self, sc: &mut Scanner<'_>) -> Syn<Result<(), BadString>> {
         sc.open_quote()?;
         self.tail_mark = None;
@@ -406,9 +407,9 @@ impl<'e> Acc<'e> {
         }
         loop {
             if deferred.is_none() && ok.is_ok() && self.prefix.len() >= self.prefix_limit {
-                // Past the rendering's limit and between two sampling windows: only the
-                // decoded length counts, so the stretches and one-letter escapes before
-                // the next window are passed without making pieces of them.
+                // Past the rendering's limit: the bytes before the next sampling window
+                // are skipped raw (`Scanner::skip_raw`), neither decoded nor checked; what
+                // is decoded from here on is the sample of how much escapes shrink them.
                 if self.tail_mark.is_none() {
                     self.tail_mark = Some((sc.pos(), self.tally.fed(), self.skipped_raw));
                 }
