@@ -293,8 +293,9 @@ proptest! {
     /// text's: exactly when counting every byte, whether the tally read a string back from
     /// the rendering, piece by piece, or decoded it ahead in rounds; sampled, within 10 %
     /// (past the rendering the bytes between windows are skipped raw, `Scanner::skip_raw`,
-    /// which moves the windows a few bytes: over 2,000 cases of both orders, mean
-    /// deviation +0.005 %, p99 3.8 %, max 5.7 %). Both key orders: `content` after `role`
+    /// which moves the windows a few bytes: over 12,000 cases of both orders, mean
+    /// deviation +0.3 %, p99 4.3 %, max 7.9 %; a window the body's end cuts to a few
+    /// bytes once gave the escapes' ratio alone and 23 % low, before `SAMPLE_PRIOR_BYTES`). Both key orders: `content` after `role`
     /// is rendered in place; before it (serde_json's sorted keys), aside and then appended.
     #[test]
     fn any_prefix_limit_keeps_the_estimate_and_cuts_the_rendering(
