@@ -271,8 +271,7 @@ struct Acc<'e> {
 const SAMPLE_PRIOR_BYTES: u128 = 64;
 
 /// Bytes decoded ahead in one round ([`Acc::string`]): a sampling window (256 bytes) fits
-/// in one; a tally that counts every byte reads on in rounds of this. The word a window's
-/// end cuts is finished piece by piece.
+/// in one; a tally that counts every byte reads on in rounds of this.
 const WINDOW_READ_BYTES: usize = 4096;
 /// Bytes decoded past what the tally reads in a round: the walk takes whole 32-byte steps
 /// only, and the tally finishes the word a window's end cuts; both in the same call, where
@@ -281,8 +280,8 @@ const WINDOW_READ_BYTES: usize = 4096;
 const WINDOW_READ_PAST_BYTES: usize = 64;
 
 /// Longest stretch read as a piece within this many bytes of the rendering's end and past
-/// it (where the tally finishes a word a window's end cut, or seeks a window's start):
-/// then back to [`Scanner::skip_raw`].
+/// it (the pieces the walks leave: after a `\u` escape, where a walk stopped): then back
+/// to [`Scanner::skip_raw`].
 const PAST_RENDERING_STRETCH_BYTES: usize = 64;
 
 impl<'e> Acc<'e> {
@@ -865,9 +864,9 @@ pub fn analyze(
 /// the same. With [`Estimator::every_byte`] nothing is skipped and every result is the same.
 ///
 /// Order of checks (the first failing one is reported): JSON syntax and UTF-8 of the
-/// whole body, in the scan's order (and no repeated top-level field), then `model`, `stream`, `n`, `cache_salt`,
-/// `priority`, then the API's fields in the order of the table in the module doc, the
-/// prompt's elements in array order.
+/// whole body, in the scan's order (and no repeated top-level field), then `model`,
+/// `stream`, `n`, `cache_salt`, `priority`, then the API's fields in the order of the
+/// table in the module doc, the prompt's elements in array order.
 pub fn analyze_bounded(
     api: ApiKind,
     body: &[u8],
@@ -1323,23 +1322,29 @@ const PART_KEYS: [(RawPattern, usize); 4] = [
 const TEXT_TYPE_TOKEN: &str = r#""text""#;
 const TEXT_TYPE: [(RawPattern, ()); 1] = [(RawPattern::string("text"), ())];
 
-/// The part types [`part`] reads (the rest are hashed by their JSON).
-const PART_TYPES: [&str; 11] = [
-    "text",
-    "input_text",
-    "output_text",
-    "refusal",
-    "image_url",
-    "input_image",
-    "input_audio",
-    "video_url",
-    "input_video",
-    "file",
-    "input_file",
-];
+/// What a content part of a given `type` is read as (Chat and Responses names).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PartKind {
+    Text,
+    Refusal,
+    Image,
+    Audio,
+    Video,
+    File,
+    /// Any other type: hashed by its JSON, not counted.
+    Other,
+}
 
-fn is_text_part(kind: &str) -> bool {
-    matches!(kind, "text" | "input_text" | "output_text")
+fn part_kind(kind: &str) -> PartKind {
+    match kind {
+        "text" | "input_text" | "output_text" => PartKind::Text,
+        "refusal" => PartKind::Refusal,
+        "image_url" | "input_image" => PartKind::Image,
+        "input_audio" => PartKind::Audio,
+        "video_url" | "input_video" => PartKind::Video,
+        "file" | "input_file" => PartKind::File,
+        _ => PartKind::Other,
+    }
 }
 
 /// One content part. The `text` of a text part is read in place when `type` came first.
@@ -1379,7 +1384,8 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
                         *s = true;
                     }
                     let text_kind = tok[0].is_some_and(|t| {
-                        first_byte(t) == b'"' && decode_str(t).is_ok_and(|k| is_text_part(&k))
+                        first_byte(t) == b'"'
+                            && decode_str(t).is_ok_and(|k| part_kind(&k) == PartKind::Text)
                     });
                     if sc.null()? {
                     } else if i == 0 && sc.raw_match(&TEXT_TYPE).is_some() {
@@ -1415,7 +1421,7 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
     // again, in one pass) only then. A text part read in place may have passed bytes raw,
     // which are not validated (`analyze_bounded`); an image's data may be large.
     let known = text_read.is_some()
-        || tok[0].is_some_and(|t| decode_str(t).is_ok_and(|k| PART_TYPES.contains(&&*k)));
+        || tok[0].is_some_and(|t| decode_str(t).is_ok_and(|k| part_kind(&k) != PartKind::Other));
     let raw = if known { "" } else { sc.since(start)? };
     let [kind, text, image_url, input_audio, video_url, refusal, file_data, file_id] = tok;
     Ok((|| {
@@ -1431,29 +1437,29 @@ fn part(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, path: &dyn Fn() -> String) -> S
                 Ok(acc.string(sc)?.map_err(|_| invalid(f(), "a string")))
             })
         };
-        match kind.as_ref() {
-            "text" | "input_text" | "output_text" => match (text_read, text) {
+        match part_kind(&kind) {
+            PartKind::Text => match (text_read, text) {
                 (Some(r), _) => r?,
                 (None, Some(t)) => text_of(acc, t, "text")?,
                 (None, None) => return Err(missing(format!("{}.text", path()))),
             },
-            "refusal" => {
+            PartKind::Refusal => {
                 if let Some(t) = refusal {
                     text_of(acc, t, "refusal")?;
                 }
             }
-            "image_url" | "input_image" => {
+            PartKind::Image => {
                 // Chat: {"image_url": {"url": ...}}; Responses: {"image_url": "..."} or file_id.
                 acc.media("image", image_url.or(file_id).unwrap_or(""));
             }
-            "input_audio" => acc.media("audio", input_audio.unwrap_or("")),
-            "video_url" | "input_video" => acc.media("video", video_url.unwrap_or("")),
-            "file" | "input_file" => {
+            PartKind::Audio => acc.media("audio", input_audio.unwrap_or("")),
+            PartKind::Video => acc.media("video", video_url.unwrap_or("")),
+            PartKind::File => {
                 // Documents are opaque to the router; hash their identity, count nothing.
                 acc.file(file_data.or(file_id).unwrap_or(""));
             }
             // Unknown part types are hashed by their JSON but not counted.
-            _ => acc.marker(raw),
+            PartKind::Other => acc.marker(raw),
         }
         Ok(())
     })())

@@ -114,6 +114,20 @@ fn char_start(bytes: &[u8], at: usize, floor: usize) -> usize {
     i
 }
 
+/// Backslashes right before byte `at` of `bytes`, counted back no further than `floor`: an
+/// odd count makes the byte at `at` escaped (a quote there is inside its string). Escapes
+/// before `floor` must be whole, so that a run reaching back to it is paired.
+#[inline]
+pub(crate) fn backslashes_before(bytes: &[u8], at: usize, floor: usize) -> usize {
+    bytes
+        .get(floor..at)
+        .unwrap_or_default()
+        .iter()
+        .rev()
+        .take_while(|&&b| b == b'\\')
+        .count()
+}
+
 /// The longest prefix of `b` that is UTF-8: all of `b` in one SIMD pass when it is
 /// (simdutf8, 16+ bytes per step); std's validation, which tells where it stops, only
 /// when it is not.
@@ -247,7 +261,7 @@ fn special_mask32(chunk: &[u8; 32]) -> u32 {
 
 /// Bit `i` set when `chunk[i]` is `"`: [`Scanner::skip_raw`]'s step. On Wasm SIMD, four
 /// 16-byte compares and one test for the common step without a quote (~13 Wasm operations
-/// per 64 bytes); elsewhere a byte loop (which LLVM vectorises on x86-64).
+/// per 64 bytes); elsewhere eight bytes per step on a `u64`.
 #[inline(always)]
 fn quote_mask64(chunk: &[u8; 64]) -> u64 {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -926,17 +940,8 @@ impl<'a> Scanner<'a> {
         let bytes = self.bytes;
         let start = self.pos;
         let stop = bytes.len().min(start.saturating_add(room));
-        // Backslashes right before `at`, counted back to the cursor: escapes before the
-        // cursor are whole, so each backslash of a run that ends before it is paired.
-        let run_before = |at: usize| {
-            bytes
-                .get(start..at)
-                .unwrap_or_default()
-                .iter()
-                .rev()
-                .take_while(|&&b| b == b'\\')
-                .count()
-        };
+        // Counted back to the cursor, before which escapes are whole.
+        let run_before = |at: usize| backslashes_before(bytes, at, start);
         // 64 bytes per step, each quote of a step visited ([`quote_mask64`]): an escaped
         // quote (~1 in 330 bytes of chat text) then costs no new search, where a
         // `memchr` restarted after it cost ~120 Wasm operations. The last bytes (under

@@ -139,7 +139,8 @@ pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
     // Where the value of the last depth-2 key starts, used if no depth-1 key precedes it.
     let mut member: Option<usize> = None;
     for pos in memchr::memmem::rfind_iter(tail, USAGE_KEY) {
-        if quote_is_escaped(tail, pos) {
+        // An escaped quote: inside a string, and what follows it is no key of its own.
+        if crate::json_scan::backslashes_before(tail, pos, 0) % 2 == 1 {
             continue;
         }
         // Followed by no `:`: a string value, not a key.
@@ -158,13 +159,6 @@ pub fn parse_json_tail(tail: &[u8]) -> Option<Usage> {
         later = Some((pos, depth));
     }
     usage_object_at(tail, member?)
-}
-
-/// True when the quote at `quote` in `buf` is escaped: an odd run of backslashes before it
-/// (then it is inside a string, and what follows it is no key of its own).
-fn quote_is_escaped(buf: &[u8], quote: usize) -> bool {
-    let before = buf.get(..quote).unwrap_or_default();
-    before.iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
 }
 
 /// The change in container nesting across `json`, JSON text that begins outside any string:
