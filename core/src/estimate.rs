@@ -2,7 +2,7 @@
 //!
 //! The filter runs inside Envoy's wasm VM, where shipping a 100k-entry BPE vocabulary per
 //! worker is too heavy. Instead, [`Estimator::estimate_text`] scans the text once (past its
-//! first 2 KiB, a 1-in-16 sample of it: [`Tally`]) and counts character classes, each
+//! first 2 KiB, a 1-in-32 sample of it, at most 32 windows: [`Tally`]) and counts character classes, each
 //! with a per-class token cost calibrated against OpenAI's `cl100k_base` BPE (via
 //! `tiktoken-rs`) on the ShareGPT prompts in `../shared/data/prompts/` (see
 //! `core/tests/estimator_accuracy.rs` and the README table):
@@ -143,12 +143,13 @@ impl Estimator {
         }
     }
 
-    /// An empty tally of the kind this estimator counts with.
-    pub(crate) fn tally(&self) -> Tally {
+    /// An empty tally of the kind this estimator counts with, for a text of at most about
+    /// `len_hint` bytes ([`Tally::sampled`]).
+    pub(crate) fn tally(&self, len_hint: u64) -> Tally {
         if self.every_byte {
             Tally::new()
         } else {
-            Tally::sampled()
+            Tally::sampled(len_hint)
         }
     }
 
@@ -166,7 +167,7 @@ impl Estimator {
     /// the first [`SAMPLE_HEAD_BYTES`] counted exactly, the rest sampled ([`Tally::sampled`]),
     /// as the request analysis counts a prompt; every byte with [`Estimator::every_byte`].
     pub fn estimate_text_f64(&self, text: &str) -> f64 {
-        let mut t = self.tally();
+        let mut t = self.tally(text.len() as u64);
         t.feed(text.as_bytes());
         t.end_text();
         t.tokens(&CharClassCosts::default())
@@ -353,7 +354,7 @@ const RUN_BINS: usize = 64;
 /// A sampled tally counts the first [`SAMPLE_HEAD_BYTES`] bytes it is fed exactly (up to
 /// the end of the word or number at that limit). Of the
 /// bytes after them (the tail) it counts one window of about [`SAMPLE_WINDOW_BYTES`] in every
-/// [`SAMPLE_STRIDE_BYTES`], and scales the windows' tokens by tail bytes / window bytes:
+/// [`sample_stride`] bytes ([`SAMPLE_STRIDE_BYTES`], longer past 256 KiB), and scales the windows' tokens by tail bytes / window bytes:
 ///
 /// ```text
 /// tokens = head_tokens + window_tokens × tail_bytes / window_bytes
@@ -366,7 +367,9 @@ const RUN_BINS: usize = 64;
 /// calls and texts, so the result does not depend on how the text is split into pieces.
 ///
 /// This bounds the per-byte work on long prompts: past the head, the tally touches about
-/// 1/32 of the bytes (the JSON scan still reads every byte). Accuracy against tiktoken on
+/// 1/32 of the bytes, and past 256 KiB at most [`SAMPLE_MAX_WINDOWS`] windows (the stride
+/// grows with the length hint, [`sample_stride`]); the request analysis skips the bytes
+/// between windows raw. Accuracy against tiktoken on
 /// the shared prompts, and on prompts over 64 KiB, is tested in
 /// `core/tests/estimator_accuracy.rs` and reported in `docs/core.md`. The sample is
 /// deterministic: a client that crafts a body whose windows are cheaper than the rest can
@@ -395,6 +398,18 @@ pub const SAMPLE_WINDOW_BYTES: u64 = 256;
 /// (median / p90, cl100k, prompts over 64 KiB) for ~16 % more Wasm operations per decision
 /// at 1 MiB (8.19 M against 7.03 M), a 16 KiB stride 5.2 % / 12.5 % (p99 24.8 %).
 pub const SAMPLE_STRIDE_BYTES: u64 = 8192;
+/// Most windows a sampled tally takes past its head: a text longer than
+/// `SAMPLE_MAX_WINDOWS × SAMPLE_STRIDE_BYTES` (256 KiB) is sampled at a longer stride
+/// ([`sample_stride`]), so the windows' work stops growing with the prompt. A sample's error
+/// shrinks with its windows' count, not its share of the text: 32 windows at 1 MiB measured
+/// as close to tiktoken as ~8 at 64 KiB (docs/core.md, "Estimator accuracy").
+pub const SAMPLE_MAX_WINDOWS: u64 = 32;
+
+/// The windows' stride for a text of `len_hint` bytes: [`SAMPLE_STRIDE_BYTES`], or
+/// `len_hint / SAMPLE_MAX_WINDOWS` (rounded up) when that is longer.
+pub fn sample_stride(len_hint: u64) -> u64 {
+    SAMPLE_STRIDE_BYTES.max(len_hint.div_ceil(SAMPLE_MAX_WINDOWS))
+}
 
 /// What a tally counted in the bytes it scanned: what [`Counts::tokens`] prices. Runs of
 /// length 0 (closed at a text's start) are not counted.
@@ -533,6 +548,8 @@ struct Sample {
     window_bytes: u64,
     /// Tail offset of the next window's start (in `Skip`) or of the current one's end.
     next: u64,
+    /// Bytes from one window's start to the next ([`sample_stride`]).
+    stride: u64,
 }
 
 impl std::fmt::Debug for Class {
@@ -580,8 +597,10 @@ impl Tally {
     }
 
     /// An empty tally that counts the first [`SAMPLE_HEAD_BYTES`] exactly and samples the
-    /// rest (see the type's doc). This is what [`Estimator`] and the request analysis use.
-    pub fn sampled() -> Self {
+    /// rest (see the type's doc), for a text of at most about `len_hint` bytes (it sets the
+    /// windows' stride, [`sample_stride`]; any text may be fed). This is what
+    /// [`Estimator`] and the request analysis use, the analysis with the body's length.
+    pub fn sampled(len_hint: u64) -> Self {
         Self {
             sample: Some(Box::new(Sample {
                 phase: Phase::Head,
@@ -590,6 +609,7 @@ impl Tally {
                 tail_bytes: 0,
                 window_bytes: 0,
                 next: 0,
+                stride: sample_stride(len_hint),
             })),
             ..Self::default()
         }
@@ -827,7 +847,7 @@ impl Tally {
                             st.tail_bytes += look.len() as u64;
                             if st.tail_bytes >= st.next {
                                 // No start in this window: on to the next one.
-                                st.next += SAMPLE_STRIDE_BYTES - SAMPLE_WINDOW_BYTES;
+                                st.next += st.stride - SAMPLE_WINDOW_BYTES;
                                 st.phase = Phase::Skip;
                             }
                         }
@@ -852,7 +872,7 @@ impl Tally {
                         return;
                     }
                     self.cut_run();
-                    st.next += SAMPLE_STRIDE_BYTES - SAMPLE_WINDOW_BYTES;
+                    st.next += st.stride - SAMPLE_WINDOW_BYTES;
                     st.phase = Phase::Skip;
                     bytes = rest;
                 }
@@ -1010,7 +1030,7 @@ mod tests {
     use super::*;
 
     fn sampled(text: &str) -> f64 {
-        let mut t = Tally::sampled();
+        let mut t = Tally::sampled(text.len() as u64);
         t.feed(text.as_bytes());
         t.end_text();
         t.tokens(&CharClassCosts::default())
@@ -1125,6 +1145,31 @@ mod tests {
         assert_eq!(Estimator::every_byte().estimate_text_f64(&text), 512.0);
         assert_eq!(Estimator::every_byte().estimate_text(&text), 512);
         assert_eq!(Estimator::default().estimate_text(&text), 513);
+    }
+
+    #[test]
+    fn a_text_over_256_kib_is_sampled_by_32_windows() {
+        assert_eq!(sample_stride(0), SAMPLE_STRIDE_BYTES);
+        assert_eq!(sample_stride(256 << 10), SAMPLE_STRIDE_BYTES);
+        assert_eq!(sample_stride((256 << 10) + 1), SAMPLE_STRIDE_BYTES + 1);
+        assert_eq!(sample_stride(1 << 20), 32 << 10);
+        assert_eq!(
+            sample_stride(u64::MAX),
+            u64::MAX.div_ceil(SAMPLE_MAX_WINDOWS)
+        );
+        // 1 MiB of spaces (a window may start and end at any byte): the 2 KiB head, then
+        // one 256-byte window per 32 KiB; with a hint of 0, one per 8 KiB.
+        let text = " ".repeat(1 << 20);
+        let windows = |hint: u64| {
+            let mut t = Tally::sampled(hint);
+            t.feed(text.as_bytes());
+            t.end_text();
+            let st = t.sample.as_deref().unwrap();
+            (st.window_bytes, st.tail_bytes)
+        };
+        let tail = (1 << 20) - SAMPLE_HEAD_BYTES;
+        assert_eq!(windows(1 << 20), (32 * SAMPLE_WINDOW_BYTES, tail));
+        assert_eq!(windows(0), (128 * SAMPLE_WINDOW_BYTES, tail));
     }
 
     #[test]

@@ -13,7 +13,7 @@
 mod common;
 
 use kvroute_core::analysis::{analyze_bounded, ApiKind};
-use kvroute_core::estimate::{estimate_with, CharClassCosts, Estimator};
+use kvroute_core::estimate::{estimate_with, CharClassCosts, Estimator, Tally};
 use kvroute_core::prefix::PrefixConfig;
 
 use kvroute_core::percentile::percentile as quantile;
@@ -205,13 +205,72 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
             through_analysis(true),
         ),
     ];
+    // Prompts over 1 MiB, where the windows' stride grows (`SAMPLE_MAX_WINDOWS`): each is
+    // 16 of the texts above in a row, starting at each one in turn (so they overlap; the
+    // same text starts one and ends another). Their truth is the parts' token counts plus
+    // one token per blank line between them (BPE pre-splits at a blank line, so a join adds
+    // the separator's token and merges nothing; not re-encoded: ~35 MiB of text).
+    const PARTS: usize = 16;
+    let huge_parts: Vec<Vec<usize>> = (0..long.len())
+        .map(|k| (0..PARTS).map(|i| (k + i) % long.len()).collect())
+        .collect();
+    let huge: Vec<String> = huge_parts
+        .iter()
+        .map(|parts| {
+            let texts: Vec<&str> = parts.iter().map(|&i| long[i].as_str()).collect();
+            texts.join("\n\n")
+        })
+        .collect();
+    assert!(huge.iter().all(|h| h.len() > 1 << 20));
+    let chat = |text: &str| {
+        let body =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+                .to_string();
+        analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit)
+            .unwrap()
+            .prompt_tokens as f64
+    };
+    let overhead = chat("");
+    // The same texts with the 8 KiB stride of shorter ones (a length hint of 0): what the
+    // longer stride costs in accuracy.
+    let every_8k = |text: &str| {
+        let mut t = Tally::sampled(0);
+        t.feed(text.as_bytes());
+        t.end_text();
+        t.tokens(&CharClassCosts::default()).ceil()
+    };
+    let huge_rows = [
+        (
+            "over 1 MiB (16 joined)",
+            huge.iter()
+                .map(|p| est.estimate_text(p) as f64)
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "over 1 MiB, chat body",
+            huge.iter().map(|p| chat(p) - overhead).collect(),
+        ),
+        (
+            "over 1 MiB, 8 KiB stride (before)",
+            huge.iter().map(|p| every_8k(p)).collect(),
+        ),
+    ];
     for (name, bpe) in [
         ("cl100k_base", tiktoken_rs::cl100k_base().unwrap()),
         ("o200k_base", tiktoken_rs::o200k_base().unwrap()),
     ] {
         let truth: Vec<usize> = long.iter().map(|p| bpe.encode_ordinary(p).len()).collect();
-        for (subset, estimates) in &rows {
-            let r = errors(estimates, &truth);
+        let join = bpe.encode_ordinary("\n\n").len();
+        let huge_truth: Vec<usize> = huge_parts
+            .iter()
+            .map(|parts| parts.iter().map(|&i| truth[i]).sum::<usize>() + join * (PARTS - 1))
+            .collect();
+        let all = rows
+            .iter()
+            .map(|(n, e)| (n, e, &truth))
+            .chain(huge_rows.iter().map(|(n, e)| (n, e, &huge_truth)));
+        for (subset, estimates, truth) in all {
+            let r = errors(estimates, truth);
             print_row(name, subset, &r);
             assert!(
                 r.median <= 0.10,

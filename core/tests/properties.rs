@@ -183,7 +183,7 @@ proptest! {
         at.push(0);
         at.push(text.len());
         at.sort_unstable();
-        let mut t = Tally::sampled();
+        let mut t = Tally::sampled(text.len() as u64);
         for w in at.windows(2) {
             t.feed(&text.as_bytes()[w[0]..w[1]]);
         }
