@@ -293,7 +293,7 @@ impl<'e> Acc<'e> {
             estimator,
             prefix: String::with_capacity(body_len.min(prefix_limit)),
             prefix_limit,
-            tally: estimator.tally(body_len as u64),
+            tally: estimator.tally(),
             overhead_tokens: 0,
             exact_tokens: 0,
             exact: false,

@@ -13,7 +13,7 @@
 mod common;
 
 use kvroute_core::analysis::{analyze_bounded, ApiKind};
-use kvroute_core::estimate::{estimate_with, CharClassCosts, Estimator, Tally};
+use kvroute_core::estimate::{estimate_with, CharClassCosts, Estimator};
 use kvroute_core::prefix::PrefixConfig;
 
 use kvroute_core::percentile::percentile as quantile;
@@ -231,14 +231,31 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
             .prompt_tokens as f64
     };
     let overhead = chat("");
-    // The same texts with the 8 KiB stride of shorter ones (a length hint of 0): what the
-    // longer stride costs in accuracy.
-    let every_8k = |text: &str| {
-        let mut t = Tally::sampled(0);
-        t.feed(text.as_bytes());
-        t.end_text();
-        t.tokens(&CharClassCosts::default()).ceil()
+    // The 64 KiB texts again, each with a 2 MiB image (a base64 data URL) after it: the
+    // windows are spaced by the text fed, not the body's size.
+    let image = format!("data:image/png;base64,{}", "iVBORw0K".repeat(1 << 18));
+    let with_image = |text: &str| {
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": image}},
+        ]}]})
+        .to_string();
+        analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit)
+            .unwrap()
+            .prompt_tokens as f64
     };
+    let image_overhead = with_image("");
+    let rows = [
+        rows[0].clone(),
+        rows[1].clone(),
+        rows[2].clone(),
+        (
+            "over 64 KiB, chat body with a 2 MiB image",
+            long.iter()
+                .map(|p| with_image(p) - image_overhead)
+                .collect(),
+        ),
+    ];
     let huge_rows = [
         (
             "over 1 MiB (16 joined)",
@@ -249,10 +266,6 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
         (
             "over 1 MiB, chat body",
             huge.iter().map(|p| chat(p) - overhead).collect(),
-        ),
-        (
-            "over 1 MiB, 8 KiB stride (before)",
-            huge.iter().map(|p| every_8k(p)).collect(),
         ),
     ];
     for (name, bpe) in [

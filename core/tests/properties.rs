@@ -183,7 +183,7 @@ proptest! {
         at.push(0);
         at.push(text.len());
         at.sort_unstable();
-        let mut t = Tally::sampled(text.len() as u64);
+        let mut t = Tally::sampled();
         for w in at.windows(2) {
             t.feed(&text.as_bytes()[w[0]..w[1]]);
         }
@@ -322,6 +322,35 @@ proptest! {
             let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &every, limit).unwrap();
             prop_assert_eq!(a.prompt_tokens, every.estimate_text(&text) + 6);
         }
+    }
+}
+
+proptest! {
+    // Texts past 128 KiB of tail, where the stride grows and each window is weighted by its
+    // stretch (`SAMPLE_STRIDE_GROWTH`): a few cases of ~300 KB each.
+    #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_long_sampled_tally_does_not_depend_on_how_the_text_is_split(
+        unit in "[a-zA-Z0-9 ,.\n东é😀]{3000,9000}",
+        cuts in prop::collection::vec(0usize..1_000_000, 0..200),
+    ) {
+        let text = unit.repeat(300_000 / unit.len() + 1);
+        let whole = Estimator::default().estimate_text_f64(&text);
+        let mut at: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
+        at.push(0);
+        at.push(text.len());
+        at.sort_unstable();
+        let mut t = Tally::sampled();
+        for w in at.windows(2) {
+            t.feed(&text.as_bytes()[w[0]..w[1]]);
+        }
+        t.end_text();
+        let pieces = t.tokens(&CharClassCosts::default());
+        prop_assert!((pieces - whole).abs() < 1e-6 * whole.max(1.0), "{} vs {}", pieces, whole);
+        // A repeated text is priced within 5 % of counting every byte (2.0 % at most over 300 cases).
+        let every = Estimator::every_byte().estimate_text_f64(&text);
+        prop_assert!((whole - every).abs() <= 0.05 * every, "{} vs {}", whole, every);
     }
 }
 

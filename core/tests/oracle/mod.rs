@@ -140,7 +140,7 @@ struct Acc<'e> {
 }
 
 impl<'e> Acc<'e> {
-    fn new(estimator: &'e Estimator, prefix_limit: usize, body_len: usize) -> Self {
+    fn new(estimator: &'e Estimator, prefix_limit: usize) -> Self {
         Self {
             estimator,
             prefix: String::new(),
@@ -149,7 +149,7 @@ impl<'e> Acc<'e> {
             tally: if estimator.every_byte {
                 Tally::new()
             } else {
-                Tally::sampled(body_len as u64)
+                Tally::sampled()
             },
             overhead_tokens: 0,
             exact_tokens: 0,
@@ -522,7 +522,7 @@ pub fn oracle_analyze_bounded(
         }
     };
 
-    let mut acc = Acc::new(estimator, prefix_limit, body.len());
+    let mut acc = Acc::new(estimator, prefix_limit);
     let max_output_tokens = match api {
         ApiKind::ChatCompletions => {
             let mct = de_limit(b.max_completion_tokens, "max_completion_tokens")?;
