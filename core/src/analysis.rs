@@ -377,6 +377,26 @@ impl<'e> Acc<'e> {
     fn string(&mut self, sc: &mut Scanner<'_>) -> Syn<Result<(), BadString>> {
         sc.open_quote()?;
         self.tail_mark = None;
+        if self.prefix.len() >= self.prefix_limit {
+            // Past the rendering, between sampling windows: the first step of
+            // `string_text`'s loop taken here, without its set-up and this function's
+            // sample accounting. A string that closes before the next window (most of
+            // them: a chat message's content, a role) is then done, nothing decoded
+            // (~630 → ~300 Wasm operations for a short one, docs/overhead.md); one that
+            // runs into the window goes on in `string_text`, marked where it started.
+            let room = self.tally.skip_room();
+            if room > 0 {
+                let mark = (sc.pos(), self.tally.fed(), self.skipped_raw);
+                let (passed, closed) = sc.skip_raw(usize::try_from(room).unwrap_or(usize::MAX));
+                self.tally.skip(passed as u64);
+                self.skipped_raw += passed as u64;
+                if closed {
+                    self.tally.end_text();
+                    return Ok(Ok(()));
+                }
+                self.tail_mark = Some(mark);
+            }
+        }
         let r = self.string_text(sc)?;
         // What of the string was decoded past the rendering's end, raw and decoded: all of
         // it less what was skipped (the closing quote is not text).
