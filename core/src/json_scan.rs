@@ -606,6 +606,13 @@ impl<'a> Scanner<'a> {
         self.pos += n;
     }
 
+    /// Move the cursor back to `pos` (a position it was at: nothing read since is kept;
+    /// later positions only).
+    #[inline]
+    pub(crate) fn rewind(&mut self, pos: usize) {
+        self.pos = self.pos.min(pos);
+    }
+
     /// Skip JSON whitespace and return the next byte, if any.
     #[inline]
     pub(crate) fn peek(&mut self) -> Option<u8> {
