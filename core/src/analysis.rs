@@ -64,7 +64,9 @@ use crate::json_scan::{
 /// it. When `model` is repeated, the last one counts, as Python's `json` (so vLLM's and
 /// SGLang's pydantic request models) reads such a body. `None` when the body is not a JSON
 /// object, or its (last) `model` is absent or not a string; a `model` key nested inside
-/// another value does not count. Parses the whole body, keeping no value but the model's:
+/// another value does not count. Keys are compared with their escapes decoded, and a key
+/// or ignored value with a lone surrogate escape (which Python's `json` accepts) does not
+/// hide the model. Parses the whole body, keeping no value but the model's:
 /// for the error path only.
 pub fn requested_model(body: &[u8]) -> Option<String> {
     use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
@@ -80,11 +82,14 @@ pub fn requested_model(body: &[u8]) -> Option<String> {
                 fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                     f.write_str("an object key")
                 }
-                fn visit_str<E: serde::de::Error>(self, k: &str) -> Result<IsModel, E> {
-                    Ok(IsModel(k == "model"))
+                fn visit_bytes<E: serde::de::Error>(self, k: &[u8]) -> Result<IsModel, E> {
+                    Ok(IsModel(k == b"model"))
                 }
             }
-            d.deserialize_str(Key)
+            // As bytes: serde_json decodes the escapes but lets a lone surrogate through
+            // (as WTF-8), which Python's `json` accepts in a key too; as a `str` it was
+            // an error that left the whole body without a model.
+            d.deserialize_bytes(Key)
         }
     }
 

@@ -504,6 +504,12 @@ fn requested_model_takes_the_last_top_level_model() {
         (br#"{"model":"a","model":{"name":"b"}}"#, None),
         (br#"{"model":7,"model":"b"}"#, Some("b")),
         (br#"{"model":"a","model":"b"} x"#, None),
+        // A key with a lone surrogate (which Python's `json` reads) names no model, and
+        // does not hide the body's.
+        (br#"{"\ud800":1,"model":"m"}"#, Some("m")),
+        (br#"{"model":"m","x\udc00y":"\ud800"}"#, Some("m")),
+        (br#"{"mod\u0065l":"m"}"#, Some("m")),
+        (br#"{"model":"\ud800"}"#, None),
     ] {
         assert_eq!(
             requested_model(body).as_deref(),
