@@ -42,8 +42,10 @@
 //! has endpoints again, forgotten when the pool leaves the config), less every model an
 //! endpoint of the snapshot lists (such a model is known to the filter already). The list
 //! is recomputed when the endpoint set or the pools change ([`Hub::set_endpoints`],
-//! [`Hub::set_pools`]), never per scrape. LoRA adapters are not remembered: they come from
-//! scrapes and are loaded and unloaded at run time.
+//! [`Hub::set_pools`]), never per scrape. LoRA adapters come from scrapes (vLLM's
+//! `lora_requests_info`: those with requests running or waiting); every adapter a pool's
+//! endpoints reported since the pool last had none is named with its models when it has
+//! none again ([`Hub::record_success`] notes them when an endpoint's list changes).
 //!
 //! Versions: `max(now in Unix µs, previous + 1)`. The wall clock makes versions grow
 //! across control-plane restarts (receivers drop snapshots not newer than theirs); the
@@ -184,6 +186,11 @@ impl EndpointState {
         encode_endpoint(&wire, &mut self.wire_json);
     }
 
+    /// The LoRA adapters of the last successful scrape.
+    fn adapters(&self) -> &[String] {
+        self.stats.as_ref().map_or(&[], |s| &s.lora_adapters)
+    }
+
     /// The fields a routing decision reads (everything on the wire but `scraped_at_ms`).
     fn routing_key(&self) -> RoutingKey {
         let s = self.stats.as_ref();
@@ -240,9 +247,20 @@ struct PoolModels {
     /// Every model the pool's endpoints listed the last time it had endpoints (that listed
     /// any model).
     last_listed: BTreeSet<String>,
+    /// Every LoRA adapter the pool's endpoints reported since it last had no endpoint.
+    adapters: BTreeSet<String>,
+    /// The pool had no endpoint at the last [`Pools::refresh`].
+    empty: bool,
 }
 
 impl Pools {
+    /// Remember `adapters`, reported by an endpoint of pool `pool` (if configured).
+    fn note_adapters(&mut self, pool: &str, adapters: &[String]) {
+        if let Some(p) = self.by_name.get_mut(pool) {
+            p.adapters.extend(adapters.iter().cloned());
+        }
+    }
+
     /// Remember what each pool's endpoints in `fleet` list and recompute
     /// [`Self::unavailable`]; returns whether it changed.
     fn refresh(&mut self, fleet: &BTreeMap<String, EndpointState>) -> bool {
@@ -258,6 +276,7 @@ impl Pools {
                 .or_default()
                 .extend(models.clone());
             listed.extend(models);
+            listed.extend(st.adapters().iter().map(String::as_str));
         }
         let mut unavailable = BTreeSet::new();
         for (name, pool) in &mut self.by_name {
@@ -266,14 +285,23 @@ impl Pools {
                     if !models.is_empty() {
                         pool.last_listed = models.iter().map(|m| (*m).to_owned()).collect();
                     }
+                    if pool.empty {
+                        // Back: its adapters are counted afresh from its scrapes.
+                        pool.adapters.clear();
+                        pool.empty = false;
+                    }
                 }
-                None => unavailable.extend(
-                    pool.configured
-                        .iter()
-                        .chain(&pool.last_listed)
-                        .filter(|m| !listed.contains(m.as_str()))
-                        .cloned(),
-                ),
+                None => {
+                    pool.empty = true;
+                    unavailable.extend(
+                        pool.configured
+                            .iter()
+                            .chain(&pool.last_listed)
+                            .chain(&pool.adapters)
+                            .filter(|m| !listed.contains(m.as_str()))
+                            .cloned(),
+                    );
+                }
             }
         }
         let unavailable: Vec<String> = unavailable.into_iter().collect();
@@ -509,6 +537,10 @@ impl Hub {
             let before = st.routing_key();
             let first = !st.attempted;
             let restarted = st.restart.observe(&stats, at_ms);
+            if st.adapters() != stats.lora_adapters.as_slice() && !stats.lora_adapters.is_empty() {
+                // Lock order: fleet, then pools (as `set_endpoints`).
+                lock(&self.pools).note_adapters(&st.spec.pool, &stats.lora_adapters);
+            }
             st.stats = Some(stats);
             st.healthy = true;
             st.unreachable_in_row = 0;
@@ -1152,6 +1184,39 @@ mod tests {
         assert!(!String::from_utf8(p.body.to_vec())
             .unwrap()
             .contains("unavailable_models"));
+    }
+
+    /// A pool's LoRA adapters (reported by its endpoints' scrapes since it last had none)
+    /// are named with its models when it has none again, less those another endpoint
+    /// reports; when the pool is back, they are counted afresh.
+    #[test]
+    fn pools_without_endpoints_name_their_adapters_unavailable() {
+        let hub = Hub::new(
+            Duration::from_secs(1),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        hub.set_pools(&pools(&[("p", &["m/é"]), ("k8s", &["base"])]));
+        let pod = |name: &str| in_pool("k8s", name, &["base"]);
+        hub.set_endpoints(&[spec("a"), pod("pod-0")]);
+        let t0 = now_ms();
+        hub.record_success("k8s/pod-0", stats(0.1, 1, &["sql-lora", "chat-lora"]), t0);
+        hub.record_success("k8s/pod-0", stats(0.1, 1, &["sql-lora"]), t0 + 1);
+        hub.record_success("p/a", stats(0.1, 1, &["chat-lora"]), t0 + 1);
+        assert!(hub.unavailable_models().is_empty());
+        // `k8s` loses its pod: its model and `sql-lora` (`chat-lora` is `p/a`'s now).
+        hub.set_endpoints(&[spec("a")]);
+        assert_eq!(hub.unavailable_models(), vec!["base", "sql-lora"]);
+        // Back with a pod that reports no adapter, then gone again: its model only.
+        hub.set_endpoints(&[spec("a"), pod("pod-1")]);
+        hub.record_success("k8s/pod-1", stats(0.1, 1, &[]), t0 + 2);
+        hub.set_endpoints(&[spec("a")]);
+        assert_eq!(hub.unavailable_models(), vec!["base"]);
+        let p = hub.publish();
+        assert_eq!(
+            Snapshot::decode(&p.body).unwrap().unavailable_models,
+            vec!["base"]
+        );
     }
 
     #[test]
