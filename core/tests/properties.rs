@@ -326,8 +326,7 @@ proptest! {
 }
 
 proptest! {
-    // Texts past 128 KiB of tail, where the stride grows and each window is weighted by its
-    // stretch (`SAMPLE_STRIDE_GROWTH`): a few cases of ~300 KB each.
+    // Texts of ~300 KB, ~36 sampling windows past the head: a few cases.
     #![proptest_config(ProptestConfig { cases: 8, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
