@@ -392,7 +392,7 @@ impl<'e> Acc<'e> {
             // `string_text`'s loop taken here, without its set-up and this function's
             // sample accounting. A string that closes before the next window (most of
             // them: a chat message's content, a role) is then done, nothing decoded
-            // (~630 → ~300 Wasm operations for a short one, docs/overhead.md); one that
+            // (~630 → ~490 Wasm operations for a short one, docs/overhead.md); one that
             // runs into the window goes on in `string_text`, marked where it started.
             let room = self.tally.skip_room();
             if room > 0 {
@@ -1185,8 +1185,8 @@ fn messages(acc: &mut Acc<'_>, sc: &mut Scanner<'_>) -> Syn<Main> {
 /// back where it was, for any other message before its content is read; one that turns
 /// out otherwise after it (another field, another role) goes on in [`message_from`] from
 /// after the content. So every result is [`message`]'s (the differential tests compare
-/// both with the serde analyser), at ~0.35 k Wasm operations per message beyond its text
-/// instead of ~1.14 k (docs/overhead.md).
+/// both with the serde analyser), at ~0.8 k Wasm operations per message beyond its text
+/// instead of ~1.25 k (docs/overhead.md).
 fn quick_message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Option<Sem>> {
     if !acc.rendering_full() || sc.peek() != Some(b'{') {
         return Ok(None);
