@@ -36,7 +36,8 @@ struct Args {
     /// clusters) and exit: 0 when fine, 2 on an error.
     #[arg(long)]
     check: bool,
-    /// With --check: an Envoy config to cross-check (clusters, ingest token, ingest ports).
+    /// With --check: an Envoy config to cross-check (plugin configs, clusters, ingest token,
+    /// ingest port and path; a buffer limit too small for the analysis is a note).
     #[arg(long, requires = "check")]
     envoy_config: Option<PathBuf>,
     /// Do not watch the config file for changes (SIGHUP still reloads).
