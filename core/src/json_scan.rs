@@ -606,8 +606,8 @@ impl<'a> Scanner<'a> {
         self.pos += n;
     }
 
-    /// Move the cursor back to `pos` (a position it was at: nothing read since is kept;
-    /// later positions only).
+    /// Move the cursor back to `pos`, a position it was at (never forward): what was read
+    /// since is read again. Only raw matches and skips may lie between, which keep nothing.
     #[inline]
     pub(crate) fn rewind(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);

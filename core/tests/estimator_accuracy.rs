@@ -182,31 +182,46 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
     // router's 16 KiB rendering, which skips the raw bytes between sampling windows
     // (`Scanner::skip_raw`); written by serde_json, and with every non-ASCII character
     // as a `\u` escape, as Python's `json.dumps` writes by default (`ensure_ascii`).
-    let limit = PrefixConfig::default().max_bytes();
-    let through_analysis = |escape: bool| -> Vec<f64> {
-        let chat = |text: &str| {
-            let body =
-                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
-                    .to_string();
-            let body = if escape { ascii_escaped(&body) } else { body };
-            analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit)
-                .unwrap()
-                .prompt_tokens as f64
+    // The chat template's overhead (role, priming) is not the tokenizer's.
+    let through_analysis =
+        |content: &dyn Fn(&str) -> serde_json::Value, escape: bool, texts: &[String]| {
+            let tokens = |text: &str| {
+                let body = chat_body(content(text));
+                let body = if escape { ascii_escaped(&body) } else { body };
+                analysed(&body, &est)
+            };
+            let overhead = tokens("");
+            texts
+                .iter()
+                .map(|p| tokens(p) - overhead)
+                .collect::<Vec<f64>>()
         };
-        // The chat template's overhead (role, priming) is not the tokenizer's.
-        let overhead = chat("");
-        long.iter().map(|p| chat(p) - overhead).collect()
+    let text = |t: &str| serde_json::json!(t);
+    // Each with a 2 MiB image (a base64 data URL) after it: the windows are spaced by the
+    // text fed, not the body's size.
+    let image = format!("data:image/png;base64,{}", "iVBORw0K".repeat(1 << 18));
+    let with_image = |t: &str| {
+        serde_json::json!([
+            {"type": "text", "text": t},
+            {"type": "image_url", "image_url": {"url": image}},
+        ])
     };
     let rows = [
         ("over 64 KiB (joined)", estimates),
-        ("over 64 KiB, chat body", through_analysis(false)),
+        (
+            "over 64 KiB, chat body",
+            through_analysis(&text, false, &long),
+        ),
         (
             "over 64 KiB, chat body, ASCII-escaped",
-            through_analysis(true),
+            through_analysis(&text, true, &long),
+        ),
+        (
+            "over 64 KiB, chat body with a 2 MiB image",
+            through_analysis(&with_image, false, &long),
         ),
     ];
-    // Prompts over 1 MiB, where the windows' stride grows (`SAMPLE_MAX_WINDOWS`): each is
-    // 16 of the texts above in a row, starting at each one in turn (so they overlap; the
+    // Prompts over 1 MiB: each is 16 of the texts above in a row, starting at each one in turn (so they overlap; the
     // same text starts one and ends another). Their truth is the parts' token counts plus
     // one token per blank line between them (BPE pre-splits at a blank line, so a join adds
     // the separator's token and merges nothing; not re-encoded: ~35 MiB of text).
@@ -222,40 +237,6 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
         })
         .collect();
     assert!(huge.iter().all(|h| h.len() > 1 << 20));
-    let chat = |text: &str| {
-        let body =
-            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
-                .to_string();
-        analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit)
-            .unwrap()
-            .prompt_tokens as f64
-    };
-    let overhead = chat("");
-    // The 64 KiB texts again, each with a 2 MiB image (a base64 data URL) after it: the
-    // windows are spaced by the text fed, not the body's size.
-    let image = format!("data:image/png;base64,{}", "iVBORw0K".repeat(1 << 18));
-    let with_image = |text: &str| {
-        let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": text},
-            {"type": "image_url", "image_url": {"url": image}},
-        ]}]})
-        .to_string();
-        analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &est, limit)
-            .unwrap()
-            .prompt_tokens as f64
-    };
-    let image_overhead = with_image("");
-    let rows = [
-        rows[0].clone(),
-        rows[1].clone(),
-        rows[2].clone(),
-        (
-            "over 64 KiB, chat body with a 2 MiB image",
-            long.iter()
-                .map(|p| with_image(p) - image_overhead)
-                .collect(),
-        ),
-    ];
     let huge_rows = [
         (
             "over 1 MiB (16 joined)",
@@ -265,7 +246,7 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
         ),
         (
             "over 1 MiB, chat body",
-            huge.iter().map(|p| chat(p) - overhead).collect(),
+            through_analysis(&text, false, &huge),
         ),
     ];
     for (name, bpe) in [
@@ -293,6 +274,22 @@ fn estimator_within_targets_on_prompts_over_64_kib() {
             assert!(r.p90 <= 0.25, "{name} {subset}: p90 {:.3} > 0.25", r.p90);
         }
     }
+}
+
+/// A chat body with one user message of `content` (a string or content parts), as
+/// serde_json writes it.
+fn chat_body(content: serde_json::Value) -> String {
+    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]})
+        .to_string()
+}
+
+/// Prompt tokens of a chat `body` through the request analysis, with the router's 16 KiB
+/// rendering (which skips the raw bytes between sampling windows past it).
+fn analysed(body: &str, est: &Estimator) -> f64 {
+    let limit = PrefixConfig::default().max_bytes();
+    analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), est, limit)
+        .unwrap()
+        .prompt_tokens as f64
 }
 
 /// JSON text with every non-ASCII character written as `\uXXXX` (a surrogate pair above
@@ -357,18 +354,10 @@ fn mixed_long_texts_are_sampled_close_to_counting_every_byte() {
     };
     let est = Estimator::default();
     let every = Estimator::every_byte();
-    let limit = PrefixConfig::default().max_bytes();
     let chat = |text: &str, escape: bool| {
-        let body =
-            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
-                .to_string();
+        let body = chat_body(serde_json::json!(text));
         let body = if escape { ascii_escaped(&body) } else { body };
-        let tokens = |e: &Estimator| {
-            analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), e, limit)
-                .unwrap()
-                .prompt_tokens as f64
-        };
-        (tokens(&est), tokens(&every))
+        (analysed(&body, &est), analysed(&body, &every))
     };
     let cases = [
         ("escaped Cyrillic, 1 MiB", cyrillic(1 << 20), true, 0.01),
