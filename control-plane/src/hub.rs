@@ -701,7 +701,8 @@ impl Hub {
         self.published.subscribe()
     }
 
-    /// Ready: a snapshot was published and no target rejects the ingest token.
+    /// Ready: a snapshot was published and no target refuses the pushes as misconfigured
+    /// (the ingest token rejected, or a 404: not the ingest listener).
     pub fn ready(&self) -> bool {
         self.not_ready_reason().is_none()
     }
@@ -717,8 +718,9 @@ impl Hub {
         Some(format!("pushes to target `{target}` are rejected: {why}"))
     }
 
-    /// Note that target `target` rejects the ingest token (`Some(why)`) or accepted a push
-    /// (`None`). Any rejection makes `/readyz` answer 503. A rejection for a target that is
+    /// Note that target `target` refuses the pushes as misconfigured (`Some(why)`: the
+    /// ingest token rejected, or a 404) or accepted a push (`None`). Any rejection makes
+    /// `/readyz` answer 503. A rejection for a target that is
     /// not configured ([`Hub::retain_push_targets`]) is ignored: a push still in flight when
     /// its target was removed by a reload must not hold `/readyz` at 503 for a target no
     /// reload would ever clear.

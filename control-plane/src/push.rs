@@ -14,7 +14,9 @@
 //! misconfiguration, not a transient fault: it is logged at `error` naming the token and
 //! where it was read from (at most once per [`crate::scrape::WARN_EVERY`]), counted in
 //! `kvroute_cp_push_auth_rejected`, and `/readyz` answers 503 until a push to that target
-//! succeeds ([`Hub::set_push_rejected`]).
+//! succeeds ([`Hub::set_push_rejected`]). So is a 404 (the target URL is not the filter's
+//! ingest listener and path, [`NOT_FOUND_HINT`]): logged at `error` and held in `/readyz`
+//! the same way, without the token metric.
 
 use crate::config::{PushSettings, Target};
 use crate::hub::{Hub, Published};
@@ -244,18 +246,22 @@ pub async fn run_target(
                     }
                     break;
                 }
-                Err(PushError::Status(code @ (401 | 403))) => {
+                Err(PushError::Status(code @ (401 | 403 | 404))) => {
                     unconfirmed = true;
-                    let why = auth_rejected(&target.url, code, bearer.is_some(), &token_source);
+                    let why = if code == 404 {
+                        format!("ingest {} answered HTTP 404{NOT_FOUND_HINT}", target.url)
+                    } else {
+                        hub.telemetry
+                            .push_auth_rejected
+                            .get_or_create(&label)
+                            .set(1);
+                        auth_rejected(&target.url, code, bearer.is_some(), &token_source)
+                    };
                     if last_auth_log.is_none_or(|t| t.elapsed() >= crate::scrape::WARN_EVERY) {
                         last_auth_log = Some(Instant::now());
                         tracing::error!(target = %target.name, retry_in = ?backoff, "{why}; Envoy routes on stale stats until this is fixed");
                     }
                     hub.telemetry.push_failure(&target.name, &code.to_string());
-                    hub.telemetry
-                        .push_auth_rejected
-                        .get_or_create(&label)
-                        .set(1);
                     hub.set_push_rejected(&target.name, Some(why));
                     let wait = backoff.mul_f64(1.0 + 0.1 * rng.f64());
                     tokio::select! {

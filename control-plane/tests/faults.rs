@@ -854,6 +854,52 @@ async fn rejected_token_makes_readyz_fail_with_the_cause() {
     cp.shutdown().await;
 }
 
+/// A target URL that answers 404 (not the filter's ingest listener, e.g. Envoy's client
+/// listener) holds `/readyz` at 503 with the hint, as a rejected token does, without the
+/// token metric; a push accepted clears it.
+#[tokio::test]
+async fn a_404_from_the_target_makes_readyz_fail_with_the_hint() {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    *ingest.status.lock().unwrap() = 404;
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], "")).await;
+    let base = format!("http://{}", cp.local_addr());
+    wait_for(WAIT, "404 noted", || {
+        cp.hub()
+            .not_ready_reason()
+            .is_some_and(|r| r.contains("404"))
+    })
+    .await;
+    let (status, body) = get(&format!("{base}/readyz")).await;
+    assert_eq!(status, 503);
+    assert_eq!(
+        body,
+        format!(
+            "not ready: pushes to target `envoy-0` are rejected: ingest {} answered HTTP 404: \
+             is `url` the filter's ingest listener? a 404 comes from a listener or route \
+             without the kvroute ingest (e.g. Envoy's client listener, which proxies the push \
+             to a model server)\n",
+            ingest.url()
+        )
+    );
+    let (_, metrics) = get(&format!("{base}/metrics")).await;
+    assert!(
+        metrics.contains("kvroute_cp_push_failures_total{target=\"envoy-0\",reason=\"404\"}"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 1"),
+        "{metrics}"
+    );
+    *ingest.status.lock().unwrap() = 204;
+    wait_for(WAIT, "ready again", || cp.hub().ready()).await;
+    assert_eq!(
+        get(&format!("{base}/readyz")).await,
+        (200, "ready\n".into())
+    );
+    cp.shutdown().await;
+}
+
 /// Issue 14, case 7: `/metrics` serves OpenMetrics 1.0 when asked (as Prometheus asks) and
 /// the 0.0.4 text format otherwise; each parses with a real parser for its content type.
 #[tokio::test]
