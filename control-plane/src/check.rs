@@ -453,6 +453,13 @@ pub fn check(
             "the Envoy config's kvroute filter on {e}"
         )));
     }
+    if view.invalid.is_empty()
+        && view.no_stop.is_empty()
+        && !(view.route.is_empty() && view.ingest.is_empty())
+    {
+        // Each one validated by the filter's own rules, as Envoy would load it.
+        matched.push("kvroute plugin configs");
+    }
     let mode = |m: Mode| view.route.iter().any(|f| f.config.mode == m);
     if mode(Mode::Cluster) {
         let mut missing: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -697,11 +704,27 @@ mod tests {
     fn a_target_path_other_than_the_ingest_path_is_reported() {
         assert_eq!(
             path_check("http://127.0.0.1:10001/kvroute/v1/snapshot", None),
-            (vec![], vec!["ingest token", "ingest port", "ingest path"])
+            (
+                vec![],
+                vec![
+                    "kvroute plugin configs",
+                    "ingest token",
+                    "ingest port",
+                    "ingest path"
+                ]
+            )
         );
         assert_eq!(
             path_check("http://127.0.0.1:10001/in", Some("/in")),
-            (vec![], vec!["ingest token", "ingest port", "ingest path"])
+            (
+                vec![],
+                vec![
+                    "kvroute plugin configs",
+                    "ingest token",
+                    "ingest port",
+                    "ingest path"
+                ]
+            )
         );
         assert_eq!(
             path_check("http://127.0.0.1:10001/snapshot?x=1", None),
@@ -712,7 +735,7 @@ mod tests {
                      be answered 404"
                         .into()
                 )],
-                vec!["ingest token", "ingest port"]
+                vec!["kvroute plugin configs", "ingest token", "ingest port"]
             )
         );
         assert_eq!(
@@ -724,7 +747,7 @@ mod tests {
                      answered 404"
                         .into()
                 )],
-                vec!["ingest token", "ingest port"]
+                vec!["kvroute plugin configs", "ingest token", "ingest port"]
             )
         );
         assert_eq!(
@@ -742,7 +765,7 @@ mod tests {
                             .into()
                     )
                 ],
-                vec!["ingest token"]
+                vec!["kvroute plugin configs", "ingest token"]
             )
         );
     }
@@ -789,7 +812,7 @@ mod tests {
                 cluster_check(&envoy(10001, route)),
                 (
                     vec![Finding::Error(MISSING_ERROR.into())],
-                    vec!["ingest token"]
+                    vec!["kvroute plugin configs", "ingest token"]
                 ),
                 "route config {route:?}"
             );
@@ -801,7 +824,7 @@ mod tests {
             cluster_check(&bare),
             (
                 vec![Finding::Error(MISSING_ERROR.into())],
-                vec!["ingest token"]
+                vec!["kvroute plugin configs", "ingest token"]
             ),
         );
         // Endpoint mode, written: the cluster is not used.
@@ -813,7 +836,7 @@ mod tests {
                      used"
                         .into()
                 )],
-                vec!["ingest token"]
+                vec!["kvroute plugin configs", "ingest token"]
             )
         );
         // Another Wasm module's empty or foreign configuration is not kvroute's, nor is
@@ -828,7 +851,7 @@ mod tests {
             let other = envoy(10001, config).replacen("kvroute_filter.wasm", file, 1);
             assert_eq!(
                 cluster_check(&other),
-                (vec![], vec!["ingest token"]),
+                (vec![], vec!["kvroute plugin configs", "ingest token"]),
                 "{file} {config}"
             );
         }
@@ -890,10 +913,17 @@ mod tests {
                 "{bad}"
             );
             assert!(!matched.contains(&"ingest token"), "{bad}: {matched:?}");
+            assert!(
+                !matched.contains(&"kvroute plugin configs"),
+                "{bad}: {matched:?}"
+            );
         }
         assert_eq!(
             endpoint_check("127.0.0.1:8001", &envoy(10001, "{}")),
-            (vec![], vec!["clusters", "ingest token"])
+            (
+                vec![],
+                vec!["kvroute plugin configs", "clusters", "ingest token"]
+            )
         );
     }
 
@@ -1029,7 +1059,10 @@ mod tests {
         );
         assert_eq!(
             endpoint_check("127.0.0.1:8001", &bytes),
-            (vec![], vec!["clusters", "ingest token"])
+            (
+                vec![],
+                vec!["kvroute plugin configs", "clusters", "ingest token"]
+            )
         );
     }
 
@@ -1107,7 +1140,12 @@ mod tests {
         assert_eq!(r.errors(), 0, "{:?}", r.findings);
         assert_eq!(
             r.envoy_matched,
-            vec!["ingest token", "ingest port", "ingest path"]
+            vec![
+                "kvroute plugin configs",
+                "ingest token",
+                "ingest port",
+                "ingest path"
+            ]
         );
         let r = on_443("http://envoy.example/kvroute/v1/snapshot");
         assert_eq!(
@@ -1124,8 +1162,8 @@ mod tests {
     #[test]
     fn envoy_ok_suffix_names_only_what_matched() {
         assert_eq!(
-            envoy_ok_suffix(&["clusters", "ingest token"]),
-            "; matches the Envoy config (clusters, ingest token)"
+            envoy_ok_suffix(&["kvroute plugin configs", "clusters", "ingest token"]),
+            "; matches the Envoy config (kvroute plugin configs, clusters, ingest token)"
         );
         assert_eq!(
             envoy_ok_suffix(&[]),

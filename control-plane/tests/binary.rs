@@ -138,7 +138,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             Some(0),
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
-                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port, ingest path)\n",
+                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (kvroute plugin configs, clusters, ingest token, ingest port, ingest path)\n",
                 good.len()
             )
         )
@@ -170,7 +170,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
                  note: load sharing: 1 of 2 targets have no `stats_url` (envoy-0); their in-flight load is not shared with the other gateways, which may then herd onto one endpoint between scrapes\n\
-                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token, ingest port, ingest path)\n",
+                 config ok: 1 endpoints, 2 targets, listen 127.0.0.1:9090; matches the Envoy config (kvroute plugin configs, clusters, ingest token, ingest port, ingest path)\n",
                 good.len()
             )
         )
@@ -199,7 +199,7 @@ fn check_reports_token_clusters_and_envoy_mismatches() {
             format!(
                 "note: ingest token: found in environment variable `KVROUTE_INGEST_TOKEN` ({} bytes)\n\
                  note: target `envoy-0` posts to port 10000, not an ingest listener port of this Envoy config (10001); fine if it is another Envoy\n\
-                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (clusters, ingest token)\n",
+                 config ok: 1 endpoints, 1 targets, listen 127.0.0.1:9090; matches the Envoy config (kvroute plugin configs, clusters, ingest token)\n",
                 good.len()
             )
         )
@@ -290,9 +290,9 @@ fn shipped_example_passes_check_against_every_shipped_envoy_config() {
         );
         // Endpoint mode does not use `cluster`, so clusters are not claimed to match.
         let matched = if envoy.ends_with("cluster-mode.yaml") {
-            "clusters, ingest token, ingest port, ingest path"
+            "kvroute plugin configs, clusters, ingest token, ingest port, ingest path"
         } else {
-            "ingest token, ingest port, ingest path"
+            "kvroute plugin configs, ingest token, ingest port, ingest path"
         };
         assert!(
             stdout.ends_with(&format!(
