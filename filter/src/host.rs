@@ -2,6 +2,8 @@
 //! implements it over the proxy-wasm SDK; [`mock::MockHost`] implements it in memory so the
 //! glue is unit-tested natively. Host status codes become [`HostError`] here.
 
+pub use crate::headers::HeaderMap;
+
 /// A host call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HostError {
@@ -45,16 +47,17 @@ pub trait Host {
     fn now_us(&self) -> u64 {
         self.now_ms().saturating_mul(1000)
     }
-    /// A request header (`:path`, `:method` included).
+    /// A request header (`:path`, `:method` included); `None` when absent or when its
+    /// value is not UTF-8 (HTTP allows such bytes; they are never read as text).
     fn request_header(&self, name: &str) -> Option<String>;
-    /// Every request header, `(name, value)` in the host's order (proxy-wasm
-    /// `get_http_request_headers`: one host call for what would take one per header).
-    fn request_headers(&self) -> Vec<(String, String)>;
+    /// Every request header in one host call (proxy-wasm `proxy_get_header_map_pairs`,
+    /// for what would take one call per header), read in place ([`HeaderMap`]).
+    fn request_headers(&self) -> HeaderMap;
     /// Set (`Some`) or remove (`None`) a request header.
     fn set_request_header(&self, name: &str, value: Option<&str>);
     /// Set a response header.
     fn set_response_header(&self, name: &str, value: &str);
-    /// A response header (`:status` included).
+    /// A response header (`:status` included); `None` when absent or not UTF-8.
     fn response_header(&self, name: &str) -> Option<String>;
     /// Bytes `0..size` of the buffered request body.
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
@@ -140,6 +143,8 @@ pub mod mock {
         pub now: Rc<RefCell<u64>>,
         /// Request headers.
         pub req_headers: Rc<RefCell<BTreeMap<String, String>>>,
+        /// Request headers with raw byte values ([`MockHost::with_raw_header`]).
+        pub raw_headers: Rc<RefCell<Vec<RawHeader>>>,
         /// Response headers.
         pub resp_headers: Rc<RefCell<BTreeMap<String, String>>>,
         /// Request body.
@@ -169,9 +174,16 @@ pub mod mock {
         pub calls: Rc<RefCell<BTreeMap<&'static str, u32>>>,
     }
 
-    /// A header map as the `(name, value)` list a batch host call returns.
-    fn pairs(m: &BTreeMap<String, String>) -> Vec<(String, String)> {
-        m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    /// A request header whose value is raw bytes: name, value.
+    pub type RawHeader = (String, Vec<u8>);
+
+    /// A header map serialized as the batch host call returns it: `m`, then `raw`.
+    fn serialized(m: &BTreeMap<String, String>, raw: &[RawHeader]) -> HeaderMap {
+        HeaderMap::from_pairs(
+            m.iter()
+                .map(|(k, v)| (k.as_bytes(), v.as_bytes()))
+                .chain(raw.iter().map(|(k, v)| (k.as_bytes(), v.as_slice()))),
+        )
     }
 
     impl MockHost {
@@ -197,6 +209,13 @@ pub mod mock {
         /// Builder: set a request header.
         pub fn with_header(self, k: &str, v: &str) -> Self {
             self.req_headers.borrow_mut().insert(k.into(), v.into());
+            self
+        }
+
+        /// Builder: add a request header whose value is raw bytes (not UTF-8, say), after
+        /// the others; only [`Host::request_headers`] returns it.
+        pub fn with_raw_header(self, k: &str, v: &[u8]) -> Self {
+            self.raw_headers.borrow_mut().push((k.into(), v.to_vec()));
             self
         }
 
@@ -253,12 +272,15 @@ pub mod mock {
             self.count("request_header");
             self.req_headers.borrow().get(name).cloned()
         }
-        fn request_headers(&self) -> Vec<(String, String)> {
+        fn request_headers(&self) -> HeaderMap {
             self.count("request_headers");
-            pairs(&self.req_headers.borrow())
+            serialized(&self.req_headers.borrow(), &self.raw_headers.borrow())
         }
         fn set_request_header(&self, name: &str, value: Option<&str>) {
             self.count("set_request_header");
+            self.raw_headers
+                .borrow_mut()
+                .retain(|(k, _)| !k.eq_ignore_ascii_case(name));
             let mut h = self.req_headers.borrow_mut();
             match value {
                 Some(v) => h.insert(name.into(), v.into()),

@@ -6,6 +6,7 @@
 //! | module | job |
 //! |---|---|
 //! | [`host`] | the host seam (trait); its in-memory mock only under `cfg(test)` or the `testing` feature |
+//! | [`headers`] | a header map as the host serializes it, read in place (bytes, never assumed UTF-8) |
 //! | [`names`] | every header, shared-data key and metric name |
 //! | [`reply`] | every reply the filter makes itself (OpenAI error object, `GET /v1/models`) |
 //! | [`shared`] | snapshot publication/cache, the keys updated with CAS, the worker counter |
@@ -21,6 +22,7 @@
 //!
 //! See `docs/filter.md` for the data flow and the README for configuration.
 
+pub mod headers;
 pub mod host;
 pub mod inflight;
 pub mod ingest;

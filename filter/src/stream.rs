@@ -150,15 +150,6 @@ pub struct Stream {
     check_upstream: Option<String>,
 }
 
-/// Value of header `name` (ASCII case-insensitive) in `headers` as one host call returned
-/// them.
-fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_str())
-}
-
 impl Stream {
     /// A stream of HTTP context `context_id` on `worker`.
     pub fn new(worker: Rc<RefCell<Worker>>, context_id: u32) -> Self {
@@ -193,9 +184,10 @@ impl Stream {
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
         // One host call for every header this callback reads (instead of one per header).
         let headers = host.request_headers();
-        let get = |name: &str| header(&headers, name);
-        self.path = get(":path").unwrap_or_default().to_owned();
-        if let Some(models) = reply::models_request(get(":method"), &self.path) {
+        let get = |name: &str| headers.get(name);
+        // A path or method that is not UTF-8 reads as none: not an inference request.
+        self.path = headers.get_str(":path").unwrap_or_default().to_owned();
+        if let Some(models) = reply::models_request(headers.get_str(":method"), &self.path) {
             let catalog = self.worker.borrow_mut().cache.catalog(host).ok().flatten();
             if let Some(c) = catalog {
                 host.metric_add(MetricKind::Counter, metric::MODELS_LISTED, 1);
@@ -220,8 +212,9 @@ impl Stream {
             }
         }
         let upgrade = get("upgrade").is_some();
-        let encoded = get("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case("identity"));
-        let too_big = get("content-length")
+        let encoded = get("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"));
+        let too_big = headers
+            .get_str("content-length")
             .and_then(|l| l.trim().parse::<u64>().ok())
             .is_some_and(|l| l > max as u64);
         if end_of_stream {
@@ -840,6 +833,34 @@ mod tests {
         assert_eq!(held(&h), 0);
         assert_eq!(h.metric(metric::RESERVED), 1);
         assert_eq!(h.metric(metric::RELEASED), 1);
+    }
+
+    /// Header values that are not UTF-8 (HTTP allows them): the request is routed by its
+    /// body, and a client's routing header is stripped whatever its bytes.
+    #[test]
+    fn header_values_that_are_not_utf8_are_read_as_bytes() {
+        let (h, w) = setup(
+            r#"{"picker":{"policy":"least_kv"}}"#,
+            vec![ep(0, 0.9), ep(1, 0.1)],
+        );
+        let r = request(&h, "/v1/chat/completions", BODY)
+            .with_raw_header("x-latin1", b"caf\xe9")
+            .with_raw_header("x-kvroute-cluster", b"c0\xff");
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, false), Flow::Pause);
+        assert_eq!(
+            r.raw_headers
+                .borrow()
+                .iter()
+                .map(|(k, _)| k.as_str())
+                .collect::<Vec<_>>(),
+            ["x-latin1"],
+            "client routing header stripped"
+        );
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c1"));
+        assert_eq!(h.metric(metric::DECISIONS_POLICY), 1);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 0);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! (role `ingest`).
 //! Compiled for `wasm32` only; everything it calls is unit-tested natively with the mock.
 
-use crate::host::{Host, HostError, Level, MetricKind};
+use crate::host::{HeaderMap, Host, HostError, Level, MetricKind};
 use crate::ingest::{consume_snapshots, IngestStream};
 use crate::names::metric;
 use crate::router::Worker;
@@ -50,6 +50,51 @@ fn metric_id(kind: MetricKind, name: &'static str) -> Option<u32> {
     })
 }
 
+/// Header `name` of `map` as text, read as bytes: the SDK's `get_map_value` unwraps its
+/// UTF-8 conversion and so panics (the VM with it) on a value that is not UTF-8, which HTTP
+/// allows ([`crate::headers`]).
+fn header_text(map: MapType, name: &str) -> Option<String> {
+    let bytes = hostcalls::get_map_value_bytes(map, name).ok()??;
+    String::from_utf8(bytes).ok()
+}
+
+/// The raw header-map host call, which the SDK only offers through a deserialization that
+/// panics on a value that is not UTF-8 ([`crate::headers`]).
+#[allow(unsafe_code)] // One host import and the buffer it hands over; see the SAFETY notes.
+mod raw {
+    use proxy_wasm::types::{MapType, Status};
+
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        // The proxy-wasm ABI v0.2.1 import the SDK declares (`hostcalls.rs`), with its map
+        // type and status as the `u32`s they are on the wire: a status outside the SDK's
+        // enum is then a number, not an invalid enum value.
+        fn proxy_get_header_map_pairs(
+            map_type: u32,
+            return_map_data: *mut *mut u8,
+            return_map_size: *mut usize,
+        ) -> u32;
+    }
+
+    /// Map `map` serialized as the host returns it ([`crate::headers::HeaderMap`]); empty
+    /// when the call fails (no headers in this phase) or returns nothing.
+    pub fn header_map_pairs(map: MapType) -> Vec<u8> {
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size: usize = 0;
+        // SAFETY: the host only writes the two out-parameters, which are valid for writes.
+        let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+        if status != Status::Ok as u32 || data.is_null() {
+            return Vec::new();
+        }
+        // SAFETY: on `Ok` the host placed `size` bytes in memory it obtained from this
+        // module's `proxy_on_memory_allocate` (the SDK's `allocator.rs`: a `Box<[u8]>` of
+        // exactly `size` bytes, leaked) and hands ownership to the caller; a `Vec` of that
+        // pointer, length and capacity has the same layout, takes it back and frees it when
+        // dropped, as the SDK's own `get_map` does.
+        unsafe { Vec::from_raw_parts(data, size, size) }
+    }
+}
+
 impl Host for ProxyHost {
     fn now_ms(&self) -> u64 {
         hostcalls::get_current_time()
@@ -66,12 +111,10 @@ impl Host for ProxyHost {
             .unwrap_or(0)
     }
     fn request_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        header_text(MapType::HttpRequestHeaders, name)
     }
-    fn request_headers(&self) -> Vec<(String, String)> {
-        hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default()
+    fn request_headers(&self) -> HeaderMap {
+        HeaderMap::from_serialized(raw::header_map_pairs(MapType::HttpRequestHeaders))
     }
     fn set_request_header(&self, name: &str, value: Option<&str>) {
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
@@ -80,9 +123,7 @@ impl Host for ProxyHost {
         let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
     }
     fn response_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-            .ok()
-            .flatten()
+        header_text(MapType::HttpResponseHeaders, name)
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)

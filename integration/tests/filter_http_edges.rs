@@ -114,3 +114,51 @@ async fn odd_but_legal_requests_reach_a_backend() {
     let bad = fleet.envoy.wasm_failures().await.unwrap();
     assert!(bad.is_empty(), "{bad:#?}");
 }
+
+/// A header value with bytes that are not UTF-8 (HTTP allows obs-text, 0x80-0xFF, and
+/// Envoy passes it on): the request is routed by its body like any other, and no Wasm VM
+/// fails. The SDK's header-map read (`proxy_wasm::hostcalls::get_map`) panics on such a
+/// value, which killed the VM of the worker for every request after it.
+#[tokio::test]
+async fn a_header_value_that_is_not_utf8_is_routed_and_the_vm_lives() {
+    let fleet = least_kv_fleet().await;
+    let body = chat("a header value in Latin-1");
+    for round in 0..2 {
+        let mut req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\nx-latin1: caf",
+            body.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(&[0xe9, 0xff]);
+        req.extend_from_slice(b"\r\n\r\n");
+        req.extend_from_slice(&body);
+        let got = raw_exchange(
+            fleet.port,
+            &[(&req, Duration::ZERO)],
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert!(got.starts_with("HTTP/1.1 200"), "round {round}: {got}");
+        assert!(got.contains("x-backend: b1"), "round {round}: {got}");
+    }
+    // The ingest listener reads `authorization` the same way: a token that is not UTF-8
+    // is no token (401), and the VM the two listeners share lives on.
+    let mut push = b"POST /kvroute/v1/snapshot HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nconnection: close\r\nauthorization: Bearer caf".to_vec();
+    push.extend_from_slice(&[0xe9, 0xff]);
+    push.extend_from_slice(b"\r\n\r\n{}");
+    let got = raw_exchange(
+        fleet.ingest_port,
+        &[(&push, Duration::ZERO)],
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(got.starts_with("HTTP/1.1 401"), "{got}");
+    let r = fleet.post("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 3);
+    no_leak(&fleet).await;
+    let bad = fleet.envoy.wasm_failures().await.unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+}
