@@ -1,7 +1,12 @@
 # kvroute-cp: control plane (issue 5). Owner: cp.
 CP_TESTS := $(patsubst integration/tests/%.rs,%,$(wildcard integration/tests/cp_*.rs))
 
-.PHONY: test-cp bench-cp check-cp-example
+.PHONY: cp test-cp bench-cp check-cp-example
+
+CP_BIN := $(TARGET_DIR)/release/kvroute-cp
+cp: toolchain ## Build kvroute-cp (release) and print the binary's full path
+	$(CARGO) build -p kvroute-cp --release
+	@echo "$(abspath $(CP_BIN))"
 
 test-cp: wasm envoy ## Control-plane tests: unit, golden (every metrics fixture), config, faults, binary (signals/reload), cp vs kvroute-sim, cp vs real Envoy + filter
 	$(CARGO) test -p kvroute-cp
