@@ -101,6 +101,8 @@ pub struct Resumed {
     /// request decided at once keeps its own: [`Routed::reason`] (empty unless
     /// `debug_header` or `decision_record` is on), or [`FAIL_OPEN_REASON`].
     pub reason: String,
+    /// The routing header's value ([`Routed::value`]); empty for one resumed unrouted.
+    pub routed_to: String,
 }
 
 /// A request parked in the admission queue.
@@ -792,9 +794,19 @@ impl Worker {
                 Decision::Route(mut routed) => {
                     self.admission.pop();
                     let held = self.apply_route(host, &mut routed);
-                    let Routed { reason, route, .. } = *routed;
+                    let Routed {
+                        reason,
+                        route,
+                        value,
+                        ..
+                    } = *routed;
                     let route = Some((held, route.facts, now));
-                    self.resumed.insert(p.context_id, Resumed { route, reason });
+                    let resumed_as = Resumed {
+                        route,
+                        reason,
+                        routed_to: value,
+                    };
+                    self.resumed.insert(p.context_id, resumed_as);
                     host.resume_request();
                     resumed += 1;
                 }
@@ -815,6 +827,7 @@ impl Worker {
                         let unrouted = Resumed {
                             route: None,
                             reason: FAIL_OPEN_REASON.to_owned(),
+                            routed_to: String::new(),
                         };
                         self.resumed.insert(p.context_id, unrouted);
                         host.resume_request();

@@ -145,9 +145,15 @@ pub struct Stream {
     /// event stream (when the request holds pending prefill) until the token shows, the
     /// stream ends, or, unread, [`FIRST_TOKEN_MAX_CHUNKS`] chunks showed none.
     first: Option<AwaitFirstToken>,
-    /// Endpoint mode, when this response checks the routing ([`Worker::upstream_check_due`]):
-    /// the endpoint header's hosts (`primary,fallback...`), one of which Envoy must reach.
-    check_upstream: Option<String>,
+    /// The routing header's value this stream's decision set (the cluster in cluster mode,
+    /// `primary,fallback...` hosts in endpoint mode); empty when it was not routed. Kept,
+    /// not read back: Envoy lets a filter read the request headers only until it lets them
+    /// go (a request decided at its headers, or resumed from the admission queue), and the
+    /// SDK's read panicked on the status it gets after that.
+    routed_to: String,
+    /// Endpoint mode, when this response checks the routing ([`Worker::upstream_check_due`])
+    /// against [`Self::routed_to`], one of whose hosts Envoy must reach.
+    check_upstream: bool,
 }
 
 impl Stream {
@@ -168,7 +174,8 @@ impl Stream {
             resp: Resp::None,
             read_usage: false,
             first: None,
-            check_upstream: None,
+            routed_to: String::new(),
+            check_upstream: false,
         }
     }
 
@@ -302,13 +309,11 @@ impl Stream {
                     at_ms,
                     ..
                 } = *routed;
-                if self
+                self.check_upstream = self
                     .worker
                     .borrow()
-                    .upstream_check_due(&held.endpoint, at_ms)
-                {
-                    self.check_upstream = Some(value);
-                }
+                    .upstream_check_due(&held.endpoint, at_ms);
+                self.routed_to = value;
                 self.held = Some(held);
                 self.facts = route.facts;
                 self.reason = reason;
@@ -400,8 +405,12 @@ impl Stream {
         if host.property(&["response", "code_details"]).as_deref() != Some("cluster_not_found") {
             return None;
         }
-        let header = self.worker.borrow().config.cluster_header.clone();
-        let cluster = host.request_header(&header)?;
+        // The cluster this filter chose; a request it did not route (failed open to the
+        // default route) is not its to explain.
+        if self.routed_to.is_empty() {
+            return None;
+        }
+        let cluster = self.routed_to.clone();
         host.metric_add(MetricKind::Counter, metric::CLUSTER_NOT_FOUND, 1);
         host.log(
             Level::Warn,
@@ -420,7 +429,8 @@ impl Stream {
     /// this makes that visible: counted
     /// (`kvroute.outcome.upstream_mismatch`) and logged at warn, naming both. A response
     /// Envoy made itself (no upstream) is not compared.
-    fn check_upstream<H: Host>(&self, host: &H, hosts: &str) {
+    fn check_upstream<H: Host>(&self, host: &H) {
+        let hosts = self.routed_to.as_str();
         let Some(endpoint) = self.held.as_ref().map(|h| h.endpoint.as_str()) else {
             return;
         };
@@ -460,8 +470,8 @@ impl Stream {
             return Flow::Continue;
         }
         self.adopt_resumed(host);
-        if let Some(hosts) = self.check_upstream.take() {
-            self.check_upstream(host, &hosts);
+        if std::mem::take(&mut self.check_upstream) {
+            self.check_upstream(host);
         }
         if end_of_stream {
             let status = host.response_header(":status");
@@ -652,9 +662,15 @@ impl Stream {
     fn adopt_resumed<H: Host>(&mut self, host: &H) {
         if self.queued {
             let got = self.worker.borrow_mut().resumed.remove(&self.context_id);
-            if let Some(Resumed { route, reason }) = got {
+            if let Some(Resumed {
+                route,
+                reason,
+                routed_to,
+            }) = got
+            {
                 self.queued = false;
                 self.reason = reason;
+                self.routed_to = routed_to;
                 if let Some((held, facts, at)) = route {
                     self.held = Some(held);
                     self.facts = facts;
@@ -1034,6 +1050,35 @@ mod tests {
         let mut s = Stream::new(w, 2);
         assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
         assert!(r.replies().is_empty());
+    }
+
+    /// A request decided at its headers (no body) is named too, from the decision itself:
+    /// Envoy no longer lets the filter read request headers it let go (here: the mock's
+    /// headers cleared), and reading them then panicked the VM in the SDK.
+    #[test]
+    fn missing_cluster_is_named_from_the_decision_not_the_header() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let r = h
+            .sibling()
+            .with_header(":path", "/v1/chat/completions")
+            .with_header(":method", "GET");
+        let mut s = Stream::new(w, 2);
+        assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
+        r.req_headers.borrow_mut().clear();
+        let r = r.with_property("response.code_details", "cluster_not_found");
+        r.resp_headers
+            .borrow_mut()
+            .insert(":status".into(), "503".into());
+        r.take_calls();
+        assert_eq!(s.on_response_headers(&r, true), Flow::Pause);
+        assert!(!r.take_calls().iter().any(|(m, _)| *m == "request_header"));
+        let rep = r.replies();
+        assert_eq!(rep.len(), 1);
+        assert_eq!(
+            String::from_utf8(rep[0].body.clone()).unwrap(),
+            reply::cluster_not_found("c0").body
+        );
     }
 
     #[test]

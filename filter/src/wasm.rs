@@ -50,16 +50,16 @@ fn metric_id(kind: MetricKind, name: &'static str) -> Option<u32> {
     })
 }
 
-/// Header `name` of `map` as text, read as bytes: the SDK's `get_map_value` unwraps its
-/// UTF-8 conversion and so panics (the VM with it) on a value that is not UTF-8, which HTTP
-/// allows ([`crate::headers`]).
+/// Header `name` of `map` as text; `None` when absent, not UTF-8, or not readable now.
 fn header_text(map: MapType, name: &str) -> Option<String> {
-    let bytes = hostcalls::get_map_value_bytes(map, name).ok()??;
-    String::from_utf8(bytes).ok()
+    String::from_utf8(raw::header_map_value(map, name)?).ok()
 }
 
-/// The raw header-map host call, which the SDK only offers through a deserialization that
-/// panics on a value that is not UTF-8 ([`crate::headers`]).
+/// The raw header host calls. The SDK's wrappers panic, and the VM with them, on a value
+/// that is not UTF-8 (`get_map`, `get_map_value`: HTTP allows such bytes,
+/// [`crate::headers`]) and on any status but `Ok` and `NotFound`: Envoy answers
+/// `BadArgument` once it no longer holds the map for the filter (the request headers after
+/// the filter let them go, or after `resume_http_request`). Here either is "no value".
 #[allow(unsafe_code)] // One host import and the buffer it hands over; see the SAFETY notes.
 mod raw {
     use proxy_wasm::types::{MapType, Status};
@@ -74,24 +74,54 @@ mod raw {
             return_map_data: *mut *mut u8,
             return_map_size: *mut usize,
         ) -> u32;
+        fn proxy_get_header_map_value(
+            map_type: u32,
+            key_data: *const u8,
+            key_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+        ) -> u32;
+    }
+
+    /// A buffer the host handed over: `Some` when the call returned `Ok` with data.
+    ///
+    /// # Safety
+    /// `data` and `size` must be what a proxy-wasm host call wrote on `status`: on `Ok`, a
+    /// pointer to `size` bytes the host obtained from this module's
+    /// `proxy_on_memory_allocate` (the SDK's `allocator.rs`: a `Box<[u8]>` of exactly `size`
+    /// bytes, leaked) and handed over to the caller, or null.
+    unsafe fn take(status: u32, data: *mut u8, size: usize) -> Option<Vec<u8>> {
+        if status != Status::Ok as u32 || data.is_null() {
+            return None;
+        }
+        // SAFETY: per this function's contract, a `Vec` of that pointer, length and
+        // capacity has the allocation's layout, takes ownership back and frees it when
+        // dropped, as the SDK's own `get_map` does.
+        Some(unsafe { Vec::from_raw_parts(data, size, size) })
+    }
+
+    /// Header `key` of `map` as bytes; `None` when absent or not readable now.
+    pub fn header_map_value(map: MapType, key: &str) -> Option<Vec<u8>> {
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size: usize = 0;
+        // SAFETY: the key is valid for `key.len()` bytes for the call; the host only writes
+        // the two out-parameters, which are valid for writes.
+        let status = unsafe {
+            proxy_get_header_map_value(map as u32, key.as_ptr(), key.len(), &mut data, &mut size)
+        };
+        // SAFETY: `data` and `size` are what the call wrote on `status`.
+        unsafe { take(status, data, size) }
     }
 
     /// Map `map` serialized as the host returns it ([`crate::headers::HeaderMap`]); empty
-    /// when the call fails (no headers in this phase) or returns nothing.
+    /// when the call fails (the map not readable now) or returns nothing.
     pub fn header_map_pairs(map: MapType) -> Vec<u8> {
         let mut data: *mut u8 = std::ptr::null_mut();
         let mut size: usize = 0;
         // SAFETY: the host only writes the two out-parameters, which are valid for writes.
         let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
-        if status != Status::Ok as u32 || data.is_null() {
-            return Vec::new();
-        }
-        // SAFETY: on `Ok` the host placed `size` bytes in memory it obtained from this
-        // module's `proxy_on_memory_allocate` (the SDK's `allocator.rs`: a `Box<[u8]>` of
-        // exactly `size` bytes, leaked) and hands ownership to the caller; a `Vec` of that
-        // pointer, length and capacity has the same layout, takes it back and frees it when
-        // dropped, as the SDK's own `get_map` does.
-        unsafe { Vec::from_raw_parts(data, size, size) }
+        // SAFETY: `data` and `size` are what the call wrote on `status`.
+        unsafe { take(status, data, size) }.unwrap_or_default()
     }
 }
 

@@ -773,3 +773,102 @@ async fn replies_are_openai_shaped_and_a_missing_cluster_is_named() {
         .contains("kvroute: Envoy has no cluster `c1-typo` (chosen for endpoint `pool/e1`)"));
     assert!(fleet.envoy.wasm_failures().await.unwrap().is_empty());
 }
+
+/// A missing cluster is named whenever the filter chose it, not only for a request decided
+/// on its body: one decided at its headers (a GET, a body it does not read) or resumed from
+/// the admission queue. Envoy no longer lends the filter its request headers then (it
+/// answers `BadArgument`), and re-reading the routing header there panicked the VM
+/// (`proxy_on_response_headers failed`), after which every request failed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_cluster_is_named_however_the_request_was_decided() {
+    let fleet = Fleet::start(FleetOptions {
+        route_config: concat!(
+            r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
+            r#""admission":{"enabled":true,"timeout_ms":5000,"tick_ms":20}"#
+        )
+        .into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    let named = |r: &http::Response, what: &str| {
+        assert_eq!(r.status, 503, "{what}: {}", r.text());
+        let v: serde_json::Value =
+            serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{what}: {e}: {}", r.text()));
+        assert_eq!(v["error"]["code"], "cluster_not_found", "{what}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("`c0-typo`"),
+            "{what}: {v}"
+        );
+    };
+    let now = now_ms();
+    let mut typo = fleet.endpoint(0, 0.1, now);
+    typo.cluster = "c0-typo".into();
+    fleet
+        .push(&Snapshot::new(1, now, vec![typo.clone()]))
+        .await
+        .unwrap();
+    let url = fleet.url("/v1/chat/completions");
+    let r = http::request("GET", &url, &[], b"").await.unwrap();
+    named(&r, "GET, decided at its headers");
+    let gzip = [
+        ("content-type", "application/json"),
+        ("content-encoding", "gzip"),
+    ];
+    let r = http::request("POST", &url, &gzip, b"xxxx").await.unwrap();
+    named(&r, "a body not read");
+    let r = fleet
+        .post("/v1/chat/completions", &chat("hi"))
+        .await
+        .unwrap();
+    named(&r, "decided on its body");
+
+    // Resumed: no headroom anywhere, so the request is held; then the endpoint with the
+    // missing cluster frees up and the tick resumes it there.
+    let now = now_ms();
+    typo.kv_usage = Some(0.95);
+    typo.scraped_at_ms = now;
+    let other = fleet.endpoint(1, 0.97, now);
+    fleet
+        .push(&Snapshot::new(2, now, vec![typo.clone(), other.clone()]))
+        .await
+        .unwrap();
+    let held = tokio::spawn(async move {
+        http::request(
+            "POST",
+            &url,
+            &[("content-type", "application/json")],
+            &chat("wait"),
+        )
+        .await
+    });
+    fleet
+        .wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], 1)
+        .await
+        .unwrap();
+    let now = now_ms();
+    typo.kv_usage = Some(0.1);
+    typo.scraped_at_ms = now;
+    let other = EndpointStats {
+        scraped_at_ms: now,
+        ..other
+    };
+    fleet
+        .push(&Snapshot::new(3, now, vec![typo, other]))
+        .await
+        .unwrap();
+    let r = held.await.unwrap().unwrap();
+    named(&r, "resumed from the admission queue");
+    assert_eq!(
+        fleet
+            .custom("kvroute.outcome.cluster_not_found")
+            .await
+            .unwrap(),
+        4
+    );
+    assert_eq!(fleet.counts(), vec![0, 0], "nothing reached a backend");
+    assert!(fleet.envoy.wasm_failures().await.unwrap().is_empty());
+}
