@@ -675,6 +675,14 @@ pub fn envoy_ok_suffix(matched: &[&str]) -> String {
 mod tests {
     use super::*;
 
+    /// What an endpoint-mode Envoy config matches in full (no clusters to match).
+    const ALL_MATCHED: [&str; 4] = [
+        "kvroute plugin configs",
+        "ingest token",
+        "ingest port",
+        "ingest path",
+    ];
+
     /// `--check` with one target posting to `url` against [`envoy`] on port 10001 whose
     /// ingest filter has `ingest_path` (the default when `None`): findings after the
     /// ingest-token note, and what matched.
@@ -704,27 +712,11 @@ mod tests {
     fn a_target_path_other_than_the_ingest_path_is_reported() {
         assert_eq!(
             path_check("http://127.0.0.1:10001/kvroute/v1/snapshot", None),
-            (
-                vec![],
-                vec![
-                    "kvroute plugin configs",
-                    "ingest token",
-                    "ingest port",
-                    "ingest path"
-                ]
-            )
+            (vec![], ALL_MATCHED.to_vec())
         );
         assert_eq!(
             path_check("http://127.0.0.1:10001/in", Some("/in")),
-            (
-                vec![],
-                vec![
-                    "kvroute plugin configs",
-                    "ingest token",
-                    "ingest port",
-                    "ingest path"
-                ]
-            )
+            (vec![], ALL_MATCHED.to_vec())
         );
         assert_eq!(
             path_check("http://127.0.0.1:10001/snapshot?x=1", None),
@@ -1138,15 +1130,7 @@ mod tests {
         };
         let r = on_443("https://envoy.example/kvroute/v1/snapshot");
         assert_eq!(r.errors(), 0, "{:?}", r.findings);
-        assert_eq!(
-            r.envoy_matched,
-            vec![
-                "kvroute plugin configs",
-                "ingest token",
-                "ingest port",
-                "ingest path"
-            ]
-        );
+        assert_eq!(r.envoy_matched, ALL_MATCHED.to_vec());
         let r = on_443("http://envoy.example/kvroute/v1/snapshot");
         assert_eq!(
             r.findings.last(),

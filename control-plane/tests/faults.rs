@@ -808,6 +808,47 @@ async fn refused_twice_or_not_ready_marks_down() {
     cp.shutdown().await;
 }
 
+/// A control plane whose one target answers every push `status` (`extra`: `push:`
+/// settings): `/readyz` answers 503 with the line `reason(target URL)`, then 200 once the
+/// target accepts pushes again. Returns `/metrics` while refused and after.
+async fn readyz_refused_then_ready(
+    status: u16,
+    extra: &str,
+    reason: impl Fn(&str) -> String,
+) -> (String, String) {
+    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
+    let ingest = FakeIngest::start().await;
+    *ingest.status.lock().unwrap() = status;
+    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], extra)).await;
+    let base = format!("http://{}", cp.local_addr());
+    wait_for(WAIT, "refusal noted", || {
+        cp.hub()
+            .not_ready_reason()
+            .is_some_and(|r| r.contains(&status.to_string()))
+    })
+    .await;
+    assert_eq!(
+        get(&format!("{base}/readyz")).await,
+        (
+            503,
+            format!(
+                "not ready: pushes to target `envoy-0` are rejected: {}\n",
+                reason(&ingest.url())
+            )
+        )
+    );
+    let (_, refused) = get(&format!("{base}/metrics")).await;
+    *ingest.status.lock().unwrap() = 204;
+    wait_for(WAIT, "ready again", || cp.hub().ready()).await;
+    assert_eq!(
+        get(&format!("{base}/readyz")).await,
+        (200, "ready\n".into())
+    );
+    let (_, after) = get(&format!("{base}/metrics")).await;
+    cp.shutdown().await;
+    (refused, after)
+}
+
 /// Issue 14, case 6: a wrong ingest token is named in `/readyz`, counted in a metric, and
 /// clears when the token is accepted again.
 #[tokio::test]
@@ -815,43 +856,20 @@ async fn rejected_token_makes_readyz_fail_with_the_cause() {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("token");
     std::fs::write(&token, "wrong-token\n").unwrap();
-    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
-    let ingest = FakeIngest::start().await;
-    *ingest.status.lock().unwrap() = 401;
     let extra = format!("  token_file: {}\n", token.display());
-    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], &extra)).await;
-    let base = format!("http://{}", cp.local_addr());
-    wait_for(WAIT, "rejection noted", || {
-        cp.hub()
-            .not_ready_reason()
-            .is_some_and(|r| r.contains("rejected"))
-    })
-    .await;
-    let (status, body) = get(&format!("{base}/readyz")).await;
-    assert_eq!(status, 503);
-    assert_eq!(
-        body,
+    let (refused, after) = readyz_refused_then_ready(401, &extra, |url| {
         format!(
-            "not ready: pushes to target `envoy-0` are rejected: ingest {} answered HTTP 401: \
-             it rejected the ingest token (file `{}`); it must equal the filter's `ingest_token`\n",
-            ingest.url(),
+            "ingest {url} answered HTTP 401: it rejected the ingest token (file `{}`); it must \
+             equal the filter's `ingest_token`",
             token.display()
         )
-    );
-    let (_, metrics) = get(&format!("{base}/metrics")).await;
+    })
+    .await;
     assert!(
-        metrics.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 1"),
-        "{metrics}"
+        refused.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 1"),
+        "{refused}"
     );
-    *ingest.status.lock().unwrap() = 204;
-    wait_for(WAIT, "ready again", || cp.hub().ready()).await;
-    assert_eq!(
-        get(&format!("{base}/readyz")).await,
-        (200, "ready\n".into())
-    );
-    let (_, metrics) = get(&format!("{base}/metrics")).await;
-    assert!(metrics.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 0"));
-    cp.shutdown().await;
+    assert!(after.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 0"));
 }
 
 /// A target URL that answers 404 (not the filter's ingest listener, e.g. Envoy's client
@@ -859,45 +877,22 @@ async fn rejected_token_makes_readyz_fail_with_the_cause() {
 /// token metric; a push accepted clears it.
 #[tokio::test]
 async fn a_404_from_the_target_makes_readyz_fail_with_the_hint() {
-    let srv = FakeModelServer::start(Behavior::Body(vllm_body(0.5, 1, 0, None, 1.0))).await;
-    let ingest = FakeIngest::start().await;
-    *ingest.status.lock().unwrap() = 404;
-    let cp = start(&config_yaml(&[("a", srv.addr())], &[ingest.url()], "")).await;
-    let base = format!("http://{}", cp.local_addr());
-    wait_for(WAIT, "404 noted", || {
-        cp.hub()
-            .not_ready_reason()
-            .is_some_and(|r| r.contains("404"))
+    let (refused, _) = readyz_refused_then_ready(404, "", |url| {
+        format!(
+            "ingest {url} answered HTTP 404: is `url` the filter's ingest listener? a 404 comes \
+             from a listener or route without the kvroute ingest (e.g. Envoy's client listener, \
+             which proxies the push to a model server)"
+        )
     })
     .await;
-    let (status, body) = get(&format!("{base}/readyz")).await;
-    assert_eq!(status, 503);
-    assert_eq!(
-        body,
-        format!(
-            "not ready: pushes to target `envoy-0` are rejected: ingest {} answered HTTP 404: \
-             is `url` the filter's ingest listener? a 404 comes from a listener or route \
-             without the kvroute ingest (e.g. Envoy's client listener, which proxies the push \
-             to a model server)\n",
-            ingest.url()
-        )
-    );
-    let (_, metrics) = get(&format!("{base}/metrics")).await;
     assert!(
-        metrics.contains("kvroute_cp_push_failures_total{target=\"envoy-0\",reason=\"404\"}"),
-        "{metrics}"
+        refused.contains("kvroute_cp_push_failures_total{target=\"envoy-0\",reason=\"404\"}"),
+        "{refused}"
     );
     assert!(
-        !metrics.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 1"),
-        "{metrics}"
+        !refused.contains("kvroute_cp_push_auth_rejected{target=\"envoy-0\"} 1"),
+        "{refused}"
     );
-    *ingest.status.lock().unwrap() = 204;
-    wait_for(WAIT, "ready again", || cp.hub().ready()).await;
-    assert_eq!(
-        get(&format!("{base}/readyz")).await,
-        (200, "ready\n".into())
-    );
-    cp.shutdown().await;
 }
 
 /// Issue 14, case 7: `/metrics` serves OpenMetrics 1.0 when asked (as Prometheus asks) and

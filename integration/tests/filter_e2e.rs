@@ -381,18 +381,8 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     .await
     .unwrap();
     fleet.push_usages(1, &[0.95, 0.97]).await.unwrap();
-    let url = fleet.url("/v1/chat/completions");
-    let held = tokio::spawn(async move {
-        kvroute_integration::harness::http::request(
-            "POST",
-            &url,
-            &[("content-type", "application/json")],
-            &chat("wait"),
-        )
-        .await
-    });
-    fleet
-        .wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], 1)
+    let held = fleet
+        .post_parked("/v1/chat/completions", chat("wait"), 1)
         .await
         .unwrap();
     assert_eq!(fleet.counts(), vec![0, 0], "held, not forwarded");

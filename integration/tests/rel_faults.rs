@@ -836,17 +836,8 @@ async fn a_missing_cluster_is_named_however_the_request_was_decided() {
         .push(&Snapshot::new(2, now, vec![typo.clone(), other.clone()]))
         .await
         .unwrap();
-    let held = tokio::spawn(async move {
-        http::request(
-            "POST",
-            &url,
-            &[("content-type", "application/json")],
-            &chat("wait"),
-        )
-        .await
-    });
-    fleet
-        .wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], 1)
+    let held = fleet
+        .post_parked("/v1/chat/completions", chat("wait"), 1)
         .await
         .unwrap();
     let now = now_ms();

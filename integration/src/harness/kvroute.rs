@@ -195,6 +195,26 @@ impl Fleet {
         .await
     }
 
+    /// POST a JSON `body` to `path` in a task, and wait until the filter has parked
+    /// `parked` requests in all (`kvroute.outcome.queued`: admission on, no headroom): the
+    /// task answers when this one leaves the queue.
+    ///
+    /// Errors: the stat never reaches `parked` (see [`Fleet::wait_stat_at_least`]).
+    pub async fn post_parked(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        parked: u64,
+    ) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<Response>>> {
+        let url = self.url(path);
+        let task = tokio::spawn(async move {
+            http::request("POST", &url, &[("content-type", "application/json")], &body).await
+        });
+        self.wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], parked)
+            .await?;
+        Ok(task)
+    }
+
     /// Endpoint stats for backend `i` (all healthy, fresh, serving model `m`).
     pub fn endpoint(&self, i: usize, kv_usage: f64, scraped_at_ms: u64) -> EndpointStats {
         let addr = self
