@@ -399,7 +399,10 @@ impl Stream {
     /// only for a 503 or a 404 (the router's `cluster_not_found_response_code` choices), so
     /// other responses cost no property call.
     fn missing_cluster<H: Host>(&mut self, host: &H, status: Option<&str>) -> Option<LocalReply> {
-        if !matches!(status, Some("503" | "404")) {
+        // Endpoint mode names hosts, not a cluster: a cluster missing there is the route's.
+        if !matches!(status, Some("503" | "404"))
+            || self.worker.borrow().config.mode != kvroute_core::plugin_config::Mode::Cluster
+        {
             return None;
         }
         if host.property(&["response", "code_details"]).as_deref() != Some("cluster_not_found") {
@@ -1079,6 +1082,24 @@ mod tests {
             String::from_utf8(rep[0].body.clone()).unwrap(),
             reply::cluster_not_found("c0").body
         );
+    }
+
+    /// Endpoint mode sets hosts, not a cluster: a missing cluster there is the route's own,
+    /// and Envoy's reply passes unchanged (no reply naming the hosts as a cluster).
+    #[test]
+    fn endpoint_mode_leaves_a_missing_cluster_to_envoy() {
+        let (h, w) = setup(r#"{"mode":"endpoint"}"#, vec![ep(0, 0.1)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w, 2);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        let r = r.with_property("response.code_details", "cluster_not_found");
+        r.resp_headers
+            .borrow_mut()
+            .insert(":status".into(), "503".into());
+        assert_eq!(s.on_response_headers(&r, true), Flow::Continue);
+        assert!(r.replies().is_empty());
+        assert_eq!(h.metric(metric::CLUSTER_NOT_FOUND), 0);
     }
 
     #[test]
