@@ -249,6 +249,14 @@ impl std::ops::Deref for Config {
 /// model names.
 pub const MIN_USAGE_TAIL_BYTES: usize = 1024;
 
+/// Largest `prefix.block_chars` accepted: 64 KiB of text per block (the default is 64).
+pub const MAX_PREFIX_BLOCK_CHARS: usize = 65_536;
+/// Largest `prefix.max_blocks` accepted (the default is 256, GIE's).
+pub const MAX_PREFIX_BLOCKS: usize = 65_536;
+/// Largest `prefix_index_total_blocks` accepted: 2²² blocks, ~176 MB at ~42 bytes a block,
+/// well under the ~1 GiB a V8 Wasm VM may grow to.
+pub const MAX_PREFIX_INDEX_TOTAL_BLOCKS: usize = 1 << 22;
+
 fn invalid(field: &str, value: impl std::fmt::Display, reason: &'static str) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
@@ -348,8 +356,42 @@ impl TryFrom<RawConfig> for Config {
                 "must be at least 1024 (a streamed `usage` event is ~300 bytes)",
             ));
         }
+        // Upper bounds keep a worker's Wasm memory bounded whatever is accepted: a block is
+        // copied once per request (`block_chars`), a request hashes up to `max_blocks`, and
+        // the prefix index holds up to `prefix_index_total_blocks` of ~42 bytes each.
+        for (field, v, max, reason) in [
+            (
+                "prefix.block_chars",
+                raw.router.prefix.block_chars,
+                MAX_PREFIX_BLOCK_CHARS,
+                "must be at most 65536",
+            ),
+            (
+                "prefix.max_blocks",
+                raw.router.prefix.max_blocks,
+                MAX_PREFIX_BLOCKS,
+                "must be at most 65536",
+            ),
+            (
+                "prefix_index_total_blocks",
+                raw.router.prefix_index_total_blocks,
+                MAX_PREFIX_INDEX_TOTAL_BLOCKS,
+                "must be at most 4194304 (~176 MB of a worker's memory)",
+            ),
+        ] {
+            if v > max {
+                return Err(invalid(field, v, reason));
+            }
+        }
         if raw.router.prefix.block_chars == 0 {
             return Err(invalid("prefix.block_chars", 0, "must be at least 1"));
+        }
+        if raw.router.prefix_index_total_blocks == 0 {
+            return Err(invalid(
+                "prefix_index_total_blocks",
+                0,
+                "must be at least 1",
+            ));
         }
         for (i, m) in raw.router.models.iter().enumerate() {
             if m.name.is_empty() {
@@ -514,6 +556,23 @@ mod tests {
                 r#"{"prefix":{"block_chars":0}}"#,
                 "field `prefix.block_chars`",
             ),
+            // Values that grew a worker's memory past what V8 allows (the VM trapped).
+            (
+                r#"{"prefix":{"block_chars":4294967295}}"#,
+                "field `prefix.block_chars` = 4294967295: must be at most 65536",
+            ),
+            (
+                r#"{"prefix":{"max_blocks":4294967295}}"#,
+                "field `prefix.max_blocks` = 4294967295: must be at most 65536",
+            ),
+            (
+                r#"{"prefix_index_total_blocks":4194305}"#,
+                "field `prefix_index_total_blocks` = 4194305: must be at most 4194304",
+            ),
+            (
+                r#"{"prefix_index_total_blocks":0}"#,
+                "field `prefix_index_total_blocks` = 0: must be at least 1",
+            ),
             (r#"{"max_body_bytes":-1}"#, "invalid value"),
             (
                 r#"{"usage_tail_bytes":0}"#,
@@ -632,7 +691,7 @@ mod tests {
             .take_while(|l| l.starts_with("| `"))
             .map(|l| l[3..].split('`').next().unwrap().split('.').next().unwrap())
             .collect();
-        assert_eq!(documented.len(), 28, "{documented:?}");
+        assert_eq!(documented.len(), 29, "{documented:?}");
         for key in &documented {
             // `-1.5` fits none of the fields (no top-level field is a float): each answers
             // with a type error naming its type.

@@ -182,6 +182,14 @@ fn chain_step(block: &[u8], prev: u64) -> u64 {
 /// GIE's `DefaultLRUCapacityPerServer` (see the module doc), in blocks.
 pub const DEFAULT_INDEX_CAPACITY: usize = 31_250;
 
+/// Default bound on the blocks the index holds for all endpoints together: 2²⁰ (about
+/// 44 MB of a worker's Wasm memory at ~42 bytes a block, docs/filter.md "Prefix affinity
+/// state"). GIE bounds each server's LRU only; a per-server bound alone grows with the
+/// fleet (2,000 endpoints at [`DEFAULT_INDEX_CAPACITY`] is ~2.6 GB, past the ~1 GiB a V8
+/// Wasm VM may use, where it traps). At the default per-endpoint capacity it binds from 34
+/// endpoints on.
+pub const DEFAULT_INDEX_TOTAL: usize = 1 << 20;
+
 /// Largest product of the index's endpoints and a snapshot's for which
 /// [`PrefixIndex::match_snapshot_last`] compares ids pairwise rather than looking each
 /// snapshot endpoint up.
@@ -268,8 +276,25 @@ impl Lru {
             // Moves a held block to the back, or adds it there.
             self.blocks.insert(h, ());
         }
+        let grown = self.blocks.len() > capacity;
         while self.blocks.len() > capacity {
             self.blocks.pop_front();
+        }
+        if grown && hashes.len() > capacity {
+            // A chain longer than the capacity grew the table to its own length, and a hash
+            // table does not shrink by itself: at `max_blocks` 16,384 each endpoint kept
+            // ~700 KB for good, and a 2,000-endpoint fleet's VM passed 1 GiB and trapped.
+            self.blocks.shrink_to_fit();
+        }
+    }
+
+    /// Drop the least recently recorded blocks beyond `capacity`, and the memory they held.
+    fn shrink_to(&mut self, capacity: usize) {
+        if self.blocks.len() > capacity {
+            while self.blocks.len() > capacity {
+                self.blocks.pop_front();
+            }
+            self.blocks.shrink_to_fit();
         }
     }
 }
@@ -277,7 +302,10 @@ impl Lru {
 /// Approximate per-endpoint LRU of recently routed block hashes (see the module doc).
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
+    /// Blocks each endpoint keeps now: `per_endpoint`, or less under `total`.
     capacity: usize,
+    per_endpoint: usize,
+    total: usize,
     seed: u64,
     endpoints: BTreeMap<String, Lru>,
 }
@@ -301,9 +329,33 @@ impl PrefixIndex {
     pub fn with_seed(capacity_per_endpoint: usize, seed: u64) -> Self {
         Self {
             capacity: capacity_per_endpoint.max(1),
+            per_endpoint: capacity_per_endpoint.max(1),
+            total: usize::MAX,
             seed,
             endpoints: BTreeMap::new(),
         }
+    }
+
+    /// Bound the blocks held for all endpoints together to `total` (at least 1): with
+    /// [`Self::set_endpoint_count`], each endpoint then keeps at most
+    /// `min(capacity_per_endpoint, total / endpoints)`.
+    pub fn with_total(mut self, total: usize) -> Self {
+        self.total = total.max(1);
+        self.set_endpoint_count(self.endpoints.len().max(1));
+        self
+    }
+
+    /// The fleet now has `n` endpoints (once per snapshot version): each endpoint's
+    /// capacity becomes `min(capacity_per_endpoint, total / n)` (at least 1 block), and
+    /// lists longer than that drop their least recently recorded blocks now.
+    pub fn set_endpoint_count(&mut self, n: usize) {
+        let capacity = self.per_endpoint.min(self.total / n.max(1)).max(1);
+        if capacity < self.capacity {
+            for lru in self.endpoints.values_mut() {
+                lru.shrink_to(capacity);
+            }
+        }
+        self.capacity = capacity;
     }
 
     /// Record that a request with chain `hashes` was routed to `endpoint_id`; evicts the
@@ -422,7 +474,7 @@ impl PrefixIndex {
         self.endpoints.values().all(|l| l.blocks.is_empty())
     }
 
-    /// Per-endpoint capacity in blocks.
+    /// Per-endpoint capacity in blocks, as bounded now ([`Self::set_endpoint_count`]).
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -630,6 +682,34 @@ mod tests {
         let longer: Vec<u64> = (1..=80).collect();
         idx.record_matched("pool/e1", &longer, 64);
         assert_eq!(held(&idx, "pool/e1"), longer);
+    }
+
+    /// The total bound splits among the fleet's endpoints: each keeps at most
+    /// `min(per endpoint, total / endpoints)`, a larger fleet trims every list to its most
+    /// recent blocks at once, and a smaller one lets them grow again.
+    #[test]
+    fn the_total_bound_is_shared_by_the_fleet() {
+        let mut idx = PrefixIndex::new(100).with_total(300);
+        idx.set_endpoint_count(2);
+        assert_eq!(idx.capacity(), 100);
+        let chain: Vec<u64> = (1..=100).collect();
+        for id in ["a", "b"] {
+            idx.record(id, &chain);
+        }
+        idx.set_endpoint_count(6);
+        assert_eq!(idx.capacity(), 50);
+        for id in ["a", "b"] {
+            assert_eq!(held(&idx, id), (51..=100).collect::<Vec<_>>(), "{id}");
+        }
+        idx.record("c", &chain);
+        assert_eq!(held(&idx, "c"), (51..=100).collect::<Vec<_>>());
+        idx.set_endpoint_count(1_000);
+        assert_eq!(idx.capacity(), 1, "at least one block");
+        assert_eq!(held(&idx, "c"), [100]);
+        idx.set_endpoint_count(2);
+        assert_eq!(idx.capacity(), 100);
+        idx.record("c", &chain);
+        assert_eq!(idx.len("c"), 100);
     }
 
     /// Both paths of `block_hashes` (whole stripes in place, other sizes copied) give the

@@ -61,7 +61,9 @@ use crate::picker::{
     PickRequest, Picker, PickerConfig, PolicyKind,
 };
 use crate::prefill_rate::PrefillRates;
-use crate::prefix::{block_hashes, PrefixConfig, PrefixIndex, DEFAULT_INDEX_CAPACITY};
+use crate::prefix::{
+    block_hashes, PrefixConfig, PrefixIndex, DEFAULT_INDEX_CAPACITY, DEFAULT_INDEX_TOTAL,
+};
 use crate::profile::{
     builtin_profiles, KvDemand, ModelProfile, ALIASES, DEFAULT_BLOCK_SIZE,
     DEFAULT_EXPECTED_OUTPUT_FRACTION, DEFAULT_MAX_TOKENS,
@@ -92,6 +94,11 @@ pub struct RouterConfig {
     /// Blocks remembered per endpoint by the prefix index (default
     /// [`DEFAULT_INDEX_CAPACITY`], 31,250: GIE's `DefaultLRUCapacityPerServer`).
     pub prefix_index_blocks: usize,
+    /// Blocks the prefix index keeps for all endpoints together (default
+    /// [`DEFAULT_INDEX_TOTAL`], 2²⁰): with many endpoints each keeps
+    /// `min(prefix_index_blocks, this / endpoints)`, so the index's memory does not grow
+    /// with the fleet ([`PrefixIndex::set_endpoint_count`]).
+    pub prefix_index_total_blocks: usize,
     /// Model profiles; they replace built-in profiles of the same name.
     pub models: Vec<ModelProfile>,
     /// Learn per-model calibration from response `usage` (default true).
@@ -111,6 +118,7 @@ impl Default for RouterConfig {
             estimator: EstimatorConfig::default(),
             prefix: PrefixConfig::default(),
             prefix_index_blocks: DEFAULT_INDEX_CAPACITY,
+            prefix_index_total_blocks: DEFAULT_INDEX_TOTAL,
             models: Vec::new(),
             calibrate: true,
             usage_sample_ms: crate::usage_sample::DEFAULT_INTERVAL_MS,
@@ -439,7 +447,8 @@ impl Router {
             picker,
             estimator: Estimator::new(config.estimator),
             prefix: config.prefix,
-            index: PrefixIndex::with_seed(config.prefix_index_blocks, seed),
+            index: PrefixIndex::with_seed(config.prefix_index_blocks, seed)
+                .with_total(config.prefix_index_total_blocks),
             profiles,
             by_lower,
             by_short,
@@ -782,6 +791,7 @@ impl Router {
             }
         }
         self.index.retain(|id| fleet.process_start.contains_key(id));
+        self.index.set_endpoint_count(snap.endpoints.len());
         self.fleet = fleet;
     }
 
@@ -1095,6 +1105,28 @@ mod tests {
             (route(&b).prefix_blocks, route(&b).prefix_match_blocks),
             (10, 10)
         );
+    }
+
+    /// The prefix index's memory follows `prefix_index_total_blocks`, not the fleet: 100
+    /// endpoints under a total of 400 blocks keep 4 each, the most recent of a 10-block
+    /// prompt (a 2,000-endpoint fleet at the per-endpoint default trapped the VM at 1 GiB).
+    #[test]
+    fn the_prefix_index_is_bounded_across_the_fleet() {
+        let mut r = Router::new(
+            RouterConfig {
+                prefix_index_total_blocks: 400,
+                ..RouterConfig::default()
+            },
+            1,
+        )
+        .unwrap();
+        let snap = Snapshot::new(1, NOW, (0..100).map(|i| ep(i, 0.1)).collect());
+        let table = InflightTable::default();
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "p".repeat(640));
+        let d = r.route(&snap, &table, "/v1/completions", Some(body.as_bytes()), NOW);
+        assert_eq!(route(&d).prefix_blocks, 10);
+        assert_eq!(r.index.capacity(), 4);
+        assert_eq!(r.prefix_blocks(&route(&d).endpoint), 4);
     }
 
     #[test]

@@ -314,7 +314,8 @@ impl Envoy {
 
     /// Evidence of Wasm VM trouble: non-zero Envoy `wasm*` stats (not the plugin's own
     /// `wasmcustom.*`) whose name says `fail`, `crash`, `panic` or `vm_reload` (a VM that
-    /// failed is reloaded), plus log lines of a VM failure or Rust panic. Empty means healthy.
+    /// failed is reloaded), plus log lines of a VM failure, a trapped callback, a failed
+    /// allocation or a Rust panic. Empty means healthy.
     pub async fn wasm_failures(&self) -> Result<Vec<String>, EnvoyError> {
         let mut bad: Vec<String> = self
             .stats()
@@ -333,11 +334,17 @@ impl Envoy {
             .collect();
         for line in self.log().lines() {
             let l = line.to_ascii_lowercase();
+            // A callback that trapped: `Function: proxy_on_tick failed: Uncaught
+            // RuntimeError: unreachable` (V8), after a panic or an allocation failure
+            // (`memory allocation of N bytes failed`), which print no `panicked at`.
             if l.contains("panicked at")
                 || l.contains("wasm vm failed")
                 || l.contains("wasm trap")
                 || l.contains("failed to initialize wasm")
                 || (l.contains("wasm") && l.contains("abort"))
+                || (l.contains("function: proxy_on_") && l.contains("failed"))
+                || l.contains("uncaught runtimeerror")
+                || (l.contains("memory allocation of") && l.contains("failed"))
             {
                 bad.push(format!("log: {line}"));
             }
