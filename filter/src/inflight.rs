@@ -92,6 +92,9 @@ pub struct WorkerInflight {
     published_ms: u64,
     /// `own` changed since it was last published.
     dirty: bool,
+    /// Reservations dropped by their `reservation_ttl_ms` since the last
+    /// [`Self::take_expired`] (their stream outlived it, or never ended).
+    expired: u64,
     /// Workers whose table was found stale, by number (within the scan window).
     silent: BTreeMap<u32, Silent>,
 }
@@ -126,6 +129,7 @@ impl WorkerInflight {
             count_ms: None,
             published_ms: 0,
             dirty: false,
+            expired: 0,
             silent: BTreeMap::new(),
         }
     }
@@ -296,6 +300,13 @@ impl WorkerInflight {
         Some(read)
     }
 
+    /// Reservations dropped by their `reservation_ttl_ms` since the last call: a stream
+    /// that outlived it is never released, so these balance the counters
+    /// (`reserved = released + expired` once traffic stops).
+    pub fn take_expired(&mut self) -> u64 {
+        std::mem::take(&mut self.expired)
+    }
+
     /// Publish this worker's table under its key when it changed and the last publication
     /// is `inflight_share_ms` old (`force`: whenever it changed), or when it holds
     /// reservations and the last publication is [`HEARTBEAT_MS`] old. Expired reservations
@@ -312,8 +323,10 @@ impl WorkerInflight {
         if !due {
             return false;
         }
-        if self.own.purge_expired(now_ms) > 0 {
+        let expired = self.own.purge_expired(now_ms);
+        if expired > 0 {
             self.dirty = true;
+            self.expired = self.expired.saturating_add(expired as u64);
         }
         let mut value = Vec::new();
         if !self.own.is_empty() {

@@ -117,8 +117,11 @@ pub mod metric {
     pub const ESTIMATE_ERROR_PCT: &str = "kvroute.estimate_error_pct";
     /// Requests currently in this worker's admission queue (gauge).
     pub const QUEUE_LENGTH: &str = "kvroute.queue_length";
-    /// Reservations released (counter); equals reservations made once traffic stops.
+    /// Reservations released at their stream's end (counter); with [`EXPIRED`], equals
+    /// reservations made once traffic stops.
     pub const RELEASED: &str = "kvroute.reservations.released";
+    /// Reservations dropped by `reservation_ttl_ms` before their stream ended (counter).
+    pub const EXPIRED: &str = "kvroute.reservations.expired";
     /// Reservations made (counter).
     pub const RESERVED: &str = "kvroute.reservations.reserved";
     /// Live shared in-flight reservations, all workers (gauge, refreshed on each worker's

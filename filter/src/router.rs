@@ -103,6 +103,9 @@ pub struct Resumed {
     pub reason: String,
     /// The routing header's value ([`Routed::value`]); empty for one resumed unrouted.
     pub routed_to: String,
+    /// Endpoint mode: its response checks the upstream Envoy reached
+    /// ([`Worker::upstream_check_due`]), as a request decided at once does.
+    pub check_upstream: bool,
 }
 
 /// A request parked in the admission queue.
@@ -647,6 +650,14 @@ impl Worker {
 
     /// Add the releases not yet counted to the `released` counter (one host call).
     fn count_releases<H: Host>(&mut self, host: &H) {
+        let expired = self.inflight.take_expired();
+        if expired > 0 {
+            host.metric_add(
+                MetricKind::Counter,
+                metric::EXPIRED,
+                i64::try_from(expired).unwrap_or(i64::MAX),
+            );
+        }
         if self.released_uncounted > 0 {
             host.metric_add(
                 MetricKind::Counter,
@@ -707,8 +718,9 @@ impl Worker {
     /// Publish this worker's in-flight table now if it changed since the last publication
     /// (or for the heartbeat), and count the releases not yet counted: what the tick does.
     pub fn publish_inflight<H: Host>(&mut self, host: &H, now: u64) {
-        self.count_releases(host);
         self.inflight.publish(host, now, true);
+        // After the publication, which drops expired reservations: counted on this tick.
+        self.count_releases(host);
     }
 
     /// Whether to read the `usage` of the response, beginning at `now_ms`, to a request
@@ -800,11 +812,13 @@ impl Worker {
                         value,
                         ..
                     } = *routed;
+                    let check_upstream = self.upstream_check_due(&held.endpoint, now);
                     let route = Some((held, route.facts, now));
                     let resumed_as = Resumed {
                         route,
                         reason,
                         routed_to: value,
+                        check_upstream,
                     };
                     self.resumed.insert(p.context_id, resumed_as);
                     host.resume_request();
@@ -828,6 +842,7 @@ impl Worker {
                             route: None,
                             reason: FAIL_OPEN_REASON.to_owned(),
                             routed_to: String::new(),
+                            check_upstream: false,
                         };
                         self.resumed.insert(p.context_id, unrouted);
                         host.resume_request();

@@ -669,11 +669,13 @@ impl Stream {
                 route,
                 reason,
                 routed_to,
+                check_upstream,
             }) = got
             {
                 self.queued = false;
                 self.reason = reason;
                 self.routed_to = routed_to;
+                self.check_upstream = check_upstream;
                 if let Some((held, facts, at)) = route {
                     self.held = Some(held);
                     self.facts = facts;
@@ -1849,6 +1851,47 @@ mod tests {
         assert_eq!(s.on_response_headers(&r, false), Flow::Continue);
         assert_eq!(r.response_header(DECISION_HEADER), Some(reason));
         s.on_done(&r);
+    }
+
+    /// Endpoint mode: a request resumed from the admission queue has its upstream checked
+    /// at its response, as one decided at once does (a misroute was uncounted).
+    #[test]
+    fn a_resumed_request_has_its_upstream_checked() {
+        let cfg = r#"{"mode":"endpoint",
+            "picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;
+        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        shared::publish_snapshot(
+            &h,
+            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
+        )
+        .unwrap();
+        assert_eq!(w.borrow_mut().tick(&h), 1);
+        let r = r.with_property("upstream.address", "10.0.0.9:8000");
+        assert_eq!(s.on_response_headers(&r, false), Flow::Continue);
+        assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 1);
+        s.on_done(&r);
+    }
+
+    /// A reservation its stream outlives (`reservation_ttl_ms`) is counted as expired when
+    /// dropped, and its stream's end releases nothing: reserved = released + expired.
+    #[test]
+    fn a_reservation_outlived_by_its_stream_is_counted_expired() {
+        let (h, w) = setup(r#"{"reservation_ttl_ms":500}"#, vec![ep(0, 0.1)]);
+        w.borrow_mut().set_worker_number(1);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 2);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+        assert_eq!(h.metric(metric::RESERVED), 1);
+        w.borrow_mut().publish_inflight(&h, NOW + 10_000);
+        assert_eq!(h.metric(metric::EXPIRED), 1);
+        s.on_done(&r);
+        w.borrow_mut().publish_inflight(&h, NOW + 30_000);
+        assert_eq!(h.metric(metric::RELEASED), 0);
     }
 
     /// A held request whose body does not parse is decided by load alone, again at every

@@ -308,20 +308,21 @@ impl Fleet {
         }
     }
 
-    /// Wait (up to 10 s) until every reservation made was released and none is held, and
-    /// return the reservations made; an error names the counts when they never agree.
+    /// Wait (up to 10 s) until every reservation made was released (or expired by
+    /// `reservation_ttl_ms`) and none is held, and return the reservations made; an error names the counts when they never agree.
     pub async fn settled_reservations(&self) -> anyhow::Result<u64> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let reserved = self.custom("kvroute.reservations.reserved").await?;
             let released = self.custom("kvroute.reservations.released").await?;
+            let expired = self.custom("kvroute.reservations.expired").await?;
             let held = self.custom("kvroute.inflight").await?;
-            if reserved == released && held == 0 {
+            if reserved == released + expired && held == 0 {
                 return Ok(reserved);
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "leak: reserved {reserved}, released {released}, held {held}"
+                "leak: reserved {reserved}, released {released}, expired {expired}, held {held}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
