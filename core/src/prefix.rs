@@ -304,7 +304,9 @@ impl Lru {
 pub struct PrefixIndex {
     /// Blocks each endpoint keeps now: `per_endpoint`, or less under `total`.
     capacity: usize,
+    /// Configured blocks per endpoint.
     per_endpoint: usize,
+    /// Configured blocks for all endpoints together ([`Self::with_total`]).
     total: usize,
     seed: u64,
     endpoints: BTreeMap<String, Lru>,
