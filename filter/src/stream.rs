@@ -758,6 +758,13 @@ mod tests {
             .with_body(body)
     }
 
+    /// A `GET path` request (no body) on a sibling of `h`.
+    fn get(h: &MockHost, path: &str) -> MockHost {
+        h.sibling()
+            .with_header(":path", path)
+            .with_header(":method", "GET")
+    }
+
     /// `GET /v1/models` on stream `ctx`, which the filter answers itself from the snapshot:
     /// its one local reply.
     fn model_list_reply(
@@ -775,10 +782,7 @@ mod tests {
         ctx: u32,
         path: &str,
     ) -> crate::host::mock::LocalReply {
-        let r = h
-            .sibling()
-            .with_header(":path", path)
-            .with_header(":method", "GET");
+        let r = get(h, path);
         let mut s = Stream::new(w.clone(), ctx);
         assert_eq!(s.on_request_headers(&r, true), Flow::Pause);
         let replies = r.replies();
@@ -1048,10 +1052,7 @@ mod tests {
         assert_eq!(h.metric(metric::MODELS_LISTED), 3);
         // Before any snapshot the model servers answer it.
         let (h, w) = setup("{}", vec![]);
-        let r = h
-            .sibling()
-            .with_header(":path", "/v1/models")
-            .with_header(":method", "GET");
+        let r = get(&h, "/v1/models");
         let mut s = Stream::new(w, 2);
         assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
         assert!(r.replies().is_empty());
@@ -1063,10 +1064,7 @@ mod tests {
     #[test]
     fn missing_cluster_is_named_from_the_decision_not_the_header() {
         let (h, w) = setup("{}", vec![ep(0, 0.1)]);
-        let r = h
-            .sibling()
-            .with_header(":path", "/v1/chat/completions")
-            .with_header(":method", "GET");
+        let r = get(&h, "/v1/chat/completions");
         let mut s = Stream::new(w, 2);
         assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
         assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
