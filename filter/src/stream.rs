@@ -758,6 +758,16 @@ mod tests {
             .with_body(body)
     }
 
+    /// `r` answered by Envoy itself with `status` and code details `cluster_not_found` (the
+    /// cluster the filter named does not exist).
+    fn cluster_not_found(r: MockHost, status: &str) -> MockHost {
+        let r = r.with_property("response.code_details", "cluster_not_found");
+        r.resp_headers
+            .borrow_mut()
+            .insert(":status".into(), status.into());
+        r
+    }
+
     /// A `GET path` request (no body) on a sibling of `h`.
     fn get(h: &MockHost, path: &str) -> MockHost {
         h.sibling()
@@ -1069,10 +1079,7 @@ mod tests {
         assert_eq!(s.on_request_headers(&r, true), Flow::Continue);
         assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
         r.req_headers.borrow_mut().clear();
-        let r = r.with_property("response.code_details", "cluster_not_found");
-        r.resp_headers
-            .borrow_mut()
-            .insert(":status".into(), "503".into());
+        let r = cluster_not_found(r, "503");
         r.take_calls();
         assert_eq!(s.on_response_headers(&r, true), Flow::Pause);
         assert!(!r.take_calls().iter().any(|(m, _)| *m == "request_header"));
@@ -1093,10 +1100,7 @@ mod tests {
         let mut s = Stream::new(w, 2);
         s.on_request_headers(&r, false);
         assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
-        let r = r.with_property("response.code_details", "cluster_not_found");
-        r.resp_headers
-            .borrow_mut()
-            .insert(":status".into(), "503".into());
+        let r = cluster_not_found(r, "503");
         assert_eq!(s.on_response_headers(&r, true), Flow::Continue);
         assert!(r.replies().is_empty());
         assert_eq!(h.metric(metric::CLUSTER_NOT_FOUND), 0);
@@ -1110,11 +1114,8 @@ mod tests {
         s.on_request_headers(&r, false);
         assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
         assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
-        let r = r.with_property("response.code_details", "cluster_not_found");
         // Only a 503 (or 404) response has its code details read.
-        r.resp_headers
-            .borrow_mut()
-            .insert(":status".into(), "200".into());
+        let r = cluster_not_found(r, "200");
         assert_eq!(s.on_response_headers(&r, true), Flow::Continue);
         assert!(r.replies().is_empty());
         assert!(!r.take_calls().iter().any(|(m, _)| *m == "property"));
@@ -1818,6 +1819,27 @@ mod tests {
         assert_eq!(w.borrow().admission.len(), 0);
     }
 
+    /// A chat request on stream 7 parked in the admission queue (`cfg` holds admission on
+    /// and a headroom both endpoints, at 95 % and 97 % KV usage, lack).
+    fn parked(cfg: &str) -> (MockHost, Rc<RefCell<Worker>>, MockHost, Stream) {
+        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
+        let r = request(&h, "/v1/chat/completions", BODY);
+        let mut s = Stream::new(w.clone(), 7);
+        s.on_request_headers(&r, false);
+        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        (h, w, r, s)
+    }
+
+    /// Endpoint e1 frees up (10 % KV usage) and the tick resumes the parked request there.
+    fn resume_on_e1(h: &MockHost, w: &Rc<RefCell<Worker>>) {
+        shared::publish_snapshot(
+            h,
+            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
+        )
+        .unwrap();
+        assert_eq!(w.borrow_mut().tick(h), 1);
+    }
+
     /// A request held while saturated and resumed by the tick carries its real decision
     /// reason, as one decided at once does: the tick sets it on the upstream request and as
     /// the decision record, and the stream adopts it for the response's
@@ -1826,19 +1848,10 @@ mod tests {
     fn a_resumed_request_carries_its_decision_reason() {
         let cfg = r#"{"debug_header":true,"decision_record":true,
             "picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;
-        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
-        let r = request(&h, "/v1/chat/completions", BODY);
-        let mut s = Stream::new(w.clone(), 7);
-        s.on_request_headers(&r, false);
-        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
+        let (h, w, r, mut s) = parked(cfg);
         assert_eq!(w.borrow_mut().tick(&h), 0, "still saturated");
         assert_eq!(h.header(DECISION_HEADER), None);
-        shared::publish_snapshot(
-            &h,
-            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
-        )
-        .unwrap();
-        assert_eq!(w.borrow_mut().tick(&h), 1);
+        resume_on_e1(&h, &w);
         // The tick decided on the held stream's context (the mock's root host here).
         let reason = h.header(DECISION_HEADER).unwrap();
         assert_eq!(
@@ -1857,17 +1870,8 @@ mod tests {
     fn a_resumed_request_has_its_upstream_checked() {
         let cfg = r#"{"mode":"endpoint",
             "picker":{"policy":"least_kv","min_kv_headroom":0.5},"admission":{"enabled":true}}"#;
-        let (h, w) = setup(cfg, vec![ep(0, 0.95), ep(1, 0.97)]);
-        let r = request(&h, "/v1/chat/completions", BODY);
-        let mut s = Stream::new(w.clone(), 7);
-        s.on_request_headers(&r, false);
-        assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Pause);
-        shared::publish_snapshot(
-            &h,
-            &Snapshot::new(2, NOW, vec![ep(0, 0.95), ep(1, 0.1)]).encode(),
-        )
-        .unwrap();
-        assert_eq!(w.borrow_mut().tick(&h), 1);
+        let (h, w, r, mut s) = parked(cfg);
+        resume_on_e1(&h, &w);
         let r = r.with_property("upstream.address", "10.0.0.9:8000");
         assert_eq!(s.on_response_headers(&r, false), Flow::Continue);
         assert_eq!(h.metric(metric::UPSTREAM_MISMATCH), 1);
