@@ -552,9 +552,36 @@ pub enum ConfigError {
 /// rejects the whole snapshot for one such string (they end up in request headers).
 const CONTROL_REASON: &str = "must not contain control characters (CR, LF, NUL...)";
 
-/// True when `s` holds an ASCII or Unicode control character.
-fn has_control(s: &str) -> bool {
-    kvroute_core::snapshot::check_label(s).is_err()
+/// Why a name over kvroute-core's `MAX_LABEL_BYTES` is refused (the same: one such name
+/// would make every filter reject every snapshot).
+const LONG_REASON: &str = "must be at most 1024 bytes";
+
+/// Why `s` cannot go into a snapshot as a name (kvroute-core's `check_label`), or `None`:
+/// [`LONG_REASON`] when it is too long, else `control` when it holds an ASCII or Unicode
+/// control character, or when it is empty and `empty_ok` is false (the callers whose
+/// message names both).
+fn label_problem(s: &str, empty_ok: bool, control: &'static str) -> Option<&'static str> {
+    if s.len() > kvroute_core::snapshot::MAX_LABEL_BYTES {
+        Some(LONG_REASON)
+    } else if (s.is_empty() && !empty_ok) || kvroute_core::snapshot::check_label(s).is_err() {
+        Some(control)
+    } else {
+        None
+    }
+}
+
+/// Why a list of model names is refused: one is empty or holds a control character.
+const MODEL_REASON: &str = "model names must be non-empty without control characters";
+
+/// The first of `names` that cannot go into a snapshot, with why ([`label_problem`]; an
+/// empty name is refused with `control`).
+fn first_problem<'a>(
+    names: &'a [String],
+    control: &'static str,
+) -> Option<(&'a String, &'static str)> {
+    names
+        .iter()
+        .find_map(|m| label_problem(m, false, control).map(|r| (m, r)))
 }
 
 fn invalid(
@@ -728,11 +755,11 @@ impl RawConfig {
         let mut pools = BTreeSet::new();
         let mut endpoints = Vec::new();
         for (pi, pool) in self.pools.iter().enumerate() {
-            if has_control(&pool.name) {
+            if let Some(reason) = label_problem(&pool.name, true, CONTROL_REASON) {
                 return Err(invalid(
                     format!("pools[{pi}].name"),
                     pool.name.escape_debug(),
-                    CONTROL_REASON,
+                    reason,
                 ));
             }
             if pool.name.is_empty() || pool.name.contains('/') {
@@ -753,11 +780,11 @@ impl RawConfig {
             // `pools[i].models` whether or not endpoints inherit it, and also for a pool
             // whose endpoints all name their own models (or that has none): these names
             // reach the snapshot's `unavailable_models`.
-            if let Some(m) = pool.models.iter().find(|m| m.is_empty() || has_control(m)) {
+            if let Some((m, reason)) = first_problem(&pool.models, MODEL_REASON) {
                 return Err(invalid(
                     format!("pools[{pi}].models"),
                     m.escape_debug(),
-                    "model names must be non-empty without control characters",
+                    reason,
                 ));
             }
             let mut eps = BTreeSet::new();
@@ -766,8 +793,16 @@ impl RawConfig {
                 if e.name.is_empty() {
                     return Err(invalid(at("name"), "", "must not be empty"));
                 }
-                if has_control(&e.name) {
-                    return Err(invalid(at("name"), e.name.escape_debug(), CONTROL_REASON));
+                if let Some(reason) = label_problem(&e.name, true, CONTROL_REASON) {
+                    return Err(invalid(at("name"), e.name.escape_debug(), reason));
+                }
+                // The endpoint's id is `pool/name`: bounded like each part.
+                if pool.name.len() + 1 + e.name.len() > kvroute_core::snapshot::MAX_LABEL_BYTES {
+                    return Err(invalid(
+                        at("name"),
+                        &e.name,
+                        "with the pool's name and a `/` (the endpoint's id) must be at most 1024 bytes",
+                    ));
                 }
                 if !eps.insert(e.name.as_str()) {
                     return Err(invalid(
@@ -815,19 +850,15 @@ impl RawConfig {
                 if let Some(m) = models.iter().find(|m| m.is_empty()) {
                     return Err(invalid(at("models"), m, "model names must not be empty"));
                 }
-                if let Some(m) = models.iter().find(|m| has_control(m)) {
-                    return Err(invalid(at("models"), m.escape_debug(), CONTROL_REASON));
+                if let Some((m, reason)) = first_problem(&models, CONTROL_REASON) {
+                    return Err(invalid(at("models"), m.escape_debug(), reason));
                 }
                 let cluster = e.cluster.clone().unwrap_or_else(|| pool.name.clone());
                 if cluster.is_empty() {
                     return Err(invalid(at("cluster"), "", "must not be empty"));
                 }
-                if has_control(&cluster) {
-                    return Err(invalid(
-                        at("cluster"),
-                        cluster.escape_debug(),
-                        CONTROL_REASON,
-                    ));
+                if let Some(reason) = label_problem(&cluster, true, CONTROL_REASON) {
+                    return Err(invalid(at("cluster"), cluster.escape_debug(), reason));
                 }
                 endpoints.push(EndpointSpec {
                     id: format!("{}/{}", pool.name, e.name),
@@ -953,19 +984,15 @@ impl RawKubernetes {
                 ));
             }
             let cluster = p.cluster.clone().unwrap_or_else(|| name.clone());
-            if cluster.is_empty() || has_control(&cluster) {
-                return Err(invalid(
-                    at("cluster"),
-                    cluster.escape_debug(),
-                    "must be non-empty without control characters",
-                ));
+            if let Some(reason) = label_problem(
+                &cluster,
+                false,
+                "must be non-empty without control characters",
+            ) {
+                return Err(invalid(at("cluster"), cluster.escape_debug(), reason));
             }
-            if let Some(m) = p.models.iter().find(|m| m.is_empty() || has_control(m)) {
-                return Err(invalid(
-                    at("models"),
-                    m.escape_debug(),
-                    "model names must be non-empty without control characters",
-                ));
+            if let Some((m, reason)) = first_problem(&p.models, MODEL_REASON) {
+                return Err(invalid(at("models"), m.escape_debug(), reason));
             }
             if p.metrics_port == Some(0) {
                 return Err(invalid(at("metrics_port"), 0, "must be in 1..=65535"));
@@ -985,12 +1012,12 @@ impl RawKubernetes {
         let mut gateways = Vec::new();
         for (i, g) in self.gateways.iter().enumerate() {
             let at = |f: &str| format!("kubernetes.gateways[{i}].{f}");
-            if g.name.is_empty() || has_control(&g.name) || !gnames.insert(g.name.as_str()) {
-                return Err(invalid(
-                    at("name"),
-                    g.name.escape_debug(),
-                    "must be non-empty, unique, without control characters",
-                ));
+            const GATEWAY_REASON: &str = "must be non-empty, unique, without control characters";
+            if let Some(reason) = label_problem(&g.name, false, GATEWAY_REASON) {
+                return Err(invalid(at("name"), g.name.escape_debug(), reason));
+            }
+            if !gnames.insert(g.name.as_str()) {
+                return Err(invalid(at("name"), g.name.escape_debug(), GATEWAY_REASON));
             }
             if g.selector.is_empty() {
                 return Err(invalid(

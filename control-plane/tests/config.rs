@@ -210,6 +210,46 @@ fn values_the_filter_rejects_fail_validation() {
         err("pools:\n  - name: \"p\\u0000\"\n    endpoints: []\n"),
         "config field `pools[0].name` = `p\\0`: must not contain control characters (CR, LF, NUL...)"
     );
+    // Names over kvroute-core's MAX_LABEL_BYTES (1024): the filter would reject every snapshot.
+    let long = "x".repeat(1025);
+    let half = "y".repeat(600);
+    let cases = [
+        (
+            format!("pools:\n  - name: {long}\n    endpoints: []\n"),
+            format!("config field `pools[0].name` = `{long}`: must be at most 1024 bytes"),
+        ),
+        (
+            format!("pools:\n  - name: p\n    models: [ok, {long}]\n    endpoints: []\n"),
+            format!("config field `pools[0].models` = `{long}`: must be at most 1024 bytes"),
+        ),
+        (
+            with_endpoint(&format!("models: [{long}]")),
+            format!("config field `pools[0].endpoints[1].models` = `{long}`: must be at most 1024 bytes"),
+        ),
+        (
+            with_endpoint(&format!("cluster: {long}")),
+            format!("config field `pools[0].endpoints[1].cluster` = `{long}`: must be at most 1024 bytes"),
+        ),
+        // Each part fits; the id `pool/name` (1,201 bytes) does not.
+        (
+            format!("pools:\n  - name: {half}\n    endpoints:\n      - name: {half}\n        address: 127.0.0.1:1\n"),
+            format!("config field `pools[0].endpoints[0].name` = `{half}`: with the pool's name and a `/` (the endpoint's id) must be at most 1024 bytes"),
+        ),
+        (
+            format!("kubernetes:\n  inference_pools:\n    - {{namespace: default, name: p, cluster: {long}}}\n"),
+            format!("config field `kubernetes.inference_pools[0].cluster` = `{long}`: must be at most 1024 bytes"),
+        ),
+        (
+            format!("kubernetes:\n  gateways:\n    - {{name: {long}, namespace: n, selector: {{a: b}}, port: 1}}\n"),
+            format!("config field `kubernetes.gateways[0].name` = `{long}`: must be at most 1024 bytes"),
+        ),
+    ];
+    for (yaml, want) in cases {
+        assert_eq!(err(&yaml), want, "for {yaml:?}");
+    }
+    // At the bound: accepted.
+    let at = "z".repeat(1024);
+    assert!(Config::from_yaml(&with_endpoint(&format!("cluster: {at}"))).is_ok());
 }
 
 #[test]

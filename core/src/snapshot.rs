@@ -2,8 +2,9 @@
 //!
 //! Validation ([`Snapshot::validate`], run by [`Snapshot::decode`]) rejects an unknown
 //! `format`, duplicate or empty ids, an address that is not `host:port` (IPv6 hosts in
-//! brackets), `kv_usage` that is NaN, infinite, negative or above 1, a zero block size, and
-//! an empty or control-character name in `unavailable_models`.
+//! brackets), `kv_usage` that is NaN, infinite, negative or above 1, a zero block size, an
+//! empty or control-character name in `unavailable_models`, and any name or address longer
+//! than [`MAX_LABEL_BYTES`].
 //! Negative counts cannot be represented (unsigned fields) and fail decoding.
 //!
 //! Wire format: JSON (`serde_json`, already linked into the filter for body parsing), an
@@ -342,8 +343,9 @@ impl Snapshot {
 
     /// Check the invariants: known format, no duplicate ids, finite non-negative numbers,
     /// `kv_usage` in 0..=1, non-empty id, `host:port` address, non-zero block size, and
-    /// `unavailable_models` names non-empty without control characters ([`check_label`]:
-    /// they are named in replies and logs like the endpoints' models).
+    /// `unavailable_models` names non-empty without control characters and at most
+    /// [`MAX_LABEL_BYTES`] ([`check_label`]: they are named in replies and logs like the
+    /// endpoints' models).
     /// Errors: the first violation found: format, then `unavailable_models`, then endpoints
     /// in order.
     pub fn validate(&self) -> Result<(), SnapshotError> {
@@ -420,20 +422,36 @@ impl EndpointStats {
     }
 }
 
+/// Longest name or address a snapshot accepts, bytes: `id`, `address`, `cluster`, `pool`,
+/// each model and LoRA adapter, each of `unavailable_models`. These end up in request
+/// headers and metric labels, so an unbounded one (a 200 KiB id) would make every routed
+/// request's headers that large. 1,024 holds any name Kubernetes can make: object names
+/// are at most 253 bytes (DNS subdomain,
+/// <https://kubernetes.io/docs/concepts/overview/working-with-objects/names/>), so a
+/// discovered id `pool/pod:port` is at most 513.
+pub const MAX_LABEL_BYTES: usize = 1024;
+
 /// Check a name that ends up in request headers (`x-kvroute-cluster`, the decision header)
 /// and metric labels: it must not hold a control character (CR, LF, NUL, DEL...), which
-/// could split a header. Returns the reason on failure.
+/// could split a header, nor be longer than [`MAX_LABEL_BYTES`]. Returns the reason on
+/// failure.
 pub fn check_label(s: &str) -> Result<(), &'static str> {
-    if s.chars().any(char::is_control) {
+    if s.len() > MAX_LABEL_BYTES {
+        Err("is longer than 1024 bytes")
+    } else if s.chars().any(char::is_control) {
         Err("contains a control character")
     } else {
         Ok(())
     }
 }
 
-/// Check a `host:port` address: a non-empty host, IPv6 literals in brackets
-/// (`[::1]:8000`), a decimal port 1..=65535. Returns the reason on failure.
+/// Check a `host:port` address: at most [`MAX_LABEL_BYTES`], a non-empty host, IPv6
+/// literals in brackets (`[::1]:8000`), a decimal port 1..=65535. Returns the reason on
+/// failure.
 pub fn check_address(address: &str) -> Result<(), &'static str> {
+    if address.len() > MAX_LABEL_BYTES {
+        return Err("is longer than 1024 bytes");
+    }
     let (host, port) = if let Some(rest) = address.strip_prefix('[') {
         let Some((host, port)) = rest.split_once("]:") else {
             return Err("is not `[ipv6]:port`");

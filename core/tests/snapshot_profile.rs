@@ -10,7 +10,7 @@ use kvroute_core::analysis::{analyze, ApiKind};
 use kvroute_core::estimate::Estimator;
 use kvroute_core::profile::{builtin, builtin_profiles};
 use kvroute_core::snapshot::{
-    check_address, restamp, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION,
+    check_address, restamp, EndpointStats, Snapshot, SnapshotError, FORMAT_VERSION, MAX_LABEL_BYTES,
 };
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -115,6 +115,39 @@ fn snapshot_validation_rejects_bad_values() {
         with(&|e| e.address = "ho\u{1}st:80".into()),
         invalid("address", "has an invalid host")
     );
+    // Every name is bounded (found by a breaker: a 200 KiB id went into each routed
+    // request's decision header): MAX_LABEL_BYTES passes, one byte more does not.
+    let at_bound = "x".repeat(MAX_LABEL_BYTES);
+    let over = "x".repeat(MAX_LABEL_BYTES + 1);
+    assert_eq!(with(&|e| e.cluster = at_bound.clone()), Ok(()));
+    let setters: [(&str, fn(&mut EndpointStats, &str)); 4] = [
+        ("cluster", |e, v| e.cluster = v.into()),
+        ("pool", |e, v| e.pool = v.into()),
+        ("models", |e, v| e.models = vec![v.into()]),
+        ("lora_adapters", |e, v| e.lora_adapters = vec![v.into()]),
+    ];
+    for (field, set) in setters {
+        assert_eq!(
+            with(&|e| set(e, &over)),
+            invalid(field, "is longer than 1024 bytes"),
+            "{field}"
+        );
+    }
+    let long_host = format!("{}:80", "h".repeat(MAX_LABEL_BYTES - 2));
+    assert_eq!(long_host.len(), MAX_LABEL_BYTES + 1);
+    assert_eq!(
+        with(&|e| e.address = long_host.clone()),
+        invalid("address", "is longer than 1024 bytes")
+    );
+    assert_eq!(
+        Snapshot::new(1, 1, vec![ep(&over)]).validate(),
+        Err(SnapshotError::InvalidEndpoint {
+            index: 0,
+            id: over.clone(),
+            field: "id",
+            reason: "is longer than 1024 bytes"
+        })
+    );
     assert_eq!(
         Snapshot::new(1, 1, vec![ep("a\r")]).validate(),
         Err(SnapshotError::InvalidEndpoint {
@@ -190,6 +223,14 @@ fn unavailable_models_are_written_only_when_not_empty() {
         Err(SnapshotError::InvalidUnavailableModel {
             index: 1,
             reason: "contains a control character"
+        })
+    );
+    bad.unavailable_models = vec!["m".repeat(MAX_LABEL_BYTES + 1)];
+    assert_eq!(
+        bad.validate(),
+        Err(SnapshotError::InvalidUnavailableModel {
+            index: 0,
+            reason: "is longer than 1024 bytes"
         })
     );
     bad.unavailable_models = vec![String::new()];

@@ -147,6 +147,11 @@ pub fn endpoints(
             } else {
                 format!("{}/{}", pool.name, p.name)
             };
+            // Kubernetes bounds names at 253 bytes, so this holds for any real API server;
+            // one endpoint with a bad id would make every filter reject every snapshot.
+            if kvroute_core::snapshot::check_label(&id).is_err() {
+                continue;
+            }
             out.push(EndpointSpec {
                 id,
                 pool: pool.name.clone(),

@@ -9,6 +9,7 @@
 use crate::scrape::ScrapeClient;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
+use kvroute_core::snapshot::check_label;
 use serde::Deserialize;
 use std::time::Duration;
 
@@ -45,12 +46,13 @@ struct Model {
 }
 
 /// Parse a `/v1/models` body into base model ids, in listed order, without duplicates.
-/// Ids with control characters are refused (they would make the snapshot invalid).
+/// Ids with control characters or longer than kvroute-core's `MAX_LABEL_BYTES` are
+/// skipped (`check_label`: they would make the snapshot invalid).
 pub fn parse(body: &[u8]) -> Result<Vec<String>, ModelsError> {
     let list: List = serde_json::from_slice(body).map_err(|e| ModelsError::Body(e.to_string()))?;
     let mut out: Vec<String> = Vec::new();
     for m in list.data {
-        if m.parent.is_some() || m.id.is_empty() || m.id.chars().any(char::is_control) {
+        if m.parent.is_some() || m.id.is_empty() || check_label(&m.id).is_err() {
             continue;
         }
         if !out.contains(&m.id) {
@@ -128,5 +130,9 @@ mod tests {
         );
         assert!(parse(b"<html>").is_err());
         assert!(parse(br#"{"data":[{"id":"a\nb"}]}"#).is_err());
+        // A name over MAX_LABEL_BYTES is skipped; one at the bound is kept.
+        let at = "m".repeat(kvroute_core::snapshot::MAX_LABEL_BYTES);
+        let body = format!(r#"{{"data":[{{"id":"{at}x"}},{{"id":"{at}"}}]}}"#);
+        assert_eq!(parse(body.as_bytes()).unwrap(), vec![at]);
     }
 }
