@@ -54,6 +54,12 @@ impl HeaderMap {
         Self { raw }
     }
 
+    /// The serialized buffer ([module doc](self)), as the host takes a map
+    /// (`proxy_send_local_response`'s headers).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.raw
+    }
+
     /// The `(name, value)` pairs in the host's order, up to the first malformed one.
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         let b = self.raw.as_slice();

@@ -22,6 +22,8 @@
 //!
 //! See `docs/filter.md` for the data flow and the README for configuration.
 
+#[cfg(target_arch = "wasm32")]
+mod abi;
 pub mod headers;
 pub mod host;
 pub mod inflight;

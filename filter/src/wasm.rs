@@ -4,35 +4,41 @@
 //! (role `ingest`).
 //! Compiled for `wasm32` only; everything it calls is unit-tested natively with the mock.
 
+use crate::abi::{self, Failed};
 use crate::host::{HeaderMap, Host, HostError, Level, MetricKind};
 use crate::ingest::{consume_snapshots, IngestStream};
 use crate::names::metric;
 use crate::router::Worker;
 use crate::stream::{Flow, Stream};
 use kvroute_core::plugin_config::{Config, Role};
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
 
 thread_local! {
     static METRICS: RefCell<BTreeMap<&'static str, u32>> = const { RefCell::new(BTreeMap::new()) };
     static NAMED_GAUGES: RefCell<BTreeMap<String, u32>> = const { RefCell::new(BTreeMap::new()) };
 }
 
-/// The real host: stateless wrappers over `proxy_wasm::hostcalls`.
+/// The real host: stateless wrappers over the host calls of [`abi`] (not the SDK's
+/// `proxy_wasm::hostcalls`, which panic on statuses they do not expect).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ProxyHost;
 
-fn status(e: Status) -> HostError {
-    match e {
-        Status::CasMismatch => HostError::CasMismatch,
-        other => HostError::Other(format!("{other:?}")),
+fn status(e: Failed) -> HostError {
+    if e.0 == abi::CAS_MISMATCH {
+        HostError::CasMismatch
+    } else {
+        HostError::Other(e.to_string())
     }
 }
+
+/// Request headers, as the ABI numbers maps.
+const REQUEST_HEADERS: u32 = MapType::HttpRequestHeaders as u32;
+/// Response headers, as the ABI numbers maps.
+const RESPONSE_HEADERS: u32 = MapType::HttpResponseHeaders as u32;
 
 fn metric_id(kind: MetricKind, name: &'static str) -> Option<u32> {
     METRICS.with(|m| {
@@ -44,152 +50,79 @@ fn metric_id(kind: MetricKind, name: &'static str) -> Option<u32> {
             MetricKind::Gauge => MetricType::Gauge,
             MetricKind::Histogram => MetricType::Histogram,
         };
-        let id = hostcalls::define_metric(t, name).ok()?;
+        let id = abi::define_metric(t as u32, name).ok()?;
         m.borrow_mut().insert(name, id);
         Some(id)
     })
 }
 
 /// Header `name` of `map` as text; `None` when absent, not UTF-8, or not readable now.
-fn header_text(map: MapType, name: &str) -> Option<String> {
-    String::from_utf8(raw::header_map_value(map, name)?).ok()
-}
-
-/// The raw header host calls. The SDK's wrappers panic, and the VM with them, on a value
-/// that is not UTF-8 (`get_map`, `get_map_value`: HTTP allows such bytes,
-/// [`crate::headers`]) and on any status but `Ok` and `NotFound`: Envoy answers
-/// `BadArgument` once it no longer holds the map for the filter (the request headers after
-/// the filter let them go, or after `resume_http_request`). Here either is "no value".
-#[allow(unsafe_code)] // One host import and the buffer it hands over; see the SAFETY notes.
-mod raw {
-    use proxy_wasm::types::{MapType, Status};
-
-    #[link(wasm_import_module = "env")]
-    extern "C" {
-        // The proxy-wasm ABI v0.2.1 import the SDK declares (`hostcalls.rs`), with its map
-        // type and status as the `u32`s they are on the wire: a status outside the SDK's
-        // enum is then a number, not an invalid enum value.
-        fn proxy_get_header_map_pairs(
-            map_type: u32,
-            return_map_data: *mut *mut u8,
-            return_map_size: *mut usize,
-        ) -> u32;
-        fn proxy_get_header_map_value(
-            map_type: u32,
-            key_data: *const u8,
-            key_size: usize,
-            return_value_data: *mut *mut u8,
-            return_value_size: *mut usize,
-        ) -> u32;
-    }
-
-    /// A buffer the host handed over: `Some` when the call returned `Ok` with data.
-    ///
-    /// # Safety
-    /// `data` and `size` must be what a proxy-wasm host call wrote on `status`: on `Ok`, a
-    /// pointer to `size` bytes the host obtained from this module's
-    /// `proxy_on_memory_allocate` (the SDK's `allocator.rs`: a `Box<[u8]>` of exactly `size`
-    /// bytes, leaked) and handed over to the caller, or null.
-    unsafe fn take(status: u32, data: *mut u8, size: usize) -> Option<Vec<u8>> {
-        if status != Status::Ok as u32 || data.is_null() {
-            return None;
-        }
-        // SAFETY: per this function's contract, a `Vec` of that pointer, length and
-        // capacity has the allocation's layout, takes ownership back and frees it when
-        // dropped, as the SDK's own `get_map` does.
-        Some(unsafe { Vec::from_raw_parts(data, size, size) })
-    }
-
-    /// Header `key` of `map` as bytes; `None` when absent or not readable now.
-    pub fn header_map_value(map: MapType, key: &str) -> Option<Vec<u8>> {
-        let mut data: *mut u8 = std::ptr::null_mut();
-        let mut size: usize = 0;
-        // SAFETY: the key is valid for `key.len()` bytes for the call; the host only writes
-        // the two out-parameters, which are valid for writes.
-        let status = unsafe {
-            proxy_get_header_map_value(map as u32, key.as_ptr(), key.len(), &mut data, &mut size)
-        };
-        // SAFETY: `data` and `size` are what the call wrote on `status`.
-        unsafe { take(status, data, size) }
-    }
-
-    /// Map `map` serialized as the host returns it ([`crate::headers::HeaderMap`]); empty
-    /// when the call fails (the map not readable now) or returns nothing.
-    pub fn header_map_pairs(map: MapType) -> Vec<u8> {
-        let mut data: *mut u8 = std::ptr::null_mut();
-        let mut size: usize = 0;
-        // SAFETY: the host only writes the two out-parameters, which are valid for writes.
-        let status = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
-        // SAFETY: `data` and `size` are what the call wrote on `status`.
-        unsafe { take(status, data, size) }.unwrap_or_default()
-    }
+fn header_text(map: u32, name: &str) -> Option<String> {
+    String::from_utf8(abi::header_map_value(map, name)?).ok()
 }
 
 impl Host for ProxyHost {
     fn now_ms(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
+        abi::now_ns().map_or(0, |ns| ns / 1_000_000)
     }
     fn now_us(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
+        abi::now_ns().map_or(0, |ns| ns / 1_000)
     }
     fn request_header(&self, name: &str) -> Option<String> {
-        header_text(MapType::HttpRequestHeaders, name)
+        header_text(REQUEST_HEADERS, name)
     }
     fn request_headers(&self) -> HeaderMap {
-        HeaderMap::from_serialized(raw::header_map_pairs(MapType::HttpRequestHeaders))
+        HeaderMap::from_serialized(abi::header_map_pairs(REQUEST_HEADERS))
     }
     fn set_request_header(&self, name: &str, value: Option<&str>) {
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+        let _ = match value {
+            Some(v) => abi::replace_header(REQUEST_HEADERS, name, v.as_bytes()),
+            None => abi::remove_header(REQUEST_HEADERS, name),
+        };
     }
     fn set_response_header(&self, name: &str, value: &str) {
-        let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+        let _ = abi::replace_header(RESPONSE_HEADERS, name, value.as_bytes());
     }
     fn response_header(&self, name: &str) -> Option<String> {
-        header_text(MapType::HttpResponseHeaders, name)
+        header_text(RESPONSE_HEADERS, name)
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
-        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-            .ok()
-            .flatten()
+        abi::buffer(BufferType::HttpRequestBody as u32, 0, size)
     }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
-        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
-            .ok()
-            .flatten()
+        abi::buffer(BufferType::HttpResponseBody as u32, 0, size)
     }
     fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
-        let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
+        let map = HeaderMap::from_pairs(headers.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
+        if let Err(e) = abi::send_local_response(status, map.as_bytes(), body) {
+            self.log(
+                Level::Warn,
+                &format!("kvroute: local reply {status} not sent: {e}"),
+            );
+        }
     }
     fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        hostcalls::get_shared_data(key).map_err(status)
+        abi::shared_data(key).map_err(status)
     }
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
-        hostcalls::set_shared_data(key, Some(value), cas).map_err(status)
+        abi::set_shared_data(key, value, cas).map_err(status)
     }
     fn enqueue(&self, vm_id: &str, name: &str, data: &[u8]) -> Result<(), HostError> {
-        let id = hostcalls::resolve_shared_queue(vm_id, name)
+        let id = abi::resolve_queue(vm_id, name)
             .map_err(status)?
             .ok_or_else(|| {
                 HostError::Other(format!("shared queue {vm_id}/{name} not registered"))
             })?;
-        hostcalls::enqueue_shared_queue(id, Some(data)).map_err(status)
+        abi::enqueue(id, data).map_err(status)
     }
     fn metric_add(&self, kind: MetricKind, name: &'static str, delta: i64) {
         if let Some(id) = metric_id(kind, name) {
-            let _ = hostcalls::increment_metric(id, delta);
+            let _ = abi::increment_metric(id, delta);
         }
     }
     fn metric_record(&self, kind: MetricKind, name: &'static str, value: u64) {
         if let Some(id) = metric_id(kind, name) {
-            let _ = hostcalls::record_metric(id, value);
+            let _ = abi::record_metric(id, value);
         }
     }
     fn gauge_set_named(&self, name: &str, value: u64) {
@@ -197,12 +130,12 @@ impl Host for ProxyHost {
             if let Some(id) = m.borrow().get(name) {
                 return Some(*id);
             }
-            let id = hostcalls::define_metric(MetricType::Gauge, name).ok()?;
+            let id = abi::define_metric(MetricType::Gauge as u32, name).ok()?;
             m.borrow_mut().insert(name.to_owned(), id);
             Some(id)
         });
         if let Some(id) = id {
-            let _ = hostcalls::record_metric(id, value);
+            let _ = abi::record_metric(id, value);
         }
     }
     fn forget_named_gauge(&self, name: &str) {
@@ -215,20 +148,22 @@ impl Host for ProxyHost {
             Level::Warn => LogLevel::Warn,
             Level::Error => LogLevel::Error,
         };
-        let _ = hostcalls::log(l, msg);
+        abi::log(l as u32, msg);
     }
     fn set_effective_context(&self, context_id: u32) -> bool {
-        hostcalls::set_effective_context(context_id).is_ok()
+        abi::set_effective_context(context_id).is_ok()
     }
     fn resume_request(&self) {
-        let _ = hostcalls::resume_http_request();
+        if let Err(e) = abi::continue_request() {
+            self.log(Level::Warn, &format!("kvroute: request not resumed: {e}"));
+        }
     }
     fn property(&self, path: &[&str]) -> Option<String> {
-        let bytes = hostcalls::get_property(path.to_vec()).ok()??;
+        let bytes = abi::property(path)?;
         String::from_utf8(bytes).ok()
     }
     fn set_property(&self, path: &[&str], value: &[u8]) {
-        let _ = hostcalls::set_property(path.to_vec(), Some(value));
+        let _ = abi::set_property(path, value);
     }
 }
 
@@ -264,10 +199,8 @@ impl Context for Root {}
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
         let host = ProxyHost;
-        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let bytes =
+            abi::buffer(BufferType::PluginConfiguration as u32, 0, usize::MAX).unwrap_or_default();
         let config = match Config::parse(&bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -277,11 +210,7 @@ impl RootContext for Root {
         };
         let seed = host.now_ms()
             ^ (u64::from(self.context_id) << 32)
-            ^ hostcalls::get_current_time()
-                .ok()
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-                .map(|d| u64::from(d.subsec_nanos()))
-                .unwrap_or(0);
+            ^ abi::now_ns().map_or(0, |ns| ns % 1_000_000_000);
         if let Err(e) = crate::shared::ensure_keys(&host) {
             host.log(
                 Level::Warn,
@@ -289,15 +218,12 @@ impl RootContext for Root {
             );
         }
         if config.role == Role::Ingest {
-            match hostcalls::register_shared_queue(&config.queue_name) {
+            match abi::register_queue(&config.queue_name) {
                 Ok(id) => self.queue = Some(id),
                 Err(e) => {
                     host.log(
                         Level::Error,
-                        &format!(
-                            "kvroute: cannot register queue {}: {e:?}",
-                            config.queue_name
-                        ),
+                        &format!("kvroute: cannot register queue {}: {e}", config.queue_name),
                     );
                     return false;
                 }
@@ -331,14 +257,16 @@ impl RootContext for Root {
                 &format!("kvroute: no worker number (random reservation ids): {e}"),
             ),
         }
-        let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
+        if let Err(e) = abi::set_tick_period_ms(u32::try_from(tick).unwrap_or(u32::MAX)) {
+            host.log(Level::Error, &format!("kvroute: no tick ({tick} ms): {e}"));
+        }
         self.serving = Some(Serving::Route(Rc::new(RefCell::new(worker))));
         true
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         let mut items = Vec::new();
-        while let Ok(Some(b)) = hostcalls::dequeue_shared_queue(queue_id) {
+        while let Ok(Some(b)) = abi::dequeue(queue_id) {
             items.push(b);
         }
         consume_snapshots(&ProxyHost, items);
@@ -434,8 +362,8 @@ mod entry {
     proxy_wasm::main! {{
         proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
         std::panic::set_hook(Box::new(|info| {
-            let _ = proxy_wasm::hostcalls::log(
-                proxy_wasm::types::LogLevel::Critical,
+            super::abi::log(
+                proxy_wasm::types::LogLevel::Critical as u32,
                 &format!("kvroute: panic: {info}"),
             );
         }));
