@@ -120,15 +120,15 @@ fn snapshot_validation_rejects_bad_values() {
     let at_bound = "x".repeat(MAX_LABEL_BYTES);
     let over = "x".repeat(MAX_LABEL_BYTES + 1);
     assert_eq!(with(&|e| e.cluster = at_bound.clone()), Ok(()));
-    let setters: [(&str, fn(&mut EndpointStats, &str)); 4] = [
-        ("cluster", |e, v| e.cluster = v.into()),
-        ("pool", |e, v| e.pool = v.into()),
-        ("models", |e, v| e.models = vec![v.into()]),
-        ("lora_adapters", |e, v| e.lora_adapters = vec![v.into()]),
-    ];
-    for (field, set) in setters {
+    for field in ["cluster", "pool", "models", "lora_adapters"] {
+        let set = |e: &mut EndpointStats| match field {
+            "cluster" => e.cluster = over.clone(),
+            "pool" => e.pool = over.clone(),
+            "models" => e.models = vec![over.clone()],
+            _ => e.lora_adapters = vec![over.clone()],
+        };
         assert_eq!(
-            with(&|e| set(e, &over)),
+            with(&set),
             invalid(field, "is longer than 1024 bytes"),
             "{field}"
         );
