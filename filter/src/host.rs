@@ -141,6 +141,10 @@ pub mod mock {
         pub shared: Rc<RefCell<SharedState>>,
         /// Clock, Unix ms.
         pub now: Rc<RefCell<u64>>,
+        /// Microseconds [`Host::now_us`] adds to the clock after each call (0 by default:
+        /// a still clock), and what it has added so far: a clock that moves while the code
+        /// under test runs.
+        pub us_step: Rc<RefCell<(u64, u64)>>,
         /// Request headers.
         pub req_headers: Rc<RefCell<BTreeMap<String, String>>>,
         /// Request headers with raw byte values ([`MockHost::with_raw_header`]).
@@ -199,6 +203,7 @@ pub mod mock {
             Self {
                 shared: self.shared.clone(),
                 now: self.now.clone(),
+                us_step: self.us_step.clone(),
                 metrics: self.metrics.clone(),
                 named_gauges: self.named_gauges.clone(),
                 logs: self.logs.clone(),
@@ -266,7 +271,14 @@ pub mod mock {
         }
         fn now_us(&self) -> u64 {
             self.count("now_us");
-            self.now.borrow().saturating_mul(1000)
+            let mut step = self.us_step.borrow_mut();
+            let t = self
+                .now
+                .borrow()
+                .saturating_mul(1000)
+                .saturating_add(step.1);
+            step.1 = step.1.saturating_add(step.0);
+            t
         }
         fn request_header(&self, name: &str) -> Option<String> {
             self.count("request_header");

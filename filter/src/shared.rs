@@ -174,7 +174,28 @@ pub fn next_worker_number<H: Host>(host: &H) -> Result<u32, SharedError> {
     Err(SharedError::Contended(WORKER_SEQ_KEY))
 }
 
+/// A decode at least this long, µs, holds its snapshot for [`HOLD_FACTOR`] times as long
+/// ([`SnapshotCache::current`]). A 16-endpoint snapshot decodes in tens of µs: below it,
+/// nothing is held and no clock is read.
+pub const HOLD_AFTER_DECODE_US: u64 = 200;
+
+/// How long a slow decode holds its snapshot, in multiples of the decode's own time: 9, so
+/// that decoding takes at most a tenth of a worker's time however often snapshots arrive.
+pub const HOLD_FACTOR: u64 = 9;
+
+/// Snapshot bodies shorter than this, bytes, are decoded without reading the clock
+/// (16 KiB: ~150 endpoints of ~100 bytes, far under [`HOLD_AFTER_DECODE_US`] to decode).
+pub const HOLD_MIN_BYTES: usize = 16 * 1024;
+
 /// Per-worker cache of the decoded snapshot, refreshed only when the version changes.
+///
+/// Each worker decodes each version it sees, so a fleet's snapshot of ~1 MB (thousands of
+/// endpoints; several ms to decode) pushed every few ms would leave a worker decoding
+/// instead of routing (found by a breaker). A decode of [`HOLD_AFTER_DECODE_US`] or more
+/// therefore holds its snapshot for [`HOLD_FACTOR`] times its own duration: requests in
+/// that window use it without polling the signal (one clock read instead), and the newest
+/// version is read after it. Stats arrive every scrape interval (200 ms by default), so a
+/// hold of a few ms loses nothing.
 #[derive(Debug, Default)]
 pub struct SnapshotCache {
     /// CAS token of [`SNAPSHOT_SIGNAL_KEY`] when the version was last read.
@@ -185,11 +206,20 @@ pub struct SnapshotCache {
     catalog: Option<Rc<crate::reply::ModelCatalog>>,
     /// How many times the snapshot was decoded (for tests and debugging).
     pub decodes: u64,
+    /// Host clock, µs, until which the snapshot is used without polling; 0: not held.
+    hold_until_us: u64,
 }
 
 impl SnapshotCache {
-    /// The current snapshot (`None` before the first publication).
+    /// The current snapshot (`None` before the first publication); a held one
+    /// ([type doc](SnapshotCache)) while its hold lasts.
     pub fn current<H: Host>(&mut self, host: &H) -> Result<Option<Rc<Snapshot>>, SharedError> {
+        if self.hold_until_us > 0 {
+            if self.snap.is_some() && host.now_us() < self.hold_until_us {
+                return Ok(self.snap.clone());
+            }
+            self.hold_until_us = 0;
+        }
         let (_, signal) = host.shared_get(SNAPSHOT_SIGNAL_KEY)?;
         if signal.is_some() && signal == self.signal && self.snap.is_some() {
             return Ok(self.snap.clone());
@@ -199,6 +229,9 @@ impl SnapshotCache {
         if v.is_some() && v != self.version {
             let (bytes, _) = host.shared_get(SNAPSHOT_KEY)?;
             if let Some(bytes) = bytes {
+                // The clock is read around a decode only for a body large enough to be slow
+                // (~100 bytes an endpoint: 16 KiB is ~150 endpoints, tens of µs).
+                let started = (bytes.len() >= HOLD_MIN_BYTES).then(|| host.now_us());
                 self.decodes += 1;
                 // Keyed by the version *key*, not the decoded version: if two consumers ever
                 // raced and left older bytes under a newer version, this still decodes once
@@ -213,6 +246,13 @@ impl SnapshotCache {
                 }
                 self.catalog = Some(Rc::new(crate::reply::ModelCatalog::from_snapshot(&snap)));
                 self.snap = Some(Rc::new(snap));
+                if let Some(started) = started {
+                    let now = host.now_us();
+                    let took = now.saturating_sub(started);
+                    if took >= HOLD_AFTER_DECODE_US {
+                        self.hold_until_us = now.saturating_add(took.saturating_mul(HOLD_FACTOR));
+                    }
+                }
             }
         }
         // Remembered only once the version it announced has been read.
@@ -235,6 +275,7 @@ impl SnapshotCache {
 mod tests {
     use super::*;
     use crate::host::mock::MockHost;
+    use kvroute_core::snapshot::EndpointStats;
 
     fn snap(v: u64) -> Vec<u8> {
         Snapshot::new(v, 0, vec![]).encode()
@@ -321,6 +362,49 @@ mod tests {
         assert_eq!(next_worker_number(&other).unwrap(), 2);
         h.shared.borrow_mut().fail_cas = 3;
         assert_eq!(next_worker_number(&h).unwrap(), 3);
+    }
+
+    /// A snapshot body of ~20 KiB (200 endpoints), over [`HOLD_MIN_BYTES`].
+    fn big_snap(v: u64) -> Vec<u8> {
+        let eps = (0..200).map(|i| EndpointStats::fixture(i, 0)).collect();
+        let b = Snapshot::new(v, 0, eps).encode();
+        assert!(b.len() >= HOLD_MIN_BYTES, "{}", b.len());
+        b
+    }
+
+    #[test]
+    fn a_slow_decode_holds_its_snapshot_nine_times_as_long() {
+        let h = MockHost::new(1);
+        let mut c = SnapshotCache::default();
+        // Each clock read advances the clock by 1 ms: the decode reads it twice, so it
+        // "took" 1,000 µs and holds v1 until 1,000 + 9 × 1,000 µs after it ended.
+        *h.us_step.borrow_mut() = (1_000, 0);
+        publish_snapshot(&h, &big_snap(1)).unwrap();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 1);
+        assert_eq!(c.hold_until_us, 1_000 + 1_000 + 9 * 1_000);
+        publish_snapshot(&h, &big_snap(2)).unwrap();
+        // Clock reads at 3,000 .. 10,000 µs: v1, and the signal is not read.
+        *h.calls.borrow_mut() = Default::default();
+        for _ in 0..8 {
+            assert_eq!(c.current(&h).unwrap().unwrap().version, 1);
+        }
+        assert_eq!(h.calls.borrow().get("shared_get"), None);
+        assert_eq!(h.calls.borrow().get("now_us"), Some(&8));
+        assert_eq!(c.decodes, 1);
+        // At 11,000 µs the hold is over: v2 is read (and held in turn).
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 2);
+        assert_eq!(c.decodes, 2);
+        // A fast decode (the still clock: 0 µs) holds nothing, and a small body reads no
+        // clock at all.
+        *h.us_step.borrow_mut() = (0, 0);
+        *h.now.borrow_mut() = 100;
+        publish_snapshot(&h, &big_snap(3)).unwrap();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 3);
+        assert_eq!(c.hold_until_us, 0);
+        publish_snapshot(&h, &snap(4)).unwrap();
+        *h.calls.borrow_mut() = Default::default();
+        assert_eq!(c.current(&h).unwrap().unwrap().version, 4);
+        assert_eq!(h.calls.borrow().get("now_us"), None);
     }
 
     #[test]
