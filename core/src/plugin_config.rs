@@ -251,6 +251,8 @@ pub const MIN_USAGE_TAIL_BYTES: usize = 1024;
 
 /// Largest `prefix.block_chars` accepted: 64 KiB of text per block (the default is 64).
 pub const MAX_PREFIX_BLOCK_CHARS: usize = 65_536;
+/// Largest `admission.timeout_ms`, ms: Envoy's default stream idle timeout, 5 minutes.
+pub const MAX_ADMISSION_TIMEOUT_MS: u64 = 300_000;
 /// Largest `prefix.max_blocks` accepted (the default is 256, GIE's).
 pub const MAX_PREFIX_BLOCKS: usize = 65_536;
 /// Largest `prefix_index_total_blocks` accepted: 2²² blocks, ~176 MB at ~42 bytes a block,
@@ -337,6 +339,16 @@ impl TryFrom<RawConfig> for Config {
         }
         if raw.admission.tick_ms == 0 {
             return Err(invalid("admission.tick_ms", 0, "must be at least 1"));
+        }
+        // Envoy's default stream idle timeout (5 min) ends a longer hold anyway
+        // (https://www.envoyproxy.io/docs/envoy/latest/faq/configuration/timeouts); a value
+        // like u64::MAX held requests for good (found by a breaker).
+        if raw.admission.timeout_ms > MAX_ADMISSION_TIMEOUT_MS {
+            return Err(invalid(
+                "admission.timeout_ms",
+                raw.admission.timeout_ms,
+                "must be at most 300000 (5 minutes)",
+            ));
         }
         let sharing = raw.shares_with_workers();
         if sharing && raw.affinity_sync_ms == 0 {
@@ -541,6 +553,10 @@ mod tests {
             (
                 r#"{"admission":{"tick_ms":0}}"#,
                 "field `admission.tick_ms`",
+            ),
+            (
+                r#"{"admission":{"timeout_ms":300001}}"#,
+                "field `admission.timeout_ms` = 300001: must be at most 300000 (5 minutes)",
             ),
             (r#"{"affinity_sync_ms":0}"#, "field `affinity_sync_ms`"),
             // Learner sharing alone still needs a sync period.

@@ -381,7 +381,7 @@ impl Snapshot {
 }
 
 impl EndpointStats {
-    /// Check one endpoint's invariants: non-empty id and address, `host:port` address
+    /// Check one endpoint's invariants: non-empty id, address and cluster, `host:port` address
     /// ([`check_address`]), no control character in id, cluster, pool, models or LoRA
     /// adapters ([`check_label`]), non-zero block size, `kv_usage` finite and in 0..=1.
     /// The control plane's config and adapters use the same checks.
@@ -393,6 +393,11 @@ impl EndpointStats {
         }
         if self.address.is_empty() {
             return Err(("address", "is empty"));
+        }
+        // Cluster mode routes by it: an empty name sent requests to Envoy's bare 503
+        // (found by a breaker; kvroute-cp never writes one).
+        if self.cluster.is_empty() {
+            return Err(("cluster", "is empty"));
         }
         check_address(&self.address).map_err(|r| ("address", r))?;
         check_label(&self.id).map_err(|r| ("id", r))?;

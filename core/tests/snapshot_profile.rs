@@ -93,6 +93,10 @@ fn snapshot_validation_rejects_bad_values() {
         with(&|e| e.block_size = Some(0)),
         invalid("block_size", "is zero")
     );
+    assert_eq!(
+        with(&|e| e.cluster = String::new()),
+        invalid("cluster", "is empty")
+    );
     // Strings that become header values must not carry control characters (header
     // injection: found by QA with `"cluster":"bad\r\nx-inject: 1"`).
     assert_eq!(

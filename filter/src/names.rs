@@ -115,7 +115,8 @@ pub mod metric {
     pub const TTFB_MS: &str = "kvroute.ttfb_ms";
     /// |actual − estimated| prompt tokens as a percentage of actual (histogram).
     pub const ESTIMATE_ERROR_PCT: &str = "kvroute.estimate_error_pct";
-    /// Requests currently in this worker's admission queue (gauge).
+    /// Requests currently held in the admission queues, all workers together (gauge; each
+    /// worker adds its own queue's changes).
     pub const QUEUE_LENGTH: &str = "kvroute.queue_length";
     /// Reservations released at their stream's end (counter); with [`EXPIRED`], equals
     /// reservations made once traffic stops.

@@ -104,7 +104,7 @@ enum Body<'a> {
     /// buffer, so a saturated request of this kind can be held in the admission queue.
     None,
     /// One follows that the filter does not read: over `max_body_bytes` (declared, or
-    /// buffered past it), `Content-Encoding`, or an upgrade's. It is routed by load alone
+    /// buffered past it), `Content-Encoding`, or an upgrade's or a CONNECT's. It is routed by load alone
     /// and streams once decided; it is never held, since a paused stream makes Envoy
     /// buffer the body until `per_connection_buffer_limit_bytes`, where Envoy answers its
     /// own 413.
@@ -218,7 +218,10 @@ impl Stream {
                 host.set_request_header(name, None);
             }
         }
-        let upgrade = get("upgrade").is_some();
+        // A CONNECT's tunnel never ends its body, so waiting for the end would hold it
+        // until a timeout (found by a breaker: plain Envoy answers 404 at once); like an
+        // upgrade it is decided now.
+        let upgrade = get("upgrade").is_some() || get(":method") == Some(b"CONNECT".as_slice());
         let encoded = get("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"));
         let too_big = headers
             .get_str("content-length")
@@ -352,11 +355,7 @@ impl Stream {
                                 .push(parked, priority, size, bytes, now)
                                 .map_err(|e| e.bound)
                         });
-                        host.metric_record(
-                            MetricKind::Gauge,
-                            metric::QUEUE_LENGTH,
-                            w.admission.len() as u64,
-                        );
+                        w.report_queue_length(host);
                         r
                     };
                     match pushed {
@@ -700,11 +699,7 @@ impl Stream {
             let id = self.context_id;
             let mut w = self.worker.borrow_mut();
             w.admission.remove_where(|p| p.context_id == id);
-            host.metric_record(
-                MetricKind::Gauge,
-                metric::QUEUE_LENGTH,
-                w.admission.len() as u64,
-            );
+            w.report_queue_length(host);
         }
         self.release();
     }
@@ -906,6 +901,7 @@ mod tests {
             Some(("content-length", "101")),
             Some(("content-encoding", "gzip")),
             Some(("upgrade", "websocket")),
+            Some((":method", "CONNECT")),
         ] {
             let mut r = request(&h, "/v1/chat/completions", BODY);
             if let Some((k, v)) = extra {
@@ -917,7 +913,7 @@ mod tests {
             assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
             s.on_done(&r);
         }
-        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 4);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 5);
         // Releases reach the other workers (and the counter) with the tick.
         w.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
