@@ -490,6 +490,20 @@ async fn everything_saturated_holds_then_429_nothing_hangs() {
             (r, started.elapsed())
         });
     }
+    // While they are held the gauge reads max_queue, sample after sample: the worker adds
+    // its queue's changes, and Envoy's main-thread instance, which ticks with an empty queue,
+    // leaves it alone (set, it read 0 in most samples).
+    fleet
+        .wait_stat_at_least(&["wasmcustom.kvroute.queue_length"], MAX_QUEUE as u64)
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        let q = fleet.custom("kvroute.queue_length").await.unwrap();
+        if started.elapsed() < Duration::from_millis(HELD_MS - 200) {
+            assert_eq!(q, MAX_QUEUE as u64, "queue length while held");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (mut fast, mut held) = (0, 0);
     while let Some(res) = tasks.join_next().await {
         let (r, took) = res.unwrap();
