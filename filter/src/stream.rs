@@ -104,10 +104,10 @@ enum Body<'a> {
     /// buffer, so a saturated request of this kind can be held in the admission queue.
     None,
     /// One follows that the filter does not read: over `max_body_bytes` (declared, or
-    /// buffered past it), `Content-Encoding`, or an upgrade's or a CONNECT's. It is routed by load alone
-    /// and streams once decided; it is never held, since a paused stream makes Envoy
-    /// buffer the body until `per_connection_buffer_limit_bytes`, where Envoy answers its
-    /// own 413.
+    /// buffered past it), `Content-Encoding`, or an upgrade's or a CONNECT's tunnel. It is
+    /// routed by load alone and streams once decided; it is never held, since a paused
+    /// stream makes Envoy buffer the body until `per_connection_buffer_limit_bytes`, where
+    /// Envoy answers its own 413.
     Unread,
     /// The whole body, read (Envoy buffered it).
     Read(&'a [u8]),
@@ -221,7 +221,7 @@ impl Stream {
         // A CONNECT's tunnel never ends its body, so waiting for the end would hold it
         // until a timeout (found by a breaker: plain Envoy answers 404 at once); like an
         // upgrade it is decided now.
-        let upgrade = get("upgrade").is_some() || get(":method") == Some(b"CONNECT".as_slice());
+        let tunnel = get("upgrade").is_some() || get(":method") == Some(b"CONNECT".as_slice());
         let encoded = get("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"));
         let too_big = headers
             .get_str("content-length")
@@ -230,7 +230,7 @@ impl Stream {
         if end_of_stream {
             return self.decide(host, Body::None);
         }
-        if upgrade || encoded || too_big {
+        if tunnel || encoded || too_big {
             return self.decide(host, Body::Unread);
         }
         Flow::Pause
