@@ -35,7 +35,8 @@
 //! move the estimate gradually.
 //!
 //! State is a few floats per endpoint, bounded by [`MAX_ENDPOINTS`] (least recently
-//! observed dropped first). Envoy workers share the observations rather than the state:
+//! observed dropped first); the router drops an endpoint's state once a snapshot no longer
+//! lists it ([`PrefillRates::retain`]). Envoy workers share the observations rather than the state:
 //! each replays the others' ([`crate::observation`]), so every worker fits every sample.
 
 use std::collections::HashMap;
@@ -236,6 +237,12 @@ impl PrefillRates {
     /// Forget `endpoint` (it left the pool).
     pub fn remove(&mut self, endpoint: &str) {
         self.endpoints.remove(endpoint);
+    }
+
+    /// Keep only the endpoints for which `keep` is true (the router keeps those of the
+    /// snapshot in force, once per snapshot version).
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.endpoints.retain(|id, _| keep(id));
     }
 }
 

@@ -792,6 +792,12 @@ impl Router {
         }
         self.index.retain(|id| fleet.process_start.contains_key(id));
         self.index.set_endpoint_count(snap.endpoints.len());
+        // Learned prefill rates go with their endpoint, as its prefix index does: with
+        // endpoint ids churning (pods replaced), they filled up to the learner's bound and
+        // grew the filter's memory (found by a breaker).
+        self.picker
+            .prefill_rates_mut()
+            .retain(|id| fleet.process_start.contains_key(id));
         self.fleet = fleet;
     }
 
@@ -1561,5 +1567,13 @@ mod tests {
         );
         assert!(r.observe_first_token("pool/e1", 4000.0, 0.5));
         assert_eq!(r.prefill_rates().len(), 1);
+        // A snapshot without the endpoint drops what was learned of it; one with it keeps it.
+        assert!(r.observe_first_token("pool/e0", 4000.0, 0.5));
+        let t = InflightTable::default();
+        let snap = Snapshot::new(1, NOW, vec![ep(0, 0.1)]);
+        r.route(&snap, &t, "/v1/chat/completions", None, NOW);
+        assert_eq!(r.prefill_rates().len(), 1);
+        assert_eq!(r.prefill_rates().estimate("pool/e0").observations, 1);
+        assert_eq!(r.prefill_rates().estimate("pool/e1").observations, 0);
     }
 }
