@@ -552,8 +552,9 @@ pub enum ConfigError {
 /// rejects the whole snapshot for one such string (they end up in request headers).
 const CONTROL_REASON: &str = "must not contain control characters (CR, LF, NUL...)";
 
-/// Why a name over kvroute-core's `MAX_LABEL_BYTES` is refused (the same: one such name
-/// would make every filter reject every snapshot).
+/// Why a name over kvroute-core's `MAX_LABEL_BYTES` is refused: one that reaches a
+/// snapshot would make every filter reject every snapshot (gateway names, which do not,
+/// are metric labels and bounded alike).
 const LONG_REASON: &str = "must be at most 1024 bytes";
 
 /// Why `s` cannot go into a snapshot as a name (kvroute-core's `check_label`), or `None`:
@@ -797,7 +798,8 @@ impl RawConfig {
                     return Err(invalid(at("name"), e.name.escape_debug(), reason));
                 }
                 // The endpoint's id is `pool/name`: bounded like each part.
-                if pool.name.len() + 1 + e.name.len() > kvroute_core::snapshot::MAX_LABEL_BYTES {
+                let id = format!("{}/{}", pool.name, e.name);
+                if id.len() > kvroute_core::snapshot::MAX_LABEL_BYTES {
                     return Err(invalid(
                         at("name"),
                         &e.name,
@@ -861,7 +863,7 @@ impl RawConfig {
                     return Err(invalid(at("cluster"), cluster.escape_debug(), reason));
                 }
                 endpoints.push(EndpointSpec {
-                    id: format!("{}/{}", pool.name, e.name),
+                    id,
                     pool: pool.name.clone(),
                     address: e.address.clone(),
                     metrics_url,

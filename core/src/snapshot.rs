@@ -1,8 +1,8 @@
 //! Routing snapshot: the per-endpoint state the control plane publishes to every filter.
 //!
 //! Validation ([`Snapshot::validate`], run by [`Snapshot::decode`]) rejects an unknown
-//! `format`, duplicate or empty ids, an address that is not `host:port` (IPv6 hosts in
-//! brackets), `kv_usage` that is NaN, infinite, negative or above 1, a zero block size, an
+//! `format`, duplicate or empty ids, an empty cluster, an address that is not `host:port`
+//! (IPv6 hosts in brackets), a control character in any name, `kv_usage` that is NaN, infinite, negative or above 1, a zero block size, an
 //! empty or control-character name in `unavailable_models`, and any name or address longer
 //! than [`MAX_LABEL_BYTES`].
 //! Negative counts cannot be represented (unsigned fields) and fail decoding.
@@ -342,7 +342,7 @@ impl Snapshot {
     }
 
     /// Check the invariants: known format, no duplicate ids, finite non-negative numbers,
-    /// `kv_usage` in 0..=1, non-empty id, `host:port` address, non-zero block size, and
+    /// `kv_usage` in 0..=1, each endpoint's own checks ([`EndpointStats::validate`]), and
     /// `unavailable_models` names non-empty without control characters and at most
     /// [`MAX_LABEL_BYTES`] ([`check_label`]: they are named in replies and logs like the
     /// endpoints' models).

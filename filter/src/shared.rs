@@ -175,8 +175,8 @@ pub fn next_worker_number<H: Host>(host: &H) -> Result<u32, SharedError> {
 }
 
 /// A decode at least this long, µs, holds its snapshot for [`HOLD_FACTOR`] times as long
-/// ([`SnapshotCache::current`]). A 16-endpoint snapshot decodes in tens of µs: below it,
-/// nothing is held and no clock is read.
+/// ([`SnapshotCache::current`]); a faster one holds nothing. A 16-endpoint snapshot
+/// decodes in tens of µs (and, under [`HOLD_MIN_BYTES`], is not even timed).
 pub const HOLD_AFTER_DECODE_US: u64 = 200;
 
 /// How long a slow decode holds its snapshot, in multiples of the decode's own time: 9, so
