@@ -136,4 +136,18 @@ pub mod metric {
     pub const INFLIGHT_UNSEEN_REQUESTS: &str = "kvroute.inflight_unseen.requests.";
     /// Prefix of the per-endpoint gauge of those requests' reserved KV demand, tokens.
     pub const INFLIGHT_UNSEEN_TOKENS: &str = "kvroute.inflight_unseen.tokens.";
+
+    /// An endpoint id as it follows [`INFLIGHT_UNSEEN_REQUESTS`] or
+    /// [`INFLIGHT_UNSEEN_TOKENS`] in a stat name: each `.` replaced by `_`. Envoy splits stat
+    /// names at dots; with the id itself in the name, ids with dots in odd places (`.`,
+    /// `..`, a trailing dot) came out of `/stats/prometheus` under names the control plane
+    /// could not match (with ids `sim/replica.0.`, kvroute-cp read no load at all:
+    /// `integration/tests/cp_herd.rs`). kvroute-cp's `peers::sanitize` maps every byte
+    /// outside `[a-zA-Z0-9_]` to `_`, as Envoy's Prometheus output does, so the Prometheus
+    /// name of any id without dots is unchanged by this. Ids that differ only by `.` and `_`
+    /// share one gauge (the filter writes their sum; kvroute-cp ignores such ambiguous
+    /// names).
+    pub fn stat_id(id: &str) -> String {
+        id.replace('.', "_")
+    }
 }

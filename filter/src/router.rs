@@ -164,10 +164,10 @@ pub struct Worker {
     learned_seen: u64,
     /// When the journals were last synced (Unix ms).
     affinity_synced_ms: u64,
-    /// Endpoints whose per-endpoint in-flight gauges this worker last set above zero (set
-    /// back to 0 once their load is gone).
+    /// Endpoints ([`metric::stat_id`] of their ids) whose per-endpoint in-flight gauges
+    /// this worker last set above zero (set back to 0 once their load is gone).
     exported_unseen: std::collections::BTreeSet<String>,
-    /// Endpoints whose per-endpoint gauges this worker has defined, and the snapshot version
+    /// Endpoints ([`metric::stat_id`]) whose per-endpoint gauges this worker has defined, and the snapshot version
     /// they were last checked against: handles of endpoints that left the snapshot are
     /// dropped, so they stay bounded by the fleet in force (endpoint churn).
     gauge_endpoints: std::collections::BTreeSet<String>,
@@ -380,50 +380,59 @@ impl Worker {
                 .map(|e| (e.id.as_str(), e.scraped_at_ms))
                 .collect();
             // Only endpoints of the snapshot in force: load on one that left is of no
-            // use to the other gateways.
-            let mut unseen = t.unseen_totals(now, |id| scraped.get(id).copied());
-            unseen.retain(|id, _| scraped.contains_key(id.as_str()));
-            let mut name = String::new();
-            let mut set = |prefix: &str, id: &str, v: u64| {
-                name.clear();
-                name.push_str(prefix);
-                name.push_str(id);
-                host.gauge_set_named(&name, v);
-            };
-            for (id, l) in unseen.iter().filter(|(_, l)| l.requests > 0) {
-                set(metric::INFLIGHT_UNSEEN_REQUESTS, id, u64::from(l.requests));
-                set(metric::INFLIGHT_UNSEEN_TOKENS, id, l.tokens);
-            }
-            for id in &self.exported_unseen {
-                if unseen.get(id).is_none_or(|l| l.requests == 0) {
-                    set(metric::INFLIGHT_UNSEEN_REQUESTS, id, 0);
-                    set(metric::INFLIGHT_UNSEEN_TOKENS, id, 0);
+            // use to the other gateways. Keyed by the id as it goes into the stat name
+            // ([`metric::stat_id`]): ids that differ only by `.` and `_` share one gauge,
+            // which holds their sum.
+            let mut unseen: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+            for (id, l) in t.unseen_totals(now, |id| scraped.get(id).copied()) {
+                if l.requests > 0 && scraped.contains_key(id.as_str()) {
+                    let e = unseen.entry(metric::stat_id(&id)).or_default();
+                    e.0 += u64::from(l.requests);
+                    e.1 += l.tokens;
                 }
             }
-            self.exported_unseen = unseen
-                .into_iter()
-                .filter(|(_, l)| l.requests > 0)
-                .map(|(id, _)| id)
-                .collect();
+            let mut name = String::new();
+            let mut set = |prefix: &str, key: &str, v: u64| {
+                name.clear();
+                name.push_str(prefix);
+                name.push_str(key);
+                host.gauge_set_named(&name, v);
+            };
+            for (key, &(requests, tokens)) in &unseen {
+                set(metric::INFLIGHT_UNSEEN_REQUESTS, key, requests);
+                set(metric::INFLIGHT_UNSEEN_TOKENS, key, tokens);
+            }
+            for key in &self.exported_unseen {
+                if !unseen.contains_key(key) {
+                    set(metric::INFLIGHT_UNSEEN_REQUESTS, key, 0);
+                    set(metric::INFLIGHT_UNSEEN_TOKENS, key, 0);
+                }
+            }
+            self.exported_unseen = unseen.into_keys().collect();
             self.gauge_endpoints
                 .extend(self.exported_unseen.iter().cloned());
             if snap.version != self.gauge_version {
                 self.gauge_version = snap.version;
+                let live: std::collections::BTreeSet<String> = snap
+                    .endpoints
+                    .iter()
+                    .map(|e| metric::stat_id(&e.id))
+                    .collect();
                 let gone: Vec<String> = self
                     .gauge_endpoints
                     .iter()
-                    .filter(|id| !scraped.contains_key(id.as_str()))
+                    .filter(|key| !live.contains(key.as_str()))
                     .cloned()
                     .collect();
-                for id in gone {
-                    self.gauge_endpoints.remove(&id);
+                for key in gone {
+                    self.gauge_endpoints.remove(&key);
                     for prefix in [
                         metric::INFLIGHT_UNSEEN_REQUESTS,
                         metric::INFLIGHT_UNSEEN_TOKENS,
                     ] {
                         name.clear();
                         name.push_str(prefix);
-                        name.push_str(&id);
+                        name.push_str(&key);
                         host.gauge_set_named(&name, 0);
                         host.forget_named_gauge(&name);
                     }
@@ -1006,6 +1015,81 @@ mod tests {
         *h.named_gauges.borrow_mut() = BTreeMap::new();
         w.record_gauges(&h, 1_042);
         assert!(h.named_gauges.borrow().is_empty());
+    }
+
+    /// Envoy splits stat names at dots: an id's dots go into its gauge names as `_`, and
+    /// ids that then read the same (`pool/a.b.`, `pool/a_b_`) share one gauge, their sum;
+    /// it goes back to 0 and is dropped as one.
+    #[test]
+    fn dotted_ids_make_dot_free_gauge_names() {
+        let h = MockHost::new(1_000);
+        crate::shared::ensure_keys(&h).unwrap();
+        let ids = ["pool/a.b.", "pool/a_b_", "pool/.", "pool/e0"];
+        let eps: Vec<EndpointStats> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let mut e = endpoint(i, 900);
+                e.id = (*id).to_owned();
+                e
+            })
+            .collect();
+        crate::shared::publish_snapshot(&h, &Snapshot::new(1, 1_000, eps).encode()).unwrap();
+        let mut w = numbered(&h, "{}");
+        for (n, (id, tokens)) in [("pool/a.b.", 100), ("pool/a_b_", 50), ("pool/.", 7)]
+            .into_iter()
+            .enumerate()
+        {
+            w.inflight
+                .reserve(n as u64 + 1, id, tokens, 0, 1_000, 60_000);
+        }
+        w.record_gauges(&h, 1_000);
+        let gauges = h.named_gauges.borrow().clone();
+        assert_eq!(
+            gauges,
+            BTreeMap::from(
+                [
+                    ("kvroute.inflight_unseen.requests.pool/_", 1),
+                    ("kvroute.inflight_unseen.requests.pool/a_b_", 2),
+                    ("kvroute.inflight_unseen.tokens.pool/_", 7),
+                    ("kvroute.inflight_unseen.tokens.pool/a_b_", 150),
+                ]
+                .map(|(k, v)| (k.to_owned(), v))
+            )
+        );
+        // One of the pair ends: the shared gauge holds the other's load.
+        w.inflight.release(1);
+        w.record_gauges(&h, 1_001);
+        assert_eq!(
+            h.named_gauges
+                .borrow()
+                .get("kvroute.inflight_unseen.tokens.pool/a_b_"),
+            Some(&50)
+        );
+        // Both leave the fleet: the gauge goes to 0 and is dropped once per name.
+        let rest = vec![{
+            let mut e = endpoint(3, 1_000);
+            e.id = "pool/e0".to_owned();
+            e
+        }];
+        crate::shared::publish_snapshot(&h, &Snapshot::new(2, 1_000, rest).encode()).unwrap();
+        w.record_gauges(&h, 1_002);
+        assert_eq!(
+            h.named_gauges
+                .borrow()
+                .get("kvroute.inflight_unseen.requests.pool/a_b_"),
+            Some(&0)
+        );
+        assert_eq!(
+            *h.forgotten_gauges.borrow(),
+            [
+                "kvroute.inflight_unseen.requests.pool/_",
+                "kvroute.inflight_unseen.tokens.pool/_",
+                "kvroute.inflight_unseen.requests.pool/a_b_",
+                "kvroute.inflight_unseen.tokens.pool/a_b_",
+            ]
+            .map(str::to_owned)
+        );
     }
 
     /// A control plane whose clock runs 1 s ahead of Envoy's: its snapshot's times are

@@ -97,7 +97,8 @@ fn cp_yaml(sims: &FleetHandle, a: &Gateway, b: &Gateway, share: bool) -> String 
     ));
     for (i, addr) in sims.addrs().iter().enumerate() {
         y.push_str(&format!(
-            "      - {{name: replica-{i}, address: '{addr}', cluster: c{i}}}\n"
+            "      - {{name: '{}', address: '{addr}', cluster: c{i}}}\n",
+            name(i)
         ));
     }
     y
@@ -113,7 +114,18 @@ fn body(n: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-/// The endpoint id in the decision header (`…;endpoint=sim/replica-2;…`).
+/// Replica `i`'s endpoint name: dotted, with a trailing dot, as Envoy splits stat names at
+/// dots (the filter's `metric::stat_id` keeps them out of its per-endpoint gauge names).
+fn name(i: usize) -> String {
+    format!("replica.{i}.")
+}
+
+/// Replica `i`'s endpoint id.
+fn id(i: usize) -> String {
+    format!("sim/{}", name(i))
+}
+
+/// The endpoint id in the decision header (`…;endpoint=sim/replica.2.;…`).
 fn endpoint_of(decision: &str) -> String {
     decision
         .split(';')
@@ -216,26 +228,16 @@ async fn round(
                 stats.text()
             );
             assert_eq!(
-                kvroute_cp::peers::parse(
-                    &full.body,
-                    &(0..REPLICAS)
-                        .map(|i| format!("sim/replica-{i}"))
-                        .collect::<Vec<_>>()
-                )
-                .unwrap()
-                .load,
-                kvroute_cp::peers::parse(
-                    &stats.body,
-                    &(0..REPLICAS)
-                        .map(|i| format!("sim/replica-{i}"))
-                        .collect::<Vec<_>>()
-                )
-                .unwrap()
-                .load,
+                kvroute_cp::peers::parse(&full.body, &(0..REPLICAS).map(id).collect::<Vec<_>>())
+                    .unwrap()
+                    .load,
+                kvroute_cp::peers::parse(&stats.body, &(0..REPLICAS).map(id).collect::<Vec<_>>())
+                    .unwrap()
+                    .load,
                 "the filtered body reads the same as the full one"
             );
             let text = stats.text();
-            let ids: Vec<String> = (0..REPLICAS).map(|i| format!("sim/replica-{i}")).collect();
+            let ids: Vec<String> = (0..REPLICAS).map(id).collect();
             let parsed = kvroute_cp::peers::parse(&stats.body, &ids).unwrap();
             assert_eq!(parsed.bad_values, 0);
             assert!(parsed.ambiguous.is_empty());
