@@ -55,8 +55,8 @@ struct Settings {
     token: TokenRx,
     /// Where the ingest token comes from (file or env var), named in 401 logs.
     token_source: Arc<str>,
-    /// The current scrape token.
-    scrape_token: TokenRx,
+    /// The current scrape tokens.
+    scrape_token: ScrapeTokens,
     kube: Option<kube::Client>,
     tls: Tls,
 }
@@ -79,21 +79,62 @@ impl Tls {
 }
 
 fn start_token(s: &TokenSettings, t: &Telemetry) -> Result<TokenSource, ConfigError> {
-    TokenSource::start(s, t.file_reload_failures(s.section.file_field()))
+    TokenSource::start(s, t.file_reload_failures(&s.section.file_field()))
 }
 
 /// The token sources of both directions; dropping one stops watching its file.
 struct Tokens {
     push: TokenSource,
     scrape: TokenSource,
+    /// Pools with their own scrape token, by pool name.
+    pools: BTreeMap<String, TokenSource>,
 }
 
 impl Tokens {
     fn start(c: &Config, t: &Telemetry) -> Result<Self, ConfigError> {
+        let mut pools = BTreeMap::new();
+        for (name, s) in &c.scrape.pool_tokens {
+            pools.insert(name.clone(), start_token(s, t)?);
+        }
         Ok(Self {
             push: start_token(&c.push.token(), t)?,
             scrape: start_token(&c.scrape.token(), t)?,
+            pools,
         })
+    }
+
+    fn scrape_tokens(&self) -> ScrapeTokens {
+        ScrapeTokens {
+            default: self.scrape.subscribe(),
+            pools: self
+                .pools
+                .iter()
+                .map(|(name, s)| (name.clone(), s.subscribe()))
+                .collect(),
+        }
+    }
+}
+
+/// The current scrape tokens: `scrape.token_*`'s and each pool's own.
+#[derive(Clone)]
+struct ScrapeTokens {
+    default: TokenRx,
+    pools: BTreeMap<String, TokenRx>,
+}
+
+impl ScrapeTokens {
+    /// The token of `pool`'s endpoints: its own, else `scrape.token_*`'s.
+    fn for_pool(&self, pool: &str) -> TokenRx {
+        self.pools.get(pool).unwrap_or(&self.default).clone()
+    }
+
+    /// Every token's current value, to tell when one changed under the same settings (a
+    /// token from an environment variable).
+    fn values(&self) -> Vec<Option<Arc<str>>> {
+        std::iter::once(&self.default)
+            .chain(self.pools.values())
+            .map(|rx| rx.borrow().clone())
+            .collect()
     }
 }
 
@@ -159,7 +200,7 @@ impl ControlPlane {
                 "no ingest token found; pushing without Authorization (a filter with an `ingest_token` answers 401)"
             );
         }
-        warn_no_scrape_token(&config.scrape, &tokens.scrape);
+        warn_no_scrape_token(&config.scrape, &tokens.scrape, &tokens.pools);
         let kube = kube_client(&config.kubernetes).await?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -187,7 +228,7 @@ impl ControlPlane {
             kubernetes: config.kubernetes.clone(),
             token: tokens.push.subscribe(),
             token_source: config.push.token_source().into(),
-            scrape_token: tokens.scrape.subscribe(),
+            scrape_token: tokens.scrape_tokens(),
             kube,
             tls,
         };
@@ -273,15 +314,25 @@ impl ControlPlane {
     }
 }
 
-/// Warn when scrape token settings are given but hold no token (an unset or blank variable):
-/// servers that want a key answer every scrape 401. Names the source, never a token.
-fn warn_no_scrape_token(s: &ScrapeSettings, source: &TokenSource) {
-    let token = s.token();
-    if let (Some(from), None) = (token.source(), source.subscribe().borrow().as_ref()) {
-        tracing::warn!(
-            source = %from,
-            "no scrape token found; scraping without Authorization (a server started with an API key answers 401)"
-        );
+/// Warn when scrape token settings (`scrape.token_*`, or a pool's own) are given but hold
+/// no token (an unset or blank variable): servers that want a key answer every scrape 401.
+/// Names the source, never a token.
+fn warn_no_scrape_token(
+    s: &ScrapeSettings,
+    default: &TokenSource,
+    pools: &BTreeMap<String, TokenSource>,
+) {
+    let own = s
+        .pool_tokens
+        .iter()
+        .filter_map(|(name, t)| Some((t.clone(), pools.get(name)?)));
+    for (settings, source) in std::iter::once((s.token(), default)).chain(own) {
+        if let (Some(from), None) = (settings.source(), source.subscribe().borrow().as_ref()) {
+            tracing::warn!(
+                source = %from,
+                "no scrape token found; scraping without Authorization (a server started with an API key answers 401)"
+            );
+        }
     }
 }
 
@@ -304,7 +355,7 @@ fn start_watches(
             client.clone(),
             p.clone(),
             scrape_client.clone(),
-            s.scrape_token.clone(),
+            s.scrape_token.for_pool(&p.name),
             endpoints.clone(),
             stop_rx,
         ));
@@ -412,7 +463,7 @@ async fn supervise(
                     scrape_client.clone(),
                     spec.clone(),
                     settings.scrape.clone(),
-                    settings.scrape_token.clone(),
+                    settings.scrape_token.for_pool(&spec.pool),
                     stop_rx,
                 ));
                 scrapers.insert(spec.id.clone(), (spec.clone(), stop, task));
@@ -463,7 +514,8 @@ async fn supervise(
                     // which keep watching the same files.
                     // A token from an env var can change under the same settings.
                     let scrape_token_changed = config.scrape.token() != settings.scrape.token()
-                        || *tokens.scrape.subscribe().borrow() != *settings.scrape_token.borrow();
+                        || config.scrape.pool_tokens != settings.scrape.pool_tokens
+                        || tokens.scrape_tokens().values() != settings.scrape_token.values();
                     restart_scrapers = config.scrape != settings.scrape || scrape_token_changed;
                     restart_pushers = config.push != settings.push
                         || *tokens.push.subscribe().borrow() != *settings.token.borrow();
@@ -497,9 +549,10 @@ async fn supervise(
                         settings.token = _tokens.push.subscribe();
                     }
                     if restart_scrapers {
-                        warn_no_scrape_token(&config.scrape, &tokens.scrape);
+                        warn_no_scrape_token(&config.scrape, &tokens.scrape, &tokens.pools);
                         _tokens.scrape = tokens.scrape;
-                        settings.scrape_token = _tokens.scrape.subscribe();
+                        _tokens.pools = tokens.pools;
+                        settings.scrape_token = _tokens.scrape_tokens();
                     }
                     settings.token_source = config.push.token_source().into();
                     settings.scrape = config.scrape;

@@ -3,7 +3,8 @@
 //! Beyond parsing and validating ([`crate::config`]), the check reports what is otherwise
 //! only visible at run time:
 //! - whether an ingest token was found, and where from (never the token itself);
-//! - with `scrape.token_file` or `scrape.token_env` set, the same for the scrape token;
+//! - with `scrape.token_file` or `scrape.token_env` set, the same for the scrape token, and
+//!   for each pool with its own (`scrape_token_file`, `scrape_token_env`);
 //! - which endpoints' Envoy `cluster` defaults to their pool's name (cluster mode routes to
 //!   that cluster, so a missing Envoy cluster of that name is a 503 at request time);
 //! - with an Envoy config (`--envoy-config`), a cross-check: every endpoint's cluster is
@@ -346,12 +347,14 @@ fn written_as_envoy_ip(address: &str) -> bool {
 /// Check a validated config (`raw` is the same file as written, for what was defaulted)
 /// and optionally an Envoy config's text. `token` and `scrape_token` are what
 /// [`crate::config::TokenSettings::read`] returned for `config.push.token()` and
-/// `config.scrape.token()`; only their lengths are reported.
+/// `config.scrape.token()`, `pool_tokens` for each pool of `config.scrape.pool_tokens`
+/// (by pool name); only their lengths are reported.
 pub fn check(
     raw: &RawConfig,
     config: &Config,
     token: Option<&str>,
     scrape_token: Option<&str>,
+    pool_tokens: &BTreeMap<String, Option<String>>,
     envoy_yaml: Option<&str>,
 ) -> Report {
     let mut out = Vec::new();
@@ -370,10 +373,15 @@ pub fn check(
              ingest filter with an `ingest_token` answers them 401"
         ))),
     }
+    let which = if config.scrape.pool_tokens.is_empty() {
+        "every scrape"
+    } else {
+        "every scrape of a pool without its own token"
+    };
     if let Some(source) = config.scrape.token().source() {
         out.push(Finding::Note(match scrape_token {
             Some(t) => format!(
-                "scrape token: found in {source} ({} bytes); every scrape carries it",
+                "scrape token: found in {source} ({} bytes); {which} carries it",
                 t.len()
             ),
             None => format!(
@@ -381,6 +389,21 @@ pub fn check(
                  model server started with an API key (llama-server `--api-key`) answers them 401"
             ),
         }));
+    }
+    for (pool, settings) in &config.scrape.pool_tokens {
+        let source = settings.source().unwrap_or_default();
+        out.push(Finding::Note(
+            match pool_tokens.get(pool).and_then(Option::as_ref) {
+                Some(t) => format!(
+                "scrape token of pool `{pool}`: found in {source} ({} bytes); its scrapes carry it",
+                t.len()
+            ),
+                None => format!(
+                    "scrape token of pool `{pool}`: none found in {source}: its scrapes carry no \
+                 Authorization, and a model server started with an API key answers them 401"
+                ),
+            },
+        ));
     }
     let unshared: Vec<&str> = config
         .targets
@@ -700,6 +723,7 @@ mod tests {
             &config,
             Some("tok-0123456789abcdef"),
             None,
+            &BTreeMap::new(),
             Some(&yaml),
         );
         (r.findings[2..].to_vec(), r.envoy_matched)
@@ -780,6 +804,7 @@ mod tests {
             &config,
             Some("tok-0123456789abcdef"),
             None,
+            &BTreeMap::new(),
             Some(envoy_yaml),
         );
         (r.findings[1..].to_vec(), r.envoy_matched)
@@ -1125,6 +1150,7 @@ mod tests {
                 &config,
                 Some("tok-0123456789abcdef"),
                 None,
+                &BTreeMap::new(),
                 Some(&envoy(443, r#"{"mode":"endpoint"}"#)),
             )
         };

@@ -16,7 +16,9 @@
 //! - `push.token_env` `KVROUTE_INGEST_TOKEN`, `scrape.token_*` unset: the ingest always takes
 //!   a token, while most model servers take none; a llama-server started with `--api-key`
 //!   answers 401 on `/metrics` and `/slots` without one. Both sections read their bearer
-//!   token the same way ([`TokenSettings`]).
+//!   token the same way ([`TokenSettings`]). A pool's own `scrape_token_file` /
+//!   `scrape_token_env` replaces `scrape.token_*` for its endpoints, so a key goes only to
+//!   the model servers that asked for it.
 
 use crate::adapters::ServerKind;
 use serde::Deserialize;
@@ -261,6 +263,14 @@ pub struct RawInferencePool {
     /// `http` or `https` for scrapes and `/v1/models` (default `http`).
     #[serde(default = "default_scheme")]
     pub scheme: String,
+    /// File holding this pool's scrape bearer token (`/metrics`, `/slots`, `/v1/models`),
+    /// instead of `scrape.token_*`. Wins over `scrape_token_env`.
+    #[serde(default)]
+    pub scrape_token_file: Option<PathBuf>,
+    /// Environment variable holding this pool's scrape bearer token, instead of
+    /// `scrape.token_*`.
+    #[serde(default)]
+    pub scrape_token_env: Option<String>,
 }
 
 fn default_metrics_path() -> String {
@@ -333,6 +343,14 @@ pub struct RawPool {
     pub models: Vec<String>,
     /// Endpoints (model-server replicas).
     pub endpoints: Vec<RawEndpoint>,
+    /// File holding this pool's scrape bearer token, instead of `scrape.token_*`. Wins
+    /// over `scrape_token_env`.
+    #[serde(default)]
+    pub scrape_token_file: Option<PathBuf>,
+    /// Environment variable holding this pool's scrape bearer token, instead of
+    /// `scrape.token_*`.
+    #[serde(default)]
+    pub scrape_token_env: Option<String>,
 }
 
 /// One model-server endpoint.
@@ -415,6 +433,9 @@ pub struct PoolWatch {
     pub metrics_path: String,
     /// `http` or `https`.
     pub scheme: String,
+    /// The pool's own scrape token (`scrape_token_file` / `scrape_token_env`); `None`: the
+    /// `scrape.token_*` one.
+    pub scrape_token: Option<TokenSettings>,
 }
 
 /// A validated gateway pod watch.
@@ -453,6 +474,10 @@ pub struct ScrapeSettings {
     pub token_file: Option<PathBuf>,
     /// Scrape token env var name (`scrape.token_env`); `None`: no variable is read.
     pub token_env: Option<String>,
+    /// Pools with their own scrape token (`pools[].scrape_token_*`,
+    /// `kubernetes.inference_pools[].scrape_token_*`), by pool name: their endpoints get it
+    /// instead of [`Self::token`]'s ([`Self::token_for`]).
+    pub pool_tokens: BTreeMap<String, TokenSettings>,
 }
 
 /// Validated push settings.
@@ -875,12 +900,23 @@ impl RawConfig {
             }
         }
         let mut pool_models = BTreeMap::new();
-        for pool in &self.pools {
+        let mut pool_tokens = BTreeMap::new();
+        for (pi, pool) in self.pools.iter().enumerate() {
             pool_models.insert(pool.name.clone(), pool.models.clone());
+            if let Some(t) = pool_token(
+                format!("pools[{pi}]"),
+                &pool.scrape_token_file,
+                &pool.scrape_token_env,
+            )? {
+                pool_tokens.insert(pool.name.clone(), t);
+            }
         }
         let kubernetes = self.kubernetes.validate(&pools)?;
         for p in &kubernetes.pools {
             pool_models.insert(p.name.clone(), p.models.clone());
+            if let Some(t) = &p.scrape_token {
+                pool_tokens.insert(p.name.clone(), t.clone());
+            }
         }
         Ok(Config {
             kubernetes,
@@ -894,6 +930,7 @@ impl RawConfig {
                 tls: s.tls.validate("scrape.tls")?,
                 token_file: s.token_file.clone(),
                 token_env: s.token_env.clone(),
+                pool_tokens,
             },
             push: PushSettings {
                 heartbeat,
@@ -999,6 +1036,11 @@ impl RawKubernetes {
             if p.metrics_port == Some(0) {
                 return Err(invalid(at("metrics_port"), 0, "must be in 1..=65535"));
             }
+            let scrape_token = pool_token(
+                format!("kubernetes.inference_pools[{i}]"),
+                &p.scrape_token_file,
+                &p.scrape_token_env,
+            )?;
             pools.push(PoolWatch {
                 namespace,
                 name,
@@ -1008,6 +1050,7 @@ impl RawKubernetes {
                 metrics_port: p.metrics_port,
                 metrics_path: url_path(&at("metrics_path"), &p.metrics_path)?,
                 scheme: scheme(&at("scheme"), &p.scheme)?,
+                scrape_token,
             });
         }
         let mut gnames = BTreeSet::new();
@@ -1086,38 +1129,77 @@ impl ScrapeSettings {
             env: self.token_env.clone(),
         }
     }
+
+    /// Where the scrape token of `pool`'s endpoints comes from: the pool's own settings
+    /// when it has them ([`Self::pool_tokens`]), else [`Self::token`].
+    pub fn token_for(&self, pool: &str) -> TokenSettings {
+        self.pool_tokens
+            .get(pool)
+            .cloned()
+            .unwrap_or_else(|| self.token())
+    }
+}
+
+/// A pool's own scrape token settings (`<at>.scrape_token_file`, `<at>.scrape_token_env`,
+/// `at` being `pools[0]` or `kubernetes.inference_pools[0]`); `None` when neither is set.
+/// Errors: an empty variable name.
+fn pool_token(
+    at: String,
+    file: &Option<PathBuf>,
+    env: &Option<String>,
+) -> Result<Option<TokenSettings>, ConfigError> {
+    if file.is_none() && env.is_none() {
+        return Ok(None);
+    }
+    let section = TokenFor::Pool { at };
+    section.check_env(env.as_deref())?;
+    Ok(Some(TokenSettings {
+        section,
+        file: file.clone(),
+        env: env.clone(),
+    }))
 }
 
 /// The config section a bearer token belongs to. It names the fields in errors, logs,
 /// `--check` and the `source` label of `kvroute_cp_file_reload_failures_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum TokenFor {
     /// The ingest token sent with every push (`push.token_file`, `push.token_env`).
     Push,
     /// The model servers' API key sent with every scrape (`scrape.token_file`,
     /// `scrape.token_env`).
     Scrape,
+    /// One pool's own API key, sent with the scrapes of its endpoints instead of
+    /// [`Self::Scrape`]'s: `at` is the pool's place in the file (`pools[1]`,
+    /// `kubernetes.inference_pools[0]`), whose `scrape_token_file` and `scrape_token_env`
+    /// hold it.
+    Pool {
+        /// `pools[i]` or `kubernetes.inference_pools[i]`.
+        at: String,
+    },
 }
 
 impl TokenFor {
-    /// `push.token_file` or `scrape.token_file`.
-    pub fn file_field(self) -> &'static str {
+    /// `push.token_file`, `scrape.token_file` or `pools[i].scrape_token_file`.
+    pub fn file_field(&self) -> std::borrow::Cow<'static, str> {
         match self {
-            Self::Push => "push.token_file",
-            Self::Scrape => "scrape.token_file",
+            Self::Push => "push.token_file".into(),
+            Self::Scrape => "scrape.token_file".into(),
+            Self::Pool { at } => format!("{at}.scrape_token_file").into(),
         }
     }
 
-    /// `push.token_env` or `scrape.token_env`.
-    pub fn env_field(self) -> &'static str {
+    /// `push.token_env`, `scrape.token_env` or `pools[i].scrape_token_env`.
+    pub fn env_field(&self) -> std::borrow::Cow<'static, str> {
         match self {
-            Self::Push => "push.token_env",
-            Self::Scrape => "scrape.token_env",
+            Self::Push => "push.token_env".into(),
+            Self::Scrape => "scrape.token_env".into(),
+            Self::Pool { at } => format!("{at}.scrape_token_env").into(),
         }
     }
 
     /// Refuse an empty variable name.
-    fn check_env(self, env: Option<&str>) -> Result<(), ConfigError> {
+    fn check_env(&self, env: Option<&str>) -> Result<(), ConfigError> {
         match env {
             Some("") => Err(invalid(self.env_field(), "", "must not be empty")),
             _ => Ok(()),
@@ -1128,7 +1210,7 @@ impl TokenFor {
 /// Where one bearer token is read from: `file` (wins) or the environment variable `env`.
 /// Read at start, on reload, by `--check`, and on every change of `file`
 /// ([`crate::token::TokenSource`]); sent as `Authorization: Bearer <token>`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TokenSettings {
     /// Section whose field names appear in errors.
     pub section: TokenFor,
@@ -1153,12 +1235,12 @@ impl TokenSettings {
         let file_field = self.section.file_field();
         if let Some(path) = &self.file {
             let t = std::fs::read_to_string(path)
-                .map_err(|e| invalid(file_field, path.display(), format!("cannot read: {e}")))?;
+                .map_err(|e| invalid(&*file_field, path.display(), format!("cannot read: {e}")))?;
             let Some(t) = trimmed_token(&t) else {
-                return Err(invalid(file_field, path.display(), "file is empty"));
+                return Err(invalid(&*file_field, path.display(), "file is empty"));
             };
             if !is_header_safe(&t) {
-                return Err(invalid(file_field, path.display(), TOKEN_REASON));
+                return Err(invalid(&*file_field, path.display(), TOKEN_REASON));
             }
             return Ok(Some(t));
         }

@@ -62,7 +62,7 @@ impl FileWatch {
     /// bumps `failures`. Must run inside a tokio runtime.
     pub fn spawn<F>(
         paths: Vec<PathBuf>,
-        source: &'static str,
+        source: std::borrow::Cow<'static, str>,
         failures: Counter,
         mut reload: F,
     ) -> Self
@@ -70,7 +70,7 @@ impl FileWatch {
         F: FnMut() -> Result<Reloaded, String> + Send + 'static,
     {
         let (ev_tx, mut ev_rx) = tokio::sync::mpsc::channel::<()>(1);
-        let watcher = watch_dirs(&paths, source, ev_tx);
+        let watcher = watch_dirs(&paths, &source, ev_tx);
         let mut events_open = watcher.is_some();
         let mut last = fingerprint(&paths);
         let task = tokio::spawn(async move {
@@ -86,14 +86,14 @@ impl FileWatch {
                 }
                 last = now;
                 match reload() {
-                    Ok(Reloaded::Changed) => tracing::info!(source, "reloaded from changed files"),
+                    Ok(Reloaded::Changed) => tracing::info!(%source, "reloaded from changed files"),
                     Ok(Reloaded::Same) => {
-                        tracing::debug!(source, "files changed, content equivalent")
+                        tracing::debug!(%source, "files changed, content equivalent")
                     }
                     Ok(Reloaded::Stop) => return,
                     Err(reason) => {
                         failures.inc();
-                        tracing::warn!(source, error = %reason, "changed files unusable; keeping the previous ones");
+                        tracing::warn!(%source, error = %reason, "changed files unusable; keeping the previous ones");
                     }
                 }
             }
@@ -107,7 +107,7 @@ impl FileWatch {
 
 fn watch_dirs(
     paths: &[PathBuf],
-    source: &'static str,
+    source: &str,
     tx: tokio::sync::mpsc::Sender<()>,
 ) -> Option<notify::RecommendedWatcher> {
     use notify::Watcher;

@@ -107,6 +107,13 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         (Ok(t), Ok(s)) => (t, s),
         (Err(e), _) | (_, Err(e)) => return check_failed(e),
     };
+    let mut pool_tokens = std::collections::BTreeMap::new();
+    for (pool, settings) in &config.scrape.pool_tokens {
+        match settings.read() {
+            Ok(t) => pool_tokens.insert(pool.clone(), t),
+            Err(e) => return check_failed(e),
+        };
+    }
     let raw = match Config::load_raw(&args.config) {
         Ok((raw, _)) => raw,
         Err(e) => return check_failed(e),
@@ -125,6 +132,7 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         config,
         token.as_deref(),
         scrape_token.as_deref(),
+        &pool_tokens,
         envoy.as_deref(),
     );
     let errors = report.errors();

@@ -152,8 +152,9 @@ impl ScrapeError {
 /// `last_error`): the server wants credentials, which kvroute-cp sends from the scrape
 /// token settings.
 pub const CREDENTIALS_HINT: &str = ": the server wants credentials (e.g. llama-server \
-     `--api-key`); put its key in `scrape.token_file` or `scrape.token_env` (sent as \
-     `Authorization: Bearer`), or check the key there";
+     `--api-key`); put its key in `scrape.token_file` or `scrape.token_env`, or in its \
+     pool's `scrape_token_file` or `scrape_token_env` (sent as `Authorization: Bearer`), \
+     or check the key there";
 
 /// [`CREDENTIALS_HINT`] for 401 and 403, else nothing.
 fn credentials_hint(status: u16) -> &'static str {
@@ -586,7 +587,8 @@ mod tests {
     #[test]
     fn only_401_and_403_name_the_scrape_token_settings() {
         let hint = ": the server wants credentials (e.g. llama-server `--api-key`); put its key \
-                    in `scrape.token_file` or `scrape.token_env` (sent as `Authorization: \
+                    in `scrape.token_file` or `scrape.token_env`, or in its pool's \
+                    `scrape_token_file` or `scrape_token_env` (sent as `Authorization: \
                     Bearer`), or check the key there";
         assert_eq!(
             ScrapeError::Status(401).to_string(),

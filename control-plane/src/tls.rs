@@ -158,7 +158,7 @@ impl TlsSource {
             return Ok(Self { rx, _watch: None });
         }
         let settings = settings.clone();
-        let watch = FileWatch::spawn(files, section, failures, move || {
+        let watch = FileWatch::spawn(files, section.into(), failures, move || {
             if tx.is_closed() {
                 return Ok(Reloaded::Stop);
             }

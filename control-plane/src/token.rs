@@ -1,12 +1,14 @@
 //! Bearer tokens, kept current without a restart or SIGHUP: the ingest token of the pushes
-//! (`push.token_file` / `push.token_env`) and the model servers' API key of the scrapes
-//! (`scrape.token_file` / `scrape.token_env`), both read by [`TokenSettings::read`].
+//! (`push.token_file` / `push.token_env`) and the model servers' API keys of the scrapes
+//! (`scrape.token_file` / `scrape.token_env`, and a pool's own `scrape_token_file` /
+//! `scrape_token_env`), all read by [`TokenSettings::read`].
 //!
 //! With a token file set, the file is watched by [`crate::filewatch`] (directory events
 //! from a Secret or projected-volume update, a re-check every 30 s). A read that fails or
 //! yields an unusable token keeps the previous token, logs a warning and counts one
-//! `kvroute_cp_file_reload_failures_total{source}` (`source="push.token_file"` or
-//! `"scrape.token_file"`); pushes and scrapes go on with it. Each request reads the current
+//! `kvroute_cp_file_reload_failures_total{source}` (`source="push.token_file"`,
+//! `"scrape.token_file"` or a pool's `"pools[0].scrape_token_file"`); pushes and scrapes go
+//! on with it. Each request reads the current
 //! token from the [`TokenRx`], so a rotated file applies to the next request.
 //! Projected tokens rotate at 80 % of their lifetime
 //! (<https://kubernetes.io/docs/concepts/storage/projected-volumes/#serviceaccounttoken>), so

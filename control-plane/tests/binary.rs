@@ -256,6 +256,39 @@ fn check_reports_the_scrape_token_source() {
             )
         )
     );
+    // A pool with its own token: a note of its own, and the shared one says whose
+    // scrapes carry it; an unusable pool token file exits 2 naming the pool's field.
+    let pool_yaml = |k: &std::path::Path| {
+        format!(
+            "scrape:\n  token_env: {VAR}\npools:\n  - name: a\n    scrape_token_file: {}\n    endpoints: []\n",
+            k.display()
+        )
+    };
+    std::fs::write(&key, "pool-key\n").unwrap();
+    assert_eq!(
+        check(&pool_yaml(&key), Some("llama-key-0123456789")),
+        (
+            Some(0),
+            format!(
+                "{ingest}note: scrape token: found in environment variable `{VAR}` (20 bytes); every scrape of a pool without its own token carries it\n\
+                 note: scrape token of pool `a`: found in file `{}` (8 bytes); its scrapes carry it\n{ok}",
+                key.display()
+            ),
+            String::new()
+        )
+    );
+    std::fs::write(&key, "").unwrap();
+    assert_eq!(
+        check(&pool_yaml(&key), Some("llama-key-0123456789")),
+        (
+            Some(2),
+            "config NOT ok: 1 error(s)\n".to_owned(),
+            format!(
+                "kvroute-cp: config field `pools[0].scrape_token_file` = `{}`: file is empty\n",
+                key.display()
+            )
+        )
+    );
 }
 
 /// The documented pairing holds: `examples/control-plane/kvroute-cp.yaml` passes

@@ -390,6 +390,63 @@ fn scrape_token_sources() {
     );
 }
 
+/// A pool's own scrape token (`pools[i]` or `kubernetes.inference_pools[i]`,
+/// `scrape_token_file` / `scrape_token_env`) is read as `scrape.token_*` is, with errors
+/// naming the pool's field; its endpoints get it, the other pools' the `scrape.token_*` one.
+#[test]
+fn pool_scrape_token_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("api-key");
+    std::fs::write(&f, "pool-key\n").unwrap();
+    let yaml = format!(
+        "scrape:\n  token_env: KVROUTE_TEST_POOL_SCRAPE_SHARED_UNSET\n\
+         pools:\n\
+         \x20 - name: a\n    endpoints: []\n\
+         \x20 - name: b\n    scrape_token_file: {}\n    endpoints: []\n\
+         kubernetes:\n  inference_pools:\n\
+         \x20   - {{namespace: ns, name: c, scrape_token_env: KVROUTE_TEST_POOL_SCRAPE_C_UNSET}}\n\
+         \x20   - {{namespace: ns, name: d}}\n",
+        f.display()
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    let sources: Vec<(String, Option<String>)> = ["a", "b", "c", "d"]
+        .into_iter()
+        .map(|p| (p.to_owned(), c.scrape.token_for(p).source()))
+        .collect();
+    let shared = Some("environment variable `KVROUTE_TEST_POOL_SCRAPE_SHARED_UNSET`".to_owned());
+    assert_eq!(
+        sources,
+        vec![
+            ("a".to_owned(), shared.clone()),
+            ("b".to_owned(), Some(format!("file `{}`", f.display()))),
+            (
+                "c".to_owned(),
+                Some("environment variable `KVROUTE_TEST_POOL_SCRAPE_C_UNSET`".to_owned())
+            ),
+            ("d".to_owned(), shared),
+        ]
+    );
+    assert_eq!(
+        c.scrape.token_for("b").read().unwrap().as_deref(),
+        Some("pool-key")
+    );
+    assert_eq!(c.scrape.token_for("c").read().unwrap(), None);
+    std::fs::write(&f, "\n").unwrap();
+    assert_eq!(
+        c.scrape.token_for("b").read().unwrap_err().to_string(),
+        format!(
+            "config field `pools[1].scrape_token_file` = `{}`: file is empty",
+            f.display()
+        )
+    );
+    assert_eq!(
+        Config::from_yaml("kubernetes:\n  inference_pools:\n    - {namespace: ns, name: c, scrape_token_env: ''}\n")
+            .unwrap_err()
+            .to_string(),
+        "config field `kubernetes.inference_pools[0].scrape_token_env` = ``: must not be empty"
+    );
+}
+
 /// An ingest or scrape token from a variable is trimmed as one from a file is (and as the
 /// filter trims what it receives): `KVROUTE_INGEST_TOKEN=' tok '` or a trailing newline
 /// (`$(cat token)` keeps none, but `export T="$(cat f)\n"` or a Secret's env does) must

@@ -524,8 +524,9 @@ fn llamacpp_server_body() -> (Behavior, String) {
 
 /// The error of a scrape answered 401.
 const SCRAPE_401: &str = "HTTP status 401: the server wants credentials (e.g. llama-server \
-    `--api-key`); put its key in `scrape.token_file` or `scrape.token_env` (sent as \
-    `Authorization: Bearer`), or check the key there";
+    `--api-key`); put its key in `scrape.token_file` or `scrape.token_env`, or in its pool's \
+    `scrape_token_file` or `scrape_token_env` (sent as `Authorization: Bearer`), or check \
+    the key there";
 
 /// A llama-server started with `--api-key` answers 401 without the key: the endpoint is
 /// down with an error naming the scrape token settings. A reload adding `scrape.token_env`
@@ -585,6 +586,94 @@ async fn api_key_server_is_down_without_the_scrape_token_and_up_with_it() {
     };
     assert_eq!(last("/metrics"), Some(want.clone()));
     assert_eq!(last("/slots"), Some(want));
+    cp.shutdown().await;
+}
+
+/// A pool's own scrape token goes to its endpoints only; the other pool's get
+/// `scrape.token_env`'s, and no server sees another's key. A reload that drops the pool's
+/// own token falls back to `scrape.token_env`'s for it (its server, wanting its own key,
+/// then answers 401); one that gives it back, with a new value in its variable, uses that.
+#[tokio::test]
+async fn a_pools_own_scrape_token_goes_to_its_endpoints_only() {
+    const SHARED_VAR: &str = "KVROUTE_CP_FAULTS_SHARED_SCRAPE_TOKEN";
+    const OWN_VAR: &str = "KVROUTE_CP_FAULTS_POOL_SCRAPE_TOKEN";
+    const SHARED: &str = "shared-key-0123456789";
+    const OWN: &str = "own-key-0123456789";
+    // Only this test reads these variables; they are set before kvroute-cp starts.
+    std::env::set_var(SHARED_VAR, SHARED);
+    std::env::set_var(OWN_VAR, OWN);
+    let start_server = |key: &'static str| async move {
+        let (metrics, slots) = llamacpp_server_body();
+        let srv = FakeModelServer::start(metrics).await;
+        *srv.slots.lock().unwrap() = Some(slots);
+        *srv.api_key.lock().unwrap() = Some(key.into());
+        srv
+    };
+    let own = start_server(OWN).await;
+    let shared = start_server(SHARED).await;
+    let yaml = |own_token: &str| {
+        format!(
+            "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 150\n  token_env: {SHARED_VAR}\n\
+             targets: []\npools:\n\
+             \x20 - name: a\n    kind: llamacpp\n    models: [m]\n{own_token}    endpoints:\n      - {{name: l, address: '{}'}}\n\
+             \x20 - name: b\n    kind: llamacpp\n    models: [m]\n    endpoints:\n      - {{name: l, address: '{}'}}\n",
+            own.addr(),
+            shared.addr()
+        )
+    };
+    let with_own = yaml(&format!("    scrape_token_env: {OWN_VAR}\n"));
+    let cp = start(&with_own).await;
+    wait_for(WAIT, "both healthy with their keys", || {
+        state(&cp, "a/l").healthy
+            && state(&cp, "a/l").stats.is_some()
+            && state(&cp, "b/l").healthy
+            && state(&cp, "b/l").stats.is_some()
+    })
+    .await;
+    let keys = |srv: &FakeModelServer| {
+        srv.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, a)| a.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let only = |k: &str| std::collections::BTreeSet::from([Some(format!("Bearer {k}"))]);
+    assert_eq!(
+        keys(&own),
+        only(OWN),
+        "pool a's server saw only its own key"
+    );
+    assert_eq!(
+        keys(&shared),
+        only(SHARED),
+        "pool b's server saw only the shared key"
+    );
+
+    // Without its own token, pool a's endpoint gets the shared one: 401, down.
+    own.requests.lock().unwrap().clear();
+    cp.reload(Config::from_yaml(&yaml("")).unwrap())
+        .await
+        .unwrap();
+    wait_for(WAIT, "a down with the shared key", || {
+        state(&cp, "a/l").last_error.as_deref() == Some(SCRAPE_401)
+    })
+    .await;
+    assert!(keys(&own).contains(&Some(format!("Bearer {SHARED}"))));
+
+    // Its own token again, now with another value in the variable: picked up.
+    const ROTATED: &str = "own-key-rotated-0123";
+    std::env::set_var(OWN_VAR, ROTATED);
+    *own.api_key.lock().unwrap() = Some(ROTATED.into());
+    cp.reload(Config::from_yaml(&with_own).unwrap())
+        .await
+        .unwrap();
+    wait_for(WAIT, "a healthy with the rotated key", || {
+        state(&cp, "a/l").healthy && state(&cp, "a/l").last_error.is_none()
+    })
+    .await;
+    let last = own.requests.lock().unwrap().last().cloned();
+    assert_eq!(last.and_then(|(_, a)| a), Some(format!("Bearer {ROTATED}")));
     cp.shutdown().await;
 }
 

@@ -343,8 +343,10 @@ async fn inference_pool_without_ready_pod_names_its_models_unavailable() {
 }
 
 /// A pool whose servers want an API key (llama-server `--api-key`) and whose models come
-/// from the pods' `/v1/models`: discovery sends the scrape token too, so the pod is
-/// published with the model it lists (not as serving any model) and scraped healthy.
+/// from the pods' `/v1/models`: discovery sends the pool's scrape token too, so the pod is
+/// published with the model it lists (not as serving any model) and scraped healthy. The
+/// key is the pool's own (`scrape_token_file`), which wins over `scrape.token_file` (another
+/// server's key, which this pod refuses).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discovery_reads_models_with_the_scrape_token() {
     let (api, pools, pods) = fake_api_with_pool_and_pods().await;
@@ -363,11 +365,14 @@ async fn discovery_reads_models_with_the_scrape_token() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("api-key");
     std::fs::write(&key, "pod-key\n").unwrap();
+    let other = dir.path().join("other-key");
+    std::fs::write(&other, "another-servers-key\n").unwrap();
     let yaml = format!(
         "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 20\n  timeout_ms: 200\n  token_file: {}\npush:\n  heartbeat_ms: 100\n\
-         kubernetes:\n  api_server: {}\n  inference_pools:\n    - namespace: default\n      name: {POOL}\n      kind: vllm\n      cluster: llama_8b\n",
-        key.display(),
-        api.url()
+         kubernetes:\n  api_server: {}\n  inference_pools:\n    - namespace: default\n      name: {POOL}\n      kind: vllm\n      cluster: llama_8b\n      scrape_token_file: {}\n",
+        other.display(),
+        api.url(),
+        key.display()
     );
     let cp = ControlPlane::start(Config::from_yaml(&yaml).unwrap())
         .await
