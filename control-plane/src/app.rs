@@ -448,8 +448,10 @@ async fn supervise(
         let specs = endpoints_rx.borrow_and_update().clone();
         hub.set_endpoints(&specs);
         // Stop tasks whose endpoint is gone or changed (or all, on a settings change).
+        let by_id: std::collections::HashMap<&str, &EndpointSpec> =
+            specs.iter().map(|s| (s.id.as_str(), s)).collect();
         scrapers.retain(|id, (spec, stop, _)| {
-            let keep = !restart_scrapers && specs.iter().any(|s| &s.id == id && s == spec);
+            let keep = !restart_scrapers && by_id.get(id.as_str()).is_some_and(|s| *s == spec);
             if !keep {
                 let _ = stop.send(true);
             }

@@ -161,7 +161,9 @@ impl EndpointState {
     /// Last line of defence: the endpoint is checked with core's endpoint validation
     /// ([`EndpointStats::validate`]) first. Every Envoy rejects a whole snapshot when one endpoint is
     /// invalid, so an endpoint whose scraped stats fail (an adapter bug, a server sending values no
-    /// adapter anticipated) is sent as unhealthy without stats instead of blocking the fleet.
+    /// adapter anticipated) is sent as unhealthy without stats instead of blocking the fleet;
+    /// one that fails even so (its spec: discovery and config check every spec field, so
+    /// this is a defect) is left out of the snapshot, its fragment empty, and logged.
     fn reencode(&mut self) {
         let mut wire = self.to_wire();
         if let Err((field, reason)) = wire.validate() {
@@ -180,6 +182,16 @@ impl EndpointState {
             self.healthy = false;
             self.last_error = Some(format!("invalid stats: {e}"));
             wire = self.to_wire();
+            if let Err((field, reason)) = wire.validate() {
+                tracing::error!(
+                    endpoint = %self.spec.id,
+                    field,
+                    reason,
+                    "endpoint fails snapshot validation without stats; left out of the snapshot"
+                );
+                self.wire_json.clear();
+                return;
+            }
         }
         // Reuses the fragment's allocation.
         self.wire_json.clear();
@@ -469,8 +481,12 @@ impl Hub {
     pub fn set_endpoints(&self, specs: &[EndpointSpec]) {
         let mut fleet = lock(&self.fleet);
         let mut gone = Vec::new();
+        // By id: a scan of `specs` per endpoint took 8,000 discovered pods to a whole core
+        // (found by a breaker, 2026-12-05).
+        let by_id: std::collections::HashMap<&str, &EndpointSpec> =
+            specs.iter().map(|s| (s.id.as_str(), s)).collect();
         fleet.retain(|id, st| {
-            let keep = specs.iter().any(|s| &s.id == id && *s == st.spec);
+            let keep = by_id.get(id.as_str()).is_some_and(|s| **s == st.spec);
             if !keep {
                 gone.push(id.clone());
             }
@@ -484,9 +500,7 @@ impl Hub {
         lock(&self.pools).refresh(&fleet);
         drop(fleet);
         for id in gone {
-            let label = EndpointLabel { endpoint: id };
-            self.telemetry.scrape_duration.remove(&label);
-            self.telemetry.restarts.remove(&label);
+            self.telemetry.forget_endpoint(&id);
         }
         self.mark_dirty();
     }
@@ -791,21 +805,23 @@ impl Hub {
         let mut fragments = Vec::new();
         {
             let fleet = lock(&self.fleet);
+            // An empty fragment is an endpoint left out ([`EndpointState::reencode`]).
+            let sent = || fleet.values().filter(|st| !st.wire_json.is_empty());
             write_envelope(
                 &mut body,
                 version,
                 generated_at_ms,
                 &lock(&self.pools).unavailable,
-                fleet.values().map(|st| st.wire_json.as_slice()),
+                sent().map(|st| st.wire_json.as_slice()),
             );
             if !peers.is_empty() {
                 // Locate each fragment: the envelope writes them in order, comma-separated,
                 // in the `"endpoints":[...]` array that ends the body (before its `]}`).
                 let mut at = body.len()
                     - 2
-                    - fleet.values().map(|st| st.wire_json.len()).sum::<usize>()
-                    - fleet.len().saturating_sub(1);
-                for st in fleet.values() {
+                    - sent().map(|st| st.wire_json.len()).sum::<usize>()
+                    - sent().count().saturating_sub(1);
+                for st in sent() {
                     let end = at + st.wire_json.len();
                     fragments.push(FragmentAt {
                         id: st.spec.id.clone(),
@@ -1014,6 +1030,56 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    /// An endpoint whose spec fails the filter's validation (an address that is not
+    /// `host:port`) is left out of the snapshot, which every filter would otherwise reject
+    /// whole; the others go out, also with peer load stamped into their fragments.
+    #[test]
+    fn an_endpoint_the_filter_would_refuse_is_left_out() {
+        use kvroute_core::peer::PeerLoad;
+        let hub = Hub::new(
+            Duration::from_secs(1),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        let mut bad = spec("bad");
+        bad.address = "10.0.0.1/x:8000".into();
+        hub.set_endpoints(&[spec("a"), bad, spec("c")]);
+        let t0 = now_ms();
+        for id in ["p/a", "p/bad", "p/c"] {
+            hub.record_success(id, stats(0.25, 1, &[]), t0 - 500);
+        }
+        let ids = |body: &Bytes| -> Vec<String> {
+            Snapshot::decode(body)
+                .unwrap()
+                .endpoints
+                .into_iter()
+                .map(|e| e.id)
+                .collect()
+        };
+        let p = hub.publish();
+        assert_eq!(ids(&p.body), ["p/a", "p/c"]);
+        hub.retain_push_targets(&["gw-1", "gw-2"]);
+        hub.record_gateway_report(
+            "gw-2",
+            GatewayReport {
+                read_at_ms: t0 - 100,
+                load: [(
+                    "p/c".to_owned(),
+                    PeerLoad {
+                        requests: 3,
+                        tokens: 30,
+                    },
+                )]
+                .into(),
+            },
+        );
+        let p = hub.publish();
+        let body = p.body_for("gw-1", Duration::from_secs(60));
+        assert_eq!(ids(&body), ["p/a", "p/c"]);
+        let snap = Snapshot::decode(&body).unwrap();
+        assert_eq!(snap.endpoints[1].peer_inflight_requests, 3);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::config::{PushSettings, Target};
 use crate::hub::{Hub, Published};
 use crate::telemetry::TargetLabel;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
@@ -121,7 +121,15 @@ fn stamped_if_late(body: Bytes, generated_at_ms: u64, now_ms: u64) -> Bytes {
     }
 }
 
-/// POST one snapshot body.
+/// Most bytes of an ingest's answer read after a push, to reuse the connection (64 KiB; the
+/// filter's answers are a few hundred bytes). Past it the answer is dropped with its
+/// connection: an answer that never ends (a wrong `url` pointing at a download, a broken
+/// ingest) grew kvroute-cp by ~700 MB per push within the 1 s timeout when read whole (found
+/// by a breaker, 2026-12-05).
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// POST one snapshot body. The answer's status decides the outcome; at most
+/// [`MAX_ANSWER_BYTES`] of its body are read.
 pub async fn post(
     client: &PushClient,
     url: &http::Uri,
@@ -143,8 +151,10 @@ pub async fn post(
             .await
             .map_err(|e| PushError::Connect(crate::scrape::error_chain(&e)))?;
         let status = resp.status();
-        // Drain so the connection can be reused.
-        let _ = resp.into_body().collect().await;
+        // Drain a small answer so the connection can be reused.
+        let _ = Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+            .collect()
+            .await;
         if status.is_success() {
             Ok(())
         } else {
@@ -295,6 +305,55 @@ pub async fn run_target(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An ingest that answers 204 with a body that never ends: the push succeeds once
+    /// [`MAX_ANSWER_BYTES`] are read, instead of reading until the timeout.
+    #[tokio::test]
+    async fn an_endless_answer_is_not_read_whole() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            let _ = conn
+                .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                .await;
+            let chunk = format!("{:x}\r\n{}\r\n", 16 * 1024, "x".repeat(16 * 1024));
+            let mut sent = 0usize;
+            while conn.write_all(chunk.as_bytes()).await.is_ok() {
+                sent += 16 * 1024;
+            }
+            sent
+        });
+        let tls = crate::tls::TlsSource::start(
+            "push.tls",
+            &crate::config::TlsSettings::default(),
+            Default::default(),
+        )
+        .unwrap();
+        let client = client(Duration::from_secs(1), &tls.subscribe());
+        let url: http::Uri = format!("http://{addr}/kvroute/v1/snapshot")
+            .parse()
+            .unwrap();
+        let r = post(
+            &client,
+            &url,
+            None,
+            Bytes::from_static(b"{}"),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(r.is_ok(), "{r:?}");
+        drop(client);
+        let sent = tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap();
+        // The connection was dropped soon after the limit (socket buffers hold a few MB).
+        assert!(sent < 64 * 1024 * 1024, "{sent} bytes sent");
+    }
 
     /// A 404 names the usual cause: a target URL on Envoy's client listener.
     /// A snapshot sent within [`RESTAMP_AFTER_MS`] of its making goes as built (the same

@@ -4,6 +4,10 @@
 //! unset) and its `Ready` condition is `True`: the same rule the EndpointSlice controller
 //! uses for `ready` endpoints
 //! (<https://kubernetes.io/docs/concepts/services-networking/endpoint-slices/#conditions>).
+//! The IP is read as an IP address and written back in its canonical form; a `podIP` that is
+//! not one (`10.0.0.1/x`: no real API server holds it) leaves the pod out. Its endpoints
+//! would have made the filter reject every snapshot (core's `check_address`), and a gateway
+//! pod with it a push URL of another host (found by a breaker, 2026-12-05).
 //! Fields as in the Pod API reference
 //! (<https://kubernetes.io/docs/reference/kubernetes-api/workload-resources/pod-v1/>).
 
@@ -17,7 +21,7 @@ pub struct PodView {
     pub name: String,
     /// `metadata.uid` (changes when a StatefulSet pod is recreated under the same name).
     pub uid: String,
-    /// `status.podIP` when ready, else `None`.
+    /// `status.podIP` when ready and an IP address (canonical form), else `None`.
     pub ready_ip: Option<String>,
     /// `metadata.labels`.
     pub labels: BTreeMap<String, String>,
@@ -36,8 +40,9 @@ impl PodView {
                 .and_then(|s| s.conditions.as_ref())
                 .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         let ip = status
-            .and_then(|s| s.pod_ip.clone())
-            .filter(|ip| !ip.is_empty());
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+            .map(|ip| ip.to_string());
         let restarts = status
             .and_then(|s| s.container_statuses.as_ref())
             .map(|cs| cs.iter().map(|c| i64::from(c.restart_count)).sum())
@@ -86,6 +91,30 @@ mod tests {
 
     fn pod(json: serde_json::Value) -> PodView {
         PodView::of(&serde_json::from_value(json).unwrap()).unwrap()
+    }
+
+    /// A `podIP` that is not an IP address leaves the pod without one (never ready); an
+    /// IPv6 one is written canonically.
+    #[test]
+    fn a_pod_ip_must_be_an_ip_address() {
+        let with_ip = |ip: &str| {
+            pod(serde_json::json!({
+                "metadata": {"name": "p"},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
+            }))
+            .ready_ip
+        };
+        assert_eq!(with_ip("10.0.0.7").as_deref(), Some("10.0.0.7"));
+        assert_eq!(with_ip("fd00:0:0:0:0:0:0:1").as_deref(), Some("fd00::1"));
+        for bad in [
+            "127.0.0.1/x",
+            "",
+            "pod.example",
+            "10.0.0.7:80",
+            &"1".repeat(2000),
+        ] {
+            assert_eq!(with_ip(bad), None, "{bad}");
+        }
     }
 
     #[test]
