@@ -685,10 +685,13 @@ impl Config {
 
     /// Like [`Self::load`], also returning the file as written (for `--check`).
     pub fn load_raw(path: &std::path::Path) -> Result<(RawConfig, Self), ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let text =
+            crate::files::read_regular_text(path, crate::files::MAX_CONFIG_BYTES).map_err(|e| {
+                ConfigError::Read {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                }
+            })?;
         Self::from_yaml_raw(&text)
     }
 
@@ -1234,7 +1237,7 @@ impl TokenSettings {
     pub fn read(&self) -> Result<Option<String>, ConfigError> {
         let file_field = self.section.file_field();
         if let Some(path) = &self.file {
-            let t = std::fs::read_to_string(path)
+            let t = crate::files::read_regular_text(path, crate::files::MAX_TOKEN_BYTES)
                 .map_err(|e| invalid(&*file_field, path.display(), format!("cannot read: {e}")))?;
             let Some(t) = trimmed_token(&t) else {
                 return Err(invalid(&*file_field, path.display(), "file is empty"));

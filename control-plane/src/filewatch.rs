@@ -6,7 +6,8 @@
 //! symlink, so the event names `..data`, not the file; any event in a watched directory
 //! therefore checks the files. A check also runs every [`POLL`] in case an event is missed
 //! (inotify does not cross some volume types). A check waits 50 ms (a symlink swap or a
-//! writer's second file settles), reads every file and calls the owner's reload only when
+//! writer's second file settles), reads every file (regular files of at most
+//! [`crate::files::MAX_TLS_BYTES`]: [`crate::files`]) and calls the owner's reload only when
 //! some file's bytes (or its readability) differ from the last check, so an unchanged or a
 //! still-bad file is neither re-parsed nor re-logged every 30 s. A failed reload keeps the
 //! previous state, logs one warning and counts one
@@ -51,7 +52,7 @@ type Fingerprint = Vec<Result<Vec<u8>, std::io::ErrorKind>>;
 fn fingerprint(paths: &[PathBuf]) -> Fingerprint {
     paths
         .iter()
-        .map(|p| std::fs::read(p).map_err(|e| e.kind()))
+        .map(|p| crate::files::read_regular(p, crate::files::MAX_TLS_BYTES).map_err(|e| e.kind()))
         .collect()
 }
 

@@ -15,6 +15,7 @@ pub mod check;
 pub mod config;
 pub mod discovery;
 pub mod expo;
+pub mod files;
 pub mod filewatch;
 pub mod hub;
 pub mod names;

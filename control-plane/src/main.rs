@@ -119,12 +119,14 @@ fn run_check(args: &Args, config: &Config) -> i32 {
         Err(e) => return check_failed(e),
     };
     let envoy = match &args.envoy_config {
-        Some(p) => match std::fs::read_to_string(p) {
-            Ok(t) => Some(t),
-            Err(e) => {
-                return check_failed(format!("cannot read Envoy config {}: {e}", p.display()))
+        Some(p) => {
+            match kvroute_cp::files::read_regular_text(p, kvroute_cp::files::MAX_CONFIG_BYTES) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    return check_failed(format!("cannot read Envoy config {}: {e}", p.display()))
+                }
             }
-        },
+        }
         None => None,
     };
     let report = kvroute_cp::check::check(

@@ -69,6 +69,11 @@ fn file_err(field: &str, path: &std::path::Path, reason: impl ToString) -> TlsEr
     }
 }
 
+/// A TLS file's bytes: a regular file of at most [`crate::files::MAX_TLS_BYTES`].
+fn read(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    crate::files::read_regular(path, crate::files::MAX_TLS_BYTES)
+}
+
 /// Build the client config for `section` (`scrape.tls` or `push.tls`, used in errors).
 pub fn client_config(
     section: &str,
@@ -78,8 +83,8 @@ pub fn client_config(
     match &s.ca_file {
         Some(path) => {
             let field = format!("{section}.ca_file");
-            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-                .map_err(|e| file_err(&field, path, e))?
+            let bytes = read(path).map_err(|e| file_err(&field, path, e))?;
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&bytes)
                 .collect::<Result<_, _>>()
                 .map_err(|e| file_err(&field, path, e))?;
             if certs.is_empty() {
@@ -111,15 +116,17 @@ pub fn client_config(
     let mut config = match (&s.cert_file, &s.key_file) {
         (Some(cert), Some(key)) => {
             let cf = format!("{section}.cert_file");
-            let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-                .map_err(|e| file_err(&cf, cert, e))?
+            let bytes = read(cert).map_err(|e| file_err(&cf, cert, e))?;
+            let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&bytes)
                 .collect::<Result<_, _>>()
                 .map_err(|e| file_err(&cf, cert, e))?;
             if chain.is_empty() {
                 return Err(file_err(&cf, cert, "no PEM certificate in the file"));
             }
-            let key_der = PrivateKeyDer::from_pem_file(key)
-                .map_err(|e| file_err(&format!("{section}.key_file"), key, e))?;
+            let kf = format!("{section}.key_file");
+            let bytes = read(key).map_err(|e| file_err(&kf, key, e))?;
+            let key_der =
+                PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| file_err(&kf, key, e))?;
             builder
                 .with_client_auth_cert(chain, key_der)
                 .map_err(|e| TlsError::Rustls {

@@ -678,8 +678,8 @@ async fn a_pools_own_scrape_token_goes_to_its_endpoints_only() {
 }
 
 /// A scrape token file rotated the way kubelet updates a Secret volume is used from the
-/// next scrape, with no reload; a rotation to an empty file keeps the previous token and
-/// counts `kvroute_cp_file_reload_failures_total{source="scrape.token_file"}`.
+/// next scrape, with no reload; a rotation to an empty file, a FIFO or `/dev/zero` keeps the
+/// previous token and counts `kvroute_cp_file_reload_failures_total{source="scrape.token_file"}`.
 #[tokio::test]
 async fn rotated_scrape_token_file_is_used_without_a_reload() {
     let dir = tempfile::tempdir().unwrap();
@@ -733,6 +733,43 @@ async fn rotated_scrape_token_file_is_used_without_a_reload() {
     assert_eq!(
         srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
         Some("Bearer key-b")
+    );
+    // The token swapped for a link to /dev/zero, then (after a good one) for a FIFO:
+    // neither is read (/dev/zero never ends, a FIFO blocked its reader); each is a failed
+    // reload, and scraping goes on with the previous token.
+    let token = dir.path().join("token");
+    std::fs::remove_file(&token).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &token).unwrap();
+    wait_for(WAIT, "/dev/zero refused", || failures() == 2).await;
+    std::fs::remove_file(&token).unwrap();
+    std::fs::write(&token, "key-c\n").unwrap();
+    *srv.api_key.lock().unwrap() = Some("key-c".into());
+    wait_for(WAIT, "scrapes with key-c", || {
+        srv.requests
+            .lock()
+            .unwrap()
+            .last()
+            .and_then(|r| r.1.clone())
+            .as_deref()
+            == Some("Bearer key-c")
+    })
+    .await;
+    std::fs::remove_file(&token).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&token)
+        .status()
+        .unwrap()
+        .success());
+    wait_for(WAIT, "FIFO refused", || failures() == 3).await;
+    let n = srv.requests.lock().unwrap().len();
+    wait_for(WAIT, "more scrapes", || {
+        srv.requests.lock().unwrap().len() > n + 2
+    })
+    .await;
+    assert!(state(&cp, "p/l").healthy);
+    assert_eq!(
+        srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
+        Some("Bearer key-c")
     );
     cp.shutdown().await;
 }
