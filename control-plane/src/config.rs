@@ -610,14 +610,29 @@ fn first_problem<'a>(
         .find_map(|m| label_problem(m, false, control).map(|r| (m, r)))
 }
 
+/// Longest value echoed whole in a [`ConfigError::Invalid`] (4 KiB): a 1 MB value was
+/// logged as one 1 MB line on a rejected reload (found by a breaker, 2026-12-05). Past it
+/// the value is cut at a character boundary and its length given.
+pub const MAX_ERROR_VALUE_BYTES: usize = 4096;
+
 fn invalid(
     field: impl Into<String>,
     value: impl ToString,
     reason: impl Into<String>,
 ) -> ConfigError {
+    let mut value = value.to_string();
+    if value.len() > MAX_ERROR_VALUE_BYTES {
+        let total = value.len();
+        let mut cut = MAX_ERROR_VALUE_BYTES;
+        while !value.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        value.truncate(cut);
+        value.push_str(&format!("… ({total} bytes in all)"));
+    }
     ConfigError::Invalid {
         field: field.into(),
-        value: value.to_string(),
+        value,
         reason: reason.into(),
     }
 }

@@ -247,6 +247,16 @@ fn values_the_filter_rejects_fail_validation() {
     for (yaml, want) in cases {
         assert_eq!(err(&yaml), want, "for {yaml:?}");
     }
+    // A value past 4 KiB is cut in the error, its length given.
+    let huge = "é".repeat(5_000);
+    let e = err(&format!("pools:\n  - name: {huge}\n    endpoints: []\n"));
+    assert_eq!(
+        e,
+        format!(
+            "config field `pools[0].name` = `{}… (10000 bytes in all)`: must be at most 1024 bytes",
+            "é".repeat(2_048)
+        )
+    );
     // At the bound: accepted.
     let at = "z".repeat(1024);
     assert!(Config::from_yaml(&with_endpoint(&format!("cluster: {at}"))).is_ok());

@@ -475,15 +475,24 @@ fn bound_lora_names(names: &mut Vec<String>) {
     }
 }
 
-/// Unix seconds (float) to milliseconds; `None` for non-finite or non-positive input.
+/// Latest process start time read, Unix seconds (2100-01-01T00:00:00Z). A server's
+/// `process_start_time_seconds 1e308` was published as `u64::MAX` ms, after which no later
+/// start could look like a restart (found by a breaker, 2026-12-05).
+pub const MAX_START_S: f64 = 4_102_444_800.0;
+
+/// Unix seconds (float) to milliseconds; `None` for non-finite or non-positive input, or
+/// after [`MAX_START_S`].
 pub fn seconds_to_ms(s: f64) -> Option<u64> {
-    (s.is_finite() && s > 0.0).then(|| (s * 1000.0).round() as u64)
+    (s.is_finite() && s > 0.0 && s <= MAX_START_S).then(|| (s * 1000.0).round() as u64)
 }
 
-/// A gauge value as a request count: non-finite and negative become 0, fractions round.
+/// A gauge value as a request count: NaN and negative become 0, fractions round, and what
+/// is past `u32::MAX`, +∞ included, saturates there: two engines reporting `1e308` sum to
+/// +∞, which read as 0 running made an overloaded server look idle (found by a breaker,
+/// 2026-12-05).
 pub fn count(v: Option<f64>) -> u32 {
     match v {
-        Some(x) if x.is_finite() && x > 0.0 => x.round().min(u32::MAX as f64) as u32,
+        Some(x) if x > 0.0 => x.round().min(u32::MAX as f64) as u32,
         _ => 0,
     }
 }
@@ -696,9 +705,13 @@ mod tests {
         assert_eq!(count(Some(-1.0)), 0);
         assert_eq!(count(Some(f64::NAN)), 0);
         assert_eq!(count(None), 0);
+        assert_eq!(count(Some(1e308 + 1e308)), u32::MAX);
+        assert_eq!(count(Some(f64::NEG_INFINITY)), 0);
         assert_eq!(ratio(1.2), Some(1.0));
         assert_eq!(ratio(f64::NAN), None);
         assert_eq!(seconds_to_ms(1.7548326417716122e9), Some(1_754_832_641_772));
         assert_eq!(seconds_to_ms(0.0), None);
+        assert_eq!(seconds_to_ms(1e308), None);
+        assert_eq!(seconds_to_ms(MAX_START_S), Some(4_102_444_800_000));
     }
 }

@@ -81,12 +81,26 @@ pub struct Port {
     pub number: u16,
 }
 
-/// Read `spec` of an InferencePool object; errors say what is wrong.
+/// Most `spec.targetPorts` of an InferencePool: the API's own bound
+/// (`inference.networking.k8s.io/v1`, `maxItems: 8`). Without it one pool of 20,000 ports
+/// and 5 pods became 100,000 endpoints (found by a breaker, 2026-12-05).
+pub const MAX_TARGET_PORTS: usize = 8;
+
+/// Read `spec` of an InferencePool object; errors say what is wrong. Repeated ports count
+/// once.
 pub fn pool_spec(obj: &DynamicObject) -> Result<PoolSpec, String> {
     let spec = obj.data.get("spec").ok_or("no spec")?;
-    let s: PoolSpec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
+    let mut s: PoolSpec = serde_json::from_value(spec.clone()).map_err(|e| e.to_string())?;
     if s.target_ports.is_empty() || s.target_ports.iter().any(|p| p.number == 0) {
         return Err("spec.targetPorts must list ports in 1..=65535".into());
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    s.target_ports.retain(|p| seen.insert(p.number));
+    if s.target_ports.len() > MAX_TARGET_PORTS {
+        return Err(format!(
+            "spec.targetPorts lists {} ports; the API allows at most {MAX_TARGET_PORTS}",
+            s.target_ports.len()
+        ));
     }
     if s.selector.match_labels.is_empty() {
         return Err("spec.selector.matchLabels is empty".into());
@@ -345,5 +359,40 @@ pub async fn run_pool(
             }
         }
         out.set(&slot, endpoints(&pool, spec.as_ref(), &views, &models));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn spec(ports: &[u16]) -> Result<PoolSpec, String> {
+        let obj: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": "p"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "m"}},
+                "targetPorts": ports.iter().map(|n| serde_json::json!({"number": n})).collect::<Vec<_>>()
+            }
+        }))
+        .unwrap();
+        pool_spec(&obj)
+    }
+
+    /// Repeated target ports count once; more than the API's 8 make the spec unusable.
+    #[test]
+    fn target_ports_are_deduplicated_and_bounded() {
+        let numbers = |s: PoolSpec| s.target_ports.iter().map(|p| p.number).collect::<Vec<_>>();
+        assert_eq!(numbers(spec(&[8000, 8001, 8000]).unwrap()), [8000, 8001]);
+        let eight: Vec<u16> = (1..=8).collect();
+        assert_eq!(numbers(spec(&eight).unwrap()), eight);
+        let many: Vec<u16> = (1..=20_000).collect();
+        assert_eq!(
+            spec(&many).unwrap_err(),
+            "spec.targetPorts lists 20000 ports; the API allows at most 8"
+        );
+        assert_eq!(spec(&[80; 100]).map(numbers), Ok(vec![80]));
     }
 }
