@@ -175,8 +175,13 @@ async fn kube_client(k: &KubernetesSettings) -> Result<Option<kube::Client>, Sta
                 reason: e.to_string(),
             })?,
     };
-    kube::Client::try_from(config)
-        .map(Some)
+    kube::client::ClientBuilder::try_from(config)
+        .map(|b| {
+            Some(
+                b.with_layer(&crate::discovery::api_guard::ApiGuardLayer::default())
+                    .build(),
+            )
+        })
         .map_err(|e| StartError::Kubernetes {
             reason: e.to_string(),
         })

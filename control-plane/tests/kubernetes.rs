@@ -172,6 +172,36 @@ fn snapshot(cp: &ControlPlane) -> Option<Snapshot> {
     Some(Snapshot::decode(&p.body).unwrap())
 }
 
+/// An API server (or a proxy before it) that ends every watch as soon as it starts:
+/// kube-runtime starts the next one at once after a clean end, ~10,000 a second against
+/// such a server; kvroute-cp's client starts a watch of one path at most once a second
+/// (`discovery::api_guard`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watches_that_end_at_once_are_restarted_at_most_once_a_second() {
+    let (api, pools, _pods) = fake_api_with_pool_and_pods().await;
+    api.close_watches();
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 50\n  timeout_ms: 200\n\
+         kubernetes:\n  api_server: {}\n  inference_pools:\n    - namespace: default\n      name: {POOL}\n      kind: vllm\n",
+        api.url()
+    );
+    let cp = ControlPlane::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    wait_for(WAIT, "the first watch", || api.watches(&pools) >= 1).await;
+    let first = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let watches = api.watches(&pools);
+    let elapsed = first.elapsed().as_secs_f64();
+    // One at the start, then at most one per second.
+    assert!(
+        watches as f64 <= 2.0 + elapsed,
+        "{watches} watches in {elapsed:.1} s"
+    );
+    assert!(watches >= 2, "watches go on: {watches}");
+    cp.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inference_pool_pods_join_leave_restart_and_relist_after_410() {
     let (api, pools, pods) = fake_api_with_pool_and_pods().await;

@@ -12,6 +12,7 @@
 //! supervisor ([`crate::app`]) diffs consecutive sets and starts/stops scrape and push
 //! tasks, so pods joining, leaving or changing address change the fleet without a restart.
 
+pub mod api_guard;
 pub mod gateways;
 pub mod kubernetes;
 pub mod models;

@@ -54,6 +54,8 @@ struct State {
     collections: BTreeMap<String, Collection>,
     requests: Vec<String>,
     expire_gen: u64,
+    /// Answer every watch with an empty 200 (a watch that ends as soon as it starts).
+    close_watches: bool,
 }
 
 /// The fake API server.
@@ -251,6 +253,20 @@ impl FakeKube {
             .count()
     }
 
+    /// From now on, answer every watch with an empty 200 at once (a broken proxy or API
+    /// server: the watch ends cleanly as soon as it starts).
+    pub fn close_watches(&self) {
+        self.state.lock().unwrap().close_watches = true;
+    }
+
+    /// How many watch requests hit `path`.
+    pub fn watches(&self, path: &str) -> usize {
+        self.requests()
+            .iter()
+            .filter(|r| r.starts_with(&format!("{path}?")) && r.contains("watch=true"))
+            .count()
+    }
+
     /// Stop and drop every connection.
     pub fn stop(&self) {
         let _ = self.stop.send(true);
@@ -326,6 +342,9 @@ fn handle(
         .get("resourceVersion")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
+    if s.close_watches {
+        return http::Response::new(Full::new(Bytes::new()).boxed());
+    }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     if since < c.compacted {
         let _ = tx.try_send(Bytes::from(format!("{}\n", gone(rv_now, since))));
