@@ -610,6 +610,108 @@ fn first_problem<'a>(
         .find_map(|m| label_problem(m, false, control).map(|r| (m, r)))
 }
 
+/// Most a config may expand to, bytes: its scalars' bytes plus [`NODE_BYTES`] per node,
+/// with YAML aliases repeating what they name (64 MiB; 20,000 static endpoints come to a few
+/// MB). A 1.1 MB file aliasing a 1 MiB string 20,000 times expanded to 20 GB in parsing
+/// (21.8 GB peak, found by a breaker, 2026-12-05): serde_yaml_ng bounds alias jumps by
+/// event count, not by bytes.
+pub const MAX_EXPANDED_BYTES: u64 = 64 * 1024 * 1024;
+/// What each node (scalar, sequence, mapping) counts toward [`MAX_EXPANDED_BYTES`] besides
+/// its text.
+const NODE_BYTES: u64 = 16;
+
+/// Walk `text` as YAML, aliases followed, without building anything, and refuse it when it
+/// expands past [`MAX_EXPANDED_BYTES`]. Syntax errors are left to the real parse.
+fn expanded_size(text: &str) -> Result<u64, ConfigError> {
+    use serde::de::{DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, Visitor};
+    use std::cell::Cell;
+    use std::fmt;
+
+    #[derive(Clone, Copy)]
+    struct Measure<'a>(&'a Cell<u64>);
+
+    impl Measure<'_> {
+        fn add<E: serde::de::Error>(self, n: u64) -> Result<(), E> {
+            let total = self.0.get().saturating_add(n).saturating_add(NODE_BYTES);
+            self.0.set(total);
+            if total > MAX_EXPANDED_BYTES {
+                return Err(E::custom(format!(
+                    "the config expands to more than {MAX_EXPANDED_BYTES} bytes (YAML aliases \
+                     repeating large nodes?)"
+                )));
+            }
+            Ok(())
+        }
+    }
+
+    impl<'de> DeserializeSeed<'de> for Measure<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Measure<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any YAML")
+        }
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+            self.add(0)
+        }
+        fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+            self.add(0)
+        }
+        fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+            self.add(0)
+        }
+        fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+            self.add(0)
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+            self.add(v.len() as u64)
+        }
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<(), E> {
+            self.add(v.len() as u64)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+            self.add(0)
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<(), E> {
+            self.add(0)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+        fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            self.add(0)?;
+            while seq.next_element_seed(self)?.is_some() {}
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            self.add(0)?;
+            while map.next_key_seed(self)?.is_some() {
+                map.next_value_seed(self)?;
+            }
+            Ok(())
+        }
+        fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<(), A::Error> {
+            use serde::de::VariantAccess;
+            let ((), v) = data.variant_seed(self)?;
+            v.newtype_variant_seed(self)
+        }
+    }
+
+    let total = Cell::new(0);
+    match Measure(&total).deserialize(serde_yaml_ng::Deserializer::from_str(text)) {
+        Err(e) if total.get() > MAX_EXPANDED_BYTES => Err(ConfigError::Syntax(e.to_string())),
+        _ => Ok(total.get()),
+    }
+}
+
 /// Longest value echoed whole in a [`ConfigError::Invalid`] (4 KiB): a 1 MB value was
 /// logged as one 1 MB line on a rejected reload (found by a breaker, 2026-12-05). Past it
 /// the value is cut at a character boundary and its length given.
@@ -684,13 +786,7 @@ fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<Duration, ConfigErr
 impl Config {
     /// Parse and validate YAML text. An empty (or all-whitespace) text is an error.
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        if text.trim().is_empty() {
-            // A truncated file must not reload as "no endpoints".
-            return Err(ConfigError::Syntax("the config is empty".into()));
-        }
-        let raw: RawConfig =
-            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
-        raw.validate()
+        Self::from_yaml_raw(text).map(|(_, c)| c)
     }
 
     /// Read, parse and validate a file.
@@ -713,8 +809,10 @@ impl Config {
     /// Like [`Self::from_yaml`], also returning the file as written.
     pub fn from_yaml_raw(text: &str) -> Result<(RawConfig, Self), ConfigError> {
         if text.trim().is_empty() {
+            // A truncated file must not reload as "no endpoints".
             return Err(ConfigError::Syntax("the config is empty".into()));
         }
+        expanded_size(text)?;
         let raw: RawConfig =
             serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         let c = raw.validate()?;
