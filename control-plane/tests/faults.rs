@@ -722,18 +722,25 @@ async fn rotated_scrape_token_file_is_used_without_a_reload() {
             .map_or(0, |c| c.get())
     };
     assert_eq!(failures(), 0);
+    // Scrapes go on, healthy, with `key`.
+    let scrapes_go_on_with = |key: &'static str| {
+        let n = srv.requests.lock().unwrap().len();
+        let (srv, cp) = (&srv, &cp);
+        async move {
+            wait_for(WAIT, "more scrapes", || {
+                srv.requests.lock().unwrap().len() > n + 2
+            })
+            .await;
+            assert!(state(cp, "p/l").healthy);
+            assert_eq!(
+                srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
+                Some(format!("Bearer {key}").as_str())
+            );
+        }
+    };
     kubelet_write(dir.path(), 2, &[("token", b"\n")]);
     wait_for(WAIT, "failed reload counted", || failures() == 1).await;
-    let n = srv.requests.lock().unwrap().len();
-    wait_for(WAIT, "more scrapes", || {
-        srv.requests.lock().unwrap().len() > n + 2
-    })
-    .await;
-    assert!(state(&cp, "p/l").healthy);
-    assert_eq!(
-        srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
-        Some("Bearer key-b")
-    );
+    scrapes_go_on_with("key-b").await;
     // The token swapped for a link to /dev/zero, then (after a good one) for a FIFO:
     // neither is read (/dev/zero never ends, a FIFO blocked its reader); each is a failed
     // reload, and scraping goes on with the previous token.
@@ -761,16 +768,7 @@ async fn rotated_scrape_token_file_is_used_without_a_reload() {
         .unwrap()
         .success());
     wait_for(WAIT, "FIFO refused", || failures() == 3).await;
-    let n = srv.requests.lock().unwrap().len();
-    wait_for(WAIT, "more scrapes", || {
-        srv.requests.lock().unwrap().len() > n + 2
-    })
-    .await;
-    assert!(state(&cp, "p/l").healthy);
-    assert_eq!(
-        srv.requests.lock().unwrap().last().unwrap().1.as_deref(),
-        Some("Bearer key-c")
-    );
+    scrapes_go_on_with("key-c").await;
     cp.shutdown().await;
 }
 
