@@ -21,15 +21,10 @@ pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 /// `limit` bytes (`InvalidData`, "larger than N bytes").
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     use std::io::{Error, ErrorKind};
-    // `stat` first: opening a FIFO for reading would block until a writer comes.
     if !std::fs::metadata(path)?.is_file() {
         return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
     }
-    let f = std::fs::File::open(path)?;
-    // Checked again on the opened file, in case it was swapped in between.
-    if !f.metadata()?.is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
-    }
+    let f = open_regular(path)?;
     let mut out = Vec::new();
     f.take(limit.saturating_add(1)).read_to_end(&mut out)?;
     if out.len() as u64 > limit {
@@ -39,6 +34,26 @@ pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
         ));
     }
     Ok(out)
+}
+
+/// Open `path` for reading without blocking, and keep it only if the opened file is a
+/// regular one. A FIFO swapped in after [`read_regular`]'s `stat` would otherwise hold a
+/// blocking open until a writer came (found by a re-test, 2026-12-05: a loop swapping a
+/// token file between a regular file and a FIFO hung the process for good). On a regular
+/// file the flag changes nothing.
+fn open_regular(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
 }
 
 /// [`read_regular`] as UTF-8 text (`InvalidData` when it is not).
@@ -81,6 +96,11 @@ mod tests {
         // Returns at once, where opening the FIFO would wait for a writer.
         assert_eq!(
             read_regular(&fifo, 1 << 20).unwrap_err().to_string(),
+            "not a regular file"
+        );
+        // Swapped in after the `stat`, a FIFO is opened without waiting for a writer.
+        assert_eq!(
+            open_regular(&fifo).unwrap_err().to_string(),
             "not a regular file"
         );
         assert_eq!(

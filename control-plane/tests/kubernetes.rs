@@ -202,6 +202,32 @@ async fn watches_that_end_at_once_are_restarted_at_most_once_a_second() {
     cp.shutdown().await;
 }
 
+/// Pools in one namespace watch the same paths with their own selectors: against a healthy
+/// API server none holds another back (a guard keyed by path alone started the n-th pool's
+/// watch n - 1 seconds late, with a false warning: the third at 2 s or later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_in_one_namespace_start_their_watches_together() {
+    let (api, pools, _pods) = fake_api_with_pool_and_pods().await;
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nkubernetes:\n  api_server: {}\n  inference_pools:\n{}",
+        api.url(),
+        (0..3)
+            .map(|i| format!("    - {{namespace: default, name: pool-{i}, kind: vllm}}\n"))
+            .collect::<String>()
+    );
+    let started = std::time::Instant::now();
+    let cp = ControlPlane::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    wait_for(WAIT, "three pool watches", || api.watches(&pools) >= 3).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(1_900),
+        "three watches took {:?}",
+        started.elapsed()
+    );
+    cp.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inference_pool_pods_join_leave_restart_and_relist_after_410() {
     let (api, pools, pods) = fake_api_with_pool_and_pods().await;

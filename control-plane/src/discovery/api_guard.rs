@@ -14,6 +14,15 @@
 //!   re-lists.
 //! - **A list that never ends.** A list body (any response that is not a watch) may be at
 //!   most [`MAX_RESPONSE_BYTES`] (it reached 6.2 GB in 5 s).
+//! - **The same failure again at once.** kube-runtime re-listed a list that failed that way
+//!   every ~0.9 s, 256 MiB each time, its backoff reset before each list. After a body of a
+//!   request fails (a bound passed, or the connection broke mid-body), the next request of
+//!   the same kind waits [`FAILURE_BACKOFF`], doubling per failure up to
+//!   [`MAX_FAILURE_BACKOFF`]; a body read to its end clears it.
+//!
+//! Requests are told apart by path and label and field selectors (not by
+//! `resourceVersion`): pools in one namespace watch the same pods path with their own
+//! selectors, and must not hold each other back.
 //!
 //! kube-rs's requests are lazy: the inner service's future does its I/O when polled, so a
 //! watch held back is not sent until its wait is over.
@@ -37,12 +46,37 @@ pub const MAX_WATCH_LINE_BYTES: u64 = 16 * 1024 * 1024;
 pub const MAX_RESPONSE_BYTES: u64 = 256 * 1024 * 1024;
 /// Least time between two warnings of held-back watches of one path.
 pub const WARN_EVERY: Duration = Duration::from_secs(30);
+/// Wait before a request whose kind's last body failed (1 s), doubling per failure.
+pub const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
+/// Longest [`FAILURE_BACKOFF`] wait (30 s, kube-runtime's own longest backoff).
+pub const MAX_FAILURE_BACKOFF: Duration = Duration::from_secs(30);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// When each path's last watch started, and when held-back watches of it were last logged.
+/// By request kind ([`request_key`]): when its last watch started and when held-back
+/// watches of it were last logged; and its body failures in a row, with the last one's time.
 #[derive(Default)]
-struct Starts(HashMap<String, (Instant, Option<Instant>)>);
+struct Starts {
+    watches: HashMap<String, (Instant, Option<Instant>)>,
+    failures: HashMap<String, (u32, Instant)>,
+}
+
+/// What tells requests apart: the path and the label and field selectors, watch or list.
+fn request_key(uri: &http::Uri, watch: bool) -> String {
+    let mut selectors: Vec<&str> = uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|kv| kv.starts_with("labelSelector=") || kv.starts_with("fieldSelector="))
+        .collect();
+    selectors.sort_unstable();
+    format!(
+        "{} {}?{}",
+        if watch { "watch" } else { "get" },
+        uri.path(),
+        selectors.join("&")
+    )
+}
 
 /// The [`tower_layer::Layer`] of [`ApiGuard`].
 #[derive(Clone, Default)]
@@ -73,15 +107,30 @@ fn is_watch(uri: &http::Uri) -> bool {
         .is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"))
 }
 
+fn lock(starts: &Mutex<Starts>) -> std::sync::MutexGuard<'_, Starts> {
+    starts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl<S> ApiGuard<S> {
-    /// How long a watch of `path` starting at `now` must wait; records its start.
+    /// How long a request of kind `key` made at `now` must wait after failed bodies.
+    fn failure_wait(&self, key: &str, now: Instant) -> Duration {
+        let starts = lock(&self.starts);
+        let Some(&(n, last)) = starts.failures.get(key) else {
+            return Duration::ZERO;
+        };
+        let backoff = FAILURE_BACKOFF
+            .saturating_mul(1u32 << n.saturating_sub(1).min(5))
+            .min(MAX_FAILURE_BACKOFF);
+        (last + backoff).saturating_duration_since(now)
+    }
+
+    /// How long a watch of kind `path` starting at `now` must wait; records its start.
     fn watch_wait(&self, path: &str, now: Instant) -> Duration {
-        let mut starts = self
-            .starts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(entry) = starts.0.get_mut(path) else {
-            starts.0.insert(path.to_owned(), (now, None));
+        let mut starts = lock(&self.starts);
+        let Some(entry) = starts.watches.get_mut(path) else {
+            starts.watches.insert(path.to_owned(), (now, None));
             return Duration::ZERO;
         };
         let earliest = entry.0 + MIN_WATCH_INTERVAL;
@@ -119,17 +168,19 @@ where
 
     fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
         let watch = is_watch(req.uri());
-        let wait = if watch {
-            self.watch_wait(req.uri().path(), Instant::now())
-        } else {
-            Duration::ZERO
-        };
+        let key = request_key(req.uri(), watch);
+        let now = Instant::now();
+        let mut wait = self.failure_wait(&key, now);
+        if watch {
+            wait = wait.max(self.watch_wait(&key, now));
+        }
         let limit = if watch {
             Limit::Line(MAX_WATCH_LINE_BYTES)
         } else {
             Limit::Total(MAX_RESPONSE_BYTES)
         };
         let fut = self.inner.call(req);
+        let starts = self.starts.clone();
         Box::pin(async move {
             if !wait.is_zero() {
                 tokio::time::sleep(wait).await;
@@ -139,6 +190,7 @@ where
                 inner: Box::pin(body),
                 limit,
                 seen: 0,
+                outcome: Some((starts, key)),
             }))
         })
     }
@@ -159,6 +211,25 @@ pub struct Bounded<B> {
     limit: Limit,
     /// Bytes counted against the limit so far.
     seen: u64,
+    /// Where to record how the body ended (failed, or read to its end), once.
+    outcome: Option<(Arc<Mutex<Starts>>, String)>,
+}
+
+impl<B> Bounded<B> {
+    /// Record the body's end: a failure counts one more in a row, a complete body clears
+    /// them.
+    fn ended(&mut self, failed: bool) {
+        let Some((starts, key)) = self.outcome.take() else {
+            return;
+        };
+        let mut starts = lock(&starts);
+        if failed {
+            let e = starts.failures.entry(key).or_insert((0, Instant::now()));
+            *e = (e.0.saturating_add(1), Instant::now());
+        } else {
+            starts.failures.remove(&key);
+        }
+    }
 }
 
 impl<B> Body for Bounded<B>
@@ -175,8 +246,14 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let frame = match self.inner.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(f))) => f,
-            Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e.into()))),
-            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Ready(Some(Err(e))) => {
+                self.ended(true);
+                return Poll::Ready(Some(Err(e.into())));
+            }
+            Poll::Ready(None) => {
+                self.ended(false);
+                return Poll::Ready(None);
+            }
             Poll::Pending => return Poll::Pending,
         };
         if let Some(data) = frame.data_ref() {
@@ -190,6 +267,7 @@ where
             };
             self.seen = seen;
             if seen > max {
+                self.ended(true);
                 return Poll::Ready(Some(Err(format!(
                     "Kubernetes API {what} larger than {max} bytes"
                 )
@@ -238,6 +316,7 @@ mod tests {
             )),
             limit,
             seen: 0,
+            outcome: None,
         };
         let mut n = 0u64;
         for _ in 0..frames {
@@ -275,7 +354,78 @@ mod tests {
         );
     }
 
-    /// A second watch of a path within a second waits out the rest of it; another path's
+    /// Requests of one kind are told apart by path and selectors, not resource version.
+    #[test]
+    fn requests_are_keyed_by_path_and_selectors() {
+        let key = |u: &str, w| request_key(&u.parse().unwrap(), w);
+        assert_eq!(
+            key(
+                "/api/v1/namespaces/d/pods?watch=true&resourceVersion=5&labelSelector=app%3Da",
+                true
+            ),
+            "watch /api/v1/namespaces/d/pods?labelSelector=app%3Da"
+        );
+        assert_eq!(
+            key(
+                "/api/v1/namespaces/d/pods?labelSelector=app%3Da&resourceVersion=9&watch=true",
+                true
+            ),
+            key(
+                "/api/v1/namespaces/d/pods?watch=true&labelSelector=app%3Da",
+                true
+            )
+        );
+        assert_ne!(
+            key("/api/v1/namespaces/d/pods?labelSelector=app%3Da", true),
+            key("/api/v1/namespaces/d/pods?labelSelector=app%3Db", true)
+        );
+        assert_ne!(
+            key("/p?labelSelector=x", true),
+            key("/p?labelSelector=x", false)
+        );
+    }
+
+    /// Failed bodies of a kind delay its next request 1 s, 2 s, 4 s ... up to 30 s; a body
+    /// read to its end clears the delay; other kinds do not wait.
+    #[tokio::test]
+    async fn failed_bodies_back_off_their_kind() {
+        let g = ApiGuardLayer::default();
+        let guard: ApiGuard<()> = tower_layer::Layer::layer(&g, ());
+        let outcome = || Some((g.starts.clone(), "get /p?".to_owned()));
+        let now = Instant::now();
+        assert_eq!(guard.failure_wait("get /p?", now), Duration::ZERO);
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            let mut b = Bounded {
+                inner: Box::pin(Chunks(vec![Bytes::from_static(b"12345")], 0)),
+                limit: Limit::Total(4),
+                seen: 0,
+                outcome: outcome(),
+            };
+            assert!(b.frame().await.unwrap().is_err());
+            let w = guard.failure_wait("get /p?", Instant::now());
+            waits.push((w.as_secs_f64() + 0.5) as u64);
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(
+            guard.failure_wait("get /q?", Instant::now()),
+            Duration::ZERO
+        );
+        // A body read to its end (an empty one) clears them.
+        let mut ok = Bounded {
+            inner: Box::pin(http_body_util::Empty::<Bytes>::new()),
+            limit: Limit::Total(4),
+            seen: 0,
+            outcome: outcome(),
+        };
+        assert!(ok.frame().await.is_none());
+        assert_eq!(
+            guard.failure_wait("get /p?", Instant::now()),
+            Duration::ZERO
+        );
+    }
+
+    /// A second watch of a kind within a second waits out the rest of it; another kind's
     /// and a list do not wait.
     #[test]
     fn watches_of_a_path_start_at_most_once_a_second() {
