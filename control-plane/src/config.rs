@@ -433,9 +433,6 @@ pub struct PoolWatch {
     pub metrics_path: String,
     /// `http` or `https`.
     pub scheme: String,
-    /// The pool's own scrape token (`scrape_token_file` / `scrape_token_env`); `None`: the
-    /// `scrape.token_*` one.
-    pub scrape_token: Option<TokenSettings>,
 }
 
 /// A validated gateway pod watch.
@@ -622,7 +619,7 @@ const NODE_BYTES: u64 = 16;
 
 /// Walk `text` as YAML, aliases followed, without building anything, and refuse it when it
 /// expands past [`MAX_EXPANDED_BYTES`]. Syntax errors are left to the real parse.
-fn expanded_size(text: &str) -> Result<u64, ConfigError> {
+fn check_expanded_size(text: &str) -> Result<(), ConfigError> {
     use serde::de::{DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, Visitor};
     use std::cell::Cell;
     use std::fmt;
@@ -708,7 +705,7 @@ fn expanded_size(text: &str) -> Result<u64, ConfigError> {
     let total = Cell::new(0);
     match Measure(&total).deserialize(serde_yaml_ng::Deserializer::from_str(text)) {
         Err(e) if total.get() > MAX_EXPANDED_BYTES => Err(ConfigError::Syntax(e.to_string())),
-        _ => Ok(total.get()),
+        _ => Ok(()),
     }
 }
 
@@ -812,7 +809,7 @@ impl Config {
             // A truncated file must not reload as "no endpoints".
             return Err(ConfigError::Syntax("the config is empty".into()));
         }
-        expanded_size(text)?;
+        check_expanded_size(text)?;
         let raw: RawConfig =
             serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         let c = raw.validate()?;
@@ -1030,8 +1027,20 @@ impl RawConfig {
         let kubernetes = self.kubernetes.validate(&pools)?;
         for p in &kubernetes.pools {
             pool_models.insert(p.name.clone(), p.models.clone());
-            if let Some(t) = &p.scrape_token {
-                pool_tokens.insert(p.name.clone(), t.clone());
+        }
+        // `kubernetes.pools` are the watched pools validated, in the file's order.
+        for (i, (w, p)) in kubernetes
+            .pools
+            .iter()
+            .zip(&self.kubernetes.inference_pools)
+            .enumerate()
+        {
+            if let Some(t) = pool_token(
+                format!("kubernetes.inference_pools[{i}]"),
+                &p.scrape_token_file,
+                &p.scrape_token_env,
+            )? {
+                pool_tokens.insert(w.name.clone(), t);
             }
         }
         Ok(Config {
@@ -1152,11 +1161,6 @@ impl RawKubernetes {
             if p.metrics_port == Some(0) {
                 return Err(invalid(at("metrics_port"), 0, "must be in 1..=65535"));
             }
-            let scrape_token = pool_token(
-                format!("kubernetes.inference_pools[{i}]"),
-                &p.scrape_token_file,
-                &p.scrape_token_env,
-            )?;
             pools.push(PoolWatch {
                 namespace,
                 name,
@@ -1166,7 +1170,6 @@ impl RawKubernetes {
                 metrics_port: p.metrics_port,
                 metrics_path: url_path(&at("metrics_path"), &p.metrics_path)?,
                 scheme: scheme(&at("scheme"), &p.scheme)?,
-                scrape_token,
             });
         }
         let mut gnames = BTreeSet::new();

@@ -21,8 +21,10 @@ pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 /// `limit` bytes (`InvalidData`, "larger than N bytes").
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     use std::io::{Error, ErrorKind};
+    // `stat` first, so a device is never opened at all (opening some has effects of its
+    // own); the opened file is checked again below.
     if !std::fs::metadata(path)?.is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+        return Err(not_regular());
     }
     let f = open_regular(path)?;
     let mut out = Vec::new();
@@ -48,12 +50,13 @@ fn open_regular(path: &Path) -> std::io::Result<std::fs::File> {
         .custom_flags(libc::O_NONBLOCK)
         .open(path)?;
     if !f.metadata()?.is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
+        return Err(not_regular());
     }
     Ok(f)
+}
+
+fn not_regular() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file")
 }
 
 /// [`read_regular`] as UTF-8 text (`InvalidData` when it is not).

@@ -6,8 +6,9 @@
 //! - **Watches that end as soon as they start.** kube-runtime's watcher backs off after an
 //!   error, but starts the next watch at once after a clean end: an API server answering
 //!   every watch with an empty 200 got ~10,000 watch requests a second, 37 % of a core and
-//!   no log line. A watch of a path starts at most once per [`MIN_WATCH_INTERVAL`] here,
-//!   with a `warn` (at most every [`WARN_EVERY`] per path) when that holds one back.
+//!   no log line. A watch of one kind (below) starts at most once per
+//!   [`MIN_WATCH_INTERVAL`] here, with a `warn` (at most every [`WARN_EVERY`] per kind) when
+//!   that holds one back.
 //! - **A watch event that never ends.** kube-client reads watch streams line by line
 //!   without a line bound (RSS 6.7 GB in 10 s). A watch body's line may be at most
 //!   [`MAX_WATCH_LINE_BYTES`]; past it the body fails and the watcher backs off and
@@ -15,14 +16,14 @@
 //! - **A list that never ends.** A list body (any response that is not a watch) may be at
 //!   most [`MAX_RESPONSE_BYTES`] (it reached 6.2 GB in 5 s).
 //! - **The same failure again at once.** kube-runtime re-listed a list that failed that way
-//!   every ~0.9 s, 256 MiB each time, its backoff reset before each list. After a body of a
+//!   every ~0.9 s, 256 MiB each time, its backoff never growing. After a body of a
 //!   request fails (a bound passed, or the connection broke mid-body), the next request of
 //!   the same kind waits [`FAILURE_BACKOFF`], doubling per failure up to
 //!   [`MAX_FAILURE_BACKOFF`]; a body read to its end clears it.
 //!
-//! Requests are told apart by path and label and field selectors (not by
-//! `resourceVersion`): pools in one namespace watch the same pods path with their own
-//! selectors, and must not hold each other back.
+//! A request's kind is its path, label and field selectors, and whether it is a watch
+//! ([`request_key`]; not its `resourceVersion`): pools in one namespace watch the same pods
+//! path with their own selectors, and must not hold each other back.
 //!
 //! kube-rs's requests are lazy: the inner service's future does its I/O when polled, so a
 //! watch held back is not sent until its wait is over.
@@ -36,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-/// Shortest time between the starts of two watches of one API path (1 s; a healthy watch
+/// Shortest time between the starts of two watches of one kind (1 s; a healthy watch
 /// lasts minutes, until the server's timeout).
 pub const MIN_WATCH_INTERVAL: Duration = Duration::from_secs(1);
 /// Longest line of a watch body, bytes (16 MiB; one event is one object, a pod ~10 KB).
@@ -44,7 +45,7 @@ pub const MAX_WATCH_LINE_BYTES: u64 = 16 * 1024 * 1024;
 /// Longest body of any other response, bytes (256 MiB; lists are narrowed by the pool's
 /// label selector).
 pub const MAX_RESPONSE_BYTES: u64 = 256 * 1024 * 1024;
-/// Least time between two warnings of held-back watches of one path.
+/// Least time between two warnings of held-back watches of one kind.
 pub const WARN_EVERY: Duration = Duration::from_secs(30);
 /// Wait before a request whose kind's last body failed (1 s), doubling per failure.
 pub const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
@@ -56,7 +57,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// By request kind ([`request_key`]): when its last watch started and when held-back
 /// watches of it were last logged; and its body failures in a row, with the last one's time.
 #[derive(Default)]
-struct Starts {
+struct History {
     watches: HashMap<String, (Instant, Option<Instant>)>,
     failures: HashMap<String, (u32, Instant)>,
 }
@@ -81,7 +82,7 @@ fn request_key(uri: &http::Uri, watch: bool) -> String {
 /// The [`tower_layer::Layer`] of [`ApiGuard`].
 #[derive(Clone, Default)]
 pub struct ApiGuardLayer {
-    starts: Arc<Mutex<Starts>>,
+    starts: Arc<Mutex<History>>,
 }
 
 impl<S> tower_layer::Layer<S> for ApiGuardLayer {
@@ -98,7 +99,7 @@ impl<S> tower_layer::Layer<S> for ApiGuardLayer {
 /// The guarded service (see the module docs).
 pub struct ApiGuard<S> {
     inner: S,
-    starts: Arc<Mutex<Starts>>,
+    starts: Arc<Mutex<History>>,
 }
 
 /// Whether `uri` asks for a watch (`watch=true` or `watch=1` in its query).
@@ -107,7 +108,7 @@ fn is_watch(uri: &http::Uri) -> bool {
         .is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"))
 }
 
-fn lock(starts: &Mutex<Starts>) -> std::sync::MutexGuard<'_, Starts> {
+fn lock(starts: &Mutex<History>) -> std::sync::MutexGuard<'_, History> {
     starts
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -126,11 +127,11 @@ impl<S> ApiGuard<S> {
         (last + backoff).saturating_duration_since(now)
     }
 
-    /// How long a watch of kind `path` starting at `now` must wait; records its start.
-    fn watch_wait(&self, path: &str, now: Instant) -> Duration {
+    /// How long a watch of kind `key` starting at `now` must wait; records its start.
+    fn watch_wait(&self, key: &str, now: Instant) -> Duration {
         let mut starts = lock(&self.starts);
-        let Some(entry) = starts.watches.get_mut(path) else {
-            starts.watches.insert(path.to_owned(), (now, None));
+        let Some(entry) = starts.watches.get_mut(key) else {
+            starts.watches.insert(key.to_owned(), (now, None));
             return Duration::ZERO;
         };
         let earliest = entry.0 + MIN_WATCH_INTERVAL;
@@ -142,7 +143,7 @@ impl<S> ApiGuard<S> {
         if entry.1.is_none_or(|w| now.duration_since(w) >= WARN_EVERY) {
             entry.1 = Some(now);
             tracing::warn!(
-                path,
+                kind = key,
                 "Kubernetes watches end as soon as they start; starting them at most once a second"
             );
         }
@@ -212,7 +213,7 @@ pub struct Bounded<B> {
     /// Bytes counted against the limit so far.
     seen: u64,
     /// Where to record how the body ended (failed, or read to its end), once.
-    outcome: Option<(Arc<Mutex<Starts>>, String)>,
+    outcome: Option<(Arc<Mutex<History>>, String)>,
 }
 
 impl<B> Bounded<B> {
