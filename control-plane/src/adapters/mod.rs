@@ -409,6 +409,12 @@ pub fn detect(expo: &Exposition) -> Option<ServerKind> {
     }
 }
 
+/// Largest KV cache capacity a server is believed to report, tokens (2^32): a larger one is
+/// read as unknown. At 4 KiB of KV cache per token (2 × 16 layers × 8 KV heads × 64 head
+/// dim × 2 bytes, a ~1B-parameter model; 8B models such as Llama 3.1 take 128 KiB) it would
+/// be 16 TiB of KV cache on one model server, far past any GPU node's memory.
+pub const MAX_KV_CAPACITY_TOKENS: u64 = 1 << 32;
+
 /// Extract stats for `kind` (`Auto` detects first). `slots` is the body of llama.cpp's
 /// `GET /slots` when it was fetched.
 pub fn extract(
@@ -431,9 +437,13 @@ pub fn extract(
     // kvroute-core's `Snapshot::validate` rejects the whole snapshot for a zero block size
     // or a control character in a LoRA name, so one odd server (`block_size="0"`,
     // `tokens_per` 0.4, an escaped `\n` in `running_lora_adapters`) must not reach it.
-    // A zero KV capacity means nothing either, so it is unknown too.
+    // A zero KV capacity means nothing either, so it is unknown too, and so is one past
+    // `MAX_KV_CAPACITY_TOKENS` (`num_gpu_blocks="18446744073709551615"` would make the
+    // endpoint's in-flight tokens count for nothing in every picker's cost).
     stats.block_size = stats.block_size.filter(|b| *b > 0);
-    stats.kv_capacity_tokens = stats.kv_capacity_tokens.filter(|c| *c > 0);
+    stats.kv_capacity_tokens = stats
+        .kv_capacity_tokens
+        .filter(|c| (1..=MAX_KV_CAPACITY_TOKENS).contains(c));
     stats
         .lora_adapters
         .retain(|n| kvroute_core::snapshot::check_label(n).is_ok());
@@ -506,6 +516,28 @@ pub fn ratio(v: f64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A capacity past `MAX_KV_CAPACITY_TOKENS` is unknown; one at it is kept.
+    #[test]
+    fn implausible_capacities_are_unknown() {
+        let at = |blocks: u64| {
+            let text = format!(
+                "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n\
+                 vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"{blocks}\"}} 1\n"
+            );
+            let expo = Exposition::parse(&text).unwrap();
+            extract(ServerKind::Auto, &expo, None)
+                .unwrap()
+                .kv_capacity_tokens
+        };
+        assert_eq!(
+            at(MAX_KV_CAPACITY_TOKENS / 16),
+            Some(MAX_KV_CAPACITY_TOKENS)
+        );
+        assert_eq!(at(MAX_KV_CAPACITY_TOKENS / 16 + 1), None);
+        assert_eq!(at(u64::MAX), None);
+        assert_eq!(at(8_192), Some(131_072));
+    }
 
     #[test]
     fn values_the_snapshot_rejects_are_dropped() {

@@ -261,7 +261,8 @@ mod tests {
     }
 
     /// Capacities a broken server reports must not overflow the sum over engines (a
-    /// panic in a debug build, a wrapped capacity in a release one): it saturates.
+    /// panic in a debug build, a wrapped capacity in a release one): it saturates, and
+    /// `adapters::extract` then reads the implausible sum as unknown.
     #[test]
     fn huge_capacities_saturate() {
         let e = Exposition::parse(concat!(
