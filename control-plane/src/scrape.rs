@@ -274,6 +274,31 @@ pub struct Scraped {
     pub skipped: (usize, Option<(usize, &'static str)>),
 }
 
+/// Bodies longer than this, bytes, are parsed on tokio's blocking pool rather than on the
+/// runtime's one worker thread (`main.rs`): a label-heavy 8 MB body took ~300 ms to parse,
+/// and every other scrape, push and `/metrics` answer waited behind it. Real expositions
+/// are far smaller (the largest in the shared data, TGI's, is 58 KiB), so they stay inline and cost
+/// no thread hand-off.
+pub const PARSE_OFFLOAD_BYTES: usize = 1 << 20;
+
+/// Parse a `/metrics` body, keeping the families the adapters read; bodies over
+/// [`PARSE_OFFLOAD_BYTES`] on the blocking pool. The body goes back to the buffer pool
+/// either way.
+async fn parse_metrics(body: BodyBuf) -> Result<Exposition, ScrapeError> {
+    if body.0.len() <= PARSE_OFFLOAD_BYTES {
+        return Ok(Exposition::parse_bytes_with(
+            &body.0,
+            adapters::is_relevant,
+        )?);
+    }
+    tokio::task::spawn_blocking(move || {
+        Exposition::parse_bytes_with(&body.0, adapters::is_relevant)
+    })
+    .await
+    .map_err(|e| ScrapeError::Body(format!("parse task failed: {e}")))?
+    .map_err(ScrapeError::from)
+}
+
 /// Scrape one endpoint once: `/metrics` under `timeout`, and for llama.cpp `/slots` under
 /// its own `timeout` (concurrently when `kind_hint` is already llama.cpp). `kind_hint` is
 /// the kind detected last time for `auto` endpoints. Both requests carry `token` as a
@@ -341,9 +366,7 @@ pub async fn scrape_once(
         }
         _ => (fetch_metrics.await, None),
     };
-    let body = metrics?;
-    let expo = Exposition::parse_bytes_with(&body.0, adapters::is_relevant)?;
-    drop(body);
+    let expo = parse_metrics(metrics?).await?;
     let kind = match spec.kind {
         ServerKind::Auto => adapters::detect(&expo).ok_or(AdapterError::UnknownKind)?,
         k => k,

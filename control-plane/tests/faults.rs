@@ -72,6 +72,31 @@ async fn hung_endpoint_does_not_delay_others() {
     cp.shutdown().await;
 }
 
+/// A body over `scrape::PARSE_OFFLOAD_BYTES` (parsed on the blocking pool) gives the same
+/// stats as a small one: 2 MiB of histogram buckets the adapters skip, then the gauges.
+#[tokio::test]
+async fn a_body_over_the_offload_size_is_read_whole() {
+    let mut body = String::new();
+    let mut le = 0u64;
+    while body.len() <= 2 * kvroute_cp::scrape::PARSE_OFFLOAD_BYTES {
+        body.push_str(&format!(
+            "vllm:e2e_request_latency_seconds_bucket{{engine=\"0\",le=\"{le}\"}} {le}\n"
+        ));
+        le += 1;
+    }
+    body.push_str(&vllm_body(0.375, 3, 2, None, 10.0));
+    let big = FakeModelServer::start(Behavior::Body(body)).await;
+    let cp = start(&config_yaml(&[("b", big.addr())], &[], "")).await;
+    wait_for(WAIT, "b scraped", || cp.hub().all_attempted()).await;
+    let s = state(&cp, "p/b");
+    assert!(s.healthy, "{:?}", s.last_error);
+    let stats = s.stats.unwrap();
+    assert_eq!(stats.kv_usage, Some(0.375));
+    assert_eq!((stats.running, stats.waiting), (3, 2));
+    assert_eq!(stats.kv_capacity_tokens, Some(16_000));
+    cp.shutdown().await;
+}
+
 #[tokio::test]
 async fn garbage_and_500_are_unhealthy_with_the_reason() {
     let garbage =
