@@ -564,3 +564,44 @@ async fn every_gateway_pod_gets_snapshots_and_removed_pods_are_dropped() {
 fn rotate_token(dir: &std::path::Path, token: &str) {
     common::kubelet_write(dir, 1, &[("token", format!("{token}\n").as_bytes())]);
 }
+
+/// A burst of pod events is published as one change, not one per event
+/// (`discovery::kubernetes::PUBLISH_COALESCE`): 40 pods applied at once reach the fleet
+/// together, and no size in between is ever seen.
+#[tokio::test]
+async fn a_burst_of_pod_events_is_published_once() {
+    let (api, pools, pods) = fake_api_with_pool_and_pods().await;
+    let mut pool = fixture("inferencepool.json");
+    pool["spec"]["targetPorts"] = json!([{ "number": 8000 }]);
+    api.apply(&pools, pool);
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nscrape:\n  interval_ms: 1000\n  timeout_ms: 200\npush:\n  heartbeat_ms: 100\n\
+         kubernetes:\n  api_server: {}\n  inference_pools:\n    - namespace: default\n      name: {POOL}\n      kind: vllm\n      cluster: llama_8b\n      models: [{LLAMA}]\n",
+        api.url()
+    );
+    let cp = ControlPlane::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    // Let the initial (empty) list settle.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(cp.endpoints().is_empty());
+    for i in 0..40u8 {
+        api.apply(
+            &pods,
+            vllm_pod(&format!("pod-{i}"), &format!("127.0.1.{i}"), true, 0),
+        );
+    }
+    let deadline = Instant::now() + WAIT;
+    let mut seen = std::collections::BTreeSet::new();
+    loop {
+        let n = cp.endpoints().len();
+        seen.insert(n);
+        if n == 40 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "timed out: sizes seen {seen:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(seen, [0, 40].into_iter().collect(), "sizes seen");
+    cp.shutdown().await;
+}

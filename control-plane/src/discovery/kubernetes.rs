@@ -239,6 +239,21 @@ impl<K> Mirror<K> {
     }
 }
 
+/// How long a pool's watch gathers changes before it publishes its endpoints once: pods
+/// joining, leaving or turning ready reach the fleet within this (plus a scrape). Each
+/// publication rebuilds the pool's whole endpoint list and the supervisor diffs it against
+/// the fleet, so with 8,000 pods and 10 pod events a second, publishing per event took
+/// ~70% of a core; batched, at most 4 a second.
+pub const PUBLISH_COALESCE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Wait for `due`, or forever when it is unset.
+async fn until(due: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
+    match due {
+        Some(t) => t.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Watch `pool` until `shutdown`, publishing its endpoints into slot [`slot`] of `out`.
 /// Pods' `/v1/models` are read with the current scrape token from `token`.
 pub async fn run_pool(
@@ -267,6 +282,9 @@ pub async fn run_pool(
     let mut models: BTreeMap<ModelsKey, Vec<String>> = BTreeMap::new();
     let mut fetching: BTreeSet<ModelsKey> = BTreeSet::new();
     let (models_tx, mut models_rx) = mpsc::channel::<(ModelsKey, Vec<String>)>(64);
+    // Changes are published at most once per `PUBLISH_COALESCE` (the first change arms the
+    // timer, later ones ride along).
+    let mut due: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     loop {
         let changed = tokio::select! {
             ev = pool_events.next() => match ev {
@@ -292,9 +310,23 @@ pub async fn run_pool(
             },
             ev = pod_events.next() => match ev {
                 Some(Ok(ev)) => {
+                    // One pod changed: only its view is rebuilt (8,000 pods churning 10
+                    // events/s rebuilt every view per event); a re-list rebuilds all.
+                    let touched = match &ev {
+                        Event::Apply(p) | Event::Delete(p) => p.metadata.name.clone(),
+                        _ => None,
+                    };
                     let c = pods.apply(ev, |p| p.metadata.name.clone());
                     if c {
-                        views = pods.items.values().filter_map(PodView::of).map(|v| (v.name.clone(), v)).collect();
+                        match touched {
+                            Some(n) => match pods.items.get(&n).and_then(PodView::of) {
+                                Some(v) => { views.insert(n, v); }
+                                None => { views.remove(&n); }
+                            },
+                            None => {
+                                views = pods.items.values().filter_map(PodView::of).map(|v| (v.name.clone(), v)).collect();
+                            }
+                        }
                     }
                     c
                 }
@@ -309,10 +341,20 @@ pub async fn run_pool(
                 models.insert(key, m);
                 true
             }
+            () = until(&mut due) => true,
             _ = shutdown.changed() => return,
         };
         if !changed {
             continue;
+        }
+        match &due {
+            // The timer fired: publish now.
+            Some(t) if t.is_elapsed() => due = None,
+            Some(_) => continue,
+            None => {
+                due = Some(Box::pin(tokio::time::sleep(PUBLISH_COALESCE)));
+                continue;
+            }
         }
         if pool.models.is_empty() {
             // Forget incarnations that are gone; fetch for new ready ones.
