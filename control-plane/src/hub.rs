@@ -498,11 +498,25 @@ impl Hub {
                 .or_insert_with(|| EndpointState::new(s.clone()));
         }
         lock(&self.pools).refresh(&fleet);
-        drop(fleet);
+        // Under the fleet lock, as `scrape_error` counts: a scrape that finishes after its
+        // endpoint left cannot bring a series back.
         for id in gone {
             self.telemetry.forget_endpoint(&id);
         }
+        drop(fleet);
         self.mark_dirty();
+    }
+
+    /// Count one scrape error of endpoint `id` with label `reason`
+    /// ([`Telemetry::scrape_error`]), only while `id` is in the fleet. Counted under the
+    /// fleet lock that [`Self::set_endpoints`] drops a departed endpoint's series under, so
+    /// a scrape finishing after its endpoint left never re-creates a series for it (which
+    /// would then stay in `/metrics` for good).
+    pub fn scrape_error(&self, id: &str, reason: &str) {
+        let fleet = lock(&self.fleet);
+        if fleet.contains_key(id) {
+            self.telemetry.scrape_error(id, reason);
+        }
     }
 
     /// Replace the configured pools: name → the models the config names for it
@@ -914,6 +928,31 @@ mod tests {
         );
         hub.retain_push_targets(&["b"]);
         assert_eq!(hub.not_ready_reason(), None);
+    }
+
+    /// A scrape error counted after its endpoint left adds no series; one counted while it
+    /// is in the fleet does, and leaves with it.
+    #[test]
+    fn a_departed_endpoints_late_scrape_error_is_not_counted() {
+        let hub = Hub::new(Duration::from_secs(1), Duration::ZERO, Duration::ZERO);
+        let series = |hub: &Hub| {
+            hub.telemetry
+                .encode()
+                .lines()
+                .filter(|l| l.starts_with("kvroute_cp_scrape_errors_total{"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        hub.set_endpoints(&[spec("a")]);
+        hub.scrape_error("p/a", "timeout");
+        assert_eq!(
+            series(&hub),
+            ["kvroute_cp_scrape_errors_total{endpoint=\"p/a\",reason=\"timeout\"} 1"]
+        );
+        hub.set_endpoints(&[]);
+        assert!(series(&hub).is_empty());
+        hub.scrape_error("p/a", "timeout");
+        assert!(series(&hub).is_empty(), "{:?}", series(&hub));
     }
 
     fn spec(name: &str) -> EndpointSpec {

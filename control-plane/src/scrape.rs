@@ -522,11 +522,11 @@ pub async fn run_endpoint(
                             "llama.cpp /slots is disabled (start llama-server without --no-slots \
                              for KV usage); no longer asking it, KV usage unknown"
                         );
-                        hub.telemetry.scrape_error(&spec.id, "slots_status");
+                        hub.scrape_error(&spec.id, "slots_status");
                         spec.slots_url = None;
                     }
                     Some(e) => {
-                        hub.telemetry.scrape_error(&spec.id, slots_reason(&e));
+                        hub.scrape_error(&spec.id, slots_reason(&e));
                         let carried = last_slots.filter(|(t, _, _)| t.elapsed() <= SLOTS_CARRY_MAX);
                         if let Some((_, usage, cap)) = carried {
                             stats.kv_usage = usage;
@@ -558,7 +558,7 @@ pub async fn run_endpoint(
                         consequence(class)
                     );
                 }
-                hub.telemetry.scrape_error(&spec.id, e.reason());
+                hub.scrape_error(&spec.id, e.reason());
                 hub.record_failure(&spec.id, class, e.to_string());
             }
         }
