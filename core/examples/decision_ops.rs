@@ -2,7 +2,7 @@
 //! `scripts/wasm-ops.py`; method in docs/overhead.md).
 //!
 //! ```text
-//! decision_ops route|analysis N BODY.json
+//! decision_ops route|analysis|time N BODY.json
 //! ```
 //! Runs [`Router::route`] (or only the request analysis) `N` times on the chat body in
 //! `BODY.json`, over the overhead benchmark's fleet: 16 healthy endpoints serving its
@@ -11,6 +11,11 @@
 //! the operations of one decision as their difference halved (start-up and file reading
 //! cancel out). Exits 1 when a decision does not route (a changed fleet or body would
 //! otherwise count the cheap "no endpoint" path) or on a bad argument.
+//!
+//! `time` is the native timing of the same decision (docs/overhead.md, "Outside Wasm"):
+//! 15 rounds of `N` [`Router::route`] calls after one untimed round, printing the body's
+//! size and the median round's nanoseconds per decision. Wall time, so it moves with the
+//! machine's load: compare builds in one run, alternating them.
 #![allow(clippy::print_stdout, clippy::print_stderr)] // a command-line tool
 
 use kvroute_core::analysis::{analyze_bounded, ApiKind};
@@ -24,6 +29,8 @@ use std::process::ExitCode;
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 /// Snapshot time and decision time, Unix ms (the snapshot is always fresh).
 const NOW_MS: u64 = 1_000_000;
+/// Timed rounds of `time` (an odd number: the median is one of them).
+const ROUNDS: usize = 15;
 
 fn fleet() -> Snapshot {
     let endpoints = (0..16u32)
@@ -56,7 +63,7 @@ fn main() -> ExitCode {
         args.get(2).map(|n| n.parse::<usize>()),
         args.get(3),
     ) else {
-        eprintln!("usage: decision_ops route|analysis N BODY.json");
+        eprintln!("usage: decision_ops route|analysis|time N BODY.json");
         return ExitCode::FAILURE;
     };
     let body = match std::fs::read(path) {
@@ -72,6 +79,36 @@ fn main() -> ExitCode {
     let snapshot = fleet();
     let table = InflightTable::new(4096);
     let prefix_limit = RouterConfig::default().prefix.max_bytes();
+    if mode == "time" {
+        let mut route = || {
+            let d = router.route(
+                &snapshot,
+                &table,
+                "/v1/chat/completions",
+                Some(black_box(&body)),
+                NOW_MS,
+            );
+            matches!(d.outcome, Outcome::Route(_))
+        };
+        let mut rounds = Vec::with_capacity(ROUNDS);
+        for round in 0..=ROUNDS {
+            let start = std::time::Instant::now();
+            let routed = (0..n).filter(|_| route()).count();
+            let ns = start.elapsed().as_nanos() / n.max(1) as u128;
+            if routed != n {
+                eprintln!("decision_ops: {path}: the decision did not route");
+                return ExitCode::FAILURE;
+            }
+            // Round 0 warms the caches and the prefix index.
+            if round > 0 {
+                rounds.push(ns);
+            }
+        }
+        rounds.sort_unstable();
+        let median = rounds.get(ROUNDS / 2).copied().unwrap_or_default();
+        println!("{} {median}", body.len());
+        return ExitCode::SUCCESS;
+    }
     for _ in 0..n {
         let ok = match mode.as_str() {
             "route" => matches!(

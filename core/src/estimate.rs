@@ -236,7 +236,7 @@ const BYTE_CLASS: [Class; 256] = {
 
 /// A block of 16 ASCII bytes by class, one bit per byte (bit *k* for byte *k*), from
 /// [`class_lanes`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Lanes {
     /// Bytes whose [`BYTE_CLASS`] differs from the byte before (byte 0 is compared with the
     /// class of the byte before the block): where runs start.
@@ -250,84 +250,71 @@ struct Lanes {
 }
 
 /// The class lanes of a block of 16 ASCII bytes, `prev` being the class of the byte before
-/// it. `None` when a byte is not ASCII, or off Wasm SIMD (the caller then takes one byte
-/// per step).
+/// it. `None` when a byte is not ASCII, or without 16-byte lanes (the caller then takes one
+/// byte per step).
 ///
-/// Built with Wasm SIMD (`simd128`, enabled for `wasm32-wasip1` in `.cargo/config.toml`):
-/// each class is one or two lane-wise compares, the class ids are or-ed together (the
-/// classes are disjoint), one compare with the ids shifted by a lane gives the changes, and
-/// one `bitmask` per class its lanes. Other targets take the byte loop: a portable 16-byte
-/// lookup loop measured slower than it natively (callgrind, 1 KiB chat body: 47 k instead
-/// of 31 k instructions per `Router::route`).
+/// With 16-byte lanes ([`crate::simd`]: Wasm SIMD, enabled for `wasm32-wasip1` in
+/// `.cargo/config.toml`, or x86-64's SSE2): each class is one or two lane-wise compares,
+/// the class ids are or-ed together (the classes are disjoint), one compare with the ids
+/// shifted by a lane gives the changes, and one bitmask per class its lanes. Other targets
+/// (aarch64 among them) take the byte loop: a portable 16-byte lookup loop measured slower
+/// than it natively (callgrind, 1 KiB chat body: 47 k instead of 31 k instructions per
+/// `Router::route`).
 #[inline(always)]
 fn class_lanes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
     {
-        class_lanes_simd128(block, prev)
+        class_lanes_simd(block, prev)
     }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    #[cfg(not(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    )))]
     {
         let _ = (block, prev);
         None
     }
 }
 
-/// [`class_lanes`] on Wasm SIMD.
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+/// [`class_lanes`] with 16-byte lanes.
+#[cfg(any(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    all(target_arch = "x86_64", target_feature = "sse2")
+))]
 #[inline(always)]
-fn class_lanes_simd128(block: &[u8; 16], prev: Class) -> Option<Lanes> {
-    use core::arch::wasm32::*;
-    let w = u128::from_le_bytes(*block);
-    let v = u64x2(w as u64, (w >> 64) as u64);
-    if u8x16_bitmask(v) != 0 {
+fn class_lanes_simd(block: &[u8; 16], prev: Class) -> Option<Lanes> {
+    use crate::simd::U8x16;
+    let v = U8x16::new(block);
+    if v.bitmask() != 0 {
         return None;
     }
-    let id = |c: Class| u8x16_splat(c as u8);
-    let eq = |b: u8| u8x16_eq(v, u8x16_splat(b));
+    let splat = U8x16::splat;
+    let id = |c: Class| splat(c as u8);
+    let eq = |b: u8| v.eq(splat(b));
     // `x - lo < n` (unsigned, wrapping): x in lo..lo + n.
-    let within = |x: v128, lo: u8, n: u8| u8x16_lt(u8x16_sub(x, u8x16_splat(lo)), u8x16_splat(n));
-    let word = within(v128_or(v, u8x16_splat(0x20)), b'a', 26);
+    let within = |x: U8x16, lo: u8, n: u8| x.wrapping_sub(splat(lo)).lt(splat(n));
+    let word = within(v | splat(0x20), b'a', 26);
     let digit = within(v, b'0', 10);
-    let newline = v128_or(eq(b'\n'), eq(b'\r'));
-    let space = v128_or(eq(b' '), eq(b'\t'));
-    let control = v128_or(
-        v128_andnot(u8x16_lt(v, u8x16_splat(0x20)), v128_or(newline, space)),
-        eq(0x7F),
-    );
-    let punct = v128_not(v128_or(
-        v128_or(word, digit),
-        v128_or(v128_or(newline, space), control),
-    ));
-    let ids = v128_or(
-        v128_or(
-            v128_and(word, id(Class::Word)),
-            v128_and(digit, id(Class::Digit)),
-        ),
-        v128_or(
-            v128_or(
-                v128_and(punct, id(Class::Punct)),
-                v128_and(newline, id(Class::Newline)),
-            ),
-            v128_or(
-                v128_and(space, id(Class::Space)),
-                v128_and(control, id(Class::Control)),
-            ),
-        ),
-    );
+    let newline = eq(b'\n') | eq(b'\r');
+    let space = eq(b' ') | eq(b'\t');
+    let control = v.lt(splat(0x20)).and_not(newline | space) | eq(0x7F);
+    let punct = !((word | digit) | ((newline | space) | control));
+    let ids = ((word & id(Class::Word)) | (digit & id(Class::Digit)))
+        | (((punct & id(Class::Punct)) | (newline & id(Class::Newline)))
+            | ((space & id(Class::Space)) | (control & id(Class::Control))));
     // Lane k of `before` is lane k − 1 of `ids`; lane 0 is `prev`.
-    let before = i8x16_shuffle::<0, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30>(
-        id(prev),
-        ids,
-    );
-    let bits = |m: v128| u32::from(u8x16_bitmask(m));
+    let before = ids.shift_in(prev as u8);
     Some(Lanes {
-        changes: bits(v128_not(u8x16_eq(ids, before))),
-        word: bits(word),
-        digit: bits(digit),
-        punct: bits(punct),
-        newline: bits(newline),
-        space: bits(space),
-        control: bits(control),
+        changes: (!ids.eq(before)).bitmask(),
+        word: word.bitmask(),
+        digit: digit.bitmask(),
+        punct: punct.bitmask(),
+        newline: newline.bitmask(),
+        space: space.bitmask(),
+        control: control.bitmask(),
     })
 }
 
@@ -1050,6 +1037,112 @@ mod tests {
             }
             bytewise.end_text();
             proptest::prop_assert_eq!(&whole.counts, &bytewise.counts);
+        }
+    }
+
+    /// [`class_lanes`] byte by byte from [`BYTE_CLASS`]: `None` when a byte is not ASCII.
+    fn class_lanes_by_bytes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
+        if !block.is_ascii() {
+            return None;
+        }
+        let mut l = Lanes {
+            changes: 0,
+            word: 0,
+            digit: 0,
+            punct: 0,
+            newline: 0,
+            space: 0,
+            control: 0,
+        };
+        let mut before = prev;
+        for (k, &b) in block.iter().enumerate() {
+            let c = BYTE_CLASS[usize::from(b)];
+            let bit = 1u32 << k;
+            if c != before {
+                l.changes |= bit;
+            }
+            match c {
+                Class::Word => l.word |= bit,
+                Class::Digit => l.digit |= bit,
+                Class::Punct => l.punct |= bit,
+                Class::Newline => l.newline |= bit,
+                Class::Space => l.space |= bit,
+                Class::Control => l.control |= bit,
+                _ => unreachable!("{b:#04x} is ASCII"),
+            }
+            before = c;
+        }
+        Some(l)
+    }
+
+    /// The bytes of the [`class_lanes`] property, weighted by repetition: letters (twice),
+    /// digits, every printable ASCII byte (the punctuation at the edges of the letter and
+    /// digit ranges among them), spaces, tabs, newlines and carriage returns (three times),
+    /// controls and 0x7F, and a few non-ASCII bytes.
+    fn class_test_bytes() -> Vec<u8> {
+        let mut v: Vec<u8> = (b'a'..=b'z').chain(b'A'..=b'Z').collect();
+        v.extend_from_within(..);
+        v.extend(0x21u8..0x7F);
+        v.extend(b" \t\n\r".repeat(3));
+        v.extend((0u8..0x20).chain([0x7F]));
+        v.extend([0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0xFF]);
+        v
+    }
+
+    /// The classes `prev` can be: every class (the open run's is one of the ASCII ones or
+    /// `None`; the others are covered too).
+    const CLASSES: [Class; 11] = [
+        Class::None,
+        Class::Word,
+        Class::Digit,
+        Class::Punct,
+        Class::Newline,
+        Class::Space,
+        Class::Control,
+        Class::Lead2,
+        Class::Lead3,
+        Class::Lead4,
+        Class::Cont,
+    ];
+
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
+    proptest::proptest! {
+        /// The 16-byte-lane body of [`class_lanes`] (SSE2 natively, Wasm SIMD under `make
+        /// test-wasm`) gives every byte its [`BYTE_CLASS`], on blocks of every class
+        /// ([`class_test_bytes`]) after every class.
+        #[test]
+        fn class_lanes_are_byte_class_byte_by_byte(
+            block in proptest::array::uniform16(proptest::sample::select(class_test_bytes())),
+            prev in 0..CLASSES.len(),
+        ) {
+            let prev = CLASSES[prev];
+            proptest::prop_assert_eq!(class_lanes(&block, prev), class_lanes_by_bytes(&block, prev));
+        }
+    }
+
+    /// Every byte value in every lane, beside letters and after each class.
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
+    #[test]
+    fn class_lanes_cover_every_byte_value() {
+        for b in 0..=255u8 {
+            for k in 0..16 {
+                for prev in CLASSES {
+                    let mut block = [b'q'; 16];
+                    block[k] = b;
+                    assert_eq!(
+                        class_lanes(&block, prev),
+                        class_lanes_by_bytes(&block, prev),
+                        "{b:#04x} in lane {k} after class {}",
+                        prev as u8
+                    );
+                }
+            }
         }
     }
 

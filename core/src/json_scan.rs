@@ -161,42 +161,69 @@ fn special_mask(w: u64) -> u64 {
 }
 
 /// Length of the stretch of `b` before its first `"`, `\` or control character (or
-/// `b.len()` when there is none). Built with Wasm SIMD (`simd128`, which the workspace's
-/// `.cargo/config.toml` enables for `wasm32-wasip1`), it compares 32 bytes per step
-/// ([`plain_len_simd128`]); otherwise eight bytes per step on a `u64` ([`plain_len_swar`]).
+/// `b.len()` when there is none). With 16-byte lanes ([`crate::simd`]: Wasm SIMD, which
+/// the workspace's `.cargo/config.toml` enables for `wasm32-wasip1`, or x86-64's SSE2) it
+/// compares 32 bytes per step ([`plain_len_simd`]); otherwise (aarch64 among them) eight
+/// bytes per step on a `u64` ([`plain_len_swar`]).
 #[inline]
 pub(crate) fn plain_len(b: &[u8]) -> usize {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
     {
-        plain_len_simd128(b)
+        plain_len_simd(b)
     }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    #[cfg(not(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    )))]
     {
         plain_len_swar(b)
     }
 }
 
-/// [`plain_len`] on Wasm SIMD: each 16-byte block takes two lane-wise compares, one for
-/// the controls and `"` together (`x ^ 2 < 0x21`, unsigned) and one for `\\`. Two blocks are taken per step
-/// and tested together (`v128.any_true` of their combined compares), so a 32-byte stretch
-/// of plain text costs one branch; at a step that has a special byte, the lowest set bit of
-/// the two blocks' masks is the first one. A last 16-byte block is taken alone, and the
-/// tail (under 16 bytes) goes to [`plain_len_swar`].
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+/// Lanes of `block` that are `"`, `\` or below 0x20, in two lane-wise compares: one for
+/// the controls and `"` together, `x ^ 2 < 0x21` (unsigned), which holds exactly for the
+/// controls (0x00..=0x1F, which XOR with 2 permutes among themselves) and `"` (0x22 ^ 2 =
+/// 0x20); one for `\`.
+#[cfg(any(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    all(target_arch = "x86_64", target_feature = "sse2")
+))]
+#[inline(always)]
+fn special_lanes(block: &[u8; 16]) -> crate::simd::U8x16 {
+    use crate::simd::U8x16;
+    let v = U8x16::new(block);
+    (v ^ U8x16::splat(2)).lt(U8x16::splat(0x21)) | v.eq(U8x16::splat(b'\\'))
+}
+
+/// `b[at..at + 16]` (zeros where `b` is shorter: not reached, the callers' blocks are in
+/// bounds). LLVM reads it as one unaligned 16-byte load.
+#[cfg(any(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    all(target_arch = "x86_64", target_feature = "sse2")
+))]
+#[inline(always)]
+fn block_at(b: &[u8], at: usize) -> [u8; 16] {
+    let mut block = [0u8; 16];
+    if let Some(h) = b.get(at..at + 16) {
+        block.copy_from_slice(h);
+    }
+    block
+}
+
+/// [`plain_len`] with 16-byte lanes: each block's special bytes by [`special_lanes`]. Two
+/// blocks are taken per step and tested together (one test of their combined lanes), so
+/// a 32-byte stretch of plain text costs one branch; at a step that has a special byte,
+/// the lowest set bit of the two blocks' masks is the first one. A last 16-byte block is
+/// taken alone, and the tail (under 16 bytes) goes to [`plain_len_swar`].
+#[cfg(any(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    all(target_arch = "x86_64", target_feature = "sse2")
+))]
 #[inline]
-fn plain_len_simd128(b: &[u8]) -> usize {
-    use core::arch::wasm32::{
-        u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128, v128_any_true, v128_or,
-        v128_xor,
-    };
-    let (two, slash, below) = (u8x16_splat(2), u8x16_splat(b'\\'), u8x16_splat(0x21));
-    // `x ^ 2 < 0x21` holds exactly for the controls (0x00..=0x1F, which XOR with 2
-    // permutes among themselves) and `"` (0x22 ^ 2 = 0x20): one compare for both.
-    let special = |block: &[u8; 16]| -> v128 {
-        let w = u128::from_le_bytes(*block);
-        let v = u64x2(w as u64, (w >> 64) as u64);
-        v128_or(u8x16_lt(v128_xor(v, two), below), u8x16_eq(v, slash))
-    };
+fn plain_len_simd(b: &[u8]) -> usize {
     let mut i = 0;
     let mut pairs = b.chunks_exact(32);
     for pair in pairs.by_ref() {
@@ -204,15 +231,14 @@ fn plain_len_simd128(b: &[u8]) -> usize {
             // Not reached (a 32-byte chunk has both halves); the SWAR scan would go on from `i`.
             return i + plain_len_swar(b.get(i..).unwrap_or(&[]));
         };
-        let (lo, hi) = (special(lo), special(hi));
-        if v128_any_true(v128_or(lo, hi)) {
-            let mask = u32::from(u8x16_bitmask(lo)) | (u32::from(u8x16_bitmask(hi)) << 16);
-            return i + mask.trailing_zeros() as usize;
+        let (lo, hi) = (special_lanes(lo), special_lanes(hi));
+        if (lo | hi).any() {
+            return i + (lo.bitmask() | (hi.bitmask() << 16)).trailing_zeros() as usize;
         }
         i += 32;
     }
     if let Some(block) = pairs.remainder().first_chunk::<16>() {
-        let mask = u8x16_bitmask(special(block));
+        let mask = special_lanes(block).bitmask();
         if mask != 0 {
             return i + mask.trailing_zeros() as usize;
         }
@@ -221,92 +247,109 @@ fn plain_len_simd128(b: &[u8]) -> usize {
     i + plain_len_swar(b.get(i..).unwrap_or(&[]))
 }
 
-/// Bit `i` set when `chunk[i]` is `"`, `\\` or below 0x20: every such byte, not only the
-/// first ([`Scanner::walk_plain`] visits them all). On Wasm SIMD, two 16-byte compares as
-/// in [`plain_len_simd128`]; elsewhere a byte loop (which LLVM vectorises on x86-64).
+/// Bit `i` set when `chunk[i]` is `"`, `\` or below 0x20: every such byte, not only the
+/// first ([`Scanner::walk_plain`] visits them all). With 16-byte lanes, two blocks'
+/// [`special_lanes`] and one test for plain text; otherwise [`special_mask32_bytes`].
 #[inline(always)]
 fn special_mask32(chunk: &[u8; 32]) -> u32 {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
     {
-        use core::arch::wasm32::{
-            u64x2, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128_any_true, v128_or, v128_xor,
-        };
-        let (two, slash, below) = (u8x16_splat(2), u8x16_splat(b'\\'), u8x16_splat(0x21));
-        // The controls and `"` in one compare, as in `plain_len_simd128`.
-        let special = |i: usize| {
-            let mut b = [0u8; 16];
-            if let Some(h) = chunk.get(i..i + 16) {
-                b.copy_from_slice(h);
-            }
-            let w = u128::from_le_bytes(b);
-            let v = u64x2(w as u64, (w >> 64) as u64);
-            v128_or(u8x16_lt(v128_xor(v, two), below), u8x16_eq(v, slash))
-        };
-        let (lo, hi) = (special(0), special(16));
+        let (lo, hi) = (
+            special_lanes(&block_at(chunk, 0)),
+            special_lanes(&block_at(chunk, 16)),
+        );
         // Plain text, the common case: one test, no bit masks.
-        if !v128_any_true(v128_or(lo, hi)) {
+        if !(lo | hi).any() {
             return 0;
         }
-        u32::from(u8x16_bitmask(lo)) | (u32::from(u8x16_bitmask(hi)) << 16)
+        lo.bitmask() | (hi.bitmask() << 16)
     }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    #[cfg(not(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    )))]
     {
-        let mut m = 0u32;
-        for (i, &b) in chunk.iter().enumerate() {
-            m |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
-        }
-        m
+        special_mask32_bytes(chunk)
     }
 }
 
-/// Bit `i` set when `chunk[i]` is `"`: [`Scanner::skip_raw`]'s step. On Wasm SIMD, four
-/// 16-byte compares and one test for the common step without a quote (~13 Wasm operations
-/// per 64 bytes); elsewhere eight bytes per step on a `u64`.
+/// [`special_mask32`] as a byte loop (LLVM vectorises it where it can).
+#[cfg(any(
+    test,
+    not(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))
+))]
+#[inline(always)]
+fn special_mask32_bytes(chunk: &[u8; 32]) -> u32 {
+    let mut m = 0u32;
+    for (i, &b) in chunk.iter().enumerate() {
+        m |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
+    }
+    m
+}
+
+/// Bit `i` set when `chunk[i]` is `"`: [`Scanner::skip_raw`]'s step. With 16-byte lanes,
+/// four compares and one test for the common step without a quote (~13 Wasm operations
+/// per 64 bytes); otherwise eight bytes per step on a `u64` ([`quote_mask64_swar`]).
 #[inline(always)]
 fn quote_mask64(chunk: &[u8; 64]) -> u64 {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
     {
-        use core::arch::wasm32::{
-            u64x2, u8x16_bitmask, u8x16_eq, u8x16_splat, v128_any_true, v128_or,
-        };
-        let quote = u8x16_splat(b'"');
-        let eq = |i: usize| {
-            let mut b = [0u8; 16];
-            if let Some(h) = chunk.get(i..i + 16) {
-                b.copy_from_slice(h);
-            }
-            let w = u128::from_le_bytes(b);
-            u8x16_eq(u64x2(w as u64, (w >> 64) as u64), quote)
-        };
+        use crate::simd::U8x16;
+        let quote = U8x16::splat(b'"');
+        let eq = |at: usize| U8x16::new(&block_at(chunk, at)).eq(quote);
         let (a, b, c, d) = (eq(0), eq(16), eq(32), eq(48));
-        if !v128_any_true(v128_or(v128_or(a, b), v128_or(c, d))) {
+        if !((a | b) | (c | d)).any() {
             return 0;
         }
-        u64::from(u8x16_bitmask(a))
-            | (u64::from(u8x16_bitmask(b)) << 16)
-            | (u64::from(u8x16_bitmask(c)) << 32)
-            | (u64::from(u8x16_bitmask(d)) << 48)
+        u64::from(a.bitmask())
+            | (u64::from(b.bitmask()) << 16)
+            | (u64::from(c.bitmask()) << 32)
+            | (u64::from(d.bitmask()) << 48)
     }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    #[cfg(not(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    )))]
     {
-        // Eight bytes per step on a `u64` (LLVM does not vectorise the byte loop: a 1 MiB
-        // skip took 2.3× the time of the walk it replaced, natively). A byte of `x` is
-        // zero exactly where `w` has a quote; `(x & 0x7F) + 0x7F` sets a byte's high bit
-        // when its low seven bits are not all zero, and `| x` when its own high bit is
-        // set, so `!t` has the high bit of exactly the zero bytes (no borrow between
-        // bytes, unlike `special_mask`'s). The multiply gathers the eight high bits.
-        const LOW7: u64 = LO * 0x7F;
-        let mut m = 0u64;
-        for (k, word) in chunk.chunks_exact(8).enumerate() {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(word);
-            let x = u64::from_le_bytes(b) ^ (LO * u64::from(b'"'));
-            let t = ((x & LOW7).wrapping_add(LOW7) | x) & HI;
-            let bits = ((!t & HI) >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56;
-            m |= bits << (8 * k);
-        }
-        m
+        quote_mask64_swar(chunk)
     }
+}
+
+/// [`quote_mask64`] eight bytes per step on a `u64` (LLVM does not vectorise the byte
+/// loop: a 1 MiB skip took 2.3× the time of the walk it replaced, natively). A byte of `x`
+/// is zero exactly where `w` has a quote; `(x & 0x7F) + 0x7F` sets a byte's high bit when
+/// its low seven bits are not all zero, and `| x` when its own high bit is set, so `!t`
+/// has the high bit of exactly the zero bytes (no borrow between bytes, unlike
+/// `special_mask`'s). The multiply gathers the eight high bits.
+#[cfg(any(
+    test,
+    not(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))
+))]
+#[inline(always)]
+fn quote_mask64_swar(chunk: &[u8; 64]) -> u64 {
+    const LOW7: u64 = LO * 0x7F;
+    let mut m = 0u64;
+    for (k, word) in chunk.chunks_exact(8).enumerate() {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(word);
+        let x = u64::from_le_bytes(b) ^ (LO * u64::from(b'"'));
+        let t = ((x & LOW7).wrapping_add(LOW7) | x) & HI;
+        let bits = ((!t & HI) >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56;
+        m |= bits << (8 * k);
+    }
+    m
 }
 
 /// [`plain_len`] eight bytes at a time (SWAR on a `u64`, which wasm32 executes natively).
@@ -1342,6 +1385,69 @@ mod tests {
                 b[63 - at] = b'"';
                 let want = (u64::from(c == b'"') << at) | (1 << (63 - at));
                 assert_eq!(quote_mask64(&b), want, "{c} at {at}, `\"` at {}", 63 - at);
+            }
+        }
+    }
+
+    /// One byte, mostly of the kinds the scans tell apart: `"`, `\\`, controls, 0x7F,
+    /// non-ASCII, letters, digits, spaces, newlines; with `plain`, letters nearly always
+    /// (so whole 16-, 32- and 64-byte blocks without a special byte are common too).
+    fn scan_byte(plain: bool) -> impl proptest::strategy::Strategy<Value = u8> {
+        use proptest::prelude::*;
+        let letters = if plain { 400 } else { 8 };
+        prop_oneof![
+            letters => prop_oneof![b'a'..=b'z', b'A'..=b'Z'],
+            2 => b'0'..=b'9',
+            2 => Just(b' '),
+            1 => Just(b'\n'),
+            1 => Just(b'"'),
+            1 => Just(b'\\'),
+            1 => 0u8..0x20,
+            1 => Just(0x7F),
+            1 => 0x80u8..=0xFF,
+        ]
+    }
+
+    fn scan_bytes() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        prop_oneof![
+            proptest::collection::vec(scan_byte(false), 0..300),
+            proptest::collection::vec(scan_byte(true), 0..300),
+        ]
+    }
+
+    /// The 16-byte-lane bodies (SSE2 natively, Wasm SIMD under `make test-wasm`) return
+    /// exactly what the portable bodies return. Off those targets both sides are portable.
+    #[cfg(any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2")
+    ))]
+    mod lanes_match_portable {
+        use super::*;
+
+        proptest::proptest! {
+            #[test]
+            fn plain_len_simd_is_plain_len_swar(b in scan_bytes()) {
+                for start in 0..b.len().min(40) {
+                    let tail = &b[start..];
+                    proptest::prop_assert_eq!(plain_len_simd(tail), plain_len_swar(tail), "from {}", start);
+                }
+            }
+
+            #[test]
+            fn special_mask32_is_the_byte_loop(b in scan_bytes()) {
+                for (at, w) in b.windows(32).enumerate() {
+                    let chunk: &[u8; 32] = w.try_into().unwrap();
+                    proptest::prop_assert_eq!(special_mask32(chunk), special_mask32_bytes(chunk), "at {}", at);
+                }
+            }
+
+            #[test]
+            fn quote_mask64_is_the_swar_mask(b in scan_bytes()) {
+                for (at, w) in b.windows(64).enumerate() {
+                    let chunk: &[u8; 64] = w.try_into().unwrap();
+                    proptest::prop_assert_eq!(quote_mask64(chunk), quote_mask64_swar(chunk), "at {}", at);
+                }
             }
         }
     }

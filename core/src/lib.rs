@@ -37,6 +37,12 @@ pub mod prefix;
 pub mod profile;
 pub mod router;
 pub mod shared_data;
+// Built only where it has a body: Wasm SIMD or x86-64's SSE2 (see the module's docs).
+#[cfg(any(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    all(target_arch = "x86_64", target_feature = "sse2")
+))]
+mod simd;
 pub mod snapshot;
 pub mod usage;
 pub mod usage_sample;

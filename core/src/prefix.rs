@@ -107,7 +107,7 @@ pub fn block_hashes(
     let bytes = bytes.get(..limit).unwrap_or(bytes);
     let mut out = Vec::with_capacity(bytes.len() / config.block_chars);
     let mut prev = seed_hash(model, cache_salt);
-    if config.block_chars % 32 == 0 {
+    if config.block_chars.is_multiple_of(32) {
         // Whole 32-byte stripes (the default 64-byte blocks): no copy, see `chain_step`.
         for block in bytes.chunks_exact(config.block_chars) {
             prev = chain_step(block, prev);
