@@ -58,7 +58,7 @@ fn rss_bytes(pid: u32) -> u64 {
 /// 8..=40 output tokens, every other one streamed.
 fn body(i: u64) -> Vec<u8> {
     let conv = i % 16;
-    let stream = i % 2 == 0;
+    let stream = i.is_multiple_of(2);
     let mut b = serde_json::json!({
         "model": MODEL,
         "messages": [
@@ -145,7 +145,7 @@ async fn soak_steady_rate_nothing_grows_nothing_leaks() {
         sent.fetch_add(1, Ordering::Relaxed);
         let n = i;
         tasks.spawn(async move {
-            let stream = n % 2 == 0;
+            let stream = n.is_multiple_of(2);
             match http::request(
                 "POST",
                 &url,

@@ -56,7 +56,7 @@ fn fleet(version: u64, now: u64, rng: &mut fastrand::Rng) -> Snapshot {
             waiting: rng.u32(0..4),
             healthy: true,
             // One endpoint's stats are sometimes stale.
-            scraped_at_ms: if i == 5 && version % 3 == 0 {
+            scraped_at_ms: if i == 5 && version.is_multiple_of(3) {
                 now.saturating_sub(5_000)
             } else {
                 now.saturating_sub(u64::from(rng.u32(0..500)))
