@@ -115,6 +115,9 @@ pub struct FleetOptions {
     pub buffer_limit: usize,
     /// Bind address of the backends (`127.0.0.1:0`, or `[::1]:0` for IPv6).
     pub backend_bind: &'static str,
+    /// Run the native dynamic module (`make dynmod`) instead of the `.wasm`
+    /// ([`templates::to_dynamic_module`]; Envoy needs `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`).
+    pub dynmod: bool,
 }
 
 impl Default for FleetOptions {
@@ -127,6 +130,7 @@ impl Default for FleetOptions {
             reply: Reply::default(),
             buffer_limit: 4 * 1024 * 1024,
             backend_bind: "127.0.0.1:0",
+            dynmod: false,
         }
     }
 }
@@ -161,14 +165,19 @@ impl Fleet {
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
         let (envoy, [port, ingest_port]) =
             Envoy::start_on_free_ports(opts.concurrency, |[port, ingest_port]| {
-                envoy_config(
+                let yaml = envoy_config(
                     opts.mode,
                     &addrs,
                     &opts.route_config,
                     port,
                     ingest_port,
                     opts.buffer_limit,
-                )
+                )?;
+                Ok(if opts.dynmod {
+                    templates::to_dynamic_module(&yaml)
+                } else {
+                    yaml
+                })
             })
             .await?;
         Ok(Self {
