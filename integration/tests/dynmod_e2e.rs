@@ -133,7 +133,7 @@ async fn cluster_mode_routes_after_snapshot_and_settles() {
     let rec = fleet.backends[1].requests().pop().unwrap();
     assert_eq!(rec.header("x-kvroute-cluster"), Some("c1"));
     assert_eq!(rec.body.as_ref(), chat("route me").as_slice());
-    // Metrics in Envoy's /stats, under the Wasm filter's names.
+    // Metrics in Envoy's /stats: the Wasm filter's names, in the dynamic-module namespace.
     assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 4);
     assert_eq!(
         fleet
@@ -148,7 +148,7 @@ async fn cluster_mode_routes_after_snapshot_and_settles() {
     );
     let stats = fleet.envoy.stats().await.unwrap();
     assert!(
-        stats.contains_key("wasmcustom.kvroute.inflight"),
+        stats.contains_key("dynamicmodulescustom.kvroute.inflight"),
         "{:?}",
         stats
             .keys()

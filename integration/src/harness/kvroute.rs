@@ -95,6 +95,9 @@ pub struct Fleet {
     pub port: u16,
     /// Ingest listener port.
     pub ingest_port: u16,
+    /// Prefix of the filter's stats: `wasmcustom.`, or
+    /// [`templates::DYNMOD_STAT_PREFIX`] for the dynamic module.
+    pub stat_prefix: &'static str,
 }
 
 /// Options for [`Fleet::start`].
@@ -185,6 +188,11 @@ impl Fleet {
             envoy,
             port,
             ingest_port,
+            stat_prefix: if opts.dynmod {
+                templates::DYNMOD_STAT_PREFIX
+            } else {
+                "wasmcustom."
+            },
         })
     }
 
@@ -219,8 +227,8 @@ impl Fleet {
         let task = tokio::spawn(async move {
             http::request("POST", &url, &[("content-type", "application/json")], &body).await
         });
-        self.wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], parked)
-            .await?;
+        let queued = format!("{}kvroute.outcome.queued", self.stat_prefix);
+        self.wait_stat_at_least(&[queued.as_str()], parked).await?;
         Ok(task)
     }
 
@@ -281,24 +289,20 @@ impl Fleet {
             r.status,
             r.text()
         );
-        self.wait_stat_at_least(
-            &[
-                "wasmcustom.kvroute.snapshots.published",
-                "wasmcustom.kvroute.snapshots.ignored_old",
-            ],
-            before + 1,
-        )
-        .await
+        let published = format!("{}kvroute.snapshots.published", self.stat_prefix);
+        let ignored = format!("{}kvroute.snapshots.ignored_old", self.stat_prefix);
+        self.wait_stat_at_least(&[published.as_str(), ignored.as_str()], before + 1)
+            .await
     }
 
     async fn handled(&self) -> anyhow::Result<u64> {
         let s = self.envoy.stats().await?;
-        Ok(s.get("wasmcustom.kvroute.snapshots.published")
-            .copied()
-            .unwrap_or(0)
-            + s.get("wasmcustom.kvroute.snapshots.ignored_old")
+        let get = |n: &str| {
+            s.get(&format!("{}{n}", self.stat_prefix))
                 .copied()
-                .unwrap_or(0))
+                .unwrap_or(0)
+        };
+        Ok(get("kvroute.snapshots.published") + get("kvroute.snapshots.ignored_old"))
     }
 
     /// Wait (deadline 10 s) until the sum of `names` reaches `want`.
@@ -337,11 +341,11 @@ impl Fleet {
         }
     }
 
-    /// A `wasmcustom.` stat (0 when absent).
+    /// One of the filter's stats ([`Fleet::stat_prefix`]; 0 when absent).
     pub async fn custom(&self, name: &str) -> anyhow::Result<u64> {
         Ok(self
             .envoy
-            .stat(&format!("wasmcustom.{name}"))
+            .stat(&format!("{}{name}", self.stat_prefix))
             .await?
             .unwrap_or(0))
     }

@@ -103,11 +103,14 @@ pub const DIRECT_RESPONSE: &str = include_str!("templates/direct_response.yaml")
 /// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`.
 pub const DYNMOD_NAME: &str = "kvroute_dynmod";
 
+/// Prefix of the module's stats in `/stats` (where the Wasm filter's have `wasmcustom.`).
+pub const DYNMOD_STAT_PREFIX: &str = "dynamicmodulescustom.";
+
 /// `yaml` (a rendered template) with each `envoy.filters.http.wasm` filter replaced by the
 /// dynamic module filter running [`DYNMOD_NAME`] with the same plugin config (the
-/// `configuration` value) and filter name (the Wasm `config.name`). Its metrics namespace is
-/// `wasmcustom`, so the stats have the Wasm filter's names and every stat helper of the
-/// harness reads them unchanged.
+/// `configuration` value) and filter name (the Wasm `config.name`). Its stats are Envoy's
+/// default dynamic-module namespace, [`DYNMOD_STAT_PREFIX`] (Envoy 1.40 has no
+/// `metrics_namespace` field to change it).
 pub fn to_dynamic_module(yaml: &str) -> String {
     let mut out = String::new();
     let mut lines = yaml.lines();
@@ -137,7 +140,6 @@ pub fn to_dynamic_module(yaml: &str) -> String {
              {pad}    \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n\
              {pad}    dynamic_module_config: {{name: {DYNMOD_NAME}}}\n\
              {pad}    filter_name: {name}\n\
-             {pad}    metrics_namespace: wasmcustom\n\
              {pad}    filter_config:\n\
              {pad}      \"@type\": type.googleapis.com/google.protobuf.StringValue\n\
              {pad}      value: {value}\n"
