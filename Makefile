@@ -32,5 +32,5 @@ lint: toolchain ## rustfmt check + clippy (native, and wasm32-wasip1 for core an
 	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
-test: bootstrap lint test-core test-wasm test-filter test-sim test-cp test-replay test-bench test-demo test-overhead test-decision-ops test-k8s test-reliability ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests
+test: bootstrap lint test-core test-wasm test-filter test-dynmod test-sim test-cp test-replay test-bench test-demo test-overhead test-decision-ops test-k8s test-reliability ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests
 	@echo "make test: all suites passed"

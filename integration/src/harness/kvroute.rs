@@ -95,6 +95,9 @@ pub struct Fleet {
     pub port: u16,
     /// Ingest listener port.
     pub ingest_port: u16,
+    /// Prefix of the filter's stats: `wasmcustom.`, or
+    /// [`templates::DYNMOD_STAT_PREFIX`] for the dynamic module.
+    pub stat_prefix: &'static str,
 }
 
 /// Options for [`Fleet::start`].
@@ -115,6 +118,9 @@ pub struct FleetOptions {
     pub buffer_limit: usize,
     /// Bind address of the backends (`127.0.0.1:0`, or `[::1]:0` for IPv6).
     pub backend_bind: &'static str,
+    /// Run the native dynamic module (`make dynmod`) instead of the `.wasm`
+    /// ([`templates::to_dynamic_module`]; Envoy needs `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`).
+    pub dynmod: bool,
 }
 
 impl Default for FleetOptions {
@@ -127,6 +133,7 @@ impl Default for FleetOptions {
             reply: Reply::default(),
             buffer_limit: 4 * 1024 * 1024,
             backend_bind: "127.0.0.1:0",
+            dynmod: false,
         }
     }
 }
@@ -161,14 +168,19 @@ impl Fleet {
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
         let (envoy, [port, ingest_port]) =
             Envoy::start_on_free_ports(opts.concurrency, |[port, ingest_port]| {
-                envoy_config(
+                let yaml = envoy_config(
                     opts.mode,
                     &addrs,
                     &opts.route_config,
                     port,
                     ingest_port,
                     opts.buffer_limit,
-                )
+                )?;
+                Ok(if opts.dynmod {
+                    templates::to_dynamic_module(&yaml)
+                } else {
+                    yaml
+                })
             })
             .await?;
         Ok(Self {
@@ -176,6 +188,11 @@ impl Fleet {
             envoy,
             port,
             ingest_port,
+            stat_prefix: if opts.dynmod {
+                templates::DYNMOD_STAT_PREFIX
+            } else {
+                "wasmcustom."
+            },
         })
     }
 
@@ -210,8 +227,8 @@ impl Fleet {
         let task = tokio::spawn(async move {
             http::request("POST", &url, &[("content-type", "application/json")], &body).await
         });
-        self.wait_stat_at_least(&["wasmcustom.kvroute.outcome.queued"], parked)
-            .await?;
+        let queued = format!("{}kvroute.outcome.queued", self.stat_prefix);
+        self.wait_stat_at_least(&[queued.as_str()], parked).await?;
         Ok(task)
     }
 
@@ -272,24 +289,20 @@ impl Fleet {
             r.status,
             r.text()
         );
-        self.wait_stat_at_least(
-            &[
-                "wasmcustom.kvroute.snapshots.published",
-                "wasmcustom.kvroute.snapshots.ignored_old",
-            ],
-            before + 1,
-        )
-        .await
+        let published = format!("{}kvroute.snapshots.published", self.stat_prefix);
+        let ignored = format!("{}kvroute.snapshots.ignored_old", self.stat_prefix);
+        self.wait_stat_at_least(&[published.as_str(), ignored.as_str()], before + 1)
+            .await
     }
 
     async fn handled(&self) -> anyhow::Result<u64> {
         let s = self.envoy.stats().await?;
-        Ok(s.get("wasmcustom.kvroute.snapshots.published")
-            .copied()
-            .unwrap_or(0)
-            + s.get("wasmcustom.kvroute.snapshots.ignored_old")
+        let get = |n: &str| {
+            s.get(&format!("{}{n}", self.stat_prefix))
                 .copied()
-                .unwrap_or(0))
+                .unwrap_or(0)
+        };
+        Ok(get("kvroute.snapshots.published") + get("kvroute.snapshots.ignored_old"))
     }
 
     /// Wait (deadline 10 s) until the sum of `names` reaches `want`.
@@ -328,11 +341,11 @@ impl Fleet {
         }
     }
 
-    /// A `wasmcustom.` stat (0 when absent).
+    /// One of the filter's stats ([`Fleet::stat_prefix`]; 0 when absent).
     pub async fn custom(&self, name: &str) -> anyhow::Result<u64> {
         Ok(self
             .envoy
-            .stat(&format!("wasmcustom.{name}"))
+            .stat(&format!("{}{name}", self.stat_prefix))
             .await?
             .unwrap_or(0))
     }

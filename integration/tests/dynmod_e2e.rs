@@ -1,0 +1,293 @@
+//! kvroute as an Envoy dynamic module (`libkvroute_dynmod.so`) in real Envoy 1.40: the ABI
+//! it declares exists in that Envoy, routing in both modes after a pushed snapshot, the
+//! filter's own error replies, in-flight accounting back to zero, metrics in `/stats`, a bad
+//! config refused, and a panic failing open. `make test-dynmod` builds the module and runs
+//! these; run by hand, set `KVROUTE_DYNMOD_DIR` (or build with `make dynmod`).
+//!
+//! Envoy finds the module through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, which [`setup`] sets
+//! for the Envoys these tests start, with `KVROUTE_DYNMOD_TEST_PANIC=1` (the module's test
+//! knob: a request with `x-kvroute-test-panic` panics inside the hook).
+
+use kvroute_integration::harness::kvroute::{chat, Fleet, FleetMode, FleetOptions};
+use kvroute_integration::harness::{envoy_binary, workspace_root};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The directory holding `libkvroute_dynmod.so`: `$KVROUTE_DYNMOD_DIR`, else the `dynmod`
+/// profile's output directory.
+fn module_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVROUTE_DYNMOD_DIR") {
+        return PathBuf::from(p);
+    }
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("dynmod")
+}
+
+fn module() -> PathBuf {
+    module_dir().join("libkvroute_dynmod.so")
+}
+
+/// Point the Envoys these tests start at the module (same values from every test).
+fn setup() {
+    assert!(
+        module().is_file(),
+        "{} missing: run `make dynmod`",
+        module().display()
+    );
+    std::env::set_var("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", module_dir());
+    std::env::set_var("KVROUTE_DYNMOD_TEST_PANIC", "1");
+}
+
+fn dynmod(opts: FleetOptions) -> FleetOptions {
+    FleetOptions {
+        dynmod: true,
+        ..opts
+    }
+}
+
+/// `nm -D <flags> <file>`: the symbol names (empty when nm fails).
+fn nm(flags: &[&str], file: &std::path::Path) -> std::io::Result<BTreeSet<String>> {
+    let out = Command::new("nm")
+        .arg("-D")
+        .args(flags)
+        .arg(file)
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().last().map(str::to_owned))
+        .collect())
+}
+
+#[test]
+fn callbacks_are_exported_by_envoy() {
+    setup();
+    let envoy = nm(&["--defined-only"], &envoy_binary().unwrap()).unwrap();
+    let exported: BTreeSet<&String> = envoy
+        .iter()
+        .filter(|s| s.starts_with("envoy_dynamic_module_callback_"))
+        .collect();
+    assert!(exported.len() > 700, "{} callbacks", exported.len());
+    // Every callback declared in the ABI module...
+    let src = std::fs::read_to_string(workspace_root().join("dynmod/src/abi.rs")).unwrap();
+    let declared: BTreeSet<String> = src
+        .split("fn envoy_dynamic_module_callback_")
+        .skip(1)
+        .filter_map(|rest| {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            (!name.is_empty()).then(|| format!("envoy_dynamic_module_callback_{name}"))
+        })
+        .collect();
+    assert!(declared.len() >= 20, "{declared:?}");
+    let missing: Vec<_> = declared.iter().filter(|d| !envoy.contains(*d)).collect();
+    assert!(
+        missing.is_empty(),
+        "declared, not exported by Envoy: {missing:?}"
+    );
+    // ...and every symbol the built module needs from Envoy.
+    let needed: Vec<String> = nm(&["--undefined-only"], &module())
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.starts_with("envoy_"))
+        .collect();
+    assert!(!needed.is_empty());
+    let missing: Vec<_> = needed.iter().filter(|d| !envoy.contains(*d)).collect();
+    assert!(
+        missing.is_empty(),
+        "needed by the module, not in Envoy: {missing:?}"
+    );
+    for n in &needed {
+        assert!(declared.contains(n), "{n} used but not declared in abi.rs");
+    }
+}
+
+#[tokio::test]
+async fn cluster_mode_routes_after_snapshot_and_settles() {
+    setup();
+    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
+        .await
+        .unwrap();
+    // No snapshot yet: fail open to the default route.
+    let r = fleet
+        .post("/v1/chat/completions", &chat("hello"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
+
+    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
+    for _ in 0..4 {
+        let r = fleet
+            .post("/v1/chat/completions", &chat("route me"))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-backend"), Some("b1"), "least KV usage is e1");
+    }
+    let rec = fleet.backends[1].requests().pop().unwrap();
+    assert_eq!(rec.header("x-kvroute-cluster"), Some("c1"));
+    assert_eq!(rec.body.as_ref(), chat("route me").as_slice());
+    // Metrics in Envoy's /stats: the Wasm filter's names, in the dynamic-module namespace.
+    assert_eq!(fleet.custom("kvroute.decisions.policy").await.unwrap(), 4);
+    assert_eq!(
+        fleet
+            .custom("kvroute.decisions.by_policy.least_kv")
+            .await
+            .unwrap(),
+        4
+    );
+    assert_eq!(
+        fleet.custom("kvroute.snapshots.published").await.unwrap(),
+        1
+    );
+    let stats = fleet.envoy.stats().await.unwrap();
+    assert!(
+        stats.contains_key("dynamicmodulescustom.kvroute.inflight"),
+        "{:?}",
+        stats
+            .keys()
+            .filter(|k| k.contains("kvroute"))
+            .collect::<Vec<_>>()
+    );
+    // Every reservation released, none held.
+    assert_eq!(fleet.settled_reservations().await.unwrap(), 4);
+    let mut envoy = fleet.envoy;
+    assert!(envoy.is_running());
+}
+
+#[tokio::test]
+async fn endpoint_mode_sets_the_destination_endpoint() {
+    setup();
+    let fleet = Fleet::start(dynmod(FleetOptions {
+        mode: FleetMode::OverrideHost,
+        ..FleetOptions::least_kv()
+    }))
+    .await
+    .unwrap();
+    fleet.push_usages(1, &[0.05, 0.9]).await.unwrap();
+    let r = fleet
+        .post("/v1/chat/completions", &chat("to e0"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b0"));
+    let rec = fleet.backends[0].requests().pop().unwrap();
+    let header = rec.header("x-gateway-destination-endpoint").unwrap_or("");
+    assert_eq!(
+        header.split(',').next(),
+        Some(fleet.backends[0].address().as_str()),
+        "{header}"
+    );
+    assert_eq!(fleet.settled_reservations().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn error_replies_are_the_filters() {
+    setup();
+    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
+        .await
+        .unwrap();
+    fleet.push_usages(1, &[0.2, 0.3]).await.unwrap();
+    // A body that is not JSON: routed by load alone and counted, as by the Wasm filter.
+    let r = fleet
+        .post("/v1/chat/completions", b"not json at all")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fleet.custom("kvroute.parse_errors").await.unwrap(), 1);
+    // A model no endpoint serves: the filter's OpenAI-shaped 404.
+    let body = serde_json::json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]});
+    let r = fleet
+        .post("/v1/chat/completions", body.to_string().as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(r.body.as_ref()).unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["param"], "model");
+    assert_eq!(
+        fleet
+            .custom("kvroute.outcome.model_not_found")
+            .await
+            .unwrap(),
+        1
+    );
+    // A malformed snapshot on the ingest listener: the ingest role's 400.
+    let r = fleet
+        .ingest(
+            b"{not a snapshot",
+            Some(kvroute_integration::harness::kvroute::TEST_TOKEN),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(r.body.as_ref()).unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    // A wrong token: 401.
+    let r = fleet
+        .ingest(b"{}", Some("wrong-token-0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 401, "{}", r.text());
+    // Nothing reached a backend but the one routed request.
+    assert_eq!(fleet.counts().iter().sum::<usize>(), 1);
+}
+
+#[tokio::test]
+async fn a_bad_config_is_refused_with_a_clear_line() {
+    setup();
+    let err = Fleet::start(dynmod(FleetOptions {
+        route_config: r#""picker":{"policy":"no_such_policy"}"#.into(),
+        ..FleetOptions::default()
+    }))
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("kvroute plugin config"), "{err}");
+    assert!(err.contains("no_such_policy"), "{err}");
+}
+
+#[tokio::test]
+async fn a_panic_fails_open_and_envoy_lives() {
+    setup();
+    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
+        .await
+        .unwrap();
+    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
+    let r = kvroute_integration::harness::http::request(
+        "POST",
+        &fleet.url("/v1/chat/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("x-kvroute-test-panic", "1"),
+        ],
+        &chat("panic"),
+    )
+    .await
+    .unwrap();
+    // Unrouted: the default route (round robin over both), never a kvroute decision.
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
+    assert!(fleet.log_tail(200).contains("panic caught"));
+    // The next request is routed as usual.
+    let r = fleet
+        .post("/v1/chat/completions", &chat("after"))
+        .await
+        .unwrap();
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let mut envoy = fleet.envoy;
+    assert!(envoy.is_running());
+}
+
+#[test]
+fn example_config_validates() {
+    setup();
+    let f = workspace_root().join("examples/envoy/dynamic-module/cluster-mode.yaml");
+    kvroute_integration::harness::Envoy::validate(&f).unwrap();
+}
