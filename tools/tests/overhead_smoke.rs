@@ -25,9 +25,10 @@ async fn every_size_and_proxy_reports() {
         .map(|path| DynModule {
             path: PathBuf::from(path),
             filter_name: DynModule::FILTER_NAME.into(),
-            // As the binary's flag reads it: unset, empty or 0 pushes.
-            push: std::env::var("KVROUTE_DYNMOD_SKIP_PUSH")
-                .map_or(true, |v| v.is_empty() || v == "0"),
+            // As the binary's flag reads it (clap's falsey values push).
+            push: std::env::var("KVROUTE_DYNMOD_SKIP_PUSH").map_or(true, |v| {
+                ["", "0", "false", "no", "off", "n", "f"].contains(&v.to_ascii_lowercase().as_str())
+            }),
         });
     let sizes = vec![1024, 16 * 1024, 256 * 1024, 1024 * 1024];
     let opts = Options {

@@ -16,6 +16,7 @@ use clap::Parser;
 use kvroute_integration::harness::{wasm_path, workspace_root};
 use kvroute_tools::callgrind::{self, CallgrindOptions};
 use kvroute_tools::overhead::{chat_body, prompts, run, DynModule, Options};
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -82,16 +83,19 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     write_bodies: Option<PathBuf>,
     /// kvroute as a native Envoy dynamic module (`lib<name>.so`): adds the kvroute-native
-    /// proxy, loaded by `DynamicModuleFilter` with the same configuration. Without it that
-    /// column is skipped.
-    #[arg(long, env = "KVROUTE_DYNMOD", value_name = "PATH")]
-    dynmod: Option<PathBuf>,
+    /// proxy, loaded by `DynamicModuleFilter` with the same configuration. Without it (or
+    /// empty) that column is skipped.
+    #[arg(long, env = "KVROUTE_DYNMOD", value_name = "PATH",
+          value_parser = clap::builder::OsStringValueParser::new())]
+    dynmod: Option<OsString>,
     /// The filter name the dynamic module implements (`DynamicModuleFilter.filter_name`).
     #[arg(long, value_name = "NAME", default_value = DynModule::FILTER_NAME)]
     dynmod_filter_name: String,
     /// Push no snapshot to the dynamic module's ingest listener: runs a module without the
     /// ingest role (it then routes without endpoint stats).
-    #[arg(long, env = "KVROUTE_DYNMOD_SKIP_PUSH")]
+    /// (`KVROUTE_DYNMOD_SKIP_PUSH`: any value but empty, `0`, `false`, `no`, `off`, `n`, `f`.)
+    #[arg(long, env = "KVROUTE_DYNMOD_SKIP_PUSH",
+          value_parser = clap::builder::FalseyValueParser::new())]
     dynmod_skip_push: bool,
 }
 
@@ -119,8 +123,8 @@ async fn main() -> anyhow::Result<()> {
         stream_events: a.stream_events,
         stream_gap: Duration::from_micros(a.stream_gap_us),
         plugin_config: a.plugin_config,
-        dynmod: a.dynmod.map(|path| DynModule {
-            path,
+        dynmod: a.dynmod.filter(|p| !p.is_empty()).map(|path| DynModule {
+            path: path.into(),
             filter_name: a.dynmod_filter_name,
             push: !a.dynmod_skip_push,
         }),
