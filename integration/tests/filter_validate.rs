@@ -78,23 +78,24 @@ async fn bad_plugin_config_is_refused_with_one_clear_line() {
     // Started on free ports (again on new ones if one was taken), so the error that comes
     // back is the config's.
     let err = Envoy::start_on_free_ports(1, |[listen, ingest]| {
-        render(
-            templates::CLUSTER_MODE,
-            &[
-                ("LISTEN_PORT", listen.to_string()),
-                ("INGEST_PORT", ingest.to_string()),
-                ("BUFFER_LIMIT", "1048576".into()),
-                ("WASM", wasm_path().display().to_string()),
-                ("PLUGIN_CONFIG", r#"{"max_body_bytes":0}"#.into()),
-                ("INGEST_CONFIG", ingest_plugin_config()),
-                ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-                ("DEFAULT_CLUSTER", "default".into()),
-                (
-                    "CLUSTERS",
-                    templates::static_cluster("default", &["127.0.0.1:9".into()]),
-                ),
-            ],
-        )
+        let wasm = wasm_path();
+        let mut vars = vec![
+            ("LISTEN_PORT", listen.to_string()),
+            ("INGEST_PORT", ingest.to_string()),
+            ("BUFFER_LIMIT", "1048576".into()),
+            ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
+            ("DEFAULT_CLUSTER", "default".into()),
+            (
+                "CLUSTERS",
+                templates::static_cluster("default", &["127.0.0.1:9".into()]),
+            ),
+        ];
+        vars.extend(templates::kvroute_filters(
+            templates::FilterModule::Wasm(&wasm),
+            r#"{"max_body_bytes":0}"#,
+            &ingest_plugin_config(),
+        ));
+        render(templates::CLUSTER_MODE, &vars)
     })
     .await
     .unwrap_err();

@@ -3,7 +3,8 @@
 //!
 //! On a shared or throttled machine, req/s and CPU time per request move by tens of percent
 //! from one run to the next; the number of instructions Envoy executes per request does not
-//! (a few percent). Each proxy of [`VARIANTS`] is started alone under
+//! (a few percent). Each proxy of [`Options::variants`] (kvroute-native too, with a dynamic
+//! module; its snapshot push as in the timed runs) is started alone under
 //! `valgrind --tool=callgrind --instr-atstart=no` (instrumentation off until asked), with
 //! the same configs, backend and bodies as the timed benchmark. Requests go one at a time
 //! over one keep-alive HTTP/1.1 connection. For each proxy:
@@ -36,11 +37,10 @@
 //! still publishes what changed every 100 ms. `--plugin-config '{"inflight_share_ms":0}'`
 //! counts a publication and a read at every request.
 
-use crate::overhead::{chat_body, prompts, proxy_yaml, push, start_backend, Options, VARIANTS};
+use crate::overhead::{chat_body, prompts, push_to, start_backend, start_proxy, Options};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use kvroute_integration::harness::Envoy;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -57,7 +57,7 @@ pub struct CallgrindOptions {
     pub valgrind: PathBuf,
     /// The `callgrind_control` script (shipped with valgrind).
     pub control: PathBuf,
-    /// Which of [`VARIANTS`] to count (all when empty).
+    /// Which of [`Options::variants`] to count (all when empty).
     pub variants: Vec<String>,
 }
 
@@ -66,7 +66,7 @@ pub struct CallgrindOptions {
 pub struct CallgrindRow {
     /// Body size, bytes.
     pub size: usize,
-    /// One of [`VARIANTS`].
+    /// One of [`Options::variants`].
     pub variant: &'static str,
     /// Instructions per request (see the module doc).
     pub per_request: f64,
@@ -224,7 +224,7 @@ pub async fn run(
     for &size in &opts.sizes {
         let body = chat_body(size, &prompts, opts.stream_events > 0);
         let (_backend, backend) = start_backend(opts).await?;
-        for variant in VARIANTS {
+        for variant in opts.variants() {
             if !cg.variants.is_empty() && !cg.variants.iter().any(|v| v == variant) {
                 continue;
             }
@@ -238,13 +238,10 @@ pub async fn run(
                 format!("--callgrind-out-file={}", base.display()),
             ];
             let (proxy, [port, ingest]) =
-                Envoy::start_wrapped_on_free_ports(1, &wrapper, READY_WITHIN, |[port, ingest]| {
-                    proxy_yaml(variant, opts, port, ingest, &backend, &config)
-                })
-                .await?;
-            if variant == "kvroute" {
+                start_proxy(variant, opts, &backend, &config, &wrapper, READY_WITHIN).await?;
+            if let Some(ingest) = opts.push_port(variant, ingest) {
                 // Once: fresh for the whole run (see CALLGRIND_PLUGIN_CONFIG).
-                push(ingest, crate::overhead::now_ms(), &backend).await?;
+                push_to(variant, ingest, crate::overhead::now_ms(), &backend).await?;
             }
             let result = async {
                 let mut client = Client::connect(port, &body).await?;
@@ -266,7 +263,7 @@ pub async fn run(
             drop(proxy);
             let row = result?;
             progress(&format!(
-                "{size:>8} B  {variant:<8} {:>10.0} instructions/request  (idle {:.1} M/s)",
+                "{size:>8} B  {variant:<14} {:>10.0} instructions/request  (idle {:.1} M/s)",
                 row.per_request,
                 row.idle_per_s / 1e6
             ));
@@ -278,7 +275,7 @@ pub async fn run(
 }
 
 /// The Markdown table: per size and proxy, instructions per request, the extra over plain
-/// Envoy, kvroute's extra over the floor's, and plain ÷ proxy (the throughput ratio a
+/// Envoy, kvroute's (and kvroute-native's) extra over the floor's, and plain ÷ proxy (the throughput ratio a
 /// CPU-bound Envoy would reach).
 pub fn markdown(rows: &[CallgrindRow]) -> String {
     let mut s = String::from(
@@ -312,21 +309,23 @@ pub fn markdown(rows: &[CallgrindRow]) -> String {
     let mut ratios = String::new();
     for &size in &sizes {
         let plain = find(size, "plain").unwrap_or(0.0);
-        if let (Some(f), Some(k)) = (find(size, "floor"), find(size, "kvroute")) {
-            let floor = f - plain;
-            let ratio = if floor > 0.0 {
-                (k - plain) / floor
-            } else {
-                0.0
-            };
-            ratios.push_str(&format!(
-                "| {} | {ratio:.1} |\n",
-                crate::overhead::size_label(size)
-            ));
+        for variant in ["kvroute", crate::overhead::NATIVE] {
+            if let (Some(f), Some(k)) = (find(size, "floor"), find(size, variant)) {
+                let floor = f - plain;
+                let ratio = if floor > 0.0 {
+                    (k - plain) / floor
+                } else {
+                    0.0
+                };
+                ratios.push_str(&format!(
+                    "| {} | {variant} | {ratio:.1} |\n",
+                    crate::overhead::size_label(size)
+                ));
+            }
         }
     }
     if !ratios.is_empty() {
-        s.push_str("\n| body | kvroute extra ÷ floor extra |\n|---|---|\n");
+        s.push_str("\n| body | proxy | extra ÷ floor extra |\n|---|---|---|\n");
         s.push_str(&ratios);
     }
     s
@@ -382,7 +381,19 @@ mod tests {
             t.contains("| 1 KiB | kvroute | 345 k | +175 k | 0.49 |"),
             "{t}"
         );
-        assert!(t.contains("| 1 KiB | 5.0 |"), "{t}");
+        assert!(t.contains("| 1 KiB | kvroute | 5.0 |"), "{t}");
+        assert!(!t.contains("kvroute-native"), "{t}");
+        let t = markdown(&[
+            row("plain", 170_000.0),
+            row("floor", 205_000.0),
+            row("kvroute", 345_000.0),
+            row("kvroute-native", 240_000.0),
+        ]);
+        assert!(
+            t.contains("| 1 KiB | kvroute-native | 240 k | +70 k | 0.71 |"),
+            "{t}"
+        );
+        assert!(t.contains("| 1 KiB | kvroute-native | 2.0 |"), "{t}");
         // Without the floor: no ratio table.
         let t = markdown(&[row("plain", 170_000.0), row("kvroute", 345_000.0)]);
         assert!(!t.contains("floor extra"), "{t}");

@@ -13,12 +13,19 @@
 //!   and copies it into the VM, nothing else ([`templates::FLOOR`]);
 //! - **kvroute**: the same plus the kvroute filter in cluster mode, hybrid policy, 16
 //!   endpoints (all on the one backend) in a snapshot pushed to the ingest listener once a
-//!   second, as the control plane does ([`templates::CLUSTER_MODE`]).
+//!   second, as the control plane does ([`templates::CLUSTER_MODE`]);
+//! - **kvroute-native** (only with a module: `--dynmod PATH`, `KVROUTE_DYNMOD`): the kvroute
+//!   config with the filter stanzas alone changed, to `DynamicModuleFilter` loading kvroute
+//!   as a native Envoy dynamic module ([`templates::FilterModule::DynamicModule`]), in the
+//!   route and ingest roles with the same plugin configurations, and the same snapshot
+//!   pushes. Envoy finds `lib<name>.so` in the directories of [`DYNMOD_SEARCH_PATH`], which
+//!   is set to the module's directory for that Envoy alone ([`DynModule`]).
 //!
-//! The three proxies run side by side with the same buffer limit and stats flush interval.
+//! The proxies run side by side with the same buffer limit and stats flush interval.
 //! For each body size a fresh set is started; then, for each repetition, `wrk -t1 -c8`
-//! drives plain, floor and kvroute in turn (alternating, so slow drift from other load on the
-//! machine hits all three alike) with the same chat body: real ShareGPT turns from
+//! drives plain, floor, kvroute (and kvroute-native) in turn (alternating, so slow drift
+//! from other load on the machine hits all alike) with the same chat body: real ShareGPT
+//! turns from
 //! `../shared/data/prompts/` (LMBenchmark warm-up inputs) as alternating user/assistant
 //! messages up to the size.
 //!
@@ -28,13 +35,23 @@
 //!   nanoseconds, all threads) over the run divided by completed requests; "extra" is the
 //!   difference to plain. It does not depend on how busy the rest of the machine is, unlike
 //!   req/s;
-//! - kvroute's `decision_us` histogram (analysis + pick + reservation, per request, measured
-//!   inside the filter), p50/p99 cumulative over the size's runs, read after a stats flush;
+//! - the filter's `decision_us` histogram (analysis + pick + reservation, per request,
+//!   measured inside the filter), p50/p99 cumulative over the size's runs, read after a stats
+//!   flush, for kvroute and kvroute-native alike: a metric is found by its name whatever
+//!   namespace Envoy puts in front of a plugin's metrics ([`kvroute_metric`]); "n/a" when
+//!   the proxy reports none;
 //! - kvroute's Wasm linear memory per worker (`kvroute.wasm_memory_bytes` gauge, the VM's
-//!   high-water mark) after the size's runs.
+//!   high-water mark) after the size's runs ("n/a" for the native module, which has no VM);
+//! - for both, Envoy's resident memory over plain Envoy's (`VmRSS` of `/proc/<pid>/status`)
+//!   after the size's runs: the filter's whole resident cost, its 16 clusters and ingest
+//!   listener included.
 
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
-use kvroute_integration::harness::{http, render, templates, Envoy, RecordingBackend, Reply};
+use kvroute_integration::harness::templates::FilterModule;
+use kvroute_integration::harness::{
+    http, render, templates, Envoy, RecordingBackend, Reply, READY_DEADLINE,
+};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -91,8 +108,74 @@ pub async fn start_backend(opts: &Options) -> anyhow::Result<(Backend, String)> 
     Ok((Backend::Stream(b), addr))
 }
 
-/// Proxy variants, in the order each repetition runs them.
+/// Proxy variants run in every benchmark, in the order each repetition runs them.
 pub const VARIANTS: [&str; 3] = ["plain", "floor", "kvroute"];
+/// The native proxy, run after [`VARIANTS`] when a dynamic module is given
+/// ([`Options::dynmod`]).
+pub const NATIVE: &str = "kvroute-native";
+/// The environment variable whose `:`-separated directories Envoy searches for a dynamic
+/// module's `lib<name>.so`.
+pub const DYNMOD_SEARCH_PATH: &str = "ENVOY_DYNAMIC_MODULES_SEARCH_PATH";
+
+/// kvroute as a native Envoy dynamic module: the [`NATIVE`] proxy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DynModule {
+    /// The module's shared object, named `lib<name>.so`.
+    pub path: PathBuf,
+    /// The filter the module implements (`DynamicModuleFilter.filter_name`; default
+    /// [`DynModule::FILTER_NAME`]).
+    pub filter_name: String,
+    /// Push the snapshots to its ingest listener, as to kvroute's. `false` runs it with none
+    /// (it then has no endpoint stats to route by): a check of the rest of the plumbing with
+    /// a module that has no ingest role yet.
+    pub push: bool,
+}
+
+impl DynModule {
+    /// The filter name kvroute's module implements.
+    pub const FILTER_NAME: &'static str = "kvroute";
+
+    /// The module's name, by which Envoy loads it: `kvroute` for `.../libkvroute.so`.
+    /// Errors: a file name not of that form.
+    pub fn name(&self) -> anyhow::Result<&str> {
+        self.path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("lib")?.strip_suffix(".so"))
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{}: a dynamic module's file must be named lib<name>.so (Envoy loads it by name)",
+                    self.path.display()
+                )
+            })
+    }
+
+    /// The directory to search ([`DYNMOD_SEARCH_PATH`]): the module's, absolute (symbolic
+    /// links kept, so a `libkvroute.so` link is found by its own name). Errors: the module
+    /// is not a file.
+    pub fn search_dir(&self) -> anyhow::Result<PathBuf> {
+        anyhow::ensure!(
+            self.path.is_file(),
+            "{}: no such dynamic module (--dynmod, KVROUTE_DYNMOD)",
+            self.path.display()
+        );
+        let abs = std::path::absolute(&self.path)?;
+        abs.parent()
+            .map(Path::to_path_buf)
+            .ok_or_else(|| anyhow::anyhow!("{}: the module has no directory", self.path.display()))
+    }
+
+    /// The wrapper that starts Envoy with [`DYNMOD_SEARCH_PATH`] set to
+    /// [`DynModule::search_dir`] for that Envoy alone: `env`, which replaces itself with
+    /// Envoy, so [`Envoy::pid`] stays Envoy's (see [`Envoy::start_wrapped`]).
+    pub fn env_wrapper(&self) -> anyhow::Result<Vec<String>> {
+        Ok(vec![
+            "env".into(),
+            format!("{DYNMOD_SEARCH_PATH}={}", self.search_dir()?.display()),
+        ])
+    }
+}
 
 /// Benchmark options.
 #[derive(Debug, Clone)]
@@ -121,6 +204,26 @@ pub struct Options {
     /// kvroute plugin settings (a JSON object) laid over the benchmark's own
     /// ([`plugin_config`]).
     pub plugin_config: Option<String>,
+    /// kvroute's dynamic module, for the [`NATIVE`] proxy; `None`: it is skipped.
+    pub dynmod: Option<DynModule>,
+}
+
+impl Options {
+    /// The proxies to run, in order: [`VARIANTS`], then [`NATIVE`] when there is a module.
+    pub fn variants(&self) -> Vec<&'static str> {
+        let mut v = VARIANTS.to_vec();
+        if self.dynmod.is_some() {
+            v.push(NATIVE);
+        }
+        v
+    }
+
+    /// The ingest port of proxy `variant` started on `[listen, ingest]` ports to push the
+    /// snapshots to: kvroute's, and kvroute-native's unless [`DynModule::push`] is off.
+    pub fn push_port(&self, variant: &str, ingest: u16) -> Option<u16> {
+        let native_push = self.dynmod.as_ref().is_some_and(|d| d.push);
+        (variant == "kvroute" || (variant == NATIVE && native_push)).then_some(ingest)
+    }
 }
 
 /// One wrk run against one proxy.
@@ -153,28 +256,48 @@ pub struct Row {
     pub runs: Vec<Run>,
 }
 
-/// kvroute's own figures at one body size.
+/// The filter's own figures in one proxy (kvroute or kvroute-native) at one body size;
+/// `None` where the proxy reports no such metric.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct FilterStats {
-    /// `decision_us` p50 (cumulative), microseconds; `None` when the histogram is empty.
+    /// `decision_us` p50 (cumulative), microseconds; `None` when the histogram is empty or
+    /// absent.
     pub decision_p50_us: Option<f64>,
     /// `decision_us` p99 (cumulative), microseconds.
     pub decision_p99_us: Option<f64>,
     /// Wasm linear memory of the worker VM, bytes.
     pub wasm_memory_bytes: Option<u64>,
-    /// Requests the filter routed by its policy.
-    pub routed: u64,
-    /// Requests the filter failed to analyse.
-    pub parse_errors: u64,
+    /// Envoy's resident memory minus plain Envoy's after the size's runs, bytes (may be
+    /// negative); `None` when either could not be read.
+    pub rss_over_plain_bytes: Option<i64>,
+    /// Requests the filter routed by its policy (sum of `kvroute.decisions.policy*`);
+    /// `None` when the proxy reports no kvroute metric at all.
+    pub routed: Option<u64>,
+    /// Requests the filter failed to analyse (`kvroute.parse_errors`); `None` as
+    /// [`FilterStats::routed`].
+    pub parse_errors: Option<u64>,
+}
+
+/// The filter's figures of one proxy at one size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FilterRow {
+    /// Body size requested, bytes.
+    pub size: usize,
+    /// `kvroute` or [`NATIVE`].
+    pub variant: &'static str,
+    /// The figures.
+    pub stats: FilterStats,
 }
 
 /// The whole run.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
-    /// Rows in size, then [`VARIANTS`] order.
+    /// Rows in size, then [`Options::variants`] order.
     pub rows: Vec<Row>,
-    /// kvroute figures per size, aligned with the sizes.
-    pub filter: Vec<(usize, FilterStats)>,
+    /// The filter's figures per size, then proxy (kvroute, then kvroute-native).
+    pub filter: Vec<FilterRow>,
+    /// What was skipped or run differently, and why: printed under the tables.
+    pub notes: Vec<String>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -386,13 +509,20 @@ pub fn parse_quantile(line: &str, q: &str) -> Option<f64> {
         .filter(|v| v.is_finite())
 }
 
+/// One proxy under test.
+struct Proxy {
+    variant: &'static str,
+    envoy: Envoy,
+    /// Main listener port.
+    port: u16,
+    /// Ingest listener port to push snapshots to ([`Options::push_port`]).
+    push: Option<u16>,
+}
+
 struct Proxies {
     backend: Backend,
-    plain: Envoy,
-    floor: Envoy,
-    kvroute: Envoy,
-    ports: [u16; 3],
-    ingest: u16,
+    /// In [`Options::variants`] order.
+    proxies: Vec<Proxy>,
     backend_addr: String,
 }
 
@@ -412,9 +542,11 @@ pub fn backend_yaml(port: u16) -> anyhow::Result<String> {
     )?))
 }
 
-/// The config of proxy `variant` (one of [`VARIANTS`]) listening on `listen`, with every
-/// cluster on `backend` (`host:port`); kvroute's ingest listener on `ingest` and its
-/// plugin configuration `plugin_config` (JSON).
+/// The config of proxy `variant` (one of [`Options::variants`]) listening on `listen`, with
+/// every cluster on `backend` (`host:port`); kvroute's ingest listener on `ingest` and its
+/// plugin configuration `plugin_config` (JSON). kvroute and kvroute-native differ only in
+/// where the filter comes from ([`FilterModule`]). Errors: an unknown variant, the native
+/// one without a module, a module not named `lib<name>.so`.
 pub fn proxy_yaml(
     variant: &str,
     opts: &Options,
@@ -444,30 +576,37 @@ pub fn proxy_yaml(
                 ("CLUSTERS", default),
             ],
         )?,
-        "kvroute" => {
+        "kvroute" | NATIVE => {
+            let module = match (variant, &opts.dynmod) {
+                ("kvroute", _) => FilterModule::Wasm(&opts.kvroute_wasm),
+                (_, Some(m)) => FilterModule::DynamicModule {
+                    name: m.name()?,
+                    filter_name: &m.filter_name,
+                },
+                (_, None) => {
+                    anyhow::bail!("{NATIVE} needs a dynamic module (--dynmod, KVROUTE_DYNMOD)")
+                }
+            };
             let mut clusters: String = (0..ENDPOINTS)
                 .map(|i| templates::static_cluster(&format!("c{i}"), &addrs))
                 .collect();
             clusters.push_str(&default);
-            render(
-                templates::CLUSTER_MODE,
-                &[
-                    ("LISTEN_PORT", listen.to_string()),
-                    ("INGEST_PORT", ingest.to_string()),
-                    ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
-                    ("PLUGIN_CONFIG", plugin_config.into()),
-                    (
-                        "INGEST_CONFIG",
-                        kvroute_integration::harness::kvroute::ingest_plugin_config(),
-                    ),
-                    ("WASM", opts.kvroute_wasm.display().to_string()),
-                    ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-                    ("DEFAULT_CLUSTER", "default".into()),
-                    ("CLUSTERS", clusters),
-                ],
-            )?
+            let mut vars = vec![
+                ("LISTEN_PORT", listen.to_string()),
+                ("INGEST_PORT", ingest.to_string()),
+                ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
+                ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
+                ("DEFAULT_CLUSTER", "default".into()),
+                ("CLUSTERS", clusters),
+            ];
+            vars.extend(templates::kvroute_filters(
+                module,
+                plugin_config,
+                &kvroute_integration::harness::kvroute::ingest_plugin_config(),
+            ));
+            render(templates::CLUSTER_MODE, &vars)?
         }
-        other => anyhow::bail!("unknown proxy variant `{other}` (one of {VARIANTS:?})"),
+        other => anyhow::bail!("unknown proxy variant `{other}` (one of {VARIANTS:?} or {NATIVE})"),
     };
     Ok(with_flush(yaml))
 }
@@ -492,24 +631,66 @@ pub fn plugin_config(base: &str, over: Option<&str>) -> anyhow::Result<String> {
     Ok(serde_json::Value::Object(m).to_string())
 }
 
+/// Start proxy `variant` (see [`proxy_yaml`]) on free `[listen, ingest]` ports (plain and
+/// floor leave the ingest port unused) under `wrapper` (see [`Envoy::start_wrapped`]);
+/// the native proxy under [`DynModule::env_wrapper`] first. Errors name the proxy.
+pub async fn start_proxy(
+    variant: &'static str,
+    opts: &Options,
+    backend: &str,
+    plugin_config: &str,
+    wrapper: &[String],
+    ready_within: Duration,
+) -> anyhow::Result<(Envoy, [u16; 2])> {
+    let mut wrap = match (&opts.dynmod, variant) {
+        (Some(m), NATIVE) => m.env_wrapper()?,
+        _ => Vec::new(),
+    };
+    wrap.extend_from_slice(wrapper);
+    Envoy::start_wrapped_on_free_ports(1, &wrap, ready_within, |[port, ingest]| {
+        proxy_yaml(variant, opts, port, ingest, backend, plugin_config)
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{variant}: Envoy did not start: {e:#}"))
+}
+
 async fn start(opts: &Options) -> anyhow::Result<Proxies> {
     let config = plugin_config(PLUGIN_CONFIG, opts.plugin_config.as_deref())?;
     let (backend, backend_addr) = start_backend(opts).await?;
-    // Plain and floor have no ingest listener: the port is unused there.
-    let yaml = |v: &str, [port, ingest]: [u16; 2]| {
-        proxy_yaml(v, opts, port, ingest, &backend_addr, &config)
-    };
-    let (plain, [pp]) = Envoy::start_on_free_ports(1, |[p]| yaml("plain", [p, 0])).await?;
-    let (floor, [fp]) = Envoy::start_on_free_ports(1, |[p]| yaml("floor", [p, 0])).await?;
-    let (kvroute, [kp, ip]) = Envoy::start_on_free_ports(1, |p| yaml("kvroute", p)).await?;
+    let mut proxies = Vec::new();
+    for variant in opts.variants() {
+        let (envoy, [port, ingest]) =
+            start_proxy(variant, opts, &backend_addr, &config, &[], READY_DEADLINE).await?;
+        let push = opts.push_port(variant, ingest);
+        proxies.push(Proxy {
+            variant,
+            envoy,
+            port,
+            push,
+        });
+    }
     Ok(Proxies {
         backend,
-        plain,
-        floor,
-        kvroute,
-        ports: [pp, fp, kp],
-        ingest: ip,
+        proxies,
         backend_addr,
+    })
+}
+
+/// [`push`] to proxy `variant`'s ingest listener, its error naming the proxy and, for the
+/// native one, the way to run it without.
+pub async fn push_to(
+    variant: &str,
+    ingest: u16,
+    version: u64,
+    backend: &str,
+) -> anyhow::Result<()> {
+    push(ingest, version, backend).await.map_err(|e| {
+        let hint = if variant == NATIVE {
+            " (does the module implement the ingest role? --dynmod-skip-push or KVROUTE_DYNMOD_SKIP_PUSH=1 runs it without snapshots)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("{variant}: snapshot push to its ingest listener (127.0.0.1:{ingest}) failed: {e:#}{hint}")
     })
 }
 
@@ -534,7 +715,7 @@ pub async fn push(ingest: u16, version: u64, backend: &str) -> anyhow::Result<()
         r.status == 204,
         "ingest answered {}: {}",
         r.status,
-        r.text()
+        r.text().trim()
     );
     Ok(())
 }
@@ -574,15 +755,38 @@ async fn wrk(opts: &Options, port: u16, script: &Path, pid: u32) -> anyhow::Resu
     })
 }
 
-async fn filter_stats(kvroute: &Envoy) -> anyhow::Result<FilterStats> {
+/// `stat` without the namespace Envoy puts in front of a plugin's own metrics
+/// (`wasmcustom.` for Wasm; `dynamicmodulescustom.` for dynamic modules, which Envoy may
+/// also leave out of `/stats`), so that both proxies' metrics are found by kvroute's names.
+pub fn kvroute_metric(stat: &str) -> &str {
+    ["wasmcustom.", "dynamicmodulescustom."]
+        .iter()
+        .find_map(|ns| stat.strip_prefix(ns))
+        .unwrap_or(stat)
+}
+
+/// Resident memory of process `pid` (`VmRSS` of `/proc/<pid>/status`), bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// The filter's figures in `proxy` (kvroute or kvroute-native), with its resident memory
+/// over `plain_rss` (bytes).
+async fn filter_stats(proxy: &Envoy, plain_rss: Option<u64>) -> anyhow::Result<FilterStats> {
     // Histograms reach /stats at a stats flush.
     tokio::time::sleep(STATS_FLUSH * 2 + Duration::from_millis(500)).await;
     let h = http::request(
         "GET",
-        &format!(
-            "http://{}/stats?filter=wasmcustom.kvroute.decision_us",
-            kvroute.admin()
-        ),
+        &format!("http://{}/stats?filter=kvroute.decision_us", proxy.admin()),
         &[],
         b"",
     )
@@ -590,29 +794,63 @@ async fn filter_stats(kvroute: &Envoy) -> anyhow::Result<FilterStats> {
     let text = h.text();
     let line = text
         .lines()
-        .find(|l| l.starts_with("wasmcustom.kvroute.decision_us:"))
+        .find(|l| {
+            l.split_once(": ")
+                .is_some_and(|(name, _)| kvroute_metric(name) == "kvroute.decision_us")
+        })
         .unwrap_or("");
-    let stats = kvroute.stats().await?;
-    let get = |k: &str| stats.get(k).copied();
+    let stats: BTreeMap<String, u64> = proxy
+        .stats()
+        .await?
+        .into_iter()
+        .map(|(k, v)| (kvroute_metric(&k).to_owned(), v))
+        .collect();
+    // A counter appears at its first increment: one that is absent counts 0 in a proxy
+    // that reports kvroute metrics at all, and is unknown ("n/a") in one that reports none.
+    let reports = stats.keys().any(|k| k.starts_with("kvroute."));
+    let count = |prefix: &str| -> Option<u64> {
+        reports.then(|| {
+            stats
+                .iter()
+                .filter(|(k, _)| k.starts_with(prefix))
+                .map(|(_, v)| *v)
+                .sum()
+        })
+    };
+    let rss = rss_bytes(proxy.pid());
     Ok(FilterStats {
         decision_p50_us: parse_quantile(line, "P50"),
         decision_p99_us: parse_quantile(line, "P99"),
-        wasm_memory_bytes: get("wasmcustom.kvroute.wasm_memory_bytes"),
-        routed: stats
-            .iter()
-            .filter(|(k, _)| k.starts_with("wasmcustom.kvroute.decisions.policy"))
-            .map(|(_, v)| *v)
-            .sum(),
-        parse_errors: get("wasmcustom.kvroute.parse_errors").unwrap_or(0),
+        wasm_memory_bytes: stats.get("kvroute.wasm_memory_bytes").copied(),
+        rss_over_plain_bytes: rss
+            .zip(plain_rss)
+            .map(|(own, plain)| own as i64 - plain as i64),
+        routed: count("kvroute.decisions.policy"),
+        parse_errors: count("kvroute.parse_errors"),
     })
 }
 
 /// Run the benchmark; `progress` gets one line per wrk run.
 pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Result<Report> {
     let prompts = prompts(&opts.data)?;
+    let mut report = Report::default();
+    match &opts.dynmod {
+        None => report.notes.push(format!(
+            "{NATIVE}: skipped (no dynamic module: --dynmod PATH or KVROUTE_DYNMOD)"
+        )),
+        Some(m) => {
+            // Settle the module's name and directory before anything starts.
+            m.name()?;
+            m.search_dir()?;
+            if !m.push {
+                report.notes.push(format!(
+                    "{NATIVE}: no snapshot pushed (--dynmod-skip-push, KVROUTE_DYNMOD_SKIP_PUSH): it had no endpoint stats to route by"
+                ));
+            }
+        }
+    }
     let dir = std::env::temp_dir().join(format!("kvroute-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let mut report = Report::default();
     let mut version = now_ms();
     for &size in &opts.sizes {
         let body = chat_body(size, &prompts, opts.stream_events > 0);
@@ -628,34 +866,39 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
         )?;
         let p = start(opts).await?;
         version += 1;
-        push(p.ingest, version, &p.backend_addr).await?;
+        let targets: Vec<(&'static str, u16)> = p
+            .proxies
+            .iter()
+            .filter_map(|x| Some((x.variant, x.push?)))
+            .collect();
+        for &(variant, ingest) in &targets {
+            push_to(variant, ingest, version, &p.backend_addr).await?;
+        }
         // The control plane's 1 Hz push, for the whole size.
-        let (ingest, backend_addr) = (p.ingest, p.backend_addr.clone());
+        let backend_addr = p.backend_addr.clone();
         let pusher = tokio::spawn(async move {
             let mut v = version;
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 v += 1;
-                let _ = push(ingest, v, &backend_addr).await;
+                for &(_, ingest) in &targets {
+                    let _ = push(ingest, v, &backend_addr).await;
+                }
             }
         });
-        let pids = [p.plain.pid(), p.floor.pid(), p.kvroute.pid()];
-        let mut runs: [Vec<Run>; 3] = Default::default();
+        let mut runs: Vec<Vec<Run>> = vec![Vec::new(); p.proxies.len()];
         let result: anyhow::Result<()> = async {
             for rep in 0..opts.reps {
-                for (i, name) in VARIANTS.iter().enumerate() {
-                    let (port, pid) = (p.ports.get(i).copied(), pids.get(i).copied());
-                    let (Some(port), Some(pid)) = (port, pid) else {
-                        continue;
-                    };
-                    let r = wrk(opts, port, &script, pid).await?;
+                for (proxy, runs) in p.proxies.iter().zip(runs.iter_mut()) {
+                    let name = proxy.variant;
+                    let r = wrk(opts, proxy.port, &script, proxy.envoy.pid())
+                        .await
+                        .map_err(|e| anyhow::anyhow!("{name}: {e:#}"))?;
                     progress(&format!(
-                        "{size:>8} B  rep {rep}  {name:<8} {:>9.1} req/s  p50 {:>8.0} µs  p99 {:>8.0} µs  cpu {:>7.1} µs/req",
+                        "{size:>8} B  rep {rep}  {name:<14} {:>9.1} req/s  p50 {:>8.0} µs  p99 {:>8.0} µs  cpu {:>7.1} µs/req",
                         r.rps, r.p50_us, r.p99_us, r.cpu_us
                     ));
-                    if let Some(v) = runs.get_mut(i) {
-                        v.push(r);
-                    }
+                    runs.push(r);
                 }
             }
             Ok(())
@@ -663,16 +906,33 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
         .await;
         pusher.abort();
         result?;
-        let fs = filter_stats(&p.kvroute).await?;
-        let failures = p.kvroute.wasm_failures().await?;
-        anyhow::ensure!(failures.is_empty(), "kvroute Wasm failures: {failures:?}");
-        for (i, name) in VARIANTS.iter().enumerate() {
-            let v = runs.get(i).cloned().unwrap_or_default();
+        let plain_rss = p
+            .proxies
+            .iter()
+            .find(|x| x.variant == "plain")
+            .and_then(|x| rss_bytes(x.envoy.pid()));
+        for proxy in p
+            .proxies
+            .iter()
+            .filter(|x| x.variant != "plain" && x.variant != "floor")
+        {
+            let stats = filter_stats(&proxy.envoy, plain_rss).await?;
+            report.filter.push(FilterRow {
+                size,
+                variant: proxy.variant,
+                stats,
+            });
+        }
+        if let Some(kvroute) = p.proxies.iter().find(|x| x.variant == "kvroute") {
+            let failures = kvroute.envoy.wasm_failures().await?;
+            anyhow::ensure!(failures.is_empty(), "kvroute Wasm failures: {failures:?}");
+        }
+        for (proxy, v) in p.proxies.iter().zip(runs) {
             let m = |f: fn(&Run) -> f64| median(v.iter().map(f).collect());
             report.rows.push(Row {
                 size,
                 body_bytes: body.len(),
-                variant: name,
+                variant: proxy.variant,
                 median: Run {
                     rps: m(|r| r.rps),
                     p50_us: m(|r| r.p50_us),
@@ -683,7 +943,6 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
                 runs: v,
             });
         }
-        report.filter.push((size, fs));
         drop(p.backend);
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -709,7 +968,8 @@ impl Report {
             .find(|r| r.size == size && r.variant == variant)
     }
 
-    /// Markdown tables: one row per size and variant, then kvroute's own figures per size.
+    /// Markdown tables: one row per size and variant, then the filter's own figures per size
+    /// and proxy (kvroute, kvroute-native), then the [`Report::notes`].
     pub fn markdown(&self) -> String {
         let mut s = String::new();
         s.push_str("| body | proxy | req/s | ratio to plain | p50 ms | p99 ms | added p50 ms | added p99 ms | Envoy CPU µs/req | extra CPU µs/req |\n");
@@ -733,30 +993,39 @@ impl Report {
                 m.cpu_us - b.cpu_us,
             ));
         }
-        s.push_str("\n| body | kvroute extra CPU / floor extra CPU | decision_us p50 | decision_us p99 | Wasm memory per worker | routed by policy | parse errors |\n");
-        s.push_str("|---|---|---|---|---|---|---|\n");
-        let opt = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.1}"));
-        for (size, f) in &self.filter {
+        s.push_str("\n| body | proxy | extra CPU / floor extra CPU | decision_us p50 | decision_us p99 | Wasm memory per worker | Envoy RSS over plain | routed by policy | parse errors |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|---|\n");
+        let na = || "n/a".to_string();
+        let opt = |v: Option<f64>| v.map_or_else(na, |v| format!("{v:.1}"));
+        let count = |v: Option<u64>| v.map_or_else(na, |v| v.to_string());
+        let mib = |b: f64| format!("{:.1} MiB", b / (1u64 << 20) as f64);
+        for f in &self.filter {
             let extra = |v: &str| -> Option<f64> {
-                Some(self.row(*size, v)?.median.cpu_us - self.row(*size, "plain")?.median.cpu_us)
+                Some(self.row(f.size, v)?.median.cpu_us - self.row(f.size, "plain")?.median.cpu_us)
             };
-            let ratio = match (extra("kvroute"), extra("floor")) {
+            let ratio = match (extra(f.variant), extra("floor")) {
                 (Some(k), Some(fl)) if fl > 0.0 => format!("{:.2}", k / fl),
-                _ => "n/a".into(),
+                _ => na(),
             };
+            let st = &f.stats;
             s.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} | {} |\n",
-                size_label(*size),
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                size_label(f.size),
+                f.variant,
                 ratio,
-                opt(f.decision_p50_us),
-                opt(f.decision_p99_us),
-                f.wasm_memory_bytes.map_or("n/a".to_string(), |b| format!(
-                    "{:.1} MiB",
+                opt(st.decision_p50_us),
+                opt(st.decision_p99_us),
+                st.wasm_memory_bytes.map_or_else(na, |b| mib(b as f64)),
+                st.rss_over_plain_bytes.map_or_else(na, |b| format!(
+                    "{:+.1} MiB",
                     b as f64 / (1u64 << 20) as f64
                 )),
-                f.routed,
-                f.parse_errors,
+                count(st.routed),
+                count(st.parse_errors),
             ));
+        }
+        for note in &self.notes {
+            s.push_str(&format!("\n{note}\n"));
         }
         s
     }
@@ -876,5 +1145,201 @@ Transfer/sec:      1.22MB
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(vec![]), 0.0);
+    }
+
+    fn options(dynmod: Option<DynModule>) -> Options {
+        Options {
+            sizes: vec![1024],
+            reps: 1,
+            duration: Duration::from_secs(1),
+            connections: 1,
+            wrk: "wrk".into(),
+            floor_wasm: "/x/floor.wasm".into(),
+            kvroute_wasm: "/x/kvroute_filter.wasm".into(),
+            data: "/x".into(),
+            stream_events: 0,
+            stream_gap: Duration::ZERO,
+            plugin_config: None,
+            dynmod,
+        }
+    }
+
+    fn module(path: &str) -> DynModule {
+        DynModule {
+            path: path.into(),
+            filter_name: DynModule::FILTER_NAME.into(),
+            push: true,
+        }
+    }
+
+    #[test]
+    fn a_module_is_named_by_its_file_and_found_in_its_directory() {
+        assert_eq!(module("/opt/m/libkvroute.so").name().unwrap(), "kvroute");
+        assert_eq!(module("libkv_dm.so").name().unwrap(), "kv_dm");
+        for bad in [
+            "/opt/m/kvroute.so",
+            "/opt/m/libkvroute.dylib",
+            "/opt/m/lib.so",
+            "/",
+        ] {
+            let e = module(bad).name().unwrap_err().to_string();
+            assert!(e.contains("must be named lib<name>.so"), "{bad}: {e}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let so = dir.path().join("libkvroute.so");
+        assert!(module(so.to_str().unwrap()).search_dir().is_err());
+        std::fs::write(&so, b"").unwrap();
+        let m = module(so.to_str().unwrap());
+        assert_eq!(m.search_dir().unwrap(), dir.path());
+        assert_eq!(
+            m.env_wrapper().unwrap(),
+            [
+                "env".to_string(),
+                format!("ENVOY_DYNAMIC_MODULES_SEARCH_PATH={}", dir.path().display())
+            ]
+        );
+    }
+
+    #[test]
+    fn the_native_proxy_runs_only_with_a_module_and_is_pushed_to_unless_told_not() {
+        assert_eq!(options(None).variants(), VARIANTS);
+        assert_eq!(options(None).push_port(NATIVE, 9), None);
+        assert_eq!(options(None).push_port("kvroute", 9), Some(9));
+        let o = options(Some(module("/m/libkvroute.so")));
+        assert_eq!(o.variants(), ["plain", "floor", "kvroute", NATIVE]);
+        assert_eq!(o.push_port(NATIVE, 9), Some(9));
+        assert_eq!(o.push_port("floor", 9), None);
+        let o = options(Some(DynModule {
+            push: false,
+            ..module("/m/libkvroute.so")
+        }));
+        assert_eq!(o.push_port(NATIVE, 9), None);
+        assert_eq!(o.push_port("kvroute", 9), Some(9));
+    }
+
+    #[test]
+    fn the_native_config_differs_from_the_wasm_one_only_in_the_filters() {
+        let o = options(Some(DynModule {
+            filter_name: "kv".into(),
+            ..module("/m/libkvroute.so")
+        }));
+        let config = r#"{"mode":"cluster"}"#;
+        let wasm = proxy_yaml("kvroute", &o, 1000, 1001, "127.0.0.1:9", config).unwrap();
+        let native = proxy_yaml(NATIVE, &o, 1000, 1001, "127.0.0.1:9", config).unwrap();
+        // Lines outside the two filter stanzas (from an `http_filters:` item to the
+        // router) are the same.
+        let outside = |yaml: &str| -> Vec<String> {
+            let mut inside = false;
+            let mut out = Vec::new();
+            for l in yaml.lines() {
+                if l.contains("templates::kvroute_filters") {
+                    inside = true;
+                } else if l.contains("envoy.filters.http.router") {
+                    inside = false;
+                }
+                if !inside {
+                    out.push(l.to_owned());
+                }
+            }
+            out
+        };
+        assert_eq!(outside(&wasm), outside(&native));
+        assert_ne!(wasm, native);
+        assert_eq!(wasm.matches("envoy.filters.http.wasm").count(), 2);
+        assert!(!native.contains("wasm"), "{native}");
+        assert_eq!(
+            native
+                .matches("dynamic_module_config: {name: kvroute}")
+                .count(),
+            2
+        );
+        assert_eq!(native.matches("filter_name: kv\n").count(), 2);
+        assert!(native.contains(&format!("value: '{config}'")), "{native}");
+        let ingest = kvroute_integration::harness::kvroute::ingest_plugin_config();
+        assert!(native.contains(&format!("value: '{ingest}'")), "{native}");
+        let e = proxy_yaml(NATIVE, &options(None), 1, 2, "127.0.0.1:9", config).unwrap_err();
+        assert!(e.to_string().contains("needs a dynamic module"), "{e}");
+    }
+
+    #[test]
+    fn plugin_metrics_are_found_under_either_namespace() {
+        for stat in [
+            "wasmcustom.kvroute.decision_us",
+            "dynamicmodulescustom.kvroute.decision_us",
+            "kvroute.decision_us",
+        ] {
+            assert_eq!(kvroute_metric(stat), "kvroute.decision_us");
+        }
+        assert_eq!(
+            kvroute_metric("cluster.c0.upstream_rq"),
+            "cluster.c0.upstream_rq"
+        );
+        assert!(rss_bytes(std::process::id()).unwrap_or(0) > 0);
+    }
+
+    #[test]
+    fn the_report_has_native_rows_and_says_what_was_skipped() {
+        let row = |variant, cpu_us| Row {
+            size: 1024,
+            body_bytes: 1000,
+            variant,
+            median: Run {
+                rps: 1000.0,
+                p50_us: 1000.0,
+                p99_us: 2000.0,
+                cpu_us,
+                requests: 10,
+            },
+            runs: vec![],
+        };
+        let kv = FilterStats {
+            decision_p50_us: Some(5.0),
+            decision_p99_us: Some(9.0),
+            wasm_memory_bytes: Some(2 << 20),
+            rss_over_plain_bytes: Some(60 << 20),
+            routed: Some(10),
+            parse_errors: Some(0),
+        };
+        let native = FilterStats {
+            rss_over_plain_bytes: Some(-(1 << 20)),
+            ..FilterStats::default()
+        };
+        let report = Report {
+            rows: vec![
+                row("plain", 100.0),
+                row("floor", 120.0),
+                row("kvroute", 160.0),
+                row(NATIVE, 110.0),
+            ],
+            filter: vec![
+                FilterRow {
+                    size: 1024,
+                    variant: "kvroute",
+                    stats: kv,
+                },
+                FilterRow {
+                    size: 1024,
+                    variant: NATIVE,
+                    stats: native,
+                },
+            ],
+            notes: vec!["kvroute-native: a note".into()],
+        };
+        let md = report.markdown();
+        assert!(
+            md.contains("| 1 KiB | kvroute-native | 1000 | 1.00 | 1.00 | 2.00 | +0.00 | +0.00 | 110.0 | +10.0 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 1 KiB | kvroute | 3.00 | 5.0 | 9.0 | 2.0 MiB | +60.0 MiB | 10 | 0 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "| 1 KiB | kvroute-native | 0.50 | n/a | n/a | n/a | -1.0 MiB | n/a | n/a |"
+            ),
+            "{md}"
+        );
+        assert!(md.ends_with("\nkvroute-native: a note\n"), "{md}");
     }
 }

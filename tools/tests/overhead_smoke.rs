@@ -2,10 +2,15 @@
 //! floor, kvroute) runs under wrk and reports, the filter routes every request by its policy
 //! and reports `decision_us` and its Wasm memory. Not a timed assertion: one short run per
 //! row on a shared machine says nothing about speed.
+//!
+//! With `KVROUTE_DYNMOD` (a dynamic module's `lib<name>.so`, `make test-overhead DYNMOD=...`)
+//! the kvroute-native proxy runs too and must report its rows; its own metrics are printed,
+//! not asserted (a module may have none yet). `KVROUTE_DYNMOD_SKIP_PUSH=1` pushes it no
+//! snapshot (a module without the ingest role).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
 
 use kvroute_integration::harness::{wasm_path, workspace_root};
-use kvroute_tools::overhead::{run, Options, VARIANTS};
+use kvroute_tools::overhead::{run, DynModule, Options, NATIVE, VARIANTS};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -15,6 +20,16 @@ async fn every_size_and_proxy_reports() {
     let floor_wasm = std::env::var_os("KVROUTE_FLOOR_WASM")
         .map(PathBuf::from)
         .unwrap_or_else(|| kvroute_wasm.with_file_name("kvroute_floor_filter.wasm"));
+    let dynmod = std::env::var_os("KVROUTE_DYNMOD")
+        .filter(|p| !p.is_empty())
+        .map(|path| DynModule {
+            path: PathBuf::from(path),
+            filter_name: DynModule::FILTER_NAME.into(),
+            // As the binary's flag reads it (clap's falsey values push).
+            push: std::env::var("KVROUTE_DYNMOD_SKIP_PUSH").map_or(true, |v| {
+                ["", "0", "false", "no", "off", "n", "f"].contains(&v.to_ascii_lowercase().as_str())
+            }),
+        });
     let sizes = vec![1024, 16 * 1024, 256 * 1024, 1024 * 1024];
     let opts = Options {
         sizes: sizes.clone(),
@@ -29,11 +44,17 @@ async fn every_size_and_proxy_reports() {
         stream_events: 0,
         stream_gap: Duration::ZERO,
         plugin_config: None,
+        dynmod,
     };
+    let variants = opts.variants();
+    let native = opts.dynmod.is_some();
+    assert_eq!(variants.len(), VARIANTS.len() + usize::from(native));
     let report = run(&opts, |l| eprintln!("{l}")).await.unwrap();
-    assert_eq!(report.rows.len(), sizes.len() * VARIANTS.len());
+    let md = report.markdown();
+    eprintln!("{md}");
+    assert_eq!(report.rows.len(), sizes.len() * variants.len());
     for &size in &sizes {
-        for v in VARIANTS {
+        for &v in &variants {
             let r = report.row(size, v).unwrap();
             assert!(
                 r.median.requests > 0 && r.median.rps > 0.0,
@@ -47,21 +68,37 @@ async fn every_size_and_proxy_reports() {
             );
         }
     }
-    assert_eq!(report.filter.len(), sizes.len());
-    for (size, f) in &report.filter {
-        let kv = report.row(*size, "kvroute").unwrap();
-        assert_eq!(f.parse_errors, 0, "{size}");
+    assert_eq!(report.filter.len(), sizes.len() * (1 + usize::from(native)));
+    for f in report.filter.iter().filter(|f| f.variant == "kvroute") {
+        let (size, s) = (f.size, f.stats);
+        let kv = report.row(size, "kvroute").unwrap();
+        assert_eq!(s.parse_errors, Some(0), "{size}");
         // Every request was routed by the policy (none failed open or fell back).
-        assert!(f.routed >= kv.median.requests, "{size}: {f:?} vs {kv:?}");
         assert!(
-            f.decision_p50_us.is_some() && f.decision_p99_us.is_some(),
-            "{size}: {f:?}"
+            s.routed.unwrap_or(0) >= kv.median.requests,
+            "{size}: {s:?} vs {kv:?}"
         );
         assert!(
-            f.wasm_memory_bytes.unwrap_or(0) >= 1024 * 1024,
-            "{size}: {f:?}"
+            s.decision_p50_us.is_some() && s.decision_p99_us.is_some(),
+            "{size}: {s:?}"
+        );
+        assert!(
+            s.wasm_memory_bytes.unwrap_or(0) >= 1024 * 1024,
+            "{size}: {s:?}"
         );
     }
-    let md = report.markdown();
-    assert_eq!(md.matches("| kvroute |").count(), sizes.len(), "{md}");
+    assert_eq!(md.matches("| kvroute |").count(), 2 * sizes.len(), "{md}");
+    if native {
+        // Rows in both tables; the native module has no Wasm VM.
+        assert_eq!(
+            md.matches(&format!("| {NATIVE} |")).count(),
+            2 * sizes.len(),
+            "{md}"
+        );
+        for f in report.filter.iter().filter(|f| f.variant == NATIVE) {
+            assert_eq!(f.stats.wasm_memory_bytes, None, "{f:?}");
+        }
+    } else {
+        assert!(md.contains(&format!("{NATIVE}: skipped")), "{md}");
+    }
 }

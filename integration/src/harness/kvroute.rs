@@ -49,17 +49,17 @@ pub fn envoy_config(
         FleetMode::Cluster => "cluster",
         FleetMode::OverrideHost | FleetMode::OriginalDst => "endpoint",
     };
+    let wasm = wasm_path();
     let mut vars = vec![
         ("LISTEN_PORT", port.to_string()),
         ("INGEST_PORT", ingest_port.to_string()),
         ("BUFFER_LIMIT", buffer_limit.to_string()),
-        (
-            "PLUGIN_CONFIG",
-            format!(r#"{{"mode":"{name}"{sep}{route_config}}}"#),
-        ),
-        ("INGEST_CONFIG", ingest_plugin_config()),
-        ("WASM", wasm_path().display().to_string()),
     ];
+    vars.extend(templates::kvroute_filters(
+        templates::FilterModule::Wasm(&wasm),
+        &format!(r#"{{"mode":"{name}"{sep}{route_config}}}"#),
+        &ingest_plugin_config(),
+    ));
     let template = match mode {
         FleetMode::Cluster => {
             let mut clusters = templates::per_endpoint_clusters(addrs);

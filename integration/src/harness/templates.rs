@@ -1,12 +1,90 @@
 //! Envoy config templates for the end-to-end tests, and cluster snippets to fill them.
 //!
 //! Placeholders (all required, see [`super::render`]): `LISTEN_PORT`, `INGEST_PORT`,
-//! `BUFFER_LIMIT` (bytes), `WASM` (path), `PLUGIN_CONFIG` and `INGEST_CONFIG` (the route and
-//! ingest plugins' JSON, one line, no single quotes), `CLUSTERS` (from [`static_cluster`] / [`override_host_cluster`] /
-//! [`original_dst_cluster`]); cluster mode also `CLUSTER_HEADER` and `DEFAULT_CLUSTER` (the route used when the
-//! filter sets no header); endpoint mode also
-//! `POOL_TYPE` (a comment only). The admin port is 0 (OS-chosen, read back by
-//! [`super::Envoy`]).
+//! `BUFFER_LIMIT` (bytes), `ROUTE_FILTER` and `INGEST_FILTER` (the kvroute filter of each
+//! listener, from [`kvroute_filters`]: the Wasm build or a native dynamic module, with the
+//! route and ingest plugins' JSON), `CLUSTERS` (from [`static_cluster`] /
+//! [`override_host_cluster`] / [`original_dst_cluster`]); cluster mode also
+//! `CLUSTER_HEADER` and `DEFAULT_CLUSTER` (the route used when the filter sets no header);
+//! endpoint mode also `POOL_TYPE` (a comment only). The admin port is 0 (OS-chosen, read
+//! back by [`super::Envoy`]).
+
+use std::path::Path;
+
+/// Where Envoy takes the kvroute filter from; the rest of a config does not depend on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterModule<'a> {
+    /// The proxy-wasm build (`kvroute_filter.wasm`) at this path, run by V8. The route and
+    /// ingest filters share one VM (`vm_id: kvroute`); the route filter fails open.
+    Wasm(&'a Path),
+    /// A native Envoy dynamic module (`DynamicModuleFilter`). Envoy loads `lib<name>.so`
+    /// from the directories of `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` (set for the Envoy
+    /// process, not in the config); `filter_name` is the filter the module implements, and
+    /// the module picks the role from the plugin config, as the Wasm filter does.
+    DynamicModule {
+        /// The module's name: `kvroute` for `libkvroute.so`.
+        name: &'a str,
+        /// The module's filter name.
+        filter_name: &'a str,
+    },
+}
+
+/// One `http_filters` item running kvroute from `module` with plugin configuration
+/// `config` (JSON, one line, no single quotes), indented for [`CLUSTER_MODE`] and
+/// [`ENDPOINT_MODE`]; `ingest` picks the ingest listener's filter (its own name, never
+/// fail-open) over the route listener's.
+pub fn kvroute_filter(module: FilterModule<'_>, ingest: bool, config: &str) -> String {
+    match module {
+        FilterModule::Wasm(wasm) => {
+            let (name, fail_open) = if ingest {
+                ("kvroute-ingest", "")
+            } else {
+                ("kvroute", "\n                failure_policy: FAIL_OPEN")
+            };
+            format!(
+                r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {name}
+                root_id: kvroute{fail_open}
+                allow_on_headers_stop_iteration: true
+                vm_config:
+                  vm_id: kvroute
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{local: {{filename: "{}"}}}}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{config}'"#,
+                wasm.display()
+            )
+        }
+        FilterModule::DynamicModule { name, filter_name } => format!(
+            r#"          - name: envoy.filters.http.dynamic_modules
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
+              dynamic_module_config: {{name: {name}}}
+              filter_name: {filter_name}
+              filter_config:
+                "@type": type.googleapis.com/google.protobuf.StringValue
+                value: '{config}'"#
+        ),
+    }
+}
+
+/// The `ROUTE_FILTER` and `INGEST_FILTER` values of [`CLUSTER_MODE`] and [`ENDPOINT_MODE`]:
+/// [`kvroute_filter`] from `module` with the route plugin's JSON `route_config` and the
+/// ingest plugin's `ingest_config`.
+pub fn kvroute_filters(
+    module: FilterModule<'_>,
+    route_config: &str,
+    ingest_config: &str,
+) -> [(&'static str, String); 2] {
+    [
+        ("ROUTE_FILTER", kvroute_filter(module, false, route_config)),
+        ("INGEST_FILTER", kvroute_filter(module, true, ingest_config)),
+    ]
+}
 
 /// Cluster mode: the route's `cluster_header` picks the Envoy cluster.
 pub const CLUSTER_MODE: &str = include_str!("templates/cluster_mode.yaml");

@@ -1,24 +1,26 @@
 //! `kvroute-overhead` (`make bench-overhead`): plain Envoy vs a trivial body-buffering Wasm
-//! filter vs kvroute, side by side, alternating repetitions (see
-//! `kvroute_tools::overhead` and `docs/overhead.md`).
+//! filter vs kvroute, and kvroute as a native dynamic module when one is given, side by
+//! side, alternating repetitions (see `kvroute_tools::overhead` and `docs/overhead.md`).
 //!
 //! ```text
 //! kvroute-overhead --floor-wasm target/wasm32-wasip1/release/kvroute_floor_filter.wasm
 //! kvroute-overhead --sizes 1024,16384 --reps 1 --duration 2   # a quick look
+//! kvroute-overhead --dynmod target/release/libkvroute.so        # plus kvroute-native
 //! kvroute-overhead --callgrind 300                               # instructions per request
 //! kvroute-overhead --write-bodies target/decision-ops             # the bodies, for wasm-ops.py
 //! ```
 //! Prints one progress line per wrk run, then the Markdown tables. Exit code 1 on any setup
-//! error, non-2xx response or Wasm failure.
+//! error (a failed snapshot push to a proxy included), non-2xx response or Wasm failure.
 
 use clap::Parser;
 use kvroute_integration::harness::{wasm_path, workspace_root};
 use kvroute_tools::callgrind::{self, CallgrindOptions};
-use kvroute_tools::overhead::{chat_body, prompts, run, Options};
+use kvroute_tools::overhead::{chat_body, prompts, run, DynModule, Options};
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Data-plane overhead: plain Envoy, floor filter, kvroute.
+/// Data-plane overhead: plain Envoy, floor filter, kvroute (Wasm), kvroute-native.
 #[derive(Debug, Parser)]
 #[command(name = "kvroute-overhead", version)]
 struct Args {
@@ -57,7 +59,8 @@ struct Args {
     /// valgrind binary (with --callgrind).
     #[arg(long, env = "VALGRIND", default_value = "valgrind")]
     valgrind: PathBuf,
-    /// Proxies to count (with --callgrind; default all: plain, floor, kvroute).
+    /// Proxies to count (with --callgrind; default all: plain, floor, kvroute, and
+    /// kvroute-native with --dynmod).
     #[arg(long, value_delimiter = ',')]
     callgrind_proxies: Vec<String>,
     /// callgrind_control script (with --callgrind).
@@ -79,6 +82,21 @@ struct Args {
     /// `body-<size>.json`, one per size (`make bench-decision-ops` counts their decisions).
     #[arg(long, value_name = "DIR")]
     write_bodies: Option<PathBuf>,
+    /// kvroute as a native Envoy dynamic module (`lib<name>.so`): adds the kvroute-native
+    /// proxy, loaded by `DynamicModuleFilter` with the same configuration. Without it (or
+    /// empty) that column is skipped.
+    #[arg(long, env = "KVROUTE_DYNMOD", value_name = "PATH",
+          value_parser = clap::builder::OsStringValueParser::new())]
+    dynmod: Option<OsString>,
+    /// The filter name the dynamic module implements (`DynamicModuleFilter.filter_name`).
+    #[arg(long, value_name = "NAME", default_value = DynModule::FILTER_NAME)]
+    dynmod_filter_name: String,
+    /// Push no snapshot to the dynamic module's ingest listener: runs a module without the
+    /// ingest role (it then routes without endpoint stats).
+    /// (`KVROUTE_DYNMOD_SKIP_PUSH`: any value but empty, `0`, `false`, `no`, `off`, `n`, `f`.)
+    #[arg(long, env = "KVROUTE_DYNMOD_SKIP_PUSH",
+          value_parser = clap::builder::FalseyValueParser::new())]
+    dynmod_skip_push: bool,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -105,6 +123,11 @@ async fn main() -> anyhow::Result<()> {
         stream_events: a.stream_events,
         stream_gap: Duration::from_micros(a.stream_gap_us),
         plugin_config: a.plugin_config,
+        dynmod: a.dynmod.filter(|p| !p.is_empty()).map(|path| DynModule {
+            path: path.into(),
+            filter_name: a.dynmod_filter_name,
+            push: !a.dynmod_skip_push,
+        }),
     };
     if let Some(dir) = &a.write_bodies {
         let prompts = prompts(&opts.data)?;
