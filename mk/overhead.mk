@@ -2,23 +2,22 @@
 # kvroute, side by side, with wrk (see docs/overhead.md).
 FLOOR_WASM := $(TARGET_DIR)/wasm32-wasip1/release/kvroute_floor_filter.wasm
 OVERHEAD_ARGS ?=
-# kvroute as a native Envoy dynamic module (a lib<name>.so): adds the kvroute-native proxy to
-# bench-overhead, test-overhead and bench-overhead-instructions; empty: that column is
-# skipped. A module without the ingest role yet: KVROUTE_DYNMOD_SKIP_PUSH=1 in the
-# environment (no snapshot is pushed to it).
-DYNMOD ?=
+# kvroute as a native Envoy dynamic module (a lib<name>.so, `make dynmod`): the
+# kvroute-native proxy of bench-overhead, test-overhead and bench-overhead-instructions.
+# DYNMOD= (empty) skips that column.
+DYNMOD ?= $(DYNMOD_SO)
 DYNMOD_ENV = $(if $(DYNMOD),KVROUTE_DYNMOD="$(abspath $(DYNMOD))")
 
 .PHONY: wasm-floor bench-overhead test-overhead
 wasm-floor: ## Build the benchmark floor filter (bench/floor-filter) for wasm32-wasip1
 	$(CARGO) build -p kvroute-floor-filter --target wasm32-wasip1 --release
 
-bench-overhead: wasm wasm-floor envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute (and kvroute-native with DYNMOD=lib<name>.so) at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, memory)
+bench-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute and kvroute-native (the dynamic module) at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, memory)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \
 	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- $(OVERHEAD_ARGS)
 
-test-overhead: wasm wasm-floor envoy wrk ## Overhead benchmark smoke: every size and proxy runs and reports (not a timed assertion)
+test-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Overhead benchmark smoke: every size and proxy runs and reports (not a timed assertion)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \
 	  $(CARGO) test -p kvroute-tools --test overhead_smoke
@@ -26,7 +25,7 @@ test-overhead: wasm wasm-floor envoy wrk ## Overhead benchmark smoke: every size
 # 256 KiB (a request takes ~0.3 s under valgrind): CALLGRIND_ARGS="--sizes 262144 --callgrind 100 --callgrind-warmup 300"
 CALLGRIND_ARGS ?= --sizes 1024,16384 --callgrind 300
 .PHONY: bench-overhead-instructions
-bench-overhead-instructions: wasm wasm-floor envoy ## Instructions per request inside Envoy (plain, floor, kvroute, kvroute-native with DYNMOD) under callgrind: deterministic on a noisy machine (needs valgrind)
+bench-overhead-instructions: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy ## Instructions per request inside Envoy (plain, floor, kvroute, kvroute-native with DYNMOD) under callgrind: deterministic on a noisy machine (needs valgrind)
 	@command -v valgrind >/dev/null || { echo "bench-overhead-instructions: valgrind is required (Debian/Ubuntu: apt-get install valgrind)"; exit 1; }
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \

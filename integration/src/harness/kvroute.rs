@@ -44,19 +44,41 @@ pub fn envoy_config(
     ingest_port: u16,
     buffer_limit: usize,
 ) -> anyhow::Result<String> {
+    let wasm = wasm_path();
+    envoy_config_with(
+        templates::FilterModule::Wasm(&wasm),
+        mode,
+        addrs,
+        route_config,
+        port,
+        ingest_port,
+        buffer_limit,
+    )
+}
+
+/// [`envoy_config`] with kvroute from `module`: the Wasm build or the native dynamic
+/// module ([`templates::DYNMOD`]).
+pub fn envoy_config_with(
+    module: templates::FilterModule<'_>,
+    mode: FleetMode,
+    addrs: &[String],
+    route_config: &str,
+    port: u16,
+    ingest_port: u16,
+    buffer_limit: usize,
+) -> anyhow::Result<String> {
     let sep = if route_config.is_empty() { "" } else { "," };
     let name = match mode {
         FleetMode::Cluster => "cluster",
         FleetMode::OverrideHost | FleetMode::OriginalDst => "endpoint",
     };
-    let wasm = wasm_path();
     let mut vars = vec![
         ("LISTEN_PORT", port.to_string()),
         ("INGEST_PORT", ingest_port.to_string()),
         ("BUFFER_LIMIT", buffer_limit.to_string()),
     ];
     vars.extend(templates::kvroute_filters(
-        templates::FilterModule::Wasm(&wasm),
+        module,
         &format!(r#"{{"mode":"{name}"{sep}{route_config}}}"#),
         &ingest_plugin_config(),
     ));
@@ -119,7 +141,7 @@ pub struct FleetOptions {
     /// Bind address of the backends (`127.0.0.1:0`, or `[::1]:0` for IPv6).
     pub backend_bind: &'static str,
     /// Run the native dynamic module (`make dynmod`) instead of the `.wasm`
-    /// ([`templates::to_dynamic_module`]; Envoy needs `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`).
+    /// ([`templates::DYNMOD`]; Envoy needs `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`).
     pub dynmod: bool,
 }
 
@@ -166,21 +188,23 @@ impl Fleet {
             );
         }
         let addrs: Vec<String> = backends.iter().map(|b| b.address()).collect();
+        let wasm = wasm_path();
+        let module = if opts.dynmod {
+            templates::DYNMOD
+        } else {
+            templates::FilterModule::Wasm(&wasm)
+        };
         let (envoy, [port, ingest_port]) =
             Envoy::start_on_free_ports(opts.concurrency, |[port, ingest_port]| {
-                let yaml = envoy_config(
+                envoy_config_with(
+                    module,
                     opts.mode,
                     &addrs,
                     &opts.route_config,
                     port,
                     ingest_port,
                     opts.buffer_limit,
-                )?;
-                Ok(if opts.dynmod {
-                    templates::to_dynamic_module(&yaml)
-                } else {
-                    yaml
-                })
+                )
             })
             .await?;
         Ok(Self {

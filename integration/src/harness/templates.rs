@@ -184,44 +184,11 @@ pub const DYNMOD_NAME: &str = "kvroute_dynmod";
 /// Prefix of the module's stats in `/stats` (where the Wasm filter's have `wasmcustom.`).
 pub const DYNMOD_STAT_PREFIX: &str = "dynamicmodulescustom.";
 
-/// `yaml` (a rendered template) with each `envoy.filters.http.wasm` filter replaced by the
-/// dynamic module filter running [`DYNMOD_NAME`] with the same plugin config (the
-/// `configuration` value) and filter name (the Wasm `config.name`). Its stats are Envoy's
-/// default dynamic-module namespace, [`DYNMOD_STAT_PREFIX`] (Envoy 1.40 has no
-/// `metrics_namespace` field to change it).
-pub fn to_dynamic_module(yaml: &str) -> String {
-    let mut out = String::new();
-    let mut lines = yaml.lines();
-    while let Some(line) = lines.next() {
-        let Some(indent) = line.find("- name: envoy.filters.http.wasm") else {
-            out.push_str(line);
-            out.push('\n');
-            continue;
-        };
-        let pad = " ".repeat(indent);
-        let (mut name, mut value) = (String::from("kvroute"), String::new());
-        for l in lines.by_ref() {
-            let t = l.trim();
-            if let Some(n) = t.strip_prefix("name: ") {
-                if !n.starts_with("envoy.") {
-                    name = n.to_owned();
-                }
-            }
-            if let Some(v) = t.strip_prefix("value: ") {
-                value = v.to_owned();
-                break;
-            }
-        }
-        out.push_str(&format!(
-            "{pad}- name: envoy.filters.http.dynamic_modules\n\
-             {pad}  typed_config:\n\
-             {pad}    \"@type\": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n\
-             {pad}    dynamic_module_config: {{name: {DYNMOD_NAME}}}\n\
-             {pad}    filter_name: {name}\n\
-             {pad}    filter_config:\n\
-             {pad}      \"@type\": type.googleapis.com/google.protobuf.StringValue\n\
-             {pad}      value: {value}\n"
-        ));
-    }
-    out
-}
+/// The native build as the harness loads it: module [`DYNMOD_NAME`], filter `kvroute`
+/// (the module serves both roles under any filter name; the plugin config's `role` picks).
+/// Its stats are under Envoy's default dynamic-module namespace, [`DYNMOD_STAT_PREFIX`]
+/// (Envoy 1.40 has no `metrics_namespace` field to change it).
+pub const DYNMOD: FilterModule<'static> = FilterModule::DynamicModule {
+    name: DYNMOD_NAME,
+    filter_name: "kvroute",
+};
