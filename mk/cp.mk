@@ -8,9 +8,9 @@ cp: toolchain ## Build kvroute-cp (release) and print the binary's full path
 	$(CARGO) build -p kvroute-cp --release
 	@echo "$(abspath $(CP_BIN))"
 
-test-cp: wasm envoy ## Control-plane tests: unit, golden (every metrics fixture), config, faults, binary (signals/reload), cp vs kvroute-sim, cp vs real Envoy + filter
+test-cp: wasm dynmod envoy ## Control-plane tests: unit, golden (every metrics fixture), config, faults, binary (signals/reload), cp vs kvroute-sim, cp vs real Envoy + filter (Wasm and native)
 	$(CARGO) test -p kvroute-cp
-	KVROUTE_WASM="$(FILTER_WASM)" \
+	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_DYNMOD_DIR="$(DYNMOD_DIR)" \
 	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(CP_TESTS))
 

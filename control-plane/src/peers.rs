@@ -8,7 +8,9 @@
 //! body is Envoy's Prometheus text (`/stats/prometheus`, on the admin port or Istio's 15090
 //! listener), where the filter's per-endpoint gauges read
 //! `kvroute_inflight_unseen_requests_<endpoint>` and `kvroute_inflight_unseen_tokens_<endpoint>`
-//! (`filter/src/names.rs`). Envoy's Prometheus output replaces every character of a stat
+//! (`filter/src/names.rs`); the native build (`kvroute-dynmod`) writes them as one gauge each
+//! with the endpoint in a label, `kvroute_inflight_unseen_requests{endpoint="…"}`
+//! ([`REQUESTS_NAME`]). Envoy's Prometheus output replaces every character of a stat
 //! name outside `[a-zA-Z0-9_]` with `_` (`wasmcustom.kvroute.inflight_unseen.requests.pool/e-0`
 //! becomes `kvroute_inflight_unseen_requests_pool_e_0`), so the endpoint is found by
 //! sanitising the ids of the current fleet the same way ([`sanitize`]). Two ids that read the
@@ -43,6 +45,16 @@ use tokio::sync::watch;
 pub const REQUESTS_PREFIX: &str = "kvroute_inflight_unseen_requests_";
 /// Prometheus name prefix of the per-endpoint reserved-token gauges.
 pub const TOKENS_PREFIX: &str = "kvroute_inflight_unseen_tokens_";
+/// The same gauges from the native build (`kvroute-dynmod`, docs/dynamic-module.md): one
+/// gauge per prefix, the endpoint in label [`ENDPOINT_LABEL`] (Envoy's dynamic-module ABI
+/// defines metrics at config time only, before any endpoint is known):
+/// `kvroute_inflight_unseen_requests{endpoint="pool_e-0"}`.
+pub const REQUESTS_NAME: &str = "kvroute_inflight_unseen_requests";
+/// Reserved tokens, labelled form ([`REQUESTS_NAME`]).
+pub const TOKENS_NAME: &str = "kvroute_inflight_unseen_tokens";
+/// The endpoint's label in the labelled form: the filter's stat id of the endpoint
+/// (`filter/src/names.rs` `stat_id`), matched after [`sanitize`] like a name's suffix.
+pub const ENDPOINT_LABEL: &str = "endpoint";
 
 /// Largest stats body read, bytes (an Envoy with many clusters exports a few MB).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
@@ -91,23 +103,30 @@ pub fn parse(body: &[u8], ids: &[String]) -> Result<Parsed, StatsError> {
             .and_modify(|v| *v = None)
             .or_insert(Some(id.as_str()));
     }
+    // Both forms start with the labelled form's names.
     let expo = Exposition::parse_bytes_with(body, |n| {
-        n.starts_with(REQUESTS_PREFIX) || n.starts_with(TOKENS_PREFIX)
+        n.starts_with(REQUESTS_NAME) || n.starts_with(TOKENS_NAME)
     })?;
     let mut out = Parsed::default();
     for s in &expo.samples {
-        let (rest, is_requests) = match s.name.strip_prefix(REQUESTS_PREFIX) {
-            Some(r) => (r, true),
-            None => match s.name.strip_prefix(TOKENS_PREFIX) {
-                Some(r) => (r, false),
-                None => continue,
-            },
-        };
-        let id = match by_name.get(rest) {
+        let (rest, is_requests): (std::borrow::Cow<'_, str>, bool) =
+            if let Some(r) = s.name.strip_prefix(REQUESTS_PREFIX) {
+                (r.into(), true)
+            } else if let Some(r) = s.name.strip_prefix(TOKENS_PREFIX) {
+                (r.into(), false)
+            } else if s.name == REQUESTS_NAME || s.name == TOKENS_NAME {
+                let Some(e) = s.label(ENDPOINT_LABEL) else {
+                    continue;
+                };
+                (sanitize(e).into(), s.name == REQUESTS_NAME)
+            } else {
+                continue;
+            };
+        let id = match by_name.get(rest.as_ref()) {
             Some(Some(id)) => *id,
             Some(None) => {
-                if !out.ambiguous.iter().any(|a| a == rest) {
-                    out.ambiguous.push(rest.to_owned());
+                if !out.ambiguous.iter().any(|a| *a == rest) {
+                    out.ambiguous.push(rest.into_owned());
                 }
                 continue;
             }
@@ -299,6 +318,51 @@ envoy_cluster_upstream_rq{envoy_cluster_name=\"x\"} 5\n";
             )]
         );
         assert_eq!(p.bad_values, 2);
+        assert_eq!(p.ambiguous, vec!["pool_a_b".to_owned()]);
+    }
+
+    /// The native build's labelled form reads like the Wasm filter's names: the label's
+    /// value is matched after sanitising, a sample without the label is ignored.
+    #[test]
+    fn reads_the_labelled_gauges_of_the_native_build() {
+        let body = b"# TYPE kvroute_inflight_unseen_requests gauge\n\
+kvroute_inflight_unseen_requests{endpoint=\"pool/e0\"} 3\n\
+kvroute_inflight_unseen_tokens{endpoint=\"pool/e0\"} 1536\n\
+kvroute_inflight_unseen_requests{endpoint=\"sim/replica_1_\"} 2\n\
+kvroute_inflight_unseen_requests{endpoint=\"pool/a-b\"} 1\n\
+kvroute_inflight_unseen_requests{other=\"pool/e0\"} 9\n\
+kvroute_inflight_unseen_tokens{endpoint=\"pool/e2\"} -5\n";
+        let p = parse(
+            body,
+            &ids(&[
+                "pool/e0",
+                "sim/replica.1.",
+                "pool/e2",
+                "pool/a-b",
+                "pool/a_b",
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            p.load.into_iter().collect::<Vec<_>>(),
+            vec![
+                (
+                    "pool/e0".to_owned(),
+                    PeerLoad {
+                        requests: 3,
+                        tokens: 1536
+                    }
+                ),
+                (
+                    "sim/replica.1.".to_owned(),
+                    PeerLoad {
+                        requests: 2,
+                        tokens: 0
+                    }
+                ),
+            ]
+        );
+        assert_eq!(p.bad_values, 1);
         assert_eq!(p.ambiguous, vec!["pool_a_b".to_owned()]);
     }
 

@@ -1,4 +1,5 @@
-//! Two gateways do not herd: two real Envoys (PyPI 1.40, `--concurrency 2`, the built filter)
+//! Two gateways do not herd: two real Envoys (PyPI 1.40, `--concurrency 2`, the built filter;
+//! once the `.wasm`, once the native build of `make dynmod`)
 //! in front of four kvroute-sim vLLM replicas, and kvroute-cp scraping the replicas and
 //! pushing to both Envoys.
 //!
@@ -28,8 +29,9 @@
 use kvroute_core::snapshot::Snapshot;
 use kvroute_cp::{Config, ControlPlane};
 use kvroute_integration::harness::http::request;
-use kvroute_integration::harness::kvroute::{envoy_config, now_ms, FleetMode, TEST_TOKEN};
-use kvroute_integration::harness::Envoy;
+use kvroute_integration::harness::kvroute::{envoy_config_with, now_ms, FleetMode, TEST_TOKEN};
+use kvroute_integration::harness::templates::{FilterModule, DYNMOD, DYNMOD_STAT_PREFIX};
+use kvroute_integration::harness::{wasm_path, Envoy};
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, FleetHandle, ReplicaConfig};
 use std::collections::BTreeMap;
@@ -52,11 +54,31 @@ struct Gateway {
     envoy: Envoy,
     port: u16,
     ingest_port: u16,
+    /// The native build (`make dynmod`) rather than the `.wasm`.
+    native: bool,
 }
 
-async fn gateway(addrs: &[String]) -> Gateway {
+impl Gateway {
+    /// Prefix of the filter's stats in Envoy's `/stats`.
+    fn stat_prefix(&self) -> &'static str {
+        if self.native {
+            DYNMOD_STAT_PREFIX
+        } else {
+            "wasmcustom."
+        }
+    }
+}
+
+async fn gateway(addrs: &[String], native: bool) -> Gateway {
+    let wasm = wasm_path();
+    let module = if native {
+        DYNMOD
+    } else {
+        FilterModule::Wasm(&wasm)
+    };
     let (envoy, [port, ingest_port]) = Envoy::start_on_free_ports(2, |[port, ingest_port]| {
-        envoy_config(
+        envoy_config_with(
+            module,
             FleetMode::Cluster,
             addrs,
             r#""picker":{"policy":"least_request","stale_after_ms":60000},"debug_header":true,"affinity_sync_ms":50"#,
@@ -71,6 +93,7 @@ async fn gateway(addrs: &[String]) -> Gateway {
         envoy,
         port,
         ingest_port,
+        native,
     }
 }
 
@@ -245,9 +268,15 @@ async fn round(
             let (id, load) = parsed.load.iter().next().unwrap();
             assert_eq!(load.requests, 1, "{parsed:?}");
             assert!(load.tokens > 0, "{parsed:?}");
+            // The Wasm filter's gauge per endpoint, the native build's label.
             let sanitized = kvroute_cp::peers::sanitize(id);
+            let named = if a.native {
+                format!("kvroute_inflight_unseen_requests{{endpoint=\"{}\"}}", id.replace('.', "_"))
+            } else {
+                format!("kvroute_inflight_unseen_requests_{sanitized}")
+            };
             assert!(
-                text.contains(&format!("kvroute_inflight_unseen_requests_{sanitized}")),
+                text.contains(&named),
                 "Envoy names the gauge as expected:\n{}",
                 text.lines()
                     .filter(|l| l.contains("inflight_unseen"))
@@ -273,13 +302,24 @@ fn distinct(eps: &[String]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_share_load_and_do_not_herd() {
+    herd(false).await;
+}
+
+/// The same with the native build (`make dynmod`), whose per-endpoint gauges are one
+/// labelled gauge (`kvroute_inflight_unseen_requests{endpoint="…"}`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_native_gateways_share_load_and_do_not_herd() {
+    herd(true).await;
+}
+
+async fn herd(native: bool) {
     let cfg = ReplicaConfig::builtin(MODEL, Dialect::VllmV1, 1.0, 7).unwrap();
     let sims = spawn_fleet(FleetConfig::local(cfg, REPLICAS))
         .await
         .unwrap();
     let addrs: Vec<String> = sims.addrs().iter().map(|a| a.to_string()).collect();
-    let a = gateway(&addrs).await;
-    let b = gateway(&addrs).await;
+    let a = gateway(&addrs, native).await;
+    let b = gateway(&addrs, native).await;
     std::env::set_var("KVROUTE_CP_HERD_TEST_TOKEN", TEST_TOKEN);
     let cp = ControlPlane::start(Config::from_yaml(&cp_yaml(&sims, &a, &b, false)).unwrap())
         .await
@@ -291,14 +331,14 @@ async fn two_gateways_share_load_and_do_not_herd() {
     for g in [&a, &b] {
         let accepted = g
             .envoy
-            .stat("wasmcustom.kvroute.ingest.accepted")
+            .stat(&format!("{}kvroute.ingest.accepted", g.stat_prefix()))
             .await
             .unwrap()
             .unwrap_or(0);
         assert!(accepted >= 2, "heartbeats reach both gateways: {accepted}");
         let age = g
             .envoy
-            .stat("wasmcustom.kvroute.snapshot_age_ms")
+            .stat(&format!("{}kvroute.snapshot_age_ms", g.stat_prefix()))
             .await
             .unwrap()
             .expect("a snapshot is in force");

@@ -4,40 +4,28 @@
 //! config refused, and a panic failing open. `make test-dynmod` builds the module and runs
 //! these; run by hand, set `KVROUTE_DYNMOD_DIR` (or build with `make dynmod`).
 //!
-//! Envoy finds the module through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, which [`setup`] sets
-//! for the Envoys these tests start, with `KVROUTE_DYNMOD_TEST_PANIC=1` (the module's test
-//! knob: a request with `x-kvroute-test-panic` panics inside the hook).
+//! Envoy finds the module through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, which the harness sets
+//! to [`dynmod_dir`] for every Envoy it starts; [`setup`] adds `KVROUTE_DYNMOD_TEST_PANIC=1`
+//! (the module's test knob: a request with `x-kvroute-test-panic` panics inside the hook).
 
 use kvroute_integration::harness::kvroute::{chat, Fleet, FleetMode, FleetOptions};
-use kvroute_integration::harness::{envoy_binary, workspace_root};
+use kvroute_integration::harness::{dynmod_dir, envoy_binary, workspace_root};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The directory holding `libkvroute_dynmod.so`: `$KVROUTE_DYNMOD_DIR`, else the `dynmod`
-/// profile's output directory.
-fn module_dir() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVROUTE_DYNMOD_DIR") {
-        return PathBuf::from(p);
-    }
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"))
-        .join("dynmod")
-}
-
 fn module() -> PathBuf {
-    module_dir().join("libkvroute_dynmod.so")
+    dynmod_dir().join("libkvroute_dynmod.so")
 }
 
-/// Point the Envoys these tests start at the module (same values from every test).
+/// Check the module is built, and arm its test knob for the Envoys these tests start (same
+/// value from every test; the harness points Envoy at [`dynmod_dir`]).
 fn setup() {
     assert!(
         module().is_file(),
         "{} missing: run `make dynmod`",
         module().display()
     );
-    std::env::set_var("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", module_dir());
     std::env::set_var("KVROUTE_DYNMOD_TEST_PANIC", "1");
 }
 

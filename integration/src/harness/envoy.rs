@@ -109,6 +109,21 @@ pub fn wasm_path() -> PathBuf {
         .join("kvroute_filter.wasm")
 }
 
+/// The directory of the native build (`libkvroute_dynmod.so`, `make dynmod`):
+/// `$KVROUTE_DYNMOD_DIR`, else `<CARGO_TARGET_DIR or workspace/target>/dynmod` (the `dynmod`
+/// cargo profile's output). Every Envoy the harness starts gets it as
+/// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` unless that is already set, so a config naming the
+/// module (`templates::DYNMOD`) loads it.
+pub fn dynmod_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVROUTE_DYNMOD_DIR") {
+        return PathBuf::from(p);
+    }
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("dynmod")
+}
+
 /// A running Envoy; killed on drop. Its admin interface binds 127.0.0.1 on an OS-chosen
 /// port (the config's admin `port_value: 0`, read back through `--admin-address-path`).
 #[derive(Debug)]
@@ -155,6 +170,9 @@ impl Envoy {
             }
             None => Command::new(bin),
         };
+        if std::env::var_os("ENVOY_DYNAMIC_MODULES_SEARCH_PATH").is_none() {
+            cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dynmod_dir());
+        }
         cmd.arg("-c")
             .arg(&config)
             .arg("--concurrency")

@@ -44,7 +44,8 @@ pub mod templates;
 
 pub use backend::{openai_completion, Recorded, RecordingBackend, Reply};
 pub use envoy::{
-    envoy_binary, venv_file, venv_lib, wasm_path, workspace_root, Envoy, EnvoyError, PORT_ATTEMPTS,
+    dynmod_dir, envoy_binary, venv_file, venv_lib, wasm_path, workspace_root, Envoy, EnvoyError,
+    PORT_ATTEMPTS,
     READY_DEADLINE,
 };
 pub use process::{free_port, ChildGuard};
