@@ -9,8 +9,8 @@
 //! listener), where the filter's per-endpoint gauges read
 //! `kvroute_inflight_unseen_requests_<endpoint>` and `kvroute_inflight_unseen_tokens_<endpoint>`
 //! (`filter/src/names.rs`); the native build (`kvroute-dynmod`) writes them as one gauge each
-//! with the endpoint in a label, `kvroute_inflight_unseen_requests{endpoint="…"}`
-//! ([`REQUESTS_NAME`]). Envoy's Prometheus output replaces every character of a stat
+//! with the endpoint in a label,
+//! `envoy_dynamicmodulescustom_kvroute_inflight_unseen_requests{endpoint="…"}` ([`REQUESTS_NAME`]). Envoy's Prometheus output replaces every character of a stat
 //! name outside `[a-zA-Z0-9_]` with `_` (`wasmcustom.kvroute.inflight_unseen.requests.pool/e-0`
 //! becomes `kvroute_inflight_unseen_requests_pool_e_0`), so the endpoint is found by
 //! sanitising the ids of the current fleet the same way ([`sanitize`]). Two ids that read the
@@ -47,9 +47,13 @@ pub const REQUESTS_PREFIX: &str = "kvroute_inflight_unseen_requests_";
 pub const TOKENS_PREFIX: &str = "kvroute_inflight_unseen_tokens_";
 /// The same gauges from the native build (`kvroute-dynmod`, docs/dynamic-module.md): one
 /// gauge per prefix, the endpoint in label [`ENDPOINT_LABEL`] (Envoy's dynamic-module ABI
-/// defines metrics at config time only, before any endpoint is known):
-/// `kvroute_inflight_unseen_requests{endpoint="pool_e-0"}`.
+/// defines metrics at config time only, before any endpoint is known), under Envoy's
+/// dynamic-module namespace [`NATIVE_NAMESPACE`], which Envoy 1.40 keeps in the Prometheus
+/// name: `envoy_dynamicmodulescustom_kvroute_inflight_unseen_requests{endpoint="pool/e-0"}`
+/// (checked by `integration/tests/cp_herd.rs`). Read with or without the namespace.
 pub const REQUESTS_NAME: &str = "kvroute_inflight_unseen_requests";
+/// Prefix of the native build's stats in Envoy's Prometheus output.
+pub const NATIVE_NAMESPACE: &str = "envoy_dynamicmodulescustom_";
 /// Reserved tokens, labelled form ([`REQUESTS_NAME`]).
 pub const TOKENS_NAME: &str = "kvroute_inflight_unseen_tokens";
 /// The endpoint's label in the labelled form: the filter's stat id of the endpoint
@@ -103,22 +107,25 @@ pub fn parse(body: &[u8], ids: &[String]) -> Result<Parsed, StatsError> {
             .and_modify(|v| *v = None)
             .or_insert(Some(id.as_str()));
     }
-    // Both forms start with the labelled form's names.
-    let expo = Exposition::parse_bytes_with(body, |n| {
+    // Both forms start with the labelled form's names (after the native namespace).
+    let ours = |n: &str| {
+        let n = n.strip_prefix(NATIVE_NAMESPACE).unwrap_or(n);
         n.starts_with(REQUESTS_NAME) || n.starts_with(TOKENS_NAME)
-    })?;
+    };
+    let expo = Exposition::parse_bytes_with(body, ours)?;
     let mut out = Parsed::default();
     for s in &expo.samples {
+        let name = s.name.strip_prefix(NATIVE_NAMESPACE).unwrap_or(&s.name);
         let (rest, is_requests): (std::borrow::Cow<'_, str>, bool) =
-            if let Some(r) = s.name.strip_prefix(REQUESTS_PREFIX) {
+            if let Some(r) = name.strip_prefix(REQUESTS_PREFIX) {
                 (r.into(), true)
-            } else if let Some(r) = s.name.strip_prefix(TOKENS_PREFIX) {
+            } else if let Some(r) = name.strip_prefix(TOKENS_PREFIX) {
                 (r.into(), false)
-            } else if s.name == REQUESTS_NAME || s.name == TOKENS_NAME {
+            } else if name == REQUESTS_NAME || name == TOKENS_NAME {
                 let Some(e) = s.label(ENDPOINT_LABEL) else {
                     continue;
                 };
-                (sanitize(e).into(), s.name == REQUESTS_NAME)
+                (sanitize(e).into(), name == REQUESTS_NAME)
             } else {
                 continue;
             };
@@ -326,8 +333,8 @@ envoy_cluster_upstream_rq{envoy_cluster_name=\"x\"} 5\n";
     #[test]
     fn reads_the_labelled_gauges_of_the_native_build() {
         let body = b"# TYPE kvroute_inflight_unseen_requests gauge\n\
-kvroute_inflight_unseen_requests{endpoint=\"pool/e0\"} 3\n\
-kvroute_inflight_unseen_tokens{endpoint=\"pool/e0\"} 1536\n\
+envoy_dynamicmodulescustom_kvroute_inflight_unseen_requests{endpoint=\"pool/e0\"} 3\n\
+envoy_dynamicmodulescustom_kvroute_inflight_unseen_tokens{endpoint=\"pool/e0\"} 1536\n\
 kvroute_inflight_unseen_requests{endpoint=\"sim/replica_1_\"} 2\n\
 kvroute_inflight_unseen_requests{endpoint=\"pool/a-b\"} 1\n\
 kvroute_inflight_unseen_requests{other=\"pool/e0\"} 9\n\

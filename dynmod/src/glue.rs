@@ -17,11 +17,13 @@
 //! - **Tick**: the ABI has no per-worker timer. `Worker::periodic` runs on hook entry when
 //!   its period (as the Wasm filter computes it, [`tick_period_ms`]) has passed, and when a
 //!   worker's last stream ends (so releases are published and the gauges fall back to 0 even
-//!   when traffic stops). A request parked by admission registers its stream's scheduler
-//!   with one process-wide ticker thread, which commits an event to every parked stream
-//!   each period; `on_http_filter_scheduled` then runs the worker's tick on its own thread.
-//!   So parked requests are retried and timed out as under Wasm, and nothing is committed
-//!   while nothing is parked.
+//!   when traffic stops). While streams are in flight, one of them per worker (the tick
+//!   carrier, [`carry_ticks`]) and every request parked by admission register their
+//!   stream's scheduler with one process-wide ticker thread, which commits an event to each
+//!   every period; `on_http_filter_scheduled` then runs the worker's tick on its own
+//!   thread. So reservations are published while their requests wait on the upstream,
+//!   parked requests are retried and timed out as under Wasm, and nothing is committed
+//!   while nothing is in flight.
 //! - **Deferred replies and resumes**: local replies and resumes asked for inside a hook run
 //!   after the hook's state is released ([`run_deferred`]): Envoy runs a stream's encoder
 //!   hooks inside `send_response`, and another stream's hooks inside `continue_decoding`.
@@ -244,8 +246,9 @@ fn shared() -> MutexGuard<'static, SharedData> {
 // The admission ticker.
 // ----------------------------------------------------------------------------------------
 
-/// Schedulers of parked streams, by registration key: the ticker commits to each one every
-/// period. Deleted under the same lock, so a commit never races a delete.
+/// Schedulers of parked streams and of tick carriers ([`carry_ticks`]), by registration key:
+/// the ticker commits to each one every period. Deleted under the same lock, so a commit
+/// never races a delete.
 fn parked() -> MutexGuard<'static, BTreeMap<u64, Scheduler>> {
     static PARKED: OnceLock<Mutex<BTreeMap<u64, Scheduler>>> = OnceLock::new();
     PARKED
@@ -303,13 +306,17 @@ struct Slot {
     last_tick: Cell<u64>,
     /// Streams of this config alive on this thread.
     live: Cell<u32>,
+    /// The live stream whose scheduler the ticker wakes every tick period, so the tick runs
+    /// while streams are in flight but no hook comes (context id, ticker key).
+    carrier: Cell<Option<(u32, u64)>>,
 }
 
 thread_local! {
     static WORKERS: RefCell<HashMap<u64, Rc<Slot>>> = RefCell::new(HashMap::new());
     static INGEST: RefCell<HashMap<u64, Rc<Config>>> = RefCell::new(HashMap::new());
-    /// Live streams of this thread by context id: what `set_effective_context` reaches.
-    static LIVE: RefCell<HashMap<u32, Filter>> = RefCell::new(HashMap::new());
+    /// Live streams of this thread by context id, with their config's id: what
+    /// `set_effective_context` reaches, and where a tick carrier is found ([`carry_ticks`]).
+    static LIVE: RefCell<HashMap<u32, (u64, Filter)>> = RefCell::new(HashMap::new());
     static NEXT_CONTEXT: Cell<u32> = const { Cell::new(0) };
 }
 
@@ -345,9 +352,34 @@ fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
         worker: Rc::new(RefCell::new(worker)),
         last_tick: Cell::new(now_ms()),
         live: Cell::new(0),
+        carrier: Cell::new(None),
     });
     WORKERS.with(|w| w.borrow_mut().insert(cfg.id, s.clone()));
     Some(s)
+}
+
+/// Give `slot` a tick carrier when it has none: a live stream of its config on this thread,
+/// whose scheduler is registered with the ticker ([`park`]). Without it, a worker whose
+/// streams are all waiting on their upstreams would run no tick until the next hook: its
+/// reservations would reach neither the other workers nor its in-flight gauges (which
+/// kvroute-cp reads for the other gateways), and those are exactly the requests in flight.
+/// When the carrier ends, another live stream takes over; when none is left, the last
+/// stream's end runs the tick itself ([`HttpFilter::finish`]).
+fn carry_ticks(cfg: &Inner, slot: &Slot) {
+    if slot.carrier.get().is_some() {
+        return;
+    }
+    let next = LIVE.with(|l| {
+        l.borrow()
+            .iter()
+            .find(|(_, (c, _))| *c == cfg.id)
+            .map(|(ctx, (_, f))| (*ctx, *f))
+    });
+    if let Some((ctx, f)) = next {
+        if let Some(s) = f.scheduler() {
+            slot.carrier.set(Some((ctx, park(s, cfg.tick_ms))));
+        }
+    }
 }
 
 fn ingest_config(cfg: &Inner) -> Rc<Config> {
@@ -559,7 +591,7 @@ impl Host for DmHost<'_> {
         abi::log(l, msg);
     }
     fn set_effective_context(&self, context_id: u32) -> bool {
-        match LIVE.with(|l| l.borrow().get(&context_id).copied()) {
+        match LIVE.with(|l| l.borrow().get(&context_id).map(|(_, f)| *f)) {
             Some(f) => {
                 self.target.set(Some(f));
                 true
@@ -636,7 +668,8 @@ impl HttpFilter {
             Role::Route => match slot(&cfg) {
                 Some(slot) => {
                     slot.live.set(slot.live.get() + 1);
-                    LIVE.with(|l| l.borrow_mut().insert(context_id, filter));
+                    LIVE.with(|l| l.borrow_mut().insert(context_id, (cfg.id, filter)));
+                    carry_ticks(&cfg, &slot);
                     Serving::Route {
                         stream: Box::new(Stream::new(slot.worker.clone(), context_id)),
                         slot,
@@ -787,6 +820,13 @@ impl HttpFilter {
             stream.on_done(&host);
             self.deferred.extend(host.deferred.take());
             LIVE.with(|l| l.borrow_mut().remove(&self.context_id));
+            if let Some((ctx, key)) = slot.carrier.get() {
+                if ctx == self.context_id {
+                    unpark(key);
+                    slot.carrier.set(None);
+                    carry_ticks(&cfg, slot);
+                }
+            }
             let live = slot.live.get().saturating_sub(1);
             slot.live.set(live);
             if live == 0 {

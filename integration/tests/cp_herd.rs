@@ -264,14 +264,21 @@ async fn round(
             let parsed = kvroute_cp::peers::parse(&stats.body, &ids).unwrap();
             assert_eq!(parsed.bad_values, 0);
             assert!(parsed.ambiguous.is_empty());
-            assert_eq!(parsed.load.len(), 1, "one endpoint in flight: {parsed:?}");
+            assert_eq!(
+                parsed.load.len(),
+                1,
+                "one endpoint in flight: {parsed:?} from\n{text}"
+            );
             let (id, load) = parsed.load.iter().next().unwrap();
             assert_eq!(load.requests, 1, "{parsed:?}");
             assert!(load.tokens > 0, "{parsed:?}");
             // The Wasm filter's gauge per endpoint, the native build's label.
             let sanitized = kvroute_cp::peers::sanitize(id);
             let named = if a.native {
-                format!("kvroute_inflight_unseen_requests{{endpoint=\"{}\"}}", id.replace('.', "_"))
+                format!(
+                    "envoy_dynamicmodulescustom_kvroute_inflight_unseen_requests{{endpoint=\"{}\"}}",
+                    id.replace('.', "_")
+                )
             } else {
                 format!("kvroute_inflight_unseen_requests_{sanitized}")
             };

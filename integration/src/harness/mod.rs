@@ -45,8 +45,7 @@ pub mod templates;
 pub use backend::{openai_completion, Recorded, RecordingBackend, Reply};
 pub use envoy::{
     dynmod_dir, envoy_binary, venv_file, venv_lib, wasm_path, workspace_root, Envoy, EnvoyError,
-    PORT_ATTEMPTS,
-    READY_DEADLINE,
+    PORT_ATTEMPTS, READY_DEADLINE,
 };
 pub use process::{free_port, ChildGuard};
 
