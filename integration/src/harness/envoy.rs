@@ -124,6 +124,14 @@ pub fn dynmod_dir() -> PathBuf {
         .join("dynmod")
 }
 
+/// Set `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` to [`dynmod_dir`] for an Envoy command, unless
+/// the caller's environment already has it.
+fn with_dynmod_dir(cmd: &mut Command) {
+    if std::env::var_os("ENVOY_DYNAMIC_MODULES_SEARCH_PATH").is_none() {
+        cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dynmod_dir());
+    }
+}
+
 /// A running Envoy; killed on drop. Its admin interface binds 127.0.0.1 on an OS-chosen
 /// port (the config's admin `port_value: 0`, read back through `--admin-address-path`).
 #[derive(Debug)]
@@ -170,9 +178,7 @@ impl Envoy {
             }
             None => Command::new(bin),
         };
-        if std::env::var_os("ENVOY_DYNAMIC_MODULES_SEARCH_PATH").is_none() {
-            cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dynmod_dir());
-        }
+        with_dynmod_dir(&mut cmd);
         cmd.arg("-c")
             .arg(&config)
             .arg("--concurrency")
@@ -261,7 +267,9 @@ impl Envoy {
 
     /// Run `envoy --mode validate -c <path>`; Ok when Envoy accepts the config.
     pub fn validate(path: &std::path::Path) -> Result<(), EnvoyError> {
-        let out = Command::new(envoy_binary()?)
+        let mut cmd = Command::new(envoy_binary()?);
+        with_dynmod_dir(&mut cmd);
+        let out = cmd
             .arg("--mode")
             .arg("validate")
             .arg("-c")
