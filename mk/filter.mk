@@ -21,10 +21,10 @@ wasm: toolchain ## Build the filter and print the .wasm's full path and size (re
 	@[ "$$(stat -c %s "$(FILTER_WASM)")" -lt 1048576 ] \
 	  || { echo "kvroute_filter.wasm is 1 MiB or more: it no longer fits a ConfigMap (docs/deploy.md)"; exit 1; }
 
-test-filter: wasm envoy ## Filter unit tests + real-Envoy integration tests (builds the .wasm, installs Envoy)
+test-filter: wasm dynmod envoy ## Filter unit tests + real-Envoy integration tests (builds the .wasm and the dynamic module, installs Envoy)
 	$(CARGO) test -p kvroute-filter
 	$(CARGO) test -p kvroute-integration --lib
-	KVROUTE_WASM="$(FILTER_WASM)" \
+	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_DYNMOD_DIR="$(DYNMOD_DIR)" \
 	KVROUTE_ENVOY="$(ENVOY)" \
 	  $(CARGO) test -p kvroute-integration $(addprefix --test ,$(FILTER_TESTS))
 

@@ -129,6 +129,13 @@ extern "C" {
         header_type: u32,
         result: *mut HeaderPair,
     ) -> bool;
+    // bool envoy_dynamic_module_callback_http_set_filter_state_bytes(filter_envoy_ptr,
+    //     module_buffer key, module_buffer value);
+    fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
+        f: *mut c_void,
+        key: Buf,
+        value: Buf,
+    ) -> bool;
     // bool envoy_dynamic_module_callback_http_set_header(filter_envoy_ptr, header_type,
     //     module_buffer key, module_buffer value);   (null value: remove)
     fn envoy_dynamic_module_callback_http_set_header(
@@ -342,6 +349,19 @@ impl Filter {
     pub fn clear_route_cache(self) {
         // SAFETY: the filter is live.
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.ptr()) }
+    }
+
+    /// Set the stream's filter state `key` to the bytes `value` (access logs read it with
+    /// `%FILTER_STATE(<key>:PLAIN)%`); false when Envoy has no stream info to hold it.
+    pub fn set_filter_state(self, key: &str, value: &[u8]) -> bool {
+        // SAFETY: the filter is live; key and value are valid for the call (Envoy copies).
+        unsafe {
+            envoy_dynamic_module_callback_http_set_filter_state_bytes(
+                self.ptr(),
+                Buf::of(key.as_bytes()),
+                Buf::of(value),
+            )
+        }
     }
 
     /// Answer locally with `status`, `headers` and `body`.
@@ -927,6 +947,14 @@ mod stand_ins {
         _f: *mut c_void,
         _t: u32,
         _r: *mut HeaderPair,
+    ) -> bool {
+        false
+    }
+    #[no_mangle]
+    extern "C" fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
+        _f: *mut c_void,
+        _k: Buf,
+        _v: Buf,
     ) -> bool {
         false
     }

@@ -350,7 +350,9 @@ fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
     }
     let s = Rc::new(Slot {
         worker: Rc::new(RefCell::new(worker)),
-        last_tick: Cell::new(now_ms()),
+        // Never: the worker's first hook ticks, so it reads the other workers' journals
+        // and in-flight tables before its first decision.
+        last_tick: Cell::new(0),
         live: Cell::new(0),
         carrier: Cell::new(None),
     });
@@ -401,7 +403,8 @@ fn now_ms() -> u64 {
     now_us() / 1000
 }
 
-/// Run the worker's tick if its period has passed (or `force`). Returns what it deferred.
+/// Run the worker's tick if its period has passed; with `force` (the worker goes idle), now
+/// and with the journal sync forced ([`Worker::flush`]). Returns what it deferred.
 fn tick(cfg: &Inner, slot: &Slot, force: bool) -> Vec<Deferred> {
     let now = now_ms();
     if !force && now.saturating_sub(slot.last_tick.get()) < cfg.tick_ms {
@@ -412,7 +415,11 @@ fn tick(cfg: &Inner, slot: &Slot, force: bool) -> Vec<Deferred> {
     };
     slot.last_tick.set(now);
     let host = DmHost::new(cfg, None);
-    w.periodic(&host);
+    if force {
+        w.flush(&host);
+    } else {
+        w.periodic(&host);
+    }
     host.deferred.take()
 }
 
@@ -602,6 +609,14 @@ impl Host for DmHost<'_> {
     fn resume_request(&self) {
         if let Some(f) = self.target.get() {
             self.deferred.borrow_mut().push(Deferred::Resume(f));
+        }
+    }
+    fn set_property(&self, path: &[&str], value: &[u8]) {
+        // proxy-wasm's `set_property` keeps a value as filter state `wasm.<path>`; the same
+        // key here, so access-log formats (`%FILTER_STATE(wasm.kvroute_decision:PLAIN)%`)
+        // work with either build.
+        if let Some(f) = self.target.get() {
+            f.set_filter_state(&format!("wasm.{}", path.join(".")), value);
         }
     }
     fn property(&self, path: &[&str]) -> Option<String> {

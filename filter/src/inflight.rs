@@ -198,6 +198,12 @@ impl WorkerInflight {
         out
     }
 
+    /// Make the next [`Self::refresh_peers`] read the other workers' tables whatever
+    /// `share_ms` says (a worker about to go idle with no timer, [`crate::router::Worker::flush`]).
+    pub fn refresh_now(&mut self) {
+        self.read_ms = None;
+    }
+
     /// Read the other workers' tables again if the copy is `inflight_share_ms` old (0: at
     /// every call), or the clock stepped back. `None` when the copy was fresh enough, or
     /// this worker has no number. A host error keeps the old copy (logged) and retries next

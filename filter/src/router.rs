@@ -352,6 +352,17 @@ impl Worker {
         }
     }
 
+    /// [`Self::periodic`] with the journal sync (affinity, learner observations) and the
+    /// read of the other workers' in-flight tables done now, whatever `affinity_sync_ms`
+    /// and `inflight_share_ms` say: for a host without a timer at the moment its worker
+    /// goes idle (the native build, `dynmod/src/glue.rs`), so what the worker learned
+    /// reaches the other workers, and its gauges are current, before it stops ticking.
+    pub fn flush<H: Host>(&mut self, host: &H) {
+        self.affinity_synced_ms = 0;
+        self.inflight.refresh_now();
+        self.periodic(host);
+    }
+
     /// The gauges that describe shared state, refreshed on the tick rather than per request
     /// (two host calls fewer per request): live reservations (all workers, the others' as
     /// of the worker's last read) and the age of the snapshot in force.
@@ -1363,6 +1374,42 @@ mod tests {
         let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms());
         off.periodic(&h);
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 5);
+    }
+
+    /// `flush` syncs the journal and re-reads the other workers' tables now, where
+    /// `periodic` waits out `affinity_sync_ms` and `inflight_share_ms` (a worker going
+    /// idle without a timer, the native build).
+    #[test]
+    fn flush_syncs_now_where_periodic_waits() {
+        let (h, mut a, mut b) = two_workers(4);
+        // The worker counter says two, so each reads the other's in-flight table.
+        for n in 1..=2 {
+            assert_eq!(crate::shared::next_worker_number(&h).unwrap(), n);
+        }
+        a.periodic(&h);
+        b.periodic(&h);
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "s".repeat(640));
+        let chosen = match a.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms()) {
+            Decision::Route(mut r) => {
+                let _held = a.apply_route(&h, &mut r);
+                r.route.endpoint
+            }
+            d => panic!("{d:?}"),
+        };
+        // Same millisecond as the last sync: the tick publishes the reservation (a dirty
+        // table is published at every tick) but not the journal.
+        a.periodic(&h);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 0);
+        a.flush(&h);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 1);
+        // B's copy of A's in-flight table is as fresh as its last read: `periodic` keeps it,
+        // `flush` reads A's reservation.
+        b.periodic(&h);
+        assert_eq!(b.prefix_blocks(&chosen), 0);
+        assert_eq!(b.inflight.live(h.now_ms()), 0);
+        b.flush(&h);
+        assert_eq!(b.prefix_blocks(&chosen), 10);
+        assert_eq!(b.inflight.live(h.now_ms()), 1);
     }
 
     #[test]
