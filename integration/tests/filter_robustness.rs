@@ -2,7 +2,14 @@
 //! aborts, slow uploads, staleness fallback, oversized and compressed bodies (a chunked one
 //! too, against Envoy's buffer limit, and one answered 429 while every endpoint is
 //! saturated), and every shared request body plus malformed JSON
-//! without a filter-made 5xx or a VM failure.
+//! without a filter-made 5xx or a VM failure. The multi-worker and abort tests run with
+//! the native build (`make dynmod`) too, their bodies shared by both.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use kvroute_core::snapshot::Snapshot;
 use kvroute_integration::harness::http::{h2_post_with_trailers, raw_exchange, request};
