@@ -147,6 +147,51 @@ pub fn tick_period_ms(config: &Config) -> u64 {
 
 static NEXT_CONFIG: AtomicU64 = AtomicU64::new(1);
 
+/// Ids of destroyed configs (a listener update replaces its filter configs), and how many:
+/// each worker thread drops their per-thread state ([`sweep_retired`]) on its next stream.
+fn retired() -> MutexGuard<'static, Vec<u64>> {
+    static RETIRED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+    RETIRED.lock().unwrap_or_else(|e| e.into_inner())
+}
+static RETIRED_COUNT: AtomicU64 = AtomicU64::new(0);
+
+impl Drop for FilterConfig {
+    /// Envoy destroyed the config (after every stream using it): its workers' state goes
+    /// when their threads next see a stream. Without this, each listener update left one
+    /// router `Worker` per worker thread behind for good (~116 KB per update at
+    /// `--concurrency 2`, found by a breaker).
+    fn drop(&mut self) {
+        retired().push(self.0.id);
+        RETIRED_COUNT.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// Drop this thread's state of destroyed configs, when any was destroyed since the
+/// thread last looked (one atomic load otherwise).
+fn sweep_retired() {
+    thread_local! {
+        static SEEN: Cell<u64> = const { Cell::new(0) };
+    }
+    let n = RETIRED_COUNT.load(Ordering::Acquire);
+    if SEEN.with(Cell::get) == n {
+        return;
+    }
+    SEEN.with(|s| s.set(n));
+    let ids = retired().clone();
+    WORKERS.with(|w| {
+        w.borrow_mut().retain(|id, slot| {
+            let keep = !ids.contains(id);
+            if !keep {
+                if let Some((_, key)) = slot.carrier.take() {
+                    unpark(key);
+                }
+            }
+            keep
+        })
+    });
+    INGEST.with(|m| m.borrow_mut().retain(|id, _| !ids.contains(id)));
+}
+
 /// Parse and check `config`, define the metrics: the config, or `None` (logged) to refuse it.
 pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<FilterConfig> {
     let parsed = match Config::parse(config) {
@@ -154,10 +199,7 @@ pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<Fi
         Err(e) => {
             abi::log(
                 LogLevel::Error,
-                &format!(
-                    "kvroute plugin config (filter {}): {e}",
-                    String::from_utf8_lossy(name)
-                ),
+                &format!("{e} (filter {})", String::from_utf8_lossy(name)),
             );
             return None;
         }
@@ -234,10 +276,14 @@ impl SharedData {
     }
 }
 
-fn shared() -> MutexGuard<'static, SharedData> {
-    static SHARED: OnceLock<Mutex<SharedData>> = OnceLock::new();
+/// The process's shared data, one [`SharedData`] per namespace: the plugin config's
+/// `vm_id`, as proxy-wasm keeps shared data per VM id, so configs with different `vm_id`s
+/// (two fleets, each with its own ingest listener) never see each other's snapshot,
+/// in-flight tables or journals.
+fn shared() -> MutexGuard<'static, HashMap<String, SharedData>> {
+    static SHARED: OnceLock<Mutex<HashMap<String, SharedData>>> = OnceLock::new();
     SHARED
-        .get_or_init(|| Mutex::new(SharedData::default()))
+        .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
@@ -416,6 +462,13 @@ fn tick(cfg: &Inner, slot: &Slot, force: bool) -> Vec<Deferred> {
     slot.last_tick.set(now);
     let host = DmHost::new(cfg, None);
     if force {
+        // One idle flush at a time in the process: each publishes its worker's releases,
+        // reads the others' tables and sets the shared gauges, so the last to go idle
+        // writes them from every other worker's final table. Two flushing at once could
+        // each read the other's table before its release, and the later writer left a
+        // stale count in `kvroute.inflight` until the next request (found by a breaker).
+        static IDLE_FLUSH: Mutex<()> = Mutex::new(());
+        let _one = IDLE_FLUSH.lock().unwrap_or_else(|e| e.into_inner());
         w.flush(&host);
     } else {
         w.periodic(&host);
@@ -470,6 +523,8 @@ pub fn run_deferred(v: Vec<Deferred>) {
 /// the tick made effective), the config's metrics, and the deferred calls.
 struct DmHost<'a> {
     cfg: &'a Inner,
+    /// The shared-data namespace: the config's `vm_id` ([`shared`]).
+    ns: &'a str,
     target: Cell<Option<Filter>>,
     deferred: RefCell<Vec<Deferred>>,
 }
@@ -478,6 +533,7 @@ impl<'a> DmHost<'a> {
     fn new(cfg: &'a Inner, target: Option<Filter>) -> Self {
         Self {
             cfg,
+            ns: &cfg.config.vm_id,
             target: Cell::new(target),
             deferred: RefCell::new(Vec::new()),
         }
@@ -546,14 +602,27 @@ impl Host for DmHost<'_> {
         }
     }
     fn shared_get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
-        Ok(shared().get(key))
+        Ok(shared().get(self.ns).map_or((None, None), |d| d.get(key)))
     }
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
-        shared().set(key, value, cas)
+        let mut all = shared();
+        if let Some(d) = all.get_mut(self.ns) {
+            return d.set(key, value, cas);
+        }
+        all.entry(self.ns.to_owned())
+            .or_default()
+            .set(key, value, cas)
     }
-    fn enqueue(&self, _vm_id: &str, _name: &str, data: &[u8]) -> Result<(), HostError> {
-        // One process: the ingest role's queue is consumed here and now.
-        consume_snapshots(self, vec![data.to_vec()]);
+    fn enqueue(&self, vm_id: &str, _name: &str, data: &[u8]) -> Result<(), HostError> {
+        // One process: the ingest role's queue is consumed here and now, into the shared
+        // data of the VM id it names (its own `vm_id`).
+        let to = DmHost {
+            cfg: self.cfg,
+            ns: vm_id,
+            target: Cell::new(None),
+            deferred: RefCell::new(Vec::new()),
+        };
+        consume_snapshots(&to, vec![data.to_vec()]);
         Ok(())
     }
     fn metric_add(&self, _kind: MetricKind, name: &'static str, delta: i64) {
@@ -673,6 +742,7 @@ fn status(f: Flow) -> u32 {
 impl HttpFilter {
     /// A stream of `cfg` on this thread.
     pub fn new(cfg: &FilterConfig, filter: Filter) -> Self {
+        sweep_retired();
         let cfg = cfg.0.clone();
         let context_id = NEXT_CONTEXT.with(|c| {
             let id = c.get().wrapping_add(1).max(1);
@@ -872,6 +942,58 @@ impl HttpFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Configs with different `vm_id`s see different shared data, as proxy-wasm VMs do;
+    /// the ingest role's snapshot goes into the `vm_id` it names.
+    #[test]
+    fn configs_with_different_vm_ids_share_nothing() {
+        let a = config_new(ConfigHandle::for_tests(), b"a", br#"{"mode":"cluster"}"#).unwrap();
+        let b = config_new(
+            ConfigHandle::for_tests(),
+            b"b",
+            br#"{"mode":"cluster","vm_id":"vm-ns-test"}"#,
+        )
+        .unwrap();
+        let (ha, hb) = (DmHost::new(&a.0, None), DmHost::new(&b.0, None));
+        ha.shared_set("ns-test-key", b"1", None).unwrap();
+        assert_eq!(
+            ha.shared_get("ns-test-key").unwrap().0.as_deref(),
+            Some(&b"1"[..])
+        );
+        assert_eq!(hb.shared_get("ns-test-key").unwrap(), (None, None));
+        hb.shared_set("ns-test-key", b"2", None).unwrap();
+        assert_eq!(
+            ha.shared_get("ns-test-key").unwrap().0.as_deref(),
+            Some(&b"1"[..])
+        );
+        // A snapshot enqueued for `vm-ns-test` is published there only.
+        let snap = kvroute_core::snapshot::Snapshot::new(7, 1, Vec::new());
+        ha.enqueue("vm-ns-test", "q", &snap.encode()).unwrap();
+        let version = |h: &DmHost<'_>| {
+            kvroute_filter::shared::SnapshotCache::default()
+                .current(h)
+                .ok()
+                .flatten()
+                .map(|s| s.version)
+        };
+        assert_eq!(version(&hb), Some(7));
+        assert_eq!(version(&ha), None);
+    }
+
+    /// A destroyed config's per-thread worker goes at the thread's next stream.
+    #[test]
+    fn a_destroyed_configs_worker_goes_at_the_threads_next_stream() {
+        let c = config_new(ConfigHandle::for_tests(), b"c", br#"{"mode":"cluster"}"#).unwrap();
+        let id = c.0.id;
+        assert!(slot(&c.0).is_some());
+        let held = || WORKERS.with(|w| w.borrow().contains_key(&id));
+        assert!(held());
+        sweep_retired();
+        assert!(held(), "not destroyed yet");
+        drop(c);
+        sweep_retired();
+        assert!(!held());
+    }
 
     #[test]
     fn shared_data_cas_tokens_follow_proxy_wasm() {
