@@ -871,55 +871,34 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
 // ignored, so they are declared without them (the C calling convention lets the callee
 // ignore trailing arguments).
 
-/// `void on_http_filter_http_callout_done(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done() {}
-/// `void on_http_filter_http_stream_headers(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers() {}
-/// `void on_http_filter_http_stream_data(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data() {}
-/// `void on_http_filter_http_stream_trailers(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers() {}
-/// `void on_http_filter_http_stream_complete(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete() {}
-/// `void on_http_filter_http_stream_reset(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset() {}
-/// `void on_http_filter_downstream_above_write_buffer_high_watermark(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark()
-{
+/// Export each named hook as a no-op `extern "C" fn()`.
+macro_rules! unused_hooks {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[doc = concat!("`", stringify!($name), "(...)`: unused.")]
+            #[no_mangle]
+            pub extern "C" fn $name() {}
+        )*
+    };
 }
-/// `void on_http_filter_downstream_below_write_buffer_low_watermark(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark()
-{
-}
-/// `void on_http_filter_config_scheduled(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled() {}
-/// `void on_http_filter_config_http_callout_done(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done() {}
-/// `void on_http_filter_config_http_stream_headers(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers() {}
-/// `void on_http_filter_config_http_stream_data(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data() {}
-/// `void on_http_filter_config_http_stream_trailers(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers() {}
-/// `void on_http_filter_config_http_stream_complete(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete() {}
-/// `void on_http_filter_config_http_stream_reset(...)`: unused.
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset() {}
+
+unused_hooks!(
+    envoy_dynamic_module_on_http_filter_http_callout_done,
+    envoy_dynamic_module_on_http_filter_http_stream_headers,
+    envoy_dynamic_module_on_http_filter_http_stream_data,
+    envoy_dynamic_module_on_http_filter_http_stream_trailers,
+    envoy_dynamic_module_on_http_filter_http_stream_complete,
+    envoy_dynamic_module_on_http_filter_http_stream_reset,
+    envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
+    envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
+    envoy_dynamic_module_on_http_filter_config_scheduled,
+    envoy_dynamic_module_on_http_filter_config_http_callout_done,
+    envoy_dynamic_module_on_http_filter_config_http_stream_headers,
+    envoy_dynamic_module_on_http_filter_config_http_stream_data,
+    envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
+    envoy_dynamic_module_on_http_filter_config_http_stream_complete,
+    envoy_dynamic_module_on_http_filter_config_http_stream_reset,
+);
 
 /// Unit tests link a test executable, where Envoy's callbacks do not exist: these stand-ins
 /// (no-ops answering "nothing") satisfy the linker. Nothing in the unit tests reaches them.
