@@ -12,6 +12,6 @@ bench-sim-load: ## 16 replicas in one process under a short-request load generat
 	$(CARGO) run --release -p kvroute-sim --bin kvroute-sim-load -- --replicas 16 --seconds 10
 
 .PHONY: bench-route
-bench-route: ## One routing-benchmark cell: 7 routers on the first 1,750 Mooncake rows x2, 8 replicas (release, virtual time; full sweep: make bench-routing)
+bench-route: ## One routing-benchmark cell: every router on the first 1,750 Mooncake rows x2, 8 replicas (release, virtual time; full sweep: make bench-routing)
 	$(CARGO) run --release -p kvroute-tools --bin kvroute-bench -- single \
 		--data $(KVROUTE_SHARED_DATA) --trace mooncake --rows 1750 --replicas 8 --compress 2 --seed 1

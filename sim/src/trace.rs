@@ -86,13 +86,14 @@ pub enum TraceFormat {
 /// A trace that cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    /// The file cannot be read.
-    #[error("{path}: {source}")]
+    /// The file cannot be read. The cause is part of the message, not a `source`, so an
+    /// error chain (`anyhow`'s `{:#}`) does not print it twice.
+    #[error("{path}: {cause}")]
     Io {
         /// File.
         path: PathBuf,
         /// Cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A malformed row or document.
     #[error("{path}:{line}: {message}")]
@@ -108,9 +109,9 @@ pub enum TraceError {
 }
 
 fn read_text(path: &Path) -> Result<String, TraceError> {
-    std::fs::read_to_string(path).map_err(|source| TraceError::Io {
+    std::fs::read_to_string(path).map_err(|cause| TraceError::Io {
         path: path.to_owned(),
-        source,
+        cause,
     })
 }
 

@@ -98,7 +98,7 @@ struct Common {
     /// At most this many requests of the slice.
     #[arg(long, global = true)]
     max_requests: Option<usize>,
-    /// kvroute picker policy: hybrid, prefix_affinity, least_kv, least_request, round_robin, random.
+    /// kvroute picker policy: hybrid, prefix_affinity, least_kv, least_request, round_robin, random, predicted_ttft.
     #[arg(long, global = true, default_value = "hybrid")]
     policy: String,
     /// Simulated seconds per wall second; the trace's send times are compressed by the same
@@ -199,7 +199,10 @@ async fn demo(a: Args) -> anyhow::Result<DemoOutcome> {
             w.seed = c.seed;
             w.model = DEFAULT_SIM_MODEL.to_owned();
             w.sim_extension = true;
-            let reqs = load_workload(&w).context("loading the trace")?;
+            let reqs = load_workload(&w).context(
+                "loading the trace (the shared data: ../shared/data beside the repository, \
+                 or KVROUTE_SHARED_DATA / make demo KVROUTE_SHARED_DATA=<dir>)",
+            )?;
             eprintln!(
                 "kvroute-demo: simulated replicas run {}x faster than real time; the table's latencies and tokens/s are wall-clock (multiply latencies by {} for simulated H100 seconds)",
                 c.time_scale, c.time_scale

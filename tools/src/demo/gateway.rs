@@ -83,7 +83,7 @@ impl Routing {
 }
 
 /// Parse a picker policy name (`hybrid`, `prefix_affinity`, `least_kv`, `least_request`,
-/// `round_robin`, `random`; `-` accepted for `_`).
+/// `round_robin`, `random`, `predicted_ttft`; `-` accepted for `_`).
 pub fn parse_policy(name: &str) -> Result<PolicyKind, DemoError> {
     let norm = name.trim().replace('-', "_");
     serde_json::from_value::<PolicyKind>(serde_json::Value::String(norm)).map_err(|_| {
@@ -91,7 +91,7 @@ pub fn parse_policy(name: &str) -> Result<PolicyKind, DemoError> {
             option: "--policy",
             value: name.to_owned(),
             reason:
-                "expected hybrid, prefix_affinity, least_kv, least_request, round_robin or random"
+                "expected hybrid, prefix_affinity, least_kv, least_request, round_robin, random or predicted_ttft"
                     .into(),
         }
     })

@@ -184,9 +184,9 @@ pub struct ReportJson {
 /// Read a report written by [`write_report`].
 /// Errors: unreadable file or not a report ([`ReplayError::File`]).
 pub fn read_report(path: &Path) -> Result<ReportJson, ReplayError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
+    let text = std::fs::read_to_string(path).map_err(|cause| TraceError::Io {
         path: path.to_owned(),
-        source,
+        cause,
     })?;
     Ok(serde_json::from_str(&text).map_err(|e| TraceError::Parse {
         path: path.to_owned(),
@@ -222,7 +222,7 @@ pub fn file_stem(label: &str) -> String {
 pub fn write_report(dir: &Path, runs: &[RunReport]) -> Result<ReportFiles, ReplayError> {
     let io = |path: &Path| {
         let path = path.to_owned();
-        move |source| ReplayError::from(TraceError::Io { path, source })
+        move |cause| ReplayError::from(TraceError::Io { path, cause })
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let report = ReportJson {
