@@ -999,7 +999,13 @@ pub fn analyze_bounded(
         )?,
     };
     let _ = input;
-    acc.push_prefix(&main_text);
+    if acc.prefix.is_empty() && main_text.len() <= acc.prefix_limit {
+        // Nothing rendered ahead of the main field (no tools, no instructions): the
+        // rendering is the main field's, moved back rather than copied into a new buffer.
+        acc.prefix = main_text;
+    } else {
+        acc.push_prefix(&main_text);
+    }
 
     Ok(RequestAnalysis {
         api,

@@ -210,6 +210,10 @@ impl OutputLengths {
         max_tokens: Option<u64>,
         q: f64,
     ) -> Option<u64> {
+        // Nothing learned yet (no response read): no key to build.
+        if self.keys.is_empty() {
+            return None;
+        }
         let s = self.keys.get(&key(model, api))?;
         let h = s
             .buckets

@@ -30,6 +30,9 @@
 use std::ffi::c_void;
 use std::ptr;
 
+/// Body chunks [`Filter::body_into`] lists on the stack (16 bytes each); more go to the heap.
+const BODY_CHUNKS_ON_STACK: usize = 8;
+
 /// `envoy_dynamic_module_type_envoy_buffer` / `_module_buffer`: a pointer and a length.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -396,12 +399,24 @@ impl Filter {
         if n == 0 {
             return;
         }
-        let mut v = vec![Buf::NULL; n];
+        // The chunk list on the stack when it is short (a small body is one or two
+        // chunks); a longer one on the heap.
+        let mut stack = [Buf::NULL; BODY_CHUNKS_ON_STACK];
+        let mut heap = Vec::new();
+        let v: &mut [Buf] = match stack.get_mut(..n) {
+            Some(v) => v,
+            None => {
+                heap.resize(n, Buf::NULL);
+                &mut heap
+            }
+        };
         // SAFETY: v has room for the n chunks Envoy just counted.
         if unsafe {
             envoy_dynamic_module_callback_http_get_body_chunks(self.ptr(), kind, v.as_mut_ptr())
         } {
-            for b in v {
+            // One allocation for the whole copy, not one per doubling.
+            out.reserve(v.iter().map(|b| b.len).sum());
+            for b in v.iter() {
                 // SAFETY: Envoy's chunks are valid until the end of this hook; copied at once.
                 out.extend_from_slice(unsafe { b.bytes() });
             }

@@ -204,20 +204,22 @@ impl Stream {
             }
             // No snapshot yet: let the model servers answer.
         }
-        let (ch, eh, max) = {
+        let max = {
+            // The header names are read in place (no copy per request); the host calls
+            // below do not reach the worker.
             let w = self.worker.borrow();
-            (
-                w.config.cluster_header.clone(),
-                w.config.endpoint_header.clone(),
-                w.config.max_body_bytes,
-            )
-        };
-        // A client must not choose its own backend.
-        for name in [ch.as_str(), eh.as_str(), DECISION_HEADER] {
-            if get(name).is_some() {
-                host.set_request_header(name, None);
+            // A client must not choose its own backend.
+            for name in [
+                w.config.cluster_header.as_str(),
+                w.config.endpoint_header.as_str(),
+                DECISION_HEADER,
+            ] {
+                if get(name).is_some() {
+                    host.set_request_header(name, None);
+                }
             }
-        }
+            w.config.max_body_bytes
+        };
         // A CONNECT's tunnel never ends its body, so waiting for the end would hold it
         // until a timeout (found by a breaker: plain Envoy answers 404 at once); like an
         // upgrade it is decided now.
