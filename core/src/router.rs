@@ -504,6 +504,13 @@ impl Router {
         }
     }
 
+    /// Whether [`Router::take_recorded`] or [`Router::take_observations`] would return
+    /// anything: records made since the last takes, not yet handed to the other workers.
+    pub fn has_unshared(&self) -> bool {
+        self.recorded.as_ref().is_some_and(|v| !v.is_empty())
+            || self.observed.as_ref().is_some_and(|v| !v.is_empty())
+    }
+
     /// Replay an observation another router instance made (a journal record, `key` and
     /// `words`) into this router's learners, as if this router had made it; it is not
     /// kept for [`Router::take_observations`]. Returns false for a record that is no

@@ -164,6 +164,8 @@ pub struct Worker {
     learned_seen: u64,
     /// When the journals were last synced (Unix ms).
     affinity_synced_ms: u64,
+    /// When [`Worker::flush`] last forced a journal sync, Unix ms.
+    affinity_flushed_ms: u64,
     /// Endpoints ([`metric::stat_id`] of their ids) whose per-endpoint in-flight gauges
     /// this worker last set above zero (set back to 0 once their load is gone).
     exported_unseen: std::collections::BTreeSet<String>,
@@ -290,6 +292,7 @@ impl Worker {
             affinity_seen: 0,
             learned_seen: 0,
             affinity_synced_ms: 0,
+            affinity_flushed_ms: 0,
             exported_unseen: std::collections::BTreeSet::new(),
             gauge_endpoints: std::collections::BTreeSet::new(),
             gauge_version: 0,
@@ -352,13 +355,25 @@ impl Worker {
         }
     }
 
-    /// [`Self::periodic`] with the journal sync (affinity, learner observations) and the
-    /// read of the other workers' in-flight tables done now, whatever `affinity_sync_ms`
-    /// and `inflight_share_ms` say: for a host without a timer at the moment its worker
-    /// goes idle (the native build, `dynmod/src/glue.rs`), so what the worker learned
-    /// reaches the other workers, and its gauges are current, before it stops ticking.
+    /// [`Self::periodic`] with the read of the other workers' in-flight tables done now,
+    /// whatever `inflight_share_ms` says, and the journal sync (affinity, learner
+    /// observations) too when this worker has records to publish (at most once per
+    /// `affinity_sync_ms / 10`): for a host without a timer at the moment its worker goes
+    /// idle (the native build, `dynmod/src/glue.rs`), so what the worker learned reaches
+    /// the other workers, and its gauges are current, before it stops ticking.
     pub fn flush<H: Host>(&mut self, host: &H) {
-        self.affinity_synced_ms = 0;
+        // The journal sync reads and rewrites whole journals (up to
+        // `affinity_journal_bytes` each): forced only when this worker has records to
+        // publish, and at most once per `affinity_sync_ms / 10`, so a worker that goes idle
+        // after every request (one client, one request at a time) does not pay it per
+        // request; the rest waits for its next tick.
+        let now = host.now_ms();
+        if self.router.has_unshared()
+            && now.saturating_sub(self.affinity_flushed_ms) >= self.config.affinity_sync_ms / 10
+        {
+            self.affinity_flushed_ms = now;
+            self.affinity_synced_ms = 0;
+        }
         self.inflight.refresh_now();
         self.periodic(host);
     }
@@ -1402,14 +1417,20 @@ mod tests {
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 0);
         a.flush(&h);
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 1);
+        // Nothing new to publish: a second flush does not sync the journal again.
+        a.flush(&h);
+        assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 1);
         // B's copy of A's in-flight table is as fresh as its last read: `periodic` keeps it,
-        // `flush` reads A's reservation.
+        // `flush` reads A's reservation. B has nothing to publish, so it imports A's chain
+        // at its next due tick, not at its flush.
         b.periodic(&h);
-        assert_eq!(b.prefix_blocks(&chosen), 0);
         assert_eq!(b.inflight.live(h.now_ms()), 0);
         b.flush(&h);
-        assert_eq!(b.prefix_blocks(&chosen), 10);
         assert_eq!(b.inflight.live(h.now_ms()), 1);
+        assert_eq!(b.prefix_blocks(&chosen), 0);
+        *h.now.borrow_mut() += 100;
+        b.periodic(&h);
+        assert_eq!(b.prefix_blocks(&chosen), 10);
     }
 
     #[test]

@@ -198,6 +198,15 @@ async fn prefix_affinity_is_shared_by_all_native_workers() {
 async fn prefix_affinity_shared(dynmod: bool) {
     let fleet = Fleet::start(FleetOptions {
         dynmod,
+        // The native build publishes a worker's journal records when it goes idle, at most
+        // once per `affinity_sync_ms / 10` (10 ms; `Worker::flush`): answers that take
+        // 30 ms, as any model server's do, keep each turn's records from waiting for that
+        // worker's next request (docs/dynamic-module.md).
+        reply: if dynmod {
+            sse_reply(30)
+        } else {
+            Default::default()
+        },
         backends: 4,
         concurrency: 4,
         route_config: r#""picker":{"stale_after_ms":600000},"debug_header":true"#.into(),
@@ -245,12 +254,16 @@ async fn prefix_affinity_shared(dynmod: bool) {
     // once by the worker that saw it and replayed by each of the 3 others (and by Envoy's
     // main-thread instance, which ticks too). The native build has no timer: an idle
     // worker replays them at its next request, so only some have been by now.
+    // With the native build's streamed answers, some responses add a first-token
+    // observation to their output-length one.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(fleet.custom("kvroute.learned.published").await.unwrap(), 27);
+    let published = fleet.custom("kvroute.learned.published").await.unwrap();
     let imported = fleet.custom("kvroute.learned.imported").await.unwrap();
     if dynmod {
+        assert!((27..=54).contains(&published), "published {published}");
         assert!(imported > 0, "imported {imported}");
     } else {
+        assert_eq!(published, 27);
         assert!(imported >= 3 * 27, "imported {imported}");
     }
 }
