@@ -15,7 +15,7 @@
 //!   ingest role enqueues to is delivered in-process, synchronously, to
 //!   `kvroute_filter::ingest::consume_snapshots`.
 //! - **Tick**: the ABI has no per-worker timer. `Worker::periodic` runs on hook entry when
-//!   its period (as the Wasm filter computes it, [`tick_period_ms`]) has passed, and when a
+//!   its period (as the Wasm filter computes it, `kvroute_filter::router::tick_period_ms`) has passed, and when a
 //!   worker's last stream ends (so releases are published and the gauges fall back to 0 even
 //!   when traffic stops). While streams are in flight, one of them per worker (the tick
 //!   carrier, [`carry_ticks`]) and every request parked by admission register their
@@ -124,25 +124,10 @@ struct Inner {
     handle: ConfigHandle,
     config: Config,
     metrics: Metrics,
-    /// [`tick_period_ms`] of the config.
+    /// `kvroute_filter::router::tick_period_ms` of the config.
     tick_ms: u64,
     /// `KVROUTE_DYNMOD_TEST_PANIC=1` was set (see [`TEST_PANIC_HEADER`]).
     test_panic: bool,
-}
-
-/// How often the worker's tick runs, ms: the Wasm filter's rule (`filter/src/wasm.rs`),
-/// as often as the most frequent need: the in-flight publication
-/// (`kvroute_filter::router::RELEASE_FLUSH_MS`), admission's `tick_ms` when enabled, the
-/// journal sync's `affinity_sync_ms` when the workers share.
-pub fn tick_period_ms(config: &Config) -> u64 {
-    let mut tick = kvroute_filter::router::RELEASE_FLUSH_MS;
-    if config.admission.enabled {
-        tick = tick.min(config.admission.tick_ms);
-    }
-    if config.shares_with_workers() {
-        tick = tick.min(config.affinity_sync_ms);
-    }
-    tick.max(1)
 }
 
 static NEXT_CONFIG: AtomicU64 = AtomicU64::new(1);
@@ -229,15 +214,24 @@ pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<Fi
     };
     metrics.unseen_requests = unseen(metric::INFLIGHT_UNSEEN_REQUESTS);
     metrics.unseen_tokens = unseen(metric::INFLIGHT_UNSEEN_TOKENS);
-    let tick_ms = tick_period_ms(&parsed);
-    Some(FilterConfig(Arc::new(Inner {
+    let inner = Inner {
         id: NEXT_CONFIG.fetch_add(1, Ordering::Relaxed),
         handle,
+        tick_ms: kvroute_filter::router::tick_period_ms(&parsed),
         config: parsed,
         metrics,
-        tick_ms,
         test_panic: std::env::var_os("KVROUTE_DYNMOD_TEST_PANIC").is_some_and(|v| v == "1"),
-    })))
+    };
+    // Here, on the main thread before any stream, as the Wasm filter does at configure:
+    // made lazily by each worker's first stream, two workers' first updates could race
+    // (`kvroute_filter::shared::ensure_keys`).
+    if let Err(e) = kvroute_filter::shared::ensure_keys(&DmHost::new(&inner, None)) {
+        abi::log(
+            LogLevel::Warn,
+            &format!("kvroute: shared keys not created: {e}"),
+        );
+    }
+    Some(FilterConfig(Arc::new(inner)))
 }
 
 // ----------------------------------------------------------------------------------------
@@ -381,12 +375,6 @@ fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
             return None;
         }
     };
-    if let Err(e) = kvroute_filter::shared::ensure_keys(&host) {
-        host.log(
-            Level::Warn,
-            &format!("kvroute: shared keys not created: {e}"),
-        );
-    }
     match kvroute_filter::shared::next_worker_number(&host) {
         Ok(n) => worker.set_worker_number(n),
         Err(e) => host.log(
@@ -615,7 +603,12 @@ impl Host for DmHost<'_> {
     }
     fn enqueue(&self, vm_id: &str, _name: &str, data: &[u8]) -> Result<(), HostError> {
         // One process: the ingest role's queue is consumed here and now, into the shared
-        // data of the VM id it names (its own `vm_id`).
+        // data of the VM id it names (its own `vm_id`), one push at a time: pushes arrive on
+        // any worker thread, and `publish_snapshot` writes the bytes, then moves the version
+        // by compare-and-swap, so two at once could leave one's bytes under the other's
+        // version (proxy-wasm has one consumer, the ingest VM's root context).
+        static CONSUMING: Mutex<()> = Mutex::new(());
+        let _one = CONSUMING.lock().unwrap_or_else(|e| e.into_inner());
         let to = DmHost {
             cfg: self.cfg,
             ns: vm_id,
@@ -753,19 +746,21 @@ impl HttpFilter {
         });
         let serving = match cfg.config.role {
             Role::Route => match slot(&cfg) {
-                Some(slot) => {
-                    slot.live.set(slot.live.get() + 1);
-                    LIVE.with(|l| l.borrow_mut().insert(context_id, (cfg.id, filter)));
-                    carry_ticks(&cfg, &slot);
-                    Serving::Route {
-                        stream: Stream::new(slot.worker.clone(), context_id),
-                        slot,
-                    }
-                }
+                Some(slot) => Serving::Route {
+                    stream: Stream::new(slot.worker.clone(), context_id),
+                    slot,
+                },
                 None => Serving::Nothing,
             },
             Role::Ingest => Serving::Ingest(IngestStream::new(ingest_config(&cfg))),
         };
+        // Registered last, after everything that runs kvroute code: a panic before this
+        // point leaves no entry pointing at a stream Envoy will never destroy through us.
+        if let Serving::Route { slot, .. } = &serving {
+            slot.live.set(slot.live.get() + 1);
+            LIVE.with(|l| l.borrow_mut().insert(context_id, (cfg.id, filter)));
+            carry_ticks(&cfg, slot);
+        }
         Self {
             cfg,
             filter,
@@ -903,9 +898,8 @@ impl HttpFilter {
         }
         let cfg = self.cfg.clone();
         if let Serving::Route { stream, slot } = &mut self.serving {
-            let host = DmHost::new(&cfg, attached.then_some(self.filter));
-            stream.on_done(&host);
-            self.deferred.extend(host.deferred.take());
+            // Unregistered first, before kvroute code runs: a panic in `on_done` must not
+            // leave this stream reachable (LIVE, the tick carrier) after Envoy frees it.
             LIVE.with(|l| l.borrow_mut().remove(&self.context_id));
             if let Some((ctx, key)) = slot.carrier.get() {
                 if ctx == self.context_id {
@@ -916,6 +910,9 @@ impl HttpFilter {
             }
             let live = slot.live.get().saturating_sub(1);
             slot.live.set(live);
+            let host = DmHost::new(&cfg, attached.then_some(self.filter));
+            stream.on_done(&host);
+            self.deferred.extend(host.deferred.take());
             if live == 0 {
                 // No stream left to run the tick on: publish the releases now.
                 let d = tick(&cfg, slot, true);
@@ -1042,21 +1039,6 @@ mod tests {
         };
         assert_eq!(next(), 0);
         assert_eq!(next(), 1);
-    }
-
-    #[test]
-    fn tick_period_is_the_wasm_filters() {
-        let c = Config::parse(br#"{"mode":"cluster"}"#).unwrap();
-        assert_eq!(
-            tick_period_ms(&c),
-            kvroute_filter::router::RELEASE_FLUSH_MS.max(1)
-        );
-        let c = Config::parse(br#"{"mode":"cluster","admission":{"enabled":true,"tick_ms":7}}"#)
-            .unwrap();
-        assert_eq!(
-            tick_period_ms(&c),
-            7.min(kvroute_filter::router::RELEASE_FLUSH_MS)
-        );
     }
 
     #[test]

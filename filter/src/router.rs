@@ -190,6 +190,21 @@ pub struct Worker {
 /// are older than this anyway (the control plane scrapes once a second).
 pub const RELEASE_FLUSH_MS: u64 = 100;
 
+/// How often a worker's tick ([`Worker::periodic`]) runs, ms: as often as its most frequent
+/// need, the in-flight publication ([`RELEASE_FLUSH_MS`]), admission's `tick_ms` when
+/// enabled, the journal sync's `affinity_sync_ms` when the workers share; at least 1. The
+/// same rule for both builds (`filter/src/wasm.rs`, `dynmod/src/glue.rs`).
+pub fn tick_period_ms(config: &Config) -> u64 {
+    let mut tick = RELEASE_FLUSH_MS;
+    if config.admission.enabled {
+        tick = tick.min(config.admission.tick_ms);
+    }
+    if config.shares_with_workers() {
+        tick = tick.min(config.affinity_sync_ms);
+    }
+    tick.max(1)
+}
+
 /// Endpoint mode: how often at most one endpoint's routing is checked against the upstream
 /// Envoy reached, ms. The check reads `upstream.address` at a response's headers, a host
 /// call that returns data (~10 k instructions, docs/overhead.md "Host calls"), so it runs
@@ -1389,6 +1404,30 @@ mod tests {
         let _ = off.decide(&h, "/v1/completions", Some(body.as_bytes()), h.now_ms());
         off.periodic(&h);
         assert_eq!(h.metric(metric::AFFINITY_PUBLISHED), 5);
+    }
+
+    /// The tick period: the most frequent need, at least 1 ms.
+    #[test]
+    fn tick_period_is_the_most_frequent_need() {
+        let c = |json: &str| Config::parse(json.as_bytes()).unwrap();
+        // Workers share affinity by default (`affinity_sync_ms` 100).
+        assert_eq!(tick_period_ms(&c(r#"{"mode":"cluster"}"#)), 100);
+        assert_eq!(
+            tick_period_ms(&c(
+                r#"{"mode":"cluster","share_affinity":false,"share_learning":false}"#
+            )),
+            RELEASE_FLUSH_MS
+        );
+        assert_eq!(
+            tick_period_ms(&c(
+                r#"{"mode":"cluster","admission":{"enabled":true,"tick_ms":7}}"#
+            )),
+            7
+        );
+        assert_eq!(
+            tick_period_ms(&c(r#"{"mode":"cluster","affinity_sync_ms":20}"#)),
+            20
+        );
     }
 
     /// `flush` syncs the journal and re-reads the other workers' tables now, where

@@ -100,7 +100,8 @@ pub fn current_version<H: Host>(host: &H) -> Result<Option<u64>, HostError> {
 /// [`TAKEOVER_AFTER_MS`] without a publication, whatever their version: see the module doc).
 ///
 /// Race note: Envoy delivers `on_queue_ready` to the one root context that registered the
-/// queue, so there is a single consumer in practice. Were there two, one could overwrite the
+/// queue, so there is a single consumer in practice; the native build serialises its
+/// consumers itself (`dynmod/src/glue.rs`, `enqueue`). Were there two, one could overwrite the
 /// snapshot bytes after the other's newer version won the CAS; readers then use those bytes
 /// until the next publication ([`SnapshotCache`] still decodes once per version).
 pub fn publish_snapshot<H: Host>(host: &H, bytes: &[u8]) -> Result<Published, SharedError> {

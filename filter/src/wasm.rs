@@ -236,13 +236,7 @@ impl RootContext for Root {
         // waited) and refreshes the Wasm memory gauge (every RELEASE_FLUSH_MS), runs
         // admission and syncs the shared journals (affinity, learner observations): as
         // often as the most frequent needs.
-        let mut tick = crate::router::RELEASE_FLUSH_MS;
-        if config.admission.enabled {
-            tick = tick.min(config.admission.tick_ms);
-        }
-        if config.shares_with_workers() {
-            tick = tick.min(config.affinity_sync_ms);
-        }
+        let tick = crate::router::tick_period_ms(&config);
         let mut worker = match Worker::new(config, seed) {
             Ok(w) => w,
             Err(e) => {

@@ -1249,7 +1249,7 @@ Transfer/sec:      1.22MB
         assert!(!native.contains("wasm"), "{native}");
         assert_eq!(
             native
-                .matches("dynamic_module_config: {name: kvroute}")
+                .matches("dynamic_module_config: {name: kvroute, do_not_close: true}")
                 .count(),
             2
         );

@@ -63,7 +63,7 @@ pub fn kvroute_filter(module: FilterModule<'_>, ingest: bool, config: &str) -> S
             r#"          - name: envoy.filters.http.dynamic_modules
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter
-              dynamic_module_config: {{name: {name}}}
+              dynamic_module_config: {{name: {name}, do_not_close: true}}
               filter_name: {filter_name}
               filter_config:
                 "@type": type.googleapis.com/google.protobuf.StringValue
