@@ -191,7 +191,13 @@ pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<Fi
     };
     if parsed.role == Role::Route {
         if let Err(e) = Worker::new(parsed.clone(), 0) {
-            abi::log(LogLevel::Error, &format!("kvroute plugin config: {e}"));
+            abi::log(
+                LogLevel::Error,
+                &format!(
+                    "kvroute plugin config: {e} (filter {})",
+                    String::from_utf8_lossy(name)
+                ),
+            );
             return None;
         }
     }

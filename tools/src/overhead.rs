@@ -759,7 +759,7 @@ async fn wrk(opts: &Options, port: u16, script: &Path, pid: u32) -> anyhow::Resu
 /// (`wasmcustom.` for Wasm; `dynamicmodulescustom.` for dynamic modules, which Envoy may
 /// also leave out of `/stats`), so that both proxies' metrics are found by kvroute's names.
 pub fn kvroute_metric(stat: &str) -> &str {
-    ["wasmcustom.", "dynamicmodulescustom."]
+    ["wasmcustom.", templates::DYNMOD_STAT_PREFIX]
         .iter()
         .find_map(|ns| stat.strip_prefix(ns))
         .unwrap_or(stat)
