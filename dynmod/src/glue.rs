@@ -798,24 +798,33 @@ impl HttpFilter {
         if self.failed {
             return 0;
         }
-        let cfg = self.cfg.clone();
-        if let Serving::Route { slot, .. } = &self.serving {
-            let d = tick(&cfg, slot, false);
-            self.deferred.extend(d);
+        // Split borrows, not an `Arc` clone: the config's reference count is one cache line
+        // every worker thread would write on every hook.
+        let Self {
+            cfg,
+            filter,
+            serving,
+            parked,
+            deferred,
+            ..
+        } = self;
+        let cfg: &Inner = cfg;
+        if let Serving::Route { slot, .. } = serving {
+            deferred.extend(tick(cfg, slot, false));
         }
-        let host = DmHost::new(&cfg, Some(self.filter));
-        let flow = op(&mut self.serving, &host);
-        self.deferred.extend(host.deferred.take());
-        if flow == Flow::Pause && eos && self.parked.is_none() {
-            if let Serving::Route { slot, .. } = &self.serving {
+        let host = DmHost::new(cfg, Some(*filter));
+        let flow = op(serving, &host);
+        deferred.extend(host.deferred.take());
+        if flow == Flow::Pause && eos && parked.is_none() {
+            if let Serving::Route { slot, .. } = serving {
                 let queued = slot
                     .worker
                     .try_borrow()
                     .map(|w| !w.admission.is_empty())
                     .unwrap_or(false);
                 if queued {
-                    if let Some(s) = self.filter.scheduler() {
-                        self.parked = Some(park(s, cfg.tick_ms));
+                    if let Some(s) = filter.scheduler() {
+                        *parked = Some(park(s, cfg.tick_ms));
                     }
                 }
             }
@@ -902,27 +911,34 @@ impl HttpFilter {
         if let Some(key) = self.parked.take() {
             unpark(key);
         }
-        let cfg = self.cfg.clone();
-        if let Serving::Route { stream, slot } = &mut self.serving {
+        let Self {
+            cfg,
+            filter,
+            context_id,
+            serving,
+            deferred,
+            ..
+        } = self;
+        let cfg: &Inner = cfg;
+        if let Serving::Route { stream, slot } = serving {
             // Unregistered first, before kvroute code runs: a panic in `on_done` must not
             // leave this stream reachable (LIVE, the tick carrier) after Envoy frees it.
-            LIVE.with(|l| l.borrow_mut().remove(&self.context_id));
+            LIVE.with(|l| l.borrow_mut().remove(context_id));
             if let Some((ctx, key)) = slot.carrier.get() {
-                if ctx == self.context_id {
+                if ctx == *context_id {
                     unpark(key);
                     slot.carrier.set(None);
-                    carry_ticks(&cfg, slot);
+                    carry_ticks(cfg, slot);
                 }
             }
             let live = slot.live.get().saturating_sub(1);
             slot.live.set(live);
-            let host = DmHost::new(&cfg, attached.then_some(self.filter));
+            let host = DmHost::new(cfg, attached.then_some(*filter));
             stream.on_done(&host);
-            self.deferred.extend(host.deferred.take());
+            deferred.extend(host.deferred.take());
             if live == 0 {
                 // No stream left to run the tick on: publish the releases now.
-                let d = tick(&cfg, slot, true);
-                self.deferred.extend(d);
+                deferred.extend(tick(cfg, slot, true));
             }
         }
     }
