@@ -374,20 +374,7 @@ fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
     }
     let host = DmHost::new(cfg, None);
     let seed = now_us() ^ (u64::from(NEXT_SEED.fetch_add(1, Ordering::Relaxed)) << 40);
-    let mut worker = match Worker::new(cfg.config.clone(), seed) {
-        Ok(w) => w,
-        Err(e) => {
-            host.log(Level::Error, &format!("kvroute plugin config: {e}"));
-            return None;
-        }
-    };
-    match kvroute_filter::shared::next_worker_number(&host) {
-        Ok(n) => worker.set_worker_number(n),
-        Err(e) => host.log(
-            Level::Warn,
-            &format!("kvroute: no worker number (random reservation ids): {e}"),
-        ),
-    }
+    let worker = Worker::start(cfg.config.clone(), seed, &host)?;
     let s = Rc::new(Slot {
         worker: Rc::new(RefCell::new(worker)),
         // Never: the worker's first hook ticks, so it reads the other workers' journals

@@ -285,6 +285,29 @@ fn write_candidates(out: &mut String, cands: &[kvroute_core::router::CandidateRe
 }
 
 impl Worker {
+    /// A worker as a host brings one up on a worker thread (both builds: `wasm.rs`
+    /// `on_configure`, `dynmod/src/glue.rs` on a thread's first stream): [`Worker::new`],
+    /// then its worker number from shared data ([`crate::shared::next_worker_number`]).
+    /// `None` when the picker refuses the config (logged at error); without a number the
+    /// worker runs on, with random reservation ids (logged at warn).
+    pub fn start<H: Host>(config: Config, seed: u64, host: &H) -> Option<Self> {
+        let mut worker = match Self::new(config, seed) {
+            Ok(w) => w,
+            Err(e) => {
+                host.log(Level::Error, &format!("kvroute plugin config: {e}"));
+                return None;
+            }
+        };
+        match crate::shared::next_worker_number(host) {
+            Ok(n) => worker.set_worker_number(n),
+            Err(e) => host.log(
+                Level::Warn,
+                &format!("kvroute: no worker number (random reservation ids): {e}"),
+            ),
+        }
+        Some(worker)
+    }
+
     /// Build from a validated config and a seed (time + context id; no OS randomness).
     pub fn new(config: Config, seed: u64) -> Result<Self, kvroute_core::picker::ConfigError> {
         let mut router = Router::new(config.router.clone(), seed)?;

@@ -237,20 +237,9 @@ impl RootContext for Root {
         // admission and syncs the shared journals (affinity, learner observations): as
         // often as the most frequent needs.
         let tick = crate::router::tick_period_ms(&config);
-        let mut worker = match Worker::new(config, seed) {
-            Ok(w) => w,
-            Err(e) => {
-                host.log(Level::Error, &format!("kvroute plugin config: {e}"));
-                return false;
-            }
+        let Some(worker) = Worker::start(config, seed, &host) else {
+            return false;
         };
-        match crate::shared::next_worker_number(&host) {
-            Ok(n) => worker.set_worker_number(n),
-            Err(e) => host.log(
-                Level::Warn,
-                &format!("kvroute: no worker number (random reservation ids): {e}"),
-            ),
-        }
         if let Err(e) = abi::set_tick_period_ms(u32::try_from(tick).unwrap_or(u32::MAX)) {
             host.log(Level::Error, &format!("kvroute: no tick ({tick} ms): {e}"));
         }
