@@ -108,8 +108,8 @@ impl Histogram {
         for (i, &w) in self.bins.iter().enumerate() {
             if w > 0.0 && acc + w >= target {
                 let frac = ((target - acc) / w).clamp(0.0, 1.0);
-                let (lo, hi) = (bin_lo(i), bin_lo(i + 1));
-                return Some(lo * (hi / lo).powf(frac));
+                // lo · (hi / lo)^frac with lo, hi = 2^(i / n), 2^((i + 1) / n): one `exp2`.
+                return Some(((i as f64 + frac) / BINS_PER_OCTAVE as f64).exp2());
             }
             acc += w;
         }
