@@ -56,9 +56,9 @@ pub const REQUESTS_NAME: &str = "kvroute_inflight_unseen_requests";
 pub const NATIVE_NAMESPACE: &str = "envoy_dynamicmodulescustom_";
 /// Reserved tokens, labelled form ([`REQUESTS_NAME`]).
 pub const TOKENS_NAME: &str = "kvroute_inflight_unseen_tokens";
-/// The endpoint's label in the labelled form: the filter's stat id of the endpoint
-/// (`filter/src/names.rs` `stat_id`), matched after [`sanitize`] like a name's suffix.
-pub const ENDPOINT_LABEL: &str = "endpoint";
+// The endpoint's label in the labelled form: the filter's stat id of the endpoint
+// (`filter/src/names.rs` `stat_id`), matched after `sanitize` like a name's suffix.
+use kvroute_core::peer::ENDPOINT_LABEL;
 
 /// Largest stats body read, bytes (an Envoy with many clusters exports a few MB).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;

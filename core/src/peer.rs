@@ -34,6 +34,12 @@ use crate::inflight::InFlight;
 use crate::snapshot::{EndpointStats, Snapshot};
 use std::collections::BTreeMap;
 
+/// The label that names the endpoint in the native build's labelled per-endpoint gauges
+/// (`kvroute-dynmod` defines one gauge per prefix with it, at config time, before any
+/// endpoint is known; the control plane reads it back): its value is the filter's stat id of
+/// the endpoint (`filter/src/names.rs`, `stat_id`).
+pub const ENDPOINT_LABEL: &str = "endpoint";
+
 /// One endpoint's in-flight load as one gateway reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PeerLoad {

@@ -213,28 +213,35 @@ type Seeded = foldhash::fast::FixedState;
 #[derive(Debug, Clone)]
 struct Lru {
     blocks: LinkedHashMap<u64, (), Seeded>,
+    /// How many blocks at the back of the list are the chain recorded last, in order (its
+    /// length, less what the capacity cut at the front).
+    tail: usize,
 }
 
 impl Lru {
     fn new(seed: u64) -> Self {
         Self {
             blocks: LinkedHashMap::with_hasher(Seeded::with_seed(seed)),
+            tail: 0,
         }
     }
 
-    /// Whether the most recently recorded blocks are `chain`, in order: the list ends with
-    /// `chain`'s last block and holds at least as many blocks. For a prefix chain that is
-    /// exact, with no block looked up and no link walked: each hash covers every block
-    /// before it (module doc), so the only chain ending in the list's back is the one
-    /// recorded last, which [`Self::record`] leaves at the back in order; a chain longer
-    /// than the capacity was cut at the front, leaving the list shorter than it. Callers
-    /// pass chains ([`block_hashes`]); a list of unrelated hashes could be called held
-    /// when only its last one is (a wrong match length, nothing worse). It replaced a walk
-    /// back over `chain.len()` links per endpoint: in the overhead benchmark, where every
-    /// endpoint last took the same 256-block prompt, 4,096 list nodes read per decision,
-    /// scattered in memory (docs/overhead.md).
+    /// Whether the list ends with `chain`, in order: its last block is the list's back and
+    /// it is no longer than the run of the chain recorded last still there ([`Self::tail`]).
+    /// For prefix chains that is exact, with no block looked up and no link walked: a hash
+    /// determines the block and the hash before it (barring a 64-bit collision), so two
+    /// chains that end in the same hash agree from their ends back to the shorter one's
+    /// start, and the shorter is a suffix of the longer. (Suffixes happen: a chain seeded with
+    /// a 64-byte `cache_salt` is the unsalted chain of that salt and the text, less its first
+    /// hash.) Callers pass chains ([`block_hashes`]); a list of unrelated hashes could be
+    /// called held when only its last one is (a wrong match length, nothing worse). It
+    /// replaced a walk back over `chain.len()` links per endpoint: in the overhead
+    /// benchmark, where every endpoint last took the same 256-block prompt, 4,096 list nodes
+    /// read per decision, scattered in memory (docs/overhead.md).
+    ///
+    /// [`Self::tail`]: Lru::tail
     fn ends_with(&self, chain: &[u64]) -> bool {
-        self.blocks.len() >= chain.len() && self.blocks.back().map(|(k, _)| k) == chain.last()
+        chain.len() <= self.tail && self.blocks.back().map(|(k, _)| k) == chain.last()
     }
 
     /// Leading blocks of `hashes` held, and whether `hashes` are the blocks recorded last
@@ -257,6 +264,9 @@ impl Lru {
     /// recently recorded blocks beyond `capacity`. `held` is how many leading blocks of
     /// `hashes` are believed held (0: unknown, try all of them).
     fn record(&mut self, hashes: &[u64], held: usize, capacity: usize) {
+        if hashes.is_empty() {
+            return;
+        }
         // When the list already ends with `hashes[..held]` in order (the same chain, or its
         // prefix, was the last recorded here), moving those blocks to the back one by one
         // leaves the list as it is: skip them. Exact whatever `held` is; the check fails
@@ -277,6 +287,8 @@ impl Lru {
         while self.blocks.len() > capacity {
             self.blocks.pop_front();
         }
+        // The list now ends with all of `hashes`, in order, less what the capacity cut.
+        self.tail = hashes.len().min(self.blocks.len());
         if grown && hashes.len() > capacity {
             // A chain longer than the capacity grew the table to its own length, and a hash
             // table does not shrink by itself: at `max_blocks` 16,384 each endpoint kept
@@ -291,6 +303,7 @@ impl Lru {
             while self.blocks.len() > capacity {
                 self.blocks.pop_front();
             }
+            self.tail = self.tail.min(self.blocks.len());
             self.blocks.shrink_to_fit();
         }
     }
@@ -537,17 +550,20 @@ mod tests {
             .collect()
     }
 
-    /// Chains from a small alphabet (so that chains share prefixes, repeat symbols and are
-    /// recorded again), recorded to a few endpoints with any `matched` hint.
+    /// A chain of a few symbols from a small alphabet (so that chains share prefixes and are
+    /// recorded again), sometimes less its first hash: a chain seeded with a `cache_salt` of
+    /// one block is the unsalted chain of the salt and the text less its first hash, so
+    /// one chain can be a suffix of another.
+    fn a_chain() -> impl proptest::strategy::Strategy<Value = Vec<u64>> {
+        (proptest::collection::vec(0u64..3, 0..10), 0usize..3).prop_map(|(s, salted)| {
+            let c = chained(&s);
+            c.get(salted.min(1)..).unwrap_or_default().to_vec()
+        })
+    }
+
+    /// Chains recorded to a few endpoints with any `matched` hint.
     fn chains() -> impl proptest::strategy::Strategy<Value = Vec<(u8, Vec<u64>, u32)>> {
-        proptest::collection::vec(
-            (
-                0u8..3,
-                proptest::collection::vec(0u64..3, 0..10).prop_map(|s| chained(&s)),
-                0u32..12,
-            ),
-            1..40,
-        )
+        proptest::collection::vec((0u8..3, a_chain(), 0u32..12), 1..40)
     }
 
     proptest::proptest! {
@@ -578,7 +594,7 @@ mod tests {
         #[test]
         fn match_snapshot_last_is_match_one_and_flags_no_op_records(
             ops in chains(),
-            probe in proptest::collection::vec(0u64..3, 0..10).prop_map(|s| chained(&s)),
+            probe in a_chain(),
             extra in 0usize..300,
         ) {
             let mut idx = PrefixIndex::new(8);
@@ -705,6 +721,41 @@ mod tests {
         let longer: Vec<u64> = (1..=80).collect();
         idx.record_matched("pool/e1", &longer, 64);
         assert_eq!(held(&idx, "pool/e1"), longer);
+    }
+
+    /// A chain seeded with a 64-byte `cache_salt` is the unsalted chain of the salt and the
+    /// text less its first hash. Recorded last, it ends with the unsalted chain's last hash,
+    /// yet the unsalted chain is not held: its first block never was (found by a review).
+    #[test]
+    fn a_salted_chain_is_a_suffix_and_does_not_stand_for_the_longer_chain() {
+        let config = PrefixConfig::default();
+        let salt = "s".repeat(config.block_chars);
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+        let salted = block_hashes("m", Some(&salt), &text, &config);
+        let unsalted = block_hashes("m", None, &format!("{salt}{text}"), &config);
+        assert_eq!(salted.len(), 4);
+        assert_eq!(&unsalted[1..], &salted[..], "the salted chain is a suffix");
+        let mut idx = PrefixIndex::new(DEFAULT_INDEX_CAPACITY);
+        idx.record("pool/e1", &[7, 8, 9]);
+        idx.record("pool/e1", &salted);
+        let snapshot = crate::snapshot::Snapshot::new(
+            1,
+            0,
+            (0..2)
+                .map(|i| crate::snapshot::EndpointStats::fixture(i, 0))
+                .collect(),
+        );
+        let mut last = Vec::new();
+        let got = idx.match_snapshot_last(&unsalted, &snapshot, &mut last);
+        assert_eq!((got, last.clone()), (vec![0, 0], vec![false, false]));
+        let got = idx.match_snapshot_last(&salted, &snapshot, &mut last);
+        assert_eq!((got, last.clone()), (vec![0, 4], vec![false, true]));
+        // Its suffixes are held in order too: a shorter chain ending in the same hash.
+        assert_eq!(idx.match_one(&salted[1..], "pool/e1"), 3);
+        idx.record_matched("pool/e1", &unsalted, 0);
+        let mut want = vec![7, 8, 9];
+        want.extend_from_slice(&unsalted);
+        assert_eq!(held(&idx, "pool/e1"), want);
     }
 
     /// The total bound splits among the fleet's endpoints: each keeps at most

@@ -241,33 +241,35 @@ proptest! {
     }
 
     /// The prefix index is an exact per-endpoint LRU: after any sequence of records of
-    /// prefix chains (few symbols, so chains share prefixes and their blocks are recorded
-    /// again and move to the back), every endpoint holds exactly the `capacity` most
+    /// prefix chains and their suffixes (few symbols, so chains share prefixes and their
+    /// blocks are recorded again and move to the back), every endpoint holds exactly the `capacity` most
     /// recently recorded distinct hashes of a plain list model.
     #[test]
     fn prefix_index_is_an_exact_lru(
         cap in 1usize..12,
-        records in prop::collection::vec((0usize..3, prop::collection::vec(0u64..3, 0..40)), 0..160),
+        records in prop::collection::vec((0usize..3, prop::collection::vec(0u64..3, 0..40), any::<bool>()), 0..160),
         seed in any::<u64>(),
     ) {
         let mut idx = PrefixIndex::with_seed(cap, seed);
         // Model: per endpoint, hashes most recent last.
         let mut model: Vec<Vec<u64>> = vec![Vec::new(); 3];
         let mut seen = std::collections::BTreeSet::new();
-        for (ep, symbols) in &records {
+        for (ep, symbols, salted) in &records {
             // A prefix chain, as `block_hashes` makes one: each hash covers every symbol
-            // before it.
+            // before it; "salted", less its first hash (a chain seeded with a one-block
+            // `cache_salt` is such a suffix of an unsalted one).
             let mut prev = 0u64;
-            let hashes: Vec<u64> = symbols
+            let chain: Vec<u64> = symbols
                 .iter()
                 .map(|s| {
                     prev = xxhash_rust::xxh64::xxh64(&[s.to_le_bytes(), prev.to_le_bytes()].concat(), 0);
                     prev
                 })
                 .collect();
-            idx.record(&format!("e{ep}"), &hashes);
+            let hashes = chain.get(usize::from(*salted)..).unwrap_or_default();
+            idx.record(&format!("e{ep}"), hashes);
             let m = &mut model[*ep];
-            for h in &hashes {
+            for h in hashes {
                 m.retain(|x| x != h);
                 m.push(*h);
                 seen.insert(*h);

@@ -99,11 +99,11 @@ fn fixed_metrics() -> Vec<(&'static str, Kind)> {
     v
 }
 
-/// The per-endpoint gauges' label: each prefix (`kvroute.inflight_unseen.requests`,
-/// `...tokens`, without the trailing dot) is one gauge with this label, whose value is the
-/// [`metric::stat_id`] the Wasm filter appends to the name. The ABI defines metrics at
-/// config time only, and endpoints are not known then.
-pub const ENDPOINT_LABEL: &str = "endpoint";
+// The per-endpoint gauges' label: each prefix (`kvroute.inflight_unseen.requests`,
+// `...tokens`, without the trailing dot) is one gauge with this label, whose value is the
+// `metric::stat_id` the Wasm filter appends to the name. The ABI defines metrics at config
+// time only, and endpoints are not known then.
+use kvroute_core::peer::ENDPOINT_LABEL;
 
 /// Metric ids of one config.
 #[derive(Debug, Default)]
@@ -234,7 +234,7 @@ pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<Fi
     // Here, on the main thread before any stream, as the Wasm filter does at configure:
     // made lazily by each worker's first stream, two workers' first updates could race
     // (`kvroute_filter::shared::ensure_keys`).
-    if let Err(e) = kvroute_filter::shared::ensure_keys(&DmHost::new(&inner, None, now_ms())) {
+    if let Err(e) = kvroute_filter::shared::ensure_keys(&DmHost::new(&inner, None, None)) {
         abi::log(
             LogLevel::Warn,
             &format!("kvroute: shared keys not created: {e}"),
@@ -375,7 +375,7 @@ fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
     if let Some(s) = WORKERS.with(|w| w.borrow().get(&cfg.id).cloned()) {
         return Some(s);
     }
-    let host = DmHost::new(cfg, None, now_ms());
+    let host = DmHost::new(cfg, None, None);
     let seed = now_us() ^ (u64::from(NEXT_SEED.fetch_add(1, Ordering::Relaxed)) << 40);
     let worker = Worker::start(cfg.config.clone(), seed, &host)?;
     let s = Rc::new(Slot {
@@ -443,7 +443,7 @@ fn tick(cfg: &Inner, slot: &Slot, now: u64, force: bool) -> Vec<Deferred> {
         return Vec::new();
     };
     slot.last_tick.set(now);
-    let host = DmHost::new(cfg, None, now);
+    let host = DmHost::new(cfg, None, None);
     if force {
         // One idle flush at a time in the process: each publishes its worker's releases,
         // reads the others' tables and sets the shared gauges, so the last to go idle
@@ -510,16 +510,19 @@ struct DmHost<'a> {
     ns: &'a str,
     target: Cell<Option<Filter>>,
     deferred: RefCell<Vec<Deferred>>,
-    /// The clock in Unix ms, read once when the hook began: [`Host::now_ms`] during one
-    /// hook (a few µs) needs no new read. A clock read cost ~0.1 µs on the benchmark's VM,
-    /// and a request made eight (`perf`: ~0.9 µs per request in `clock_gettime`).
+    /// A stream hook's clock in Unix ms, read once when the hook's own work began: during
+    /// one hook (a few µs) [`Host::now_ms`] needs no new read. A clock read cost ~0.1 µs on
+    /// the benchmark's VM, and a request made eight (`perf`: ~0.9 µs per request in
+    /// `clock_gettime`). `None` (the tick, the ingest, start-up): every call reads the clock,
+    /// so the journal sync's compare-and-swap retries stamp their records in time order.
     /// [`Host::now_us`], which times the decision, always reads the clock.
-    now_ms: u64,
+    now_ms: Option<u64>,
 }
 
 impl<'a> DmHost<'a> {
-    /// A host for one hook that began at `now_ms` (Unix ms).
-    fn new(cfg: &'a Inner, target: Option<Filter>, now_ms: u64) -> Self {
+    /// A host for one hook; `now_ms` ([`DmHost::now_ms`]): its clock, or `None` to read the
+    /// clock at each call.
+    fn new(cfg: &'a Inner, target: Option<Filter>, now_ms: Option<u64>) -> Self {
         Self {
             cfg,
             ns: &cfg.config.vm_id,
@@ -538,7 +541,7 @@ impl<'a> DmHost<'a> {
 
 impl Host for DmHost<'_> {
     fn now_ms(&self) -> u64 {
-        self.now_ms
+        self.now_ms.unwrap_or_else(now_ms)
     }
     fn now_us(&self) -> u64 {
         now_us()
@@ -616,7 +619,7 @@ impl Host for DmHost<'_> {
             ns: vm_id,
             target: Cell::new(None),
             deferred: RefCell::new(Vec::new()),
-            now_ms: self.now_ms,
+            now_ms: None,
         };
         consume_snapshots(&to, vec![data.to_vec()]);
         Ok(())
@@ -806,11 +809,16 @@ impl HttpFilter {
             ..
         } = self;
         let cfg: &Inner = cfg;
-        let now = now_ms();
+        let mut now = now_ms();
         if let Serving::Route { slot, .. } = serving {
+            let ticked = slot.last_tick.get();
             deferred.extend(tick(cfg, slot, now, false));
+            if slot.last_tick.get() != ticked {
+                // The tick ran: the hook's own work begins after it.
+                now = now_ms();
+            }
         }
-        let host = DmHost::new(cfg, Some(*filter), now);
+        let host = DmHost::new(cfg, Some(*filter), Some(now));
         let flow = op(serving, &host);
         deferred.extend(host.deferred.take());
         if flow == Flow::Pause && eos && parked.is_none() {
@@ -931,13 +939,12 @@ impl HttpFilter {
             }
             let live = slot.live.get().saturating_sub(1);
             slot.live.set(live);
-            let now = now_ms();
-            let host = DmHost::new(cfg, attached.then_some(*filter), now);
+            let host = DmHost::new(cfg, attached.then_some(*filter), Some(now_ms()));
             stream.on_done(&host);
             deferred.extend(host.deferred.take());
             if live == 0 {
                 // No stream left to run the tick on: publish the releases now.
-                deferred.extend(tick(cfg, slot, now, true));
+                deferred.extend(tick(cfg, slot, now_ms(), true));
             }
         }
     }
@@ -974,7 +981,7 @@ mod tests {
             br#"{"mode":"cluster","vm_id":"vm-ns-test"}"#,
         )
         .unwrap();
-        let (ha, hb) = (DmHost::new(&a.0, None, 0), DmHost::new(&b.0, None, 0));
+        let (ha, hb) = (DmHost::new(&a.0, None, None), DmHost::new(&b.0, None, None));
         ha.shared_set("ns-test-key", b"1", None).unwrap();
         assert_eq!(
             ha.shared_get("ns-test-key").unwrap().0.as_deref(),

@@ -42,18 +42,6 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// `VmRSS` of `pid`, bytes.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
 /// Request `i` of the soak: 16 conversations sharing a system prompt each, a fresh user turn,
 /// 8..=40 output tokens, every other one streamed.
 fn body(i: u64) -> Vec<u8> {
@@ -172,7 +160,7 @@ async fn soak_steady_rate_nothing_grows_nothing_leaks() {
             let stats = stack.envoy.stats().await.unwrap();
             samples.push(Sample {
                 t_s: start.elapsed().as_secs_f64(),
-                envoy_rss_bytes: rss_bytes(pid),
+                envoy_rss_bytes: kvroute_integration::harness::rss_bytes(pid).unwrap(),
                 wasm_memory_bytes: stats.get(STAT_WASM_MEMORY).copied().unwrap_or(0),
                 inflight: stats.get(STAT_INFLIGHT).copied().unwrap_or(0),
             });

@@ -49,7 +49,7 @@
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use kvroute_integration::harness::templates::FilterModule;
 use kvroute_integration::harness::{
-    http, render, templates, Envoy, RecordingBackend, Reply, READY_DEADLINE,
+    http, render, rss_bytes, templates, Envoy, RecordingBackend, Reply, READY_DEADLINE,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -763,20 +763,6 @@ pub fn kvroute_metric(stat: &str) -> &str {
         .iter()
         .find_map(|ns| stat.strip_prefix(ns))
         .unwrap_or(stat)
-}
-
-/// Resident memory of process `pid` (`VmRSS` of `/proc/<pid>/status`), bytes.
-pub fn rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse::<u64>()
-        .ok()?;
-    Some(kib * 1024)
 }
 
 /// The filter's figures in `proxy` (kvroute or kvroute-native), with its resident memory

@@ -47,7 +47,7 @@ pub use envoy::{
     dynmod_dir, envoy_binary, venv_file, venv_lib, wasm_path, workspace_root, Envoy, EnvoyError,
     PORT_ATTEMPTS, READY_DEADLINE,
 };
-pub use process::{free_port, ChildGuard};
+pub use process::{free_port, rss_bytes, ChildGuard};
 
 /// Replace every `{{NAME}}` in `template` with its value from `vars`.
 ///

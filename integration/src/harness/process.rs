@@ -14,6 +14,21 @@ pub fn free_port() -> std::io::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// Resident memory of process `pid` (`VmRSS` of `/proc/<pid>/status`), bytes; `None` where
+/// that file is missing or unreadable (not Linux, or the process is gone).
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// A unique path in the temp directory: `kvroute-<pid>-<seq>-<name>`.
