@@ -39,7 +39,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Request header that makes a hook panic, honoured only when Envoy was started with
@@ -135,27 +135,25 @@ struct Inner {
 
 static NEXT_CONFIG: AtomicU64 = AtomicU64::new(1);
 
-/// Ids of destroyed configs (a listener update replaces its filter configs), and how many:
-/// each worker thread drops their per-thread state ([`sweep_retired`]) on its next stream.
-fn retired() -> MutexGuard<'static, Vec<u64>> {
-    static RETIRED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
-    RETIRED.lock().unwrap_or_else(|e| e.into_inner())
-}
+/// How many configs were destroyed (a listener update replaces its filter configs): each
+/// worker thread drops its state of destroyed configs ([`sweep_retired`]) at its next
+/// stream after this moves.
 static RETIRED_COUNT: AtomicU64 = AtomicU64::new(0);
 
-impl Drop for FilterConfig {
-    /// Envoy destroyed the config (after every stream using it): its workers' state goes
-    /// when their threads next see a stream. Without this, each listener update left one
-    /// router `Worker` per worker thread behind for good (~116 KB per update at
-    /// `--concurrency 2`, found by a breaker).
+impl Drop for Inner {
+    /// The config's last holder let it go (Envoy destroyed it, after every stream using
+    /// it): its workers' state goes when their threads next see a stream. Without this,
+    /// each listener update left one router `Worker` per worker thread behind for good
+    /// (~116 KB per update at `--concurrency 2`, found by a breaker).
     fn drop(&mut self) {
-        retired().push(self.0.id);
         RETIRED_COUNT.fetch_add(1, Ordering::Release);
     }
 }
 
-/// Drop this thread's state of destroyed configs, when any was destroyed since the
-/// thread last looked (one atomic load otherwise).
+/// Drop this thread's state of destroyed configs (each entry holds its config weakly),
+/// when any was destroyed since the thread last looked (one atomic load otherwise). It
+/// replaced a process-wide list of destroyed config ids, which grew by one per listener
+/// update for good and was copied whole at every sweep.
 fn sweep_retired() {
     thread_local! {
         static SEEN: Cell<u64> = const { Cell::new(0) };
@@ -165,10 +163,9 @@ fn sweep_retired() {
         return;
     }
     SEEN.with(|s| s.set(n));
-    let ids = retired().clone();
     WORKERS.with(|w| {
-        w.borrow_mut().retain(|id, slot| {
-            let keep = !ids.contains(id);
+        w.borrow_mut().retain(|_, (cfg, slot)| {
+            let keep = cfg.strong_count() > 0;
             if !keep {
                 if let Some((_, key)) = slot.carrier.take() {
                     unpark(key);
@@ -177,7 +174,7 @@ fn sweep_retired() {
             keep
         })
     });
-    INGEST.with(|m| m.borrow_mut().retain(|id, _| !ids.contains(id)));
+    INGEST.with(|m| m.borrow_mut().retain(|_, (cfg, _)| cfg.strong_count() > 0));
 }
 
 /// Parse and check `config`, define the metrics: the config, or `None` (logged) to refuse it.
@@ -361,8 +358,11 @@ struct Slot {
 }
 
 thread_local! {
-    static WORKERS: RefCell<HashMap<u64, Rc<Slot>>> = RefCell::new(HashMap::new());
-    static INGEST: RefCell<HashMap<u64, Rc<Config>>> = RefCell::new(HashMap::new());
+    /// This thread's worker of each config (by config id), with the config held weakly
+    /// ([`sweep_retired`]).
+    static WORKERS: RefCell<HashMap<u64, (Weak<Inner>, Rc<Slot>)>> = RefCell::new(HashMap::new());
+    /// This thread's copy of each ingest config.
+    static INGEST: RefCell<HashMap<u64, (Weak<Inner>, Rc<Config>)>> = RefCell::new(HashMap::new());
     /// Live streams of this thread by context id, with their config's id: what
     /// `set_effective_context` reaches, and where a tick carrier is found ([`carry_ticks`]).
     static LIVE: RefCell<HashMap<u32, (u64, Filter)>> = RefCell::new(HashMap::new());
@@ -371,8 +371,8 @@ thread_local! {
 
 static NEXT_SEED: AtomicU32 = AtomicU32::new(0);
 
-fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
-    if let Some(s) = WORKERS.with(|w| w.borrow().get(&cfg.id).cloned()) {
+fn slot(cfg: &Arc<Inner>) -> Option<Rc<Slot>> {
+    if let Some(s) = WORKERS.with(|w| w.borrow().get(&cfg.id).map(|(_, s)| s.clone())) {
         return Some(s);
     }
     let host = DmHost::new(cfg, None, None);
@@ -386,7 +386,10 @@ fn slot(cfg: &Inner) -> Option<Rc<Slot>> {
         live: Cell::new(0),
         carrier: Cell::new(None),
     });
-    WORKERS.with(|w| w.borrow_mut().insert(cfg.id, s.clone()));
+    WORKERS.with(|w| {
+        w.borrow_mut()
+            .insert(cfg.id, (Arc::downgrade(cfg), s.clone()))
+    });
     Some(s)
 }
 
@@ -414,11 +417,12 @@ fn carry_ticks(cfg: &Inner, slot: &Slot) {
     }
 }
 
-fn ingest_config(cfg: &Inner) -> Rc<Config> {
+fn ingest_config(cfg: &Arc<Inner>) -> Rc<Config> {
     INGEST.with(|m| {
         m.borrow_mut()
             .entry(cfg.id)
-            .or_insert_with(|| Rc::new(cfg.config.clone()))
+            .or_insert_with(|| (Arc::downgrade(cfg), Rc::new(cfg.config.clone())))
+            .1
             .clone()
     })
 }
