@@ -357,12 +357,16 @@ struct Slot {
     carrier: Cell<Option<(u32, u64)>>,
 }
 
+/// A thread's state of each config, by config id, with the config held weakly
+/// ([`sweep_retired`]).
+type PerConfig<T> = RefCell<HashMap<u64, (Weak<Inner>, Rc<T>)>>;
+
 thread_local! {
     /// This thread's worker of each config (by config id), with the config held weakly
     /// ([`sweep_retired`]).
-    static WORKERS: RefCell<HashMap<u64, (Weak<Inner>, Rc<Slot>)>> = RefCell::new(HashMap::new());
+    static WORKERS: PerConfig<Slot> = RefCell::new(HashMap::new());
     /// This thread's copy of each ingest config.
-    static INGEST: RefCell<HashMap<u64, (Weak<Inner>, Rc<Config>)>> = RefCell::new(HashMap::new());
+    static INGEST: PerConfig<Config> = RefCell::new(HashMap::new());
     /// Live streams of this thread by context id, with their config's id: what
     /// `set_effective_context` reaches, and where a tick carrier is found ([`carry_ticks`]).
     static LIVE: RefCell<HashMap<u32, (u64, Filter)>> = RefCell::new(HashMap::new());

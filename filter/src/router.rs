@@ -139,6 +139,58 @@ pub struct SyncReport {
     pub learned: Option<Synced>,
 }
 
+/// The per-endpoint in-flight gauges of one snapshot version ([`Worker`]'s tick): built
+/// once per version, so a tick looks endpoints up and writes their gauges with no string
+/// built and no map rebuilt (it rebuilt both on every tick, a few allocations per endpoint
+/// with load, ~6.5 k instructions per tick in the native build with 16 endpoints, and the
+/// native build ticks each time a worker goes idle).
+#[derive(Debug, Default)]
+struct GaugeIndex {
+    /// The snapshot version it describes.
+    version: u64,
+    /// Endpoint id → (its gauge's index in [`Self::keys`], its `scraped_at_ms`).
+    by_id: BTreeMap<String, (usize, u64)>,
+    /// [`metric::stat_id`] → its gauge's index in [`Self::keys`].
+    slot_of: BTreeMap<String, usize>,
+    /// One per distinct [`metric::stat_id`] of the snapshot's endpoints.
+    keys: Vec<EndpointGauges>,
+}
+
+/// One endpoint's two gauges: its [`metric::stat_id`] and the full names.
+#[derive(Debug)]
+struct EndpointGauges {
+    key: String,
+    requests: String,
+    tokens: String,
+}
+
+impl GaugeIndex {
+    fn of(snap: &Snapshot) -> Self {
+        let mut ix = Self {
+            version: snap.version,
+            ..Self::default()
+        };
+        for e in &snap.endpoints {
+            let key = metric::stat_id(&e.id);
+            let i = match ix.slot_of.get(&key) {
+                Some(&i) => i,
+                None => {
+                    let i = ix.keys.len();
+                    ix.keys.push(EndpointGauges {
+                        requests: format!("{}{key}", metric::INFLIGHT_UNSEEN_REQUESTS),
+                        tokens: format!("{}{key}", metric::INFLIGHT_UNSEEN_TOKENS),
+                        key: key.clone(),
+                    });
+                    ix.slot_of.insert(key, i);
+                    i
+                }
+            };
+            ix.by_id.insert(e.id.clone(), (i, e.scraped_at_ms));
+        }
+        ix
+    }
+}
+
 /// Per-worker state, shared by the root context and the worker's HTTP contexts.
 #[derive(Debug)]
 pub struct Worker {
@@ -174,6 +226,10 @@ pub struct Worker {
     /// dropped, so they stay bounded by the fleet in force (endpoint churn).
     gauge_endpoints: std::collections::BTreeSet<String>,
     gauge_version: u64,
+    /// The per-endpoint gauges of the snapshot in force, built once per version.
+    gauge_index: GaugeIndex,
+    /// The tick's unseen load per gauge of [`Self::gauge_index`] (kept between ticks).
+    gauge_loads: Vec<kvroute_core::inflight::InFlight>,
     /// This worker's reservations and its copy of the other workers'.
     inflight: crate::inflight::WorkerInflight,
     /// Releases not yet added to the `released` counter (added with the next reservation's
@@ -334,6 +390,8 @@ impl Worker {
             exported_unseen: std::collections::BTreeSet::new(),
             gauge_endpoints: std::collections::BTreeSet::new(),
             gauge_version: 0,
+            gauge_index: GaugeIndex::default(),
+            gauge_loads: Vec::new(),
             inflight: crate::inflight::WorkerInflight::new(
                 kvroute_core::inflight::DEFAULT_MAX_ENTRIES,
                 config.inflight_share_ms,
@@ -438,54 +496,62 @@ impl Worker {
         let t = &self.inflight;
         host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.live(now) as u64);
         if let Some(snap) = snap {
-            let scraped: BTreeMap<&str, u64> = snap
-                .endpoints
+            if self.gauge_index.version != snap.version || self.gauge_index.by_id.is_empty() {
+                self.gauge_index = GaugeIndex::of(snap);
+            }
+            let ix = &self.gauge_index;
+            // Every worker's unseen load, by gauge (ids that differ only by `.` and `_`
+            // share one, which holds their sum): into a buffer kept between ticks.
+            let loads = &mut self.gauge_loads;
+            loads.clear();
+            loads.resize(ix.keys.len(), kvroute_core::inflight::InFlight::default());
+            for table in self.inflight.view() {
+                table.add_unseen(now, |id| ix.by_id.get(id).copied(), loads);
+            }
+            for (i, l) in loads.iter().enumerate() {
+                if l.requests == 0 {
+                    continue;
+                }
+                let Some(g) = ix.keys.get(i) else { continue };
+                host.gauge_set_named(&g.requests, u64::from(l.requests));
+                host.gauge_set_named(&g.tokens, l.tokens);
+                if !self.exported_unseen.contains(&g.key) {
+                    self.exported_unseen.insert(g.key.clone());
+                    self.gauge_endpoints.insert(g.key.clone());
+                }
+            }
+            // A gauge this worker set above zero whose load is gone (or whose endpoint left
+            // the snapshot) goes back to 0.
+            let gone: Vec<String> = self
+                .exported_unseen
                 .iter()
-                .map(|e| (e.id.as_str(), e.scraped_at_ms))
+                .filter(|key| {
+                    ix.slot_of
+                        .get(key.as_str())
+                        .and_then(|&i| loads.get(i))
+                        .is_none_or(|l| l.requests == 0)
+                })
+                .cloned()
                 .collect();
-            // Only endpoints of the snapshot in force: load on one that left is of no
-            // use to the other gateways. Keyed by the id as it goes into the stat name
-            // ([`metric::stat_id`]): ids that differ only by `.` and `_` share one gauge,
-            // which holds their sum.
-            let mut unseen: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-            for (id, l) in t.unseen_totals(now, |id| scraped.get(id).copied()) {
-                if l.requests > 0 && scraped.contains_key(id.as_str()) {
-                    let e = unseen.entry(metric::stat_id(&id)).or_default();
-                    e.0 += u64::from(l.requests);
-                    e.1 += l.tokens;
-                }
-            }
             let mut name = String::new();
-            let mut set = |prefix: &str, key: &str, v: u64| {
-                name.clear();
-                name.push_str(prefix);
-                name.push_str(key);
-                host.gauge_set_named(&name, v);
-            };
-            for (key, &(requests, tokens)) in &unseen {
-                set(metric::INFLIGHT_UNSEEN_REQUESTS, key, requests);
-                set(metric::INFLIGHT_UNSEEN_TOKENS, key, tokens);
-            }
-            for key in &self.exported_unseen {
-                if !unseen.contains_key(key) {
-                    set(metric::INFLIGHT_UNSEEN_REQUESTS, key, 0);
-                    set(metric::INFLIGHT_UNSEEN_TOKENS, key, 0);
+            for key in gone {
+                for prefix in [
+                    metric::INFLIGHT_UNSEEN_REQUESTS,
+                    metric::INFLIGHT_UNSEEN_TOKENS,
+                ] {
+                    name.clear();
+                    name.push_str(prefix);
+                    name.push_str(&key);
+                    host.gauge_set_named(&name, 0);
                 }
+                self.exported_unseen.remove(&key);
             }
-            self.exported_unseen = unseen.into_keys().collect();
-            self.gauge_endpoints
-                .extend(self.exported_unseen.iter().cloned());
             if snap.version != self.gauge_version {
                 self.gauge_version = snap.version;
-                let live: std::collections::BTreeSet<String> = snap
-                    .endpoints
-                    .iter()
-                    .map(|e| metric::stat_id(&e.id))
-                    .collect();
                 let gone: Vec<String> = self
                     .gauge_endpoints
                     .iter()
-                    .filter(|key| !live.contains(key.as_str()))
+                    .filter(|key| !ix.slot_of.contains_key(key.as_str()))
                     .cloned()
                     .collect();
                 for key in gone {
