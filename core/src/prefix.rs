@@ -528,6 +528,17 @@ mod tests {
         }
     }
 
+    /// A snapshot of `n` fixture endpoints (`pool/e0`, `pool/e1`, ...).
+    fn fleet(n: usize) -> crate::snapshot::Snapshot {
+        crate::snapshot::Snapshot::new(
+            1,
+            0,
+            (0..n)
+                .map(|i| crate::snapshot::EndpointStats::fixture(i, 0))
+                .collect(),
+        )
+    }
+
     fn held(idx: &PrefixIndex, id: &str) -> Vec<u64> {
         idx.endpoints
             .get(id)
@@ -702,13 +713,7 @@ mod tests {
         let mut idx = PrefixIndex::new(DEFAULT_INDEX_CAPACITY);
         let chain: Vec<u64> = (1..=64).collect();
         idx.record("pool/e1", &chain);
-        let snapshot = crate::snapshot::Snapshot::new(
-            1,
-            0,
-            (0..3)
-                .map(|i| crate::snapshot::EndpointStats::fixture(i, 0))
-                .collect(),
-        );
+        let snapshot = fleet(3);
         let mut last = Vec::new();
         let got = idx.match_snapshot_last(&chain, &snapshot, &mut last);
         assert_eq!(
@@ -738,13 +743,7 @@ mod tests {
         let mut idx = PrefixIndex::new(DEFAULT_INDEX_CAPACITY);
         idx.record("pool/e1", &[7, 8, 9]);
         idx.record("pool/e1", &salted);
-        let snapshot = crate::snapshot::Snapshot::new(
-            1,
-            0,
-            (0..2)
-                .map(|i| crate::snapshot::EndpointStats::fixture(i, 0))
-                .collect(),
-        );
+        let snapshot = fleet(2);
         let mut last = Vec::new();
         let got = idx.match_snapshot_last(&unsalted, &snapshot, &mut last);
         assert_eq!((got, last.clone()), (vec![0, 0], vec![false, false]));

@@ -533,17 +533,24 @@ impl Worker {
                 })
                 .cloned()
                 .collect();
+            // Both of `key`'s gauges to 0, and their handles dropped with `forget`.
             let mut name = String::new();
-            for key in gone {
+            let mut zero = |key: &str, forget: bool| {
                 for prefix in [
                     metric::INFLIGHT_UNSEEN_REQUESTS,
                     metric::INFLIGHT_UNSEEN_TOKENS,
                 ] {
                     name.clear();
                     name.push_str(prefix);
-                    name.push_str(&key);
+                    name.push_str(key);
                     host.gauge_set_named(&name, 0);
+                    if forget {
+                        host.forget_named_gauge(&name);
+                    }
                 }
+            };
+            for key in gone {
+                zero(&key, false);
                 self.exported_unseen.remove(&key);
             }
             if snap.version != self.gauge_version {
@@ -556,16 +563,7 @@ impl Worker {
                     .collect();
                 for key in gone {
                     self.gauge_endpoints.remove(&key);
-                    for prefix in [
-                        metric::INFLIGHT_UNSEEN_REQUESTS,
-                        metric::INFLIGHT_UNSEEN_TOKENS,
-                    ] {
-                        name.clear();
-                        name.push_str(prefix);
-                        name.push_str(&key);
-                        host.gauge_set_named(&name, 0);
-                        host.forget_named_gauge(&name);
-                    }
+                    zero(&key, true);
                 }
             }
         }
