@@ -140,10 +140,12 @@ pub struct SyncReport {
 }
 
 /// The per-endpoint in-flight gauges of one snapshot version ([`Worker`]'s tick): built
-/// once per version, so a tick looks endpoints up and writes their gauges with no string
-/// built and no map rebuilt (it rebuilt both on every tick, a few allocations per endpoint
-/// with load, ~6.5 k instructions per tick in the native build with 16 endpoints, and the
-/// native build ticks each time a worker goes idle).
+/// once per version, so a tick looks endpoints up with no map rebuilt and no string
+/// allocated (it rebuilt both maps on every tick, a few allocations per endpoint with
+/// load, ~6.5 k instructions per tick in the native build with 16 endpoints, and the
+/// native build ticks each time a worker goes idle). Per endpoint it holds the id and its
+/// [`metric::stat_id`], not the gauges' full names, which a tick writes into one reused
+/// buffer: the index stays a few dozen bytes per endpoint in the Wasm VM.
 #[derive(Debug, Default)]
 struct GaugeIndex {
     /// The snapshot version it describes.
@@ -152,16 +154,8 @@ struct GaugeIndex {
     by_id: BTreeMap<String, (usize, u64)>,
     /// [`metric::stat_id`] → its gauge's index in [`Self::keys`].
     slot_of: BTreeMap<String, usize>,
-    /// One per distinct [`metric::stat_id`] of the snapshot's endpoints.
-    keys: Vec<EndpointGauges>,
-}
-
-/// One endpoint's two gauges: its [`metric::stat_id`] and the full names.
-#[derive(Debug)]
-struct EndpointGauges {
-    key: String,
-    requests: String,
-    tokens: String,
+    /// One [`metric::stat_id`] per gauge: the distinct ones of the snapshot's endpoints.
+    keys: Vec<String>,
 }
 
 impl GaugeIndex {
@@ -176,11 +170,7 @@ impl GaugeIndex {
                 Some(&i) => i,
                 None => {
                     let i = ix.keys.len();
-                    ix.keys.push(EndpointGauges {
-                        requests: format!("{}{key}", metric::INFLIGHT_UNSEEN_REQUESTS),
-                        tokens: format!("{}{key}", metric::INFLIGHT_UNSEEN_TOKENS),
-                        key: key.clone(),
-                    });
+                    ix.keys.push(key.clone());
                     ix.slot_of.insert(key, i);
                     i
                 }
@@ -508,16 +498,32 @@ impl Worker {
             for table in self.inflight.view() {
                 table.add_unseen(now, |id| ix.by_id.get(id).copied(), loads);
             }
+            // Both of `key`'s gauges set (their handles dropped with `forget`), the names
+            // written into one buffer.
+            let mut name = String::new();
+            let mut set = |key: &str, requests: u64, tokens: u64, forget: bool| {
+                for (prefix, v) in [
+                    (metric::INFLIGHT_UNSEEN_REQUESTS, requests),
+                    (metric::INFLIGHT_UNSEEN_TOKENS, tokens),
+                ] {
+                    name.clear();
+                    name.push_str(prefix);
+                    name.push_str(key);
+                    host.gauge_set_named(&name, v);
+                    if forget {
+                        host.forget_named_gauge(&name);
+                    }
+                }
+            };
             for (i, l) in loads.iter().enumerate() {
                 if l.requests == 0 {
                     continue;
                 }
-                let Some(g) = ix.keys.get(i) else { continue };
-                host.gauge_set_named(&g.requests, u64::from(l.requests));
-                host.gauge_set_named(&g.tokens, l.tokens);
-                if !self.exported_unseen.contains(&g.key) {
-                    self.exported_unseen.insert(g.key.clone());
-                    self.gauge_endpoints.insert(g.key.clone());
+                let Some(key) = ix.keys.get(i) else { continue };
+                set(key, u64::from(l.requests), l.tokens, false);
+                if !self.exported_unseen.contains(key) {
+                    self.exported_unseen.insert(key.clone());
+                    self.gauge_endpoints.insert(key.clone());
                 }
             }
             // A gauge this worker set above zero whose load is gone (or whose endpoint left
@@ -533,24 +539,8 @@ impl Worker {
                 })
                 .cloned()
                 .collect();
-            // Both of `key`'s gauges to 0, and their handles dropped with `forget`.
-            let mut name = String::new();
-            let mut zero = |key: &str, forget: bool| {
-                for prefix in [
-                    metric::INFLIGHT_UNSEEN_REQUESTS,
-                    metric::INFLIGHT_UNSEEN_TOKENS,
-                ] {
-                    name.clear();
-                    name.push_str(prefix);
-                    name.push_str(key);
-                    host.gauge_set_named(&name, 0);
-                    if forget {
-                        host.forget_named_gauge(&name);
-                    }
-                }
-            };
             for key in gone {
-                zero(&key, false);
+                set(&key, 0, 0, false);
                 self.exported_unseen.remove(&key);
             }
             if snap.version != self.gauge_version {
@@ -563,7 +553,7 @@ impl Worker {
                     .collect();
                 for key in gone {
                     self.gauge_endpoints.remove(&key);
-                    zero(&key, true);
+                    set(&key, 0, 0, true);
                 }
             }
         }
