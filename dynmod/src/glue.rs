@@ -623,11 +623,8 @@ impl Host for DmHost<'_> {
         static CONSUMING: Mutex<()> = Mutex::new(());
         let _one = CONSUMING.lock().unwrap_or_else(|e| e.into_inner());
         let to = DmHost {
-            cfg: self.cfg,
             ns: vm_id,
-            target: Cell::new(None),
-            deferred: RefCell::new(Vec::new()),
-            now_ms: None,
+            ..DmHost::new(self.cfg, None, None)
         };
         consume_snapshots(&to, vec![data.to_vec()]);
         Ok(())

@@ -35,7 +35,7 @@
 
 use crate::host::{Host, Level};
 use crate::names::{INFLIGHT_KEY_PREFIX, WORKER_SEQ_KEY};
-use kvroute_core::inflight::{InFlight, InflightTable};
+use kvroute_core::inflight::InflightTable;
 use std::collections::BTreeMap;
 
 /// A worker holding reservations republishes its table at least this often, ms.
@@ -183,19 +183,6 @@ impl WorkerInflight {
     /// Live reservations counted, this worker's and the others' (expired ones excluded).
     pub fn live(&self, now_ms: u64) -> usize {
         self.own.live(now_ms) + self.peers.live(now_ms)
-    }
-
-    /// Per-endpoint load the snapshot does not show yet, over both tables
-    /// (`InflightTable::unseen_totals`).
-    pub fn unseen_totals<F>(&self, now_ms: u64, scraped_at_ms: F) -> BTreeMap<String, InFlight>
-    where
-        F: Fn(&str) -> Option<u64>,
-    {
-        let mut out = self.own.unseen_totals(now_ms, &scraped_at_ms);
-        for (id, l) in self.peers.unseen_totals(now_ms, &scraped_at_ms) {
-            out.entry(id).or_default().add(&l);
-        }
-        out
     }
 
     /// Make the next [`Self::refresh_peers`] read the other workers' tables whatever

@@ -148,8 +148,8 @@ pub struct SyncReport {
 /// buffer: the index stays a few dozen bytes per endpoint in the Wasm VM.
 #[derive(Debug, Default)]
 struct GaugeIndex {
-    /// The snapshot version it describes.
-    version: u64,
+    /// The snapshot version it describes (`None`: none yet).
+    version: Option<u64>,
     /// Endpoint id → (its gauge's index in [`Self::keys`], its `scraped_at_ms`).
     by_id: BTreeMap<String, (usize, u64)>,
     /// [`metric::stat_id`] → its gauge's index in [`Self::keys`].
@@ -161,7 +161,7 @@ struct GaugeIndex {
 impl GaugeIndex {
     fn of(snap: &Snapshot) -> Self {
         let mut ix = Self {
-            version: snap.version,
+            version: Some(snap.version),
             ..Self::default()
         };
         for e in &snap.endpoints {
@@ -211,11 +211,10 @@ pub struct Worker {
     /// Endpoints ([`metric::stat_id`] of their ids) whose per-endpoint in-flight gauges
     /// this worker last set above zero (set back to 0 once their load is gone).
     exported_unseen: std::collections::BTreeSet<String>,
-    /// Endpoints ([`metric::stat_id`]) whose per-endpoint gauges this worker has defined, and the snapshot version
-    /// they were last checked against: handles of endpoints that left the snapshot are
-    /// dropped, so they stay bounded by the fleet in force (endpoint churn).
+    /// Endpoints ([`metric::stat_id`]) whose per-endpoint gauges this worker has defined:
+    /// handles of endpoints that left the snapshot are dropped when its next version comes
+    /// ([`GaugeIndex`] rebuilt), so they stay bounded by the fleet in force (endpoint churn).
     gauge_endpoints: std::collections::BTreeSet<String>,
-    gauge_version: u64,
     /// The per-endpoint gauges of the snapshot in force, built once per version.
     gauge_index: GaugeIndex,
     /// The tick's unseen load per gauge of [`Self::gauge_index`] (kept between ticks).
@@ -379,7 +378,6 @@ impl Worker {
             affinity_flushed_ms: 0,
             exported_unseen: std::collections::BTreeSet::new(),
             gauge_endpoints: std::collections::BTreeSet::new(),
-            gauge_version: 0,
             gauge_index: GaugeIndex::default(),
             gauge_loads: Vec::new(),
             inflight: crate::inflight::WorkerInflight::new(
@@ -424,6 +422,12 @@ impl Worker {
     /// journals (prefix affinity, learner observations) with the other workers when
     /// `affinity_sync_ms` has passed since the last one.
     pub fn periodic<H: Host>(&mut self, host: &H) {
+        self.tick_all(host, false);
+    }
+
+    /// [`Self::periodic`]'s work; `sync_now`: the journal sync runs whatever
+    /// `affinity_sync_ms` says ([`Self::flush`]).
+    fn tick_all<H: Host>(&mut self, host: &H, sync_now: bool) {
         if self.config.admission.enabled {
             self.tick(host);
         }
@@ -434,7 +438,8 @@ impl Worker {
         let snap = self.cache.current(host).ok().flatten();
         self.gauges_with(host, now, snap.as_deref());
         if self.config.shares_with_workers()
-            && now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms
+            && (sync_now
+                || now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms)
         {
             self.affinity_synced_ms = now;
             self.sync_with(host, snap.as_deref());
@@ -454,14 +459,13 @@ impl Worker {
         // after every request (one client, one request at a time) does not pay it per
         // request; the rest waits for its next tick.
         let now = host.now_ms();
-        if self.router.has_unshared()
-            && now.saturating_sub(self.affinity_flushed_ms) >= self.config.affinity_sync_ms / 10
-        {
+        let sync_now = self.router.has_unshared()
+            && now.saturating_sub(self.affinity_flushed_ms) >= self.config.affinity_sync_ms / 10;
+        if sync_now {
             self.affinity_flushed_ms = now;
-            self.affinity_synced_ms = 0;
         }
         self.inflight.refresh_now();
-        self.periodic(host);
+        self.tick_all(host, sync_now);
     }
 
     /// The gauges that describe shared state, refreshed on the tick rather than per request
@@ -486,7 +490,8 @@ impl Worker {
         let t = &self.inflight;
         host.metric_record(MetricKind::Gauge, metric::INFLIGHT, t.live(now) as u64);
         if let Some(snap) = snap {
-            if self.gauge_index.version != snap.version || self.gauge_index.by_id.is_empty() {
+            let new_version = self.gauge_index.version != Some(snap.version);
+            if new_version {
                 self.gauge_index = GaugeIndex::of(snap);
             }
             let ix = &self.gauge_index;
@@ -543,8 +548,7 @@ impl Worker {
                 set(&key, 0, 0, false);
                 self.exported_unseen.remove(&key);
             }
-            if snap.version != self.gauge_version {
-                self.gauge_version = snap.version;
+            if new_version {
                 let gone: Vec<String> = self
                     .gauge_endpoints
                     .iter()
