@@ -735,15 +735,23 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     };
     let f = Filter(envoy as usize);
     crate::guard::fail_open(ptr::null_mut(), || {
-        let h = crate::glue::HttpFilter::new(cfg, f);
+        // A stream whose state could not be made still gets one that fails open (its
+        // request unrouted, the client's routing headers removed), not a null pointer.
+        let h = crate::guard::catch(|| crate::glue::HttpFilter::new(cfg, f))
+            .unwrap_or_else(|()| crate::glue::HttpFilter::unrouted(cfg, f));
         Box::into_raw(Box::new(std::cell::RefCell::new(h))).cast::<c_void>()
     })
 }
 
 /// Run hook `op` on the stream's state; "continue" (0) when the state is busy (a re-entrant
 /// hook: Envoy runs this stream's encoder hooks inside a local reply sent from one of its
-/// hooks) or the hook panicked.
-fn hook(m: *mut c_void, op: impl FnOnce(&mut crate::glue::HttpFilter) -> u32) -> u32 {
+/// hooks) or the hook panicked. `request`: a request hook, whose headers can still change
+/// ([`crate::glue::HttpFilter::panicked`]).
+fn hook(
+    m: *mut c_void,
+    request: bool,
+    op: impl FnOnce(&mut crate::glue::HttpFilter) -> u32,
+) -> u32 {
     // SAFETY: m is this stream's module pointer (hook contract).
     let Some(cell) = (unsafe { http(m) }) else {
         return 0;
@@ -762,7 +770,7 @@ fn hook(m: *mut c_void, op: impl FnOnce(&mut crate::glue::HttpFilter) -> u32) ->
     r.unwrap_or_else(|()| {
         // The state's borrow ended with the unwinding: mark the stream, count the fail-open.
         if let Ok(mut h) = cell.try_borrow_mut() {
-            h.panicked();
+            h.panicked(request);
         }
         0
     })
@@ -775,7 +783,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, |h| h.request_headers(eos))
+    hook(m, true, |h| h.request_headers(eos))
 }
 
 /// `request_body_status on_http_filter_request_body(filter_envoy_ptr, module_ptr, bool eos)`.
@@ -785,7 +793,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, |h| h.request_body(eos))
+    hook(m, true, |h| h.request_body(eos))
 }
 
 /// `request_trailers_status on_http_filter_request_trailers(filter_envoy_ptr, module_ptr)`.
@@ -794,7 +802,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     _e: *mut c_void,
     m: *mut c_void,
 ) -> u32 {
-    hook(m, |h| h.request_trailers())
+    hook(m, true, |h| h.request_trailers())
 }
 
 /// `response_headers_status on_http_filter_response_headers(filter_envoy_ptr, module_ptr, bool eos)`.
@@ -804,7 +812,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, |h| h.response_headers(eos))
+    hook(m, false, |h| h.response_headers(eos))
 }
 
 /// `response_body_status on_http_filter_response_body(filter_envoy_ptr, module_ptr, bool eos)`.
@@ -814,7 +822,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, |h| h.response_body(eos))
+    hook(m, false, |h| h.response_body(eos))
 }
 
 /// `response_trailers_status on_http_filter_response_trailers(filter_envoy_ptr, module_ptr)`.
@@ -833,7 +841,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     _e: *mut c_void,
     m: *mut c_void,
 ) {
-    hook(m, |h| {
+    hook(m, false, |h| {
         h.complete();
         0
     });
@@ -862,7 +870,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     m: *mut c_void,
     _id: u64,
 ) {
-    hook(m, |h| {
+    hook(m, false, |h| {
         h.scheduled();
         0
     });

@@ -736,6 +736,20 @@ pub struct HttpFilter {
     deferred: Vec<Deferred>,
 }
 
+/// Remove the client's routing headers ([`kvroute_filter::stream::client_routing_headers`])
+/// from stream `f`'s request headers, and clear the route cache when one was there.
+fn strip_client_routing(cfg: &Inner, f: Filter) {
+    let mut removed = false;
+    for name in kvroute_filter::stream::client_routing_headers(&cfg.config) {
+        if f.header(abi::REQUEST_HEADERS, name).is_some() {
+            removed |= f.set_header(abi::REQUEST_HEADERS, name, None);
+        }
+    }
+    if removed {
+        f.clear_route_cache();
+    }
+}
+
 /// `Flow` as every filter status enum numbers it: 0 Continue, 1 StopIteration (headers,
 /// trailers) / StopIterationAndBuffer (body).
 fn status(f: Flow) -> u32 {
@@ -784,16 +798,43 @@ impl HttpFilter {
         }
     }
 
+    /// A stream of `cfg` whose state could not be made ([`Self::new`] panicked): it routes
+    /// nothing, and its request headers hook removes the client's routing headers, so the
+    /// request takes Envoy's default route. Counted as a fail-open.
+    pub fn unrouted(cfg: &FilterConfig, filter: Filter) -> Self {
+        let cfg = cfg.0.clone();
+        if let Some((_, id)) = cfg.metrics.by_name.get(metric::FAIL_OPEN) {
+            cfg.handle.counter_add(*id, 1);
+        }
+        Self {
+            cfg,
+            filter,
+            context_id: 0,
+            serving: Serving::Nothing,
+            done: false,
+            failed: false,
+            parked: None,
+            deferred: Vec::new(),
+        }
+    }
+
     /// The deferred host calls of the last hook.
     pub fn take_deferred(&mut self) -> Vec<Deferred> {
         std::mem::take(&mut self.deferred)
     }
 
     /// A hook of this stream panicked: count it, and let the rest of the stream through.
-    pub fn panicked(&mut self) {
+    /// `request`: the hook was one of the request's (headers, body, trailers), whose headers
+    /// can still change: the client's routing headers are removed there
+    /// ([`strip_client_routing`]), since the panic may have come before the stream's own
+    /// removal, and the request goes on unrouted, to Envoy's default route.
+    pub fn panicked(&mut self, request: bool) {
         self.failed = true;
         if let Some((_, id)) = self.cfg.metrics.by_name.get(metric::FAIL_OPEN) {
             self.cfg.handle.counter_add(*id, 1);
+        }
+        if request && !self.done {
+            strip_client_routing(&self.cfg, self.filter);
         }
     }
 
@@ -860,7 +901,13 @@ impl HttpFilter {
         self.run(eos, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_headers(h, eos),
             Serving::Ingest(i) => i.on_request_headers(h, eos),
-            Serving::Nothing => Flow::Continue,
+            Serving::Nothing => {
+                // Unrouted: Envoy's default route, not one the client named.
+                if let Some(f) = h.target.get() {
+                    strip_client_routing(h.cfg, f);
+                }
+                Flow::Continue
+            }
         })
     }
 

@@ -99,13 +99,36 @@ pub fn error(
 const INVALID: &str = "invalid_request_error";
 const SERVER: &str = "server_error";
 
+/// Longest piece of client or snapshot text (a model name, a cluster, a path) a reply
+/// repeats, in bytes: a 100 KB model name came back whole in a 100 KB 404 (found by a
+/// breaker). Longer text is cut on a character boundary and its length given.
+pub const ECHO_MAX_BYTES: usize = 256;
+
+/// `text` as a reply repeats it: whole up to [`ECHO_MAX_BYTES`], else its first bytes up to
+/// that many (on a character boundary), `…` and its length in bytes.
+pub fn echo(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= ECHO_MAX_BYTES {
+        return text.into();
+    }
+    let mut cut = ECHO_MAX_BYTES;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!(
+        "{}… ({} bytes)",
+        text.get(..cut).unwrap_or_default(),
+        text.len()
+    )
+    .into()
+}
+
 /// 404: no endpoint lists `model`.
 pub fn model_not_found(model: &str) -> LocalReply {
     error(
         404,
         INVALID,
         "model_not_found",
-        &format!("The model `{model}` does not exist: no endpoint behind this gateway serves it (GET /v1/models lists those that do)."),
+        &format!("The model `{}` does not exist: no endpoint behind this gateway serves it (GET /v1/models lists those that do).", echo(model)),
         Some("model"),
         None,
     )
@@ -113,7 +136,10 @@ pub fn model_not_found(model: &str) -> LocalReply {
 
 /// 503: `model` is served, but by no healthy endpoint right now.
 pub fn no_healthy_endpoint(model: Option<&str>, retry_after_s: u32) -> LocalReply {
-    let what = model.map_or_else(|| "this request".to_owned(), |m| format!("model `{m}`"));
+    let what = model.map_or_else(
+        || "this request".to_owned(),
+        |m| format!("model `{}`", echo(m)),
+    );
     error(
         503,
         SERVER,
@@ -154,7 +180,7 @@ pub fn cluster_not_found(cluster: &str) -> LocalReply {
         503,
         SERVER,
         "cluster_not_found",
-        &format!("kvroute routed this request to Envoy cluster `{cluster}`, which this Envoy does not have: check pools[].endpoints[].cluster in kvroute-cp's config (it defaults to the pool's name) against the Envoy clusters."),
+        &format!("kvroute routed this request to Envoy cluster `{}`, which this Envoy does not have: check pools[].endpoints[].cluster in kvroute-cp's config (it defaults to the pool's name) against the Envoy clusters.", echo(cluster)),
         None,
         None,
     )
@@ -190,7 +216,23 @@ pub fn ingest_invalid(detail: &str) -> LocalReply {
         400,
         INVALID,
         "invalid_snapshot",
-        &format!("Invalid snapshot: {detail}"),
+        &format!("Invalid snapshot: {}", echo(detail)),
+        None,
+        None,
+    )
+}
+
+/// Ingest 415: the snapshot came with a `content-encoding` (`encoding`) other than
+/// identity; kvroute-cp sends it plain.
+pub fn ingest_encoded(encoding: &str) -> LocalReply {
+    error(
+        415,
+        INVALID,
+        "unsupported_encoding",
+        &format!(
+            "Snapshot sent with content-encoding `{}`; the ingest listener takes it uncompressed.",
+            echo(encoding)
+        ),
         None,
         None,
     )
@@ -202,7 +244,7 @@ pub fn ingest_not_found(path: &str) -> LocalReply {
         404,
         INVALID,
         "not_found",
-        &format!("No ingest route at `{path}`."),
+        &format!("No ingest route at `{}`.", echo(path)),
         None,
         None,
     )
@@ -376,6 +418,25 @@ mod tests {
             peer_inflight_requests: 0,
             peer_inflight_tokens: 0,
         }
+    }
+
+    /// Text a reply repeats is cut at [`ECHO_MAX_BYTES`] on a character boundary, with its
+    /// length; shorter text is repeated whole.
+    #[test]
+    fn long_names_are_cut_in_replies() {
+        assert_eq!(echo("gpt-x"), "gpt-x");
+        let at_limit = "m".repeat(ECHO_MAX_BYTES);
+        assert_eq!(echo(&at_limit), at_limit.as_str());
+        let long = "m".repeat(100_000);
+        assert_eq!(echo(&long), format!("{}… (100000 bytes)", "m".repeat(256)));
+        // 255 ASCII bytes then a 3-byte character that straddles the limit: cut before it.
+        let straddle = format!("{}东东", "a".repeat(255));
+        assert_eq!(echo(&straddle), format!("{}… (261 bytes)", "a".repeat(255)));
+        let r = model_not_found(&long);
+        assert!(r.body.len() < 600, "{} bytes", r.body.len());
+        assert!(r.body.contains("(100000 bytes)"), "{}", r.body);
+        let r = ingest_invalid(&long);
+        assert!(r.body.len() < 600, "{} bytes", r.body.len());
     }
 
     #[test]

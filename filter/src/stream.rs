@@ -97,6 +97,19 @@ struct AwaitFirstToken {
     chunks: u32,
 }
 
+/// The request headers a client could choose its own backend (or fake a decision) with:
+/// the routing header of either mode and [`DECISION_HEADER`]. The filter removes them from
+/// every request before it decides, and the native build also when it fails open (a panic,
+/// no worker), so that an unrouted request takes Envoy's default route, not the backend a
+/// client named.
+pub fn client_routing_headers(config: &kvroute_core::plugin_config::Config) -> [&str; 3] {
+    [
+        config.cluster_header.as_str(),
+        config.endpoint_header.as_str(),
+        DECISION_HEADER,
+    ]
+}
+
 /// What a decision has of the request body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Body<'a> {
@@ -209,11 +222,7 @@ impl Stream {
             // below do not reach the worker.
             let w = self.worker.borrow();
             // A client must not choose its own backend.
-            for name in [
-                w.config.cluster_header.as_str(),
-                w.config.endpoint_header.as_str(),
-                DECISION_HEADER,
-            ] {
+            for name in client_routing_headers(&w.config) {
                 if get(name).is_some() {
                     host.set_request_header(name, None);
                 }
@@ -224,7 +233,12 @@ impl Stream {
         // until a timeout (found by a breaker: plain Envoy answers 404 at once); like an
         // upgrade it is decided now.
         let tunnel = get("upgrade").is_some() || get(":method") == Some(b"CONNECT".as_slice());
-        let encoded = get("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"));
+        // An empty value (or `identity`) encodes nothing (found by a breaker: `content-encoding:`
+        // with nothing after it sent a plain body to be routed by load alone).
+        let encoded = get("content-encoding").is_some_and(|e| {
+            let e = e.trim_ascii();
+            !e.is_empty() && !e.eq_ignore_ascii_case(b"identity")
+        });
         let too_big = headers
             .get_str("content-length")
             .and_then(|l| l.trim().parse::<u64>().ok())
@@ -919,6 +933,23 @@ mod tests {
         // Releases reach the other workers (and the counter) with the tick.
         w.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
+    }
+
+    /// `content-encoding` that is empty, blank or `identity` (any case) encodes nothing: the
+    /// body is read and routed by its prompt.
+    #[test]
+    fn an_empty_or_identity_content_encoding_reads_the_body() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        for value in ["", " ", "identity", "IDENTITY", " identity "] {
+            let r =
+                request(&h, "/v1/chat/completions", BODY).with_header("content-encoding", value);
+            let mut s = Stream::new(w.clone(), 3);
+            assert_eq!(s.on_request_headers(&r, false), Flow::Pause, "{value:?}");
+            assert_eq!(s.on_request_body(&r, BODY.len(), true), Flow::Continue);
+            s.on_done(&r);
+        }
+        assert_eq!(h.metric(metric::DECISIONS_POLICY), 5);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 0);
     }
 
     #[test]

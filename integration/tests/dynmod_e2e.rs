@@ -263,6 +263,43 @@ async fn a_panic_fails_open_and_envoy_lives() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
     assert!(fleet.log_tail(200).contains("panic caught"));
+    // A client naming its own backend while the hook panics (before the stream's own
+    // removal of the routing headers) does not get it: the headers go, and the default
+    // route's round robin reaches both backends (found by a breaker: all four went to c0).
+    for i in 0..4 {
+        let r = kvroute_integration::harness::http::request(
+            "POST",
+            &fleet.url("/v1/chat/completions"),
+            &[
+                ("content-type", "application/json"),
+                ("x-kvroute-test-panic", "1"),
+                ("x-kvroute-cluster", "c0"),
+                ("x-kvroute-decision", "forged"),
+            ],
+            &chat(&format!("named {i}")),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 5);
+    let named: Vec<_> = fleet
+        .backends
+        .iter()
+        .flat_map(|b| b.requests())
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
+        .collect();
+    assert_eq!(named.len(), 4);
+    for r in &named {
+        assert_eq!(r.header("x-kvroute-cluster"), None);
+        assert_eq!(r.header("x-kvroute-decision"), None);
+    }
+    let to_b1 = fleet.backends[1]
+        .requests()
+        .iter()
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
+        .count();
+    assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
     // The next request is routed as usual.
     let r = fleet
         .post("/v1/chat/completions", &chat("after"))
