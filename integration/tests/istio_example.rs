@@ -145,6 +145,23 @@ fn apply(cfg: &mut Value, patches: &[Value]) -> Vec<usize> {
                     }
                 }
             }
+            ("ROUTE_CONFIGURATION", "MERGE") => {
+                let port = m["routeConfiguration"]["portNumber"].as_u64();
+                for l in res["listeners"].as_array_mut().unwrap() {
+                    if port_of(l) != port {
+                        continue;
+                    }
+                    for chain in l["filter_chains"].as_array_mut().unwrap() {
+                        for f in chain["filters"].as_array_mut().unwrap() {
+                            let rc = &mut f["typed_config"]["route_config"];
+                            if rc.is_object() {
+                                merge(rc, value);
+                                n += 1;
+                            }
+                        }
+                    }
+                }
+            }
             other => panic!("patch kind {other:?} not handled by this test"),
         }
         counts.push(n);
@@ -199,6 +216,10 @@ fn envoyfilter_patches_apply_to_a_gateway_and_validate() {
         cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
             ["override_host_sources"],
         json!([{"header": "x-gateway-destination-endpoint"}])
+    );
+    assert_eq!(
+        hcm["route_config"]["internal_only_headers"],
+        json!(["x-gateway-destination-endpoint", "x-kvroute-decision"])
     );
     let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
     assert_eq!(route["route"]["retry_policy"]["num_retries"], 2);
