@@ -276,6 +276,12 @@ pub fn log(level: LogLevel, msg: &str) {
 pub struct Filter(usize);
 
 impl Filter {
+    /// A filter handle for unit tests (never passed to Envoy).
+    #[cfg(test)]
+    pub fn for_tests(n: usize) -> Self {
+        Self(n)
+    }
+
     fn ptr(self) -> *mut c_void {
         self.0 as *mut c_void
     }
@@ -768,10 +774,13 @@ fn hook(
         status
     });
     r.unwrap_or_else(|()| {
-        // The state's borrow ended with the unwinding: mark the stream, count the fail-open.
-        if let Ok(mut h) = cell.try_borrow_mut() {
-            h.panicked(request);
-        }
+        // The state's borrow ended with the unwinding: mark the stream, count the fail-open,
+        // and run what the hook left for other streams (a tick's resumes).
+        let deferred = match cell.try_borrow_mut() {
+            Ok(mut h) => h.panicked(request),
+            Err(_) => crate::glue::take_orphaned(),
+        };
+        let _ = crate::guard::catch(|| crate::glue::run_deferred(deferred));
         0
     })
 }

@@ -527,6 +527,31 @@ struct DmHost<'a> {
     now_ms: Option<u64>,
 }
 
+thread_local! {
+    /// Deferred host calls of hosts dropped by a panic's unwinding ([`take_orphaned`]).
+    static ORPHANED: RefCell<Vec<Deferred>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Drop for DmHost<'_> {
+    /// A host dropped by a panic keeps its deferred calls for the hook's panic path: a tick
+    /// that took parked requests from the admission queue and re-decided them before the
+    /// panic left their resumes (or replies) here, and without them those requests would
+    /// wait for Envoy's stream idle timeout (found by a breaker, reading the code).
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let d = self.deferred.take();
+            if !d.is_empty() {
+                ORPHANED.with(|o| o.borrow_mut().extend(d));
+            }
+        }
+    }
+}
+
+/// The deferred calls of hosts a panic dropped on this thread ([`DmHost`]'s `Drop`).
+pub fn take_orphaned() -> Vec<Deferred> {
+    ORPHANED.with(|o| std::mem::take(&mut *o.borrow_mut()))
+}
+
 impl<'a> DmHost<'a> {
     /// A host for one hook; `now_ms` ([`DmHost::now_ms`]): its clock, or `None` to read the
     /// clock at each call.
@@ -622,10 +647,8 @@ impl Host for DmHost<'_> {
         // version (proxy-wasm has one consumer, the ingest VM's root context).
         static CONSUMING: Mutex<()> = Mutex::new(());
         let _one = CONSUMING.lock().unwrap_or_else(|e| e.into_inner());
-        let to = DmHost {
-            ns: vm_id,
-            ..DmHost::new(self.cfg, None, None)
-        };
+        let mut to = DmHost::new(self.cfg, None, None);
+        to.ns = vm_id;
         consume_snapshots(&to, vec![data.to_vec()]);
         Ok(())
     }
@@ -750,6 +773,14 @@ fn strip_client_routing(cfg: &Inner, f: Filter) {
     }
 }
 
+/// Drop the deferred calls that target stream `me` (a reply to it, its resume).
+fn drop_calls_to(deferred: &mut Vec<Deferred>, me: Filter) {
+    deferred.retain(|d| match d {
+        Deferred::Reply { to, .. } => *to != me,
+        Deferred::Resume(f) => *f != me,
+    });
+}
+
 /// `Flow` as every filter status enum numbers it: 0 Continue, 1 StopIteration (headers,
 /// trailers) / StopIterationAndBuffer (body).
 fn status(f: Flow) -> u32 {
@@ -828,7 +859,11 @@ impl HttpFilter {
     /// can still change: the client's routing headers are removed there
     /// ([`strip_client_routing`]), since the panic may have come before the stream's own
     /// removal, and the request goes on unrouted, to Envoy's default route.
-    pub fn panicked(&mut self, request: bool) {
+    ///
+    /// Returns the deferred calls the hook left for other streams (this stream's own are
+    /// dropped: it goes on unrouted), with those of hosts the panic dropped
+    /// ([`take_orphaned`]): a tick's resumes of parked requests still run.
+    pub fn panicked(&mut self, request: bool) -> Vec<Deferred> {
         self.failed = true;
         if let Some((_, id)) = self.cfg.metrics.by_name.get(metric::FAIL_OPEN) {
             self.cfg.handle.counter_add(*id, 1);
@@ -836,6 +871,10 @@ impl HttpFilter {
         if request && !self.done {
             strip_client_routing(&self.cfg, self.filter);
         }
+        let mut d = self.take_deferred();
+        d.extend(take_orphaned());
+        drop_calls_to(&mut d, self.filter);
+        d
     }
 
     /// Run `op` with this stream's host (after the worker's tick when due), keep the
@@ -1006,11 +1045,7 @@ impl HttpFilter {
     pub fn destroy(&mut self) {
         if !self.done {
             self.finish(false);
-            let me = self.filter;
-            self.deferred.retain(|d| match d {
-                Deferred::Reply { to, .. } => *to != me,
-                Deferred::Resume(f) => *f != me,
-            });
+            drop_calls_to(&mut self.deferred, self.filter);
         }
         if let Some(key) = self.parked.take() {
             unpark(key);
@@ -1024,6 +1059,42 @@ mod tests {
 
     /// Configs with different `vm_id`s see different shared data, as proxy-wasm VMs do;
     /// the ingest role's snapshot goes into the `vm_id` it names.
+    /// A host dropped by a panic leaves its deferred calls for the hook's panic path: a
+    /// tick's resume of a parked request is not lost with it.
+    #[test]
+    fn a_panic_keeps_the_deferred_calls_of_its_hosts() {
+        let a = config_new(ConfigHandle::for_tests(), b"a", br#"{"mode":"cluster"}"#).unwrap();
+        assert!(take_orphaned().is_empty());
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let h = DmHost::new(&a.0, Some(Filter::for_tests(7)), None);
+            h.resume_request();
+            #[allow(clippy::panic)] // The point of the test.
+            {
+                panic!("deliberate");
+            }
+        }));
+        assert!(r.is_err());
+        let d = take_orphaned();
+        assert!(
+            matches!(d.as_slice(), [Deferred::Resume(f)] if *f == Filter::for_tests(7)),
+            "{d:?}"
+        );
+        assert!(take_orphaned().is_empty());
+        // Without a panic the calls stay with the host (taken by its hook as usual).
+        let h = DmHost::new(&a.0, Some(Filter::for_tests(7)), None);
+        h.resume_request();
+        assert_eq!(h.deferred.take().len(), 1);
+        drop(h);
+        assert!(take_orphaned().is_empty());
+        // The panic path keeps the calls for other streams only.
+        let mut d = vec![
+            Deferred::Resume(Filter::for_tests(7)),
+            Deferred::Resume(Filter::for_tests(8)),
+        ];
+        drop_calls_to(&mut d, Filter::for_tests(7));
+        assert!(matches!(d.as_slice(), [Deferred::Resume(f)] if *f == Filter::for_tests(8)));
+    }
+
     #[test]
     fn configs_with_different_vm_ids_share_nothing() {
         let a = config_new(ConfigHandle::for_tests(), b"a", br#"{"mode":"cluster"}"#).unwrap();
