@@ -539,9 +539,17 @@ impl Drop for DmHost<'_> {
     /// wait for Envoy's stream idle timeout (found by a breaker, reading the code).
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let d = self.deferred.take();
-            if !d.is_empty() {
-                ORPHANED.with(|o| o.borrow_mut().extend(d));
+            // Nothing here may panic (a panic while unwinding aborts Envoy): `try_` forms
+            // throughout, and the calls are dropped if the thread's state is gone.
+            if let Ok(mut d) = self.deferred.try_borrow_mut() {
+                let d = std::mem::take(&mut *d);
+                if !d.is_empty() {
+                    let _ = ORPHANED.try_with(|o| {
+                        if let Ok(mut o) = o.try_borrow_mut() {
+                            o.extend(d);
+                        }
+                    });
+                }
             }
         }
     }
@@ -549,7 +557,11 @@ impl Drop for DmHost<'_> {
 
 /// The deferred calls of hosts a panic dropped on this thread ([`DmHost`]'s `Drop`).
 pub fn take_orphaned() -> Vec<Deferred> {
-    ORPHANED.with(|o| std::mem::take(&mut *o.borrow_mut()))
+    ORPHANED
+        .try_with(|o| o.try_borrow_mut().map(|mut o| std::mem::take(&mut *o)))
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default()
 }
 
 impl<'a> DmHost<'a> {
