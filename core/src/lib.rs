@@ -23,6 +23,7 @@
 pub mod admission;
 pub mod affinity;
 pub mod analysis;
+pub mod echo;
 pub mod estimate;
 pub mod inflight;
 mod json_scan;

@@ -367,13 +367,15 @@ impl Snapshot {
             if let Err((field, reason)) = e.validate() {
                 return Err(SnapshotError::InvalidEndpoint {
                     index,
-                    id: e.id.clone(),
+                    id: crate::echo::echo(&e.id).into_owned(),
                     field,
                     reason,
                 });
             }
             if !seen.insert(e.id.as_str()) {
-                return Err(SnapshotError::DuplicateId(e.id.clone()));
+                return Err(SnapshotError::DuplicateId(
+                    crate::echo::echo(&e.id).into_owned(),
+                ));
             }
         }
         Ok(())

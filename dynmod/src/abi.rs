@@ -27,6 +27,7 @@
 
 #![allow(unsafe_code)] // The FFI boundary with Envoy; see the SAFETY notes.
 
+use crate::glue::Hooked;
 use std::ffi::c_void;
 use std::ptr;
 
@@ -751,11 +752,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
 
 /// Run hook `op` on the stream's state; "continue" (0) when the state is busy (a re-entrant
 /// hook: Envoy runs this stream's encoder hooks inside a local reply sent from one of its
-/// hooks) or the hook panicked. `request`: a request hook, whose headers can still change
+/// hooks) or the hook panicked. `hooked`: which kind of hook it is, for the panic path
 /// ([`crate::glue::HttpFilter::panicked`]).
 fn hook(
     m: *mut c_void,
-    request: bool,
+    hooked: Hooked,
     op: impl FnOnce(&mut crate::glue::HttpFilter) -> u32,
 ) -> u32 {
     // SAFETY: m is this stream's module pointer (hook contract).
@@ -777,7 +778,7 @@ fn hook(
         // The state's borrow ended with the unwinding: mark the stream, count the fail-open,
         // and run what the hook left for other streams (a tick's resumes).
         let deferred = match cell.try_borrow_mut() {
-            Ok(mut h) => h.panicked(request),
+            Ok(mut h) => crate::guard::catch(|| h.panicked(hooked)).unwrap_or_default(),
             Err(_) => crate::glue::take_orphaned(),
         };
         let _ = crate::guard::catch(|| crate::glue::run_deferred(deferred));
@@ -792,7 +793,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, true, |h| h.request_headers(eos))
+    hook(m, Hooked::Request, |h| h.request_headers(eos))
 }
 
 /// `request_body_status on_http_filter_request_body(filter_envoy_ptr, module_ptr, bool eos)`.
@@ -802,7 +803,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, true, |h| h.request_body(eos))
+    hook(m, Hooked::Request, |h| h.request_body(eos))
 }
 
 /// `request_trailers_status on_http_filter_request_trailers(filter_envoy_ptr, module_ptr)`.
@@ -811,7 +812,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     _e: *mut c_void,
     m: *mut c_void,
 ) -> u32 {
-    hook(m, true, |h| h.request_trailers())
+    hook(m, Hooked::Request, |h| h.request_trailers())
 }
 
 /// `response_headers_status on_http_filter_response_headers(filter_envoy_ptr, module_ptr, bool eos)`.
@@ -821,7 +822,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, false, |h| h.response_headers(eos))
+    hook(m, Hooked::Other, |h| h.response_headers(eos))
 }
 
 /// `response_body_status on_http_filter_response_body(filter_envoy_ptr, module_ptr, bool eos)`.
@@ -831,7 +832,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     m: *mut c_void,
     eos: bool,
 ) -> u32 {
-    hook(m, false, |h| h.response_body(eos))
+    hook(m, Hooked::Other, |h| h.response_body(eos))
 }
 
 /// `response_trailers_status on_http_filter_response_trailers(filter_envoy_ptr, module_ptr)`.
@@ -850,7 +851,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     _e: *mut c_void,
     m: *mut c_void,
 ) {
-    hook(m, false, |h| {
+    hook(m, Hooked::Other, |h| {
         h.complete();
         0
     });
@@ -879,7 +880,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     m: *mut c_void,
     _id: u64,
 ) {
-    hook(m, false, |h| {
+    hook(m, Hooked::Scheduled, |h| {
         h.scheduled();
         0
     });

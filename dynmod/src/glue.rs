@@ -768,6 +768,9 @@ pub struct HttpFilter {
     failed: bool,
     /// Registration with the admission ticker while parked.
     parked: Option<u64>,
+    /// The request headers have not gone on past this filter: true until a request hook
+    /// answers "continue" ([`Self::panicked`] removes the client's routing headers only then).
+    held: bool,
     deferred: Vec<Deferred>,
 }
 
@@ -783,6 +786,17 @@ fn strip_client_routing(cfg: &Inner, f: Filter) {
     if removed {
         f.clear_route_cache();
     }
+}
+
+/// Which kind of hook panicked ([`HttpFilter::panicked`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hooked {
+    /// A request hook (headers, body, trailers): it answers "continue" itself.
+    Request,
+    /// The ticker's wake-up (`on_http_filter_scheduled`): it answers nothing.
+    Scheduled,
+    /// A response hook, or the stream's end.
+    Other,
 }
 
 /// Drop the deferred calls that target stream `me` (a reply to it, its resume).
@@ -837,6 +851,7 @@ impl HttpFilter {
             done: false,
             failed: false,
             parked: None,
+            held: true,
             deferred: Vec::new(),
         }
     }
@@ -857,6 +872,7 @@ impl HttpFilter {
             done: false,
             failed: false,
             parked: None,
+            held: true,
             deferred: Vec::new(),
         }
     }
@@ -866,26 +882,43 @@ impl HttpFilter {
         std::mem::take(&mut self.deferred)
     }
 
-    /// A hook of this stream panicked: count it, and let the rest of the stream through.
-    /// `request`: the hook was one of the request's (headers, body, trailers), whose headers
-    /// can still change: the client's routing headers are removed there
-    /// ([`strip_client_routing`]), since the panic may have come before the stream's own
-    /// removal, and the request goes on unrouted, to Envoy's default route.
+    /// A hook of this stream panicked (`hooked`: which kind): count it, and let the rest of
+    /// the stream through. Returns the deferred calls to run now: the hook's, and those of
+    /// hosts the panic dropped ([`take_orphaned`]), so that a tick's resumes of parked
+    /// requests are not lost.
     ///
-    /// Returns the deferred calls the hook left for other streams (this stream's own are
-    /// dropped: it goes on unrouted), with those of hosts the panic dropped
-    /// ([`take_orphaned`]): a tick's resumes of parked requests still run.
-    pub fn panicked(&mut self, request: bool) -> Vec<Deferred> {
+    /// - A request hook answers "continue" itself: this stream's own deferred calls are
+    ///   dropped, it leaves the admission queue if parked there, and while its headers are
+    ///   still held ([`Self::held`]) the client's routing headers are removed
+    ///   ([`strip_client_routing`]): the panic may have come before the stream's own removal
+    ///   of them, and the request goes on unrouted, to Envoy's default route.
+    /// - The ticker's wake-up answers nothing: this stream's own calls are kept, since a
+    ///   resume (or reply) the tick decided for it is its only way on.
+    /// - A response hook or the stream's end: its own calls are dropped.
+    pub fn panicked(&mut self, hooked: Hooked) -> Vec<Deferred> {
         self.failed = true;
         if let Some((_, id)) = self.cfg.metrics.by_name.get(metric::FAIL_OPEN) {
             self.cfg.handle.counter_add(*id, 1);
         }
-        if request && !self.done {
-            strip_client_routing(&self.cfg, self.filter);
-        }
         let mut d = self.take_deferred();
         d.extend(take_orphaned());
-        drop_calls_to(&mut d, self.filter);
+        if hooked != Hooked::Scheduled {
+            drop_calls_to(&mut d, self.filter);
+        }
+        if hooked == Hooked::Request && !self.done {
+            if let Serving::Route { stream, .. } = &mut self.serving {
+                let host = DmHost::new(&self.cfg, Some(self.filter), None);
+                stream.leave_queue(&host);
+                d.extend(host.deferred.take());
+            }
+            if let Some(key) = self.parked.take() {
+                unpark(key);
+            }
+            if self.held {
+                strip_client_routing(&self.cfg, self.filter);
+                self.held = false;
+            }
+        }
         d
     }
 
@@ -949,7 +982,7 @@ impl HttpFilter {
                 panic!("kvroute: deliberate test panic ({TEST_PANIC_HEADER})");
             }
         }
-        self.run(eos, |s, h| match s {
+        let st = self.run(eos, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_headers(h, eos),
             Serving::Ingest(i) => i.on_request_headers(h, eos),
             Serving::Nothing => {
@@ -959,26 +992,32 @@ impl HttpFilter {
                 }
                 Flow::Continue
             }
-        })
+        });
+        self.held = st != 0;
+        st
     }
 
     /// `on_http_filter_request_body`.
     pub fn request_body(&mut self, eos: bool) -> u32 {
         let size = self.filter.request_body_size();
-        self.run(eos, |s, h| match s {
+        let st = self.run(eos, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_body(h, size, eos),
             Serving::Ingest(i) => i.on_request_body(h, size, eos),
             Serving::Nothing => Flow::Continue,
-        })
+        });
+        self.held = st != 0;
+        st
     }
 
     /// `on_http_filter_request_trailers`.
     pub fn request_trailers(&mut self) -> u32 {
-        self.run(true, |s, h| match s {
+        let st = self.run(true, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_trailers(h),
             Serving::Ingest(i) => i.on_request_trailers(h),
             Serving::Nothing => Flow::Continue,
-        })
+        });
+        self.held = st != 0;
+        st
     }
 
     /// `on_http_filter_response_headers`.
@@ -1069,8 +1108,6 @@ impl HttpFilter {
 mod tests {
     use super::*;
 
-    /// Configs with different `vm_id`s see different shared data, as proxy-wasm VMs do;
-    /// the ingest role's snapshot goes into the `vm_id` it names.
     /// A host dropped by a panic leaves its deferred calls for the hook's panic path: a
     /// tick's resume of a parked request is not lost with it.
     #[test]
@@ -1107,6 +1144,47 @@ mod tests {
         assert!(matches!(d.as_slice(), [Deferred::Resume(f)] if *f == Filter::for_tests(8)));
     }
 
+    /// What a panicked hook's stream keeps of the deferred calls: the ticker's wake-up keeps
+    /// the stream's own (a resume the tick decided for it is its only way on), a request or
+    /// response hook drops them (it answers "continue" itself); calls for other streams,
+    /// and those of hosts the panic dropped, always run.
+    #[test]
+    fn a_panicked_hook_keeps_what_other_streams_need() {
+        let cfg = config_new(ConfigHandle::for_tests(), b"p", br#"{"mode":"cluster"}"#).unwrap();
+        let (me, other) = (Filter::for_tests(7), Filter::for_tests(8));
+        let targets = |d: &[Deferred]| -> Vec<Filter> {
+            d.iter()
+                .map(|d| match d {
+                    Deferred::Reply { to, .. } => *to,
+                    Deferred::Resume(f) => *f,
+                })
+                .collect()
+        };
+        for (hooked, want) in [
+            (Hooked::Scheduled, vec![me, other, other]),
+            (Hooked::Request, vec![other, other]),
+            (Hooked::Other, vec![other, other]),
+        ] {
+            let mut h = HttpFilter::unrouted(&cfg, me);
+            h.deferred = vec![Deferred::Resume(me), Deferred::Resume(other)];
+            // A host the panic dropped, holding a tick's resume of another stream.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let host = DmHost::new(&cfg.0, Some(other), None);
+                host.resume_request();
+                #[allow(clippy::panic)] // The point of the test.
+                {
+                    panic!("deliberate");
+                }
+            }));
+            let d = h.panicked(hooked);
+            assert_eq!(targets(&d), want, "{hooked:?}");
+            assert!(h.failed);
+            assert!(take_orphaned().is_empty());
+        }
+    }
+
+    /// Configs with different `vm_id`s see different shared data, as proxy-wasm VMs do;
+    /// the ingest role's snapshot goes into the `vm_id` it names.
     #[test]
     fn configs_with_different_vm_ids_share_nothing() {
         let a = config_new(ConfigHandle::for_tests(), b"a", br#"{"mode":"cluster"}"#).unwrap();

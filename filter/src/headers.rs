@@ -94,6 +94,15 @@ impl HeaderMap {
     }
 }
 
+/// Whether a `content-encoding` value encodes the body: anything but empty (or blank) and
+/// `identity` (any case; RFC 9110 §8.4.1). Both the request path (an encoded body is routed
+/// by load, unread) and the ingest listener (415) ask this; an empty value counted as
+/// encoded until a breaker sent `content-encoding:` with nothing after it.
+pub fn encodes(value: &[u8]) -> bool {
+    let v = value.trim_ascii();
+    !v.is_empty() && !v.eq_ignore_ascii_case(b"identity")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

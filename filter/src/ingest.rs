@@ -145,11 +145,13 @@ impl IngestStream {
         }
         // A compressed snapshot would fail to decode with a parse error at its first byte
         // (found by a breaker): named for what it is instead.
-        if let Some(e) = host.request_header("content-encoding") {
-            let e = e.trim();
-            if !e.is_empty() && !e.eq_ignore_ascii_case("identity") {
-                return self.reject(host, &reply::ingest_encoded(e));
-            }
+        let headers = host.request_headers();
+        if let Some(e) = headers
+            .get("content-encoding")
+            .filter(|e| crate::headers::encodes(e))
+        {
+            let e = String::from_utf8_lossy(e.trim_ascii());
+            return self.reject(host, &reply::ingest_encoded(&e));
         }
         if end_of_stream {
             return self.finish(host, &[]);

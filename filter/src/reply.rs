@@ -99,28 +99,12 @@ pub fn error(
 const INVALID: &str = "invalid_request_error";
 const SERVER: &str = "server_error";
 
-/// Longest piece of client or snapshot text (a model name, a cluster, a path) a reply
-/// repeats, in bytes: a 100 KB model name came back whole in a 100 KB 404 (found by a
-/// breaker). Longer text is cut on a character boundary and its length given.
-pub const ECHO_MAX_BYTES: usize = 256;
+use kvroute_core::echo::{echo, echo_within};
 
-/// `text` as a reply repeats it: whole up to [`ECHO_MAX_BYTES`], else its first bytes up to
-/// that many (on a character boundary), `…` and its length in bytes.
-pub fn echo(text: &str) -> std::borrow::Cow<'_, str> {
-    if text.len() <= ECHO_MAX_BYTES {
-        return text.into();
-    }
-    let mut cut = ECHO_MAX_BYTES;
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!(
-        "{}… ({} bytes)",
-        text.get(..cut).unwrap_or_default(),
-        text.len()
-    )
-    .into()
-}
+/// How much of a message from elsewhere (a snapshot's decode error, which quotes field names
+/// from the body) an ingest reply repeats, in bytes: the quoted names in it are already
+/// bounded ([`echo`]), this bounds the rest.
+const DETAIL_MAX_BYTES: usize = 2048;
 
 /// 404: no endpoint lists `model`.
 pub fn model_not_found(model: &str) -> LocalReply {
@@ -216,7 +200,10 @@ pub fn ingest_invalid(detail: &str) -> LocalReply {
         400,
         INVALID,
         "invalid_snapshot",
-        &format!("Invalid snapshot: {}", echo(detail)),
+        &format!(
+            "Invalid snapshot: {}",
+            echo_within(detail, DETAIL_MAX_BYTES)
+        ),
         None,
         None,
     )
@@ -420,23 +407,32 @@ mod tests {
         }
     }
 
-    /// Text a reply repeats is cut at [`ECHO_MAX_BYTES`] on a character boundary, with its
-    /// length; shorter text is repeated whole.
+    /// A reply quotes at most [`kvroute_core::echo::ECHO_MAX_BYTES`] of a name (a 100 KB
+    /// model name came back whole in a 100 KB 404); an invalid snapshot's reply keeps its
+    /// reason when the id it quotes is long.
     #[test]
     fn long_names_are_cut_in_replies() {
-        assert_eq!(echo("gpt-x"), "gpt-x");
-        let at_limit = "m".repeat(ECHO_MAX_BYTES);
-        assert_eq!(echo(&at_limit), at_limit.as_str());
         let long = "m".repeat(100_000);
-        assert_eq!(echo(&long), format!("{}… (100000 bytes)", "m".repeat(256)));
-        // 255 ASCII bytes then a 3-byte character that straddles the limit: cut before it.
-        let straddle = format!("{}东东", "a".repeat(255));
-        assert_eq!(echo(&straddle), format!("{}… (261 bytes)", "a".repeat(255)));
         let r = model_not_found(&long);
         assert!(r.body.len() < 600, "{} bytes", r.body.len());
         assert!(r.body.contains("(100000 bytes)"), "{}", r.body);
-        let r = ingest_invalid(&long);
-        assert!(r.body.len() < 600, "{} bytes", r.body.len());
+        let bad = kvroute_core::snapshot::SnapshotError::InvalidEndpoint {
+            index: 3,
+            id: kvroute_core::echo::echo(&"e".repeat(1100)).into_owned(),
+            field: "id",
+            reason: "is longer than 1024 bytes",
+        };
+        let r = ingest_invalid(&bad.to_string());
+        assert!(r.body.len() < 800, "{} bytes", r.body.len());
+        assert!(
+            r.body
+                .contains("(1100 bytes)`): field `id` is longer than 1024 bytes"),
+            "{}",
+            r.body
+        );
+        let r = ingest_invalid(&"东".repeat(10_000));
+        assert!(r.body.len() < 2300, "{} bytes", r.body.len());
+        assert!(r.body.contains("(30000 bytes)"), "{}", r.body);
     }
 
     #[test]

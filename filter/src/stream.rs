@@ -233,12 +233,7 @@ impl Stream {
         // until a timeout (found by a breaker: plain Envoy answers 404 at once); like an
         // upgrade it is decided now.
         let tunnel = get("upgrade").is_some() || get(":method") == Some(b"CONNECT".as_slice());
-        // An empty value (or `identity`) encodes nothing (found by a breaker: `content-encoding:`
-        // with nothing after it sent a plain body to be routed by load alone).
-        let encoded = get("content-encoding").is_some_and(|e| {
-            let e = e.trim_ascii();
-            !e.is_empty() && !e.eq_ignore_ascii_case(b"identity")
-        });
+        let encoded = get("content-encoding").is_some_and(crate::headers::encodes);
         let too_big = headers
             .get_str("content-length")
             .and_then(|l| l.trim().parse::<u64>().ok())
@@ -707,16 +702,24 @@ impl Stream {
         }
     }
 
-    /// The stream is finished (completed, reset, or failed). Releases any reservation and
-    /// leaves the admission queue.
-    pub fn on_done<H: Host>(&mut self, host: &H) {
+    /// Leave the admission queue if parked there (a resumption the tick already decided is
+    /// adopted first, so that its reservation goes with the stream): the stream is done, or
+    /// (the native build) one of its request hooks failed open and it goes on unrouted.
+    pub fn leave_queue<H: Host>(&mut self, host: &H) {
         self.adopt_resumed(host);
         if self.queued {
             let id = self.context_id;
             let mut w = self.worker.borrow_mut();
             w.admission.remove_where(|p| p.context_id == id);
             w.report_queue_length(host);
+            self.queued = false;
         }
+    }
+
+    /// The stream is finished (completed, reset, or failed). Releases any reservation and
+    /// leaves the admission queue.
+    pub fn on_done<H: Host>(&mut self, host: &H) {
+        self.leave_queue(host);
         self.release();
     }
 }

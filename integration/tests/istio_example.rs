@@ -153,8 +153,12 @@ fn apply(cfg: &mut Value, patches: &[Value]) -> Vec<usize> {
                     }
                     for chain in l["filter_chains"].as_array_mut().unwrap() {
                         for f in chain["filters"].as_array_mut().unwrap() {
-                            let rc = &mut f["typed_config"]["route_config"];
-                            if rc.is_object() {
+                            // `get_mut`: indexing would add `route_config: null` elsewhere.
+                            let rc = f
+                                .get_mut("typed_config")
+                                .and_then(|t| t.get_mut("route_config"))
+                                .filter(|rc| rc.is_object());
+                            if let Some(rc) = rc {
                                 merge(rc, value);
                                 n += 1;
                             }
