@@ -744,8 +744,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     crate::guard::fail_open(ptr::null_mut(), || {
         // A stream whose state could not be made still gets one that fails open (its
         // request unrouted, the client's routing headers removed), not a null pointer.
-        let h = crate::guard::catch(|| crate::glue::HttpFilter::new(cfg, f))
-            .unwrap_or_else(|()| crate::glue::HttpFilter::unrouted(cfg, f));
+        let h = crate::guard::catch(|| crate::glue::HttpFilter::new(cfg, f)).unwrap_or_else(|()| {
+            // A new worker's hosts resume nothing; never keep their calls for later.
+            drop(crate::glue::take_orphaned());
+            crate::glue::HttpFilter::unrouted(cfg, f)
+        });
         Box::into_raw(Box::new(std::cell::RefCell::new(h))).cast::<c_void>()
     })
 }
@@ -865,11 +868,22 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
     }
     // SAFETY: made by Box::into_raw in on_http_filter_new; Envoy destroys it once.
     let cell = unsafe { Box::from_raw(m.cast::<Http>()) };
-    crate::guard::fail_open((), move || {
-        let mut h = cell.into_inner();
+    let mut h = cell.into_inner();
+    let me = h.filter();
+    if crate::guard::catch(|| {
         h.destroy();
         crate::glue::run_deferred(h.take_deferred());
-    });
+    })
+    .is_err()
+    {
+        // What the panic left for other streams (a final tick's resumes) runs now, never
+        // later against streams that may be gone by then; nothing for this one.
+        let _ = crate::guard::catch(|| {
+            let mut d = crate::glue::take_orphaned();
+            crate::glue::drop_calls_to(&mut d, me);
+            crate::glue::run_deferred(d);
+        });
+    }
 }
 
 /// `void on_http_filter_scheduled(filter_envoy_ptr, module_ptr, uint64_t event_id)`: the

@@ -800,7 +800,7 @@ pub enum Hooked {
 }
 
 /// Drop the deferred calls that target stream `me` (a reply to it, its resume).
-fn drop_calls_to(deferred: &mut Vec<Deferred>, me: Filter) {
+pub fn drop_calls_to(deferred: &mut Vec<Deferred>, me: Filter) {
     deferred.retain(|d| match d {
         Deferred::Reply { to, .. } => *to != me,
         Deferred::Resume(f) => *f != me,
@@ -875,6 +875,11 @@ impl HttpFilter {
             held: true,
             deferred: Vec::new(),
         }
+    }
+
+    /// The stream's filter in Envoy.
+    pub fn filter(&self) -> Filter {
+        self.filter
     }
 
     /// The deferred host calls of the last hook.
