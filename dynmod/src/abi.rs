@@ -879,7 +879,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
         // What the panic left for other streams (a final tick's resumes) runs now, never
         // later against streams that may be gone by then; nothing for this one.
         let _ = crate::guard::catch(|| {
-            let mut d = crate::glue::take_orphaned();
+            let mut d = h.take_deferred();
+            d.extend(crate::glue::take_orphaned());
             crate::glue::drop_calls_to(&mut d, me);
             crate::glue::run_deferred(d);
         });
