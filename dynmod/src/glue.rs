@@ -489,6 +489,16 @@ pub enum Deferred {
     Resume(Filter),
 }
 
+impl Deferred {
+    /// The stream the call is for.
+    pub fn target(&self) -> Filter {
+        match self {
+            Deferred::Reply { to, .. } => *to,
+            Deferred::Resume(f) => *f,
+        }
+    }
+}
+
 /// Carry out deferred host calls, in order.
 pub fn run_deferred(v: Vec<Deferred>) {
     for d in v {
@@ -774,17 +784,19 @@ pub struct HttpFilter {
     deferred: Vec<Deferred>,
 }
 
-/// Remove the client's routing headers ([`kvroute_filter::stream::client_routing_headers`])
-/// from stream `f`'s request headers, and clear the route cache when one was there.
-fn strip_client_routing(cfg: &Inner, f: Filter) {
-    let mut removed = false;
-    for name in kvroute_filter::stream::client_routing_headers(&cfg.config) {
-        if f.header(abi::REQUEST_HEADERS, name).is_some() {
-            removed |= f.set_header(abi::REQUEST_HEADERS, name, None);
-        }
-    }
-    if removed {
-        f.clear_route_cache();
+/// Remove the client's routing headers from the request of `host`'s stream, as the stream
+/// does before it decides ([`kvroute_filter::stream::strip_client_routing`]).
+fn strip_client_routing(host: &DmHost<'_>) {
+    let headers = host.request_headers();
+    kvroute_filter::stream::strip_client_routing(host, &host.cfg.config, |name| {
+        headers.get(name).is_some()
+    });
+}
+
+/// Count a stream that fails open (`kvroute.fail_open`).
+fn count_fail_open(cfg: &Inner) {
+    if let Some((_, id)) = cfg.metrics.by_name.get(metric::FAIL_OPEN) {
+        cfg.handle.counter_add(*id, 1);
     }
 }
 
@@ -801,10 +813,7 @@ pub enum Hooked {
 
 /// Drop the deferred calls that target stream `me` (a reply to it, its resume).
 pub fn drop_calls_to(deferred: &mut Vec<Deferred>, me: Filter) {
-    deferred.retain(|d| match d {
-        Deferred::Reply { to, .. } => *to != me,
-        Deferred::Resume(f) => *f != me,
-    });
+    deferred.retain(|d| d.target() != me);
 }
 
 /// `Flow` as every filter status enum numbers it: 0 Continue, 1 StopIteration (headers,
@@ -836,13 +845,19 @@ impl HttpFilter {
             },
             Role::Ingest => Serving::Ingest(IngestStream::new(ingest_config(&cfg))),
         };
-        // Registered last, after everything that runs kvroute code: a panic before this
-        // point leaves no entry pointing at a stream Envoy will never destroy through us.
+        // Registered after everything that runs kvroute code but `carry_ticks` (lookups and
+        // the ticker's registration): a panic before this point leaves no entry pointing at
+        // a stream Envoy will never destroy through us.
         if let Serving::Route { slot, .. } = &serving {
             slot.live.set(slot.live.get() + 1);
             LIVE.with(|l| l.borrow_mut().insert(context_id, (cfg.id, filter)));
             carry_ticks(&cfg, slot);
         }
+        Self::of(cfg, filter, context_id, serving)
+    }
+
+    /// A stream's state before any hook.
+    fn of(cfg: Arc<Inner>, filter: Filter, context_id: u32, serving: Serving) -> Self {
         Self {
             cfg,
             filter,
@@ -860,21 +875,8 @@ impl HttpFilter {
     /// nothing, and its request headers hook removes the client's routing headers, so the
     /// request takes Envoy's default route. Counted as a fail-open.
     pub fn unrouted(cfg: &FilterConfig, filter: Filter) -> Self {
-        let cfg = cfg.0.clone();
-        if let Some((_, id)) = cfg.metrics.by_name.get(metric::FAIL_OPEN) {
-            cfg.handle.counter_add(*id, 1);
-        }
-        Self {
-            cfg,
-            filter,
-            context_id: 0,
-            serving: Serving::Nothing,
-            done: false,
-            failed: false,
-            parked: None,
-            held: true,
-            deferred: Vec::new(),
-        }
+        count_fail_open(&cfg.0);
+        Self::of(cfg.0.clone(), filter, 0, Serving::Nothing)
     }
 
     /// The stream's filter in Envoy.
@@ -902,26 +904,24 @@ impl HttpFilter {
     /// - A response hook or the stream's end: its own calls are dropped.
     pub fn panicked(&mut self, hooked: Hooked) -> Vec<Deferred> {
         self.failed = true;
-        if let Some((_, id)) = self.cfg.metrics.by_name.get(metric::FAIL_OPEN) {
-            self.cfg.handle.counter_add(*id, 1);
-        }
+        count_fail_open(&self.cfg);
         let mut d = self.take_deferred();
         d.extend(take_orphaned());
         if hooked != Hooked::Scheduled {
             drop_calls_to(&mut d, self.filter);
         }
         if hooked == Hooked::Request && !self.done {
+            let host = DmHost::new(&self.cfg, Some(self.filter), None);
             if let Serving::Route { stream, .. } = &mut self.serving {
-                let host = DmHost::new(&self.cfg, Some(self.filter), None);
                 stream.leave_queue(&host);
-                d.extend(host.deferred.take());
-            }
-            if let Some(key) = self.parked.take() {
-                unpark(key);
             }
             if self.held {
-                strip_client_routing(&self.cfg, self.filter);
+                strip_client_routing(&host);
                 self.held = false;
+            }
+            d.extend(host.deferred.take());
+            if let Some(key) = self.parked.take() {
+                unpark(key);
             }
         }
         d
@@ -973,6 +973,18 @@ impl HttpFilter {
         status(flow)
     }
 
+    /// [`Self::run`] for a request hook: the request headers stay held ([`Self::held`])
+    /// while it answers "stop".
+    fn request_hook(
+        &mut self,
+        eos: bool,
+        op: impl FnOnce(&mut Serving, &DmHost<'_>) -> Flow,
+    ) -> u32 {
+        let st = self.run(eos, op);
+        self.held = st != 0;
+        st
+    }
+
     /// `on_http_filter_request_headers`.
     pub fn request_headers(&mut self, eos: bool) -> u32 {
         if self.cfg.test_panic
@@ -987,42 +999,34 @@ impl HttpFilter {
                 panic!("kvroute: deliberate test panic ({TEST_PANIC_HEADER})");
             }
         }
-        let st = self.run(eos, |s, h| match s {
+        self.request_hook(eos, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_headers(h, eos),
             Serving::Ingest(i) => i.on_request_headers(h, eos),
             Serving::Nothing => {
                 // Unrouted: Envoy's default route, not one the client named.
-                if let Some(f) = h.target.get() {
-                    strip_client_routing(h.cfg, f);
-                }
+                strip_client_routing(h);
                 Flow::Continue
             }
-        });
-        self.held = st != 0;
-        st
+        })
     }
 
     /// `on_http_filter_request_body`.
     pub fn request_body(&mut self, eos: bool) -> u32 {
         let size = self.filter.request_body_size();
-        let st = self.run(eos, |s, h| match s {
+        self.request_hook(eos, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_body(h, size, eos),
             Serving::Ingest(i) => i.on_request_body(h, size, eos),
             Serving::Nothing => Flow::Continue,
-        });
-        self.held = st != 0;
-        st
+        })
     }
 
     /// `on_http_filter_request_trailers`.
     pub fn request_trailers(&mut self) -> u32 {
-        let st = self.run(true, |s, h| match s {
+        self.request_hook(true, |s, h| match s {
             Serving::Route { stream, .. } => stream.on_request_trailers(h),
             Serving::Ingest(i) => i.on_request_trailers(h),
             Serving::Nothing => Flow::Continue,
-        });
-        self.held = st != 0;
-        st
+        })
     }
 
     /// `on_http_filter_response_headers`.
@@ -1157,14 +1161,7 @@ mod tests {
     fn a_panicked_hook_keeps_what_other_streams_need() {
         let cfg = config_new(ConfigHandle::for_tests(), b"p", br#"{"mode":"cluster"}"#).unwrap();
         let (me, other) = (Filter::for_tests(7), Filter::for_tests(8));
-        let targets = |d: &[Deferred]| -> Vec<Filter> {
-            d.iter()
-                .map(|d| match d {
-                    Deferred::Reply { to, .. } => *to,
-                    Deferred::Resume(f) => *f,
-                })
-                .collect()
-        };
+        let targets = |d: &[Deferred]| -> Vec<Filter> { d.iter().map(Deferred::target).collect() };
         for (hooked, want) in [
             (Hooked::Scheduled, vec![me, other, other]),
             (Hooked::Request, vec![other, other]),

@@ -132,20 +132,20 @@ impl IngestStream {
 
     /// Request headers arrived: path, method, token and declared length are checked now.
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
-        let path = host.request_header(":path").unwrap_or_default();
+        // Every header this reads, in one host call.
+        let headers = host.request_headers();
         let reply = check_headers(
             &self.config,
-            host.request_header(":method").as_deref(),
-            Some(&path),
-            host.request_header("authorization").as_deref(),
-            host.request_header("content-length").as_deref(),
+            headers.get_str(":method"),
+            Some(headers.get_str(":path").unwrap_or_default()),
+            headers.get_str("authorization"),
+            headers.get_str("content-length"),
         );
         if let Some(r) = reply {
             return self.reject(host, &r);
         }
         // A compressed snapshot would fail to decode with a parse error at its first byte
         // (found by a breaker): named for what it is instead.
-        let headers = host.request_headers();
         if let Some(e) = headers
             .get("content-encoding")
             .filter(|e| crate::headers::encodes(e))

@@ -97,17 +97,25 @@ struct AwaitFirstToken {
     chunks: u32,
 }
 
-/// The request headers a client could choose its own backend (or fake a decision) with:
-/// the routing header of either mode and [`DECISION_HEADER`]. The filter removes them from
-/// every request before it decides, and the native build also when it fails open (a panic,
-/// no worker), so that an unrouted request takes Envoy's default route, not the backend a
-/// client named.
-pub fn client_routing_headers(config: &kvroute_core::plugin_config::Config) -> [&str; 3] {
-    [
+/// Remove from the request the headers a client could choose its own backend (or fake a
+/// decision) with: the routing header of either mode and [`DECISION_HEADER`], each one
+/// `present` says the request has. The filter does it to every request before it decides,
+/// and the native build also when it fails open (a panic, no worker), so that an unrouted
+/// request takes Envoy's default route, not the backend a client named.
+pub fn strip_client_routing<H: Host>(
+    host: &H,
+    config: &kvroute_core::plugin_config::Config,
+    present: impl Fn(&str) -> bool,
+) {
+    for name in [
         config.cluster_header.as_str(),
         config.endpoint_header.as_str(),
         DECISION_HEADER,
-    ]
+    ] {
+        if present(name) {
+            host.set_request_header(name, None);
+        }
+    }
 }
 
 /// What a decision has of the request body.
@@ -222,11 +230,7 @@ impl Stream {
             // below do not reach the worker.
             let w = self.worker.borrow();
             // A client must not choose its own backend.
-            for name in client_routing_headers(&w.config) {
-                if get(name).is_some() {
-                    host.set_request_header(name, None);
-                }
-            }
+            strip_client_routing(host, &w.config, |name| get(name).is_some());
             w.config.max_body_bytes
         };
         // A CONNECT's tunnel never ends its body, so waiting for the end would hold it
