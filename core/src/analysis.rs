@@ -13,12 +13,12 @@
 //! token tally ([`crate::estimate::Tally`]): in one call per string, read back from the
 //! rendering, while the rendering has room; piece by piece after that; and past the
 //! limit, between the tally's sampling windows, only as a decoded length. A message whose
-//! `content` comes before its `role` is still read once: its rendering waits aside until the
-//! role marker is written. Unknown fields (OpenAI bodies carry dozens: `temperature`,
-//! `response_format`, `logit_bias`...) are validated and skipped; the other top-level fields
-//! the router reads are kept as raw slices and decoded after the scan (small scalars with
-//! serde_json), in a fixed order, so an error names the exact JSON path
-//! (`messages[2].content`). Nesting is tracked on a heap stack, never by recursion, so no
+//! `content` comes before its `role` is still read once: it is rendered in place and the
+//! role marker is inserted before it when the role is read. Unknown fields (OpenAI bodies
+//! carry dozens: `temperature`, `response_format`, `logit_bias`...) are validated and
+//! skipped; the other top-level fields the router reads are kept as raw slices and decoded
+//! after the scan (small scalars with serde_json), in a fixed order, so an error names the
+//! exact JSON path (`messages[2].content`). Nesting is tracked on a heap stack, never by recursion, so no
 //! input can overflow the stack. The results equal those of the serde_json-based analyser
 //! this replaced on every input of `core/tests/analysis_differential.rs`.
 //!
@@ -250,8 +250,6 @@ struct Acc<'e> {
     media: MediaCounts,
     /// Prompts of a batch `prompt` ([`RequestAnalysis::prompts`]).
     prompts: u32,
-    /// Prefix rendering set aside while a message's `content` is read before its `role`.
-    aside: String,
     /// A sampling window's text, decoded ahead of the tally ([`Self::string`]).
     window: String,
     /// Raw bytes (escapes undecoded) the tally took as text between sampling windows
@@ -289,6 +287,9 @@ const WINDOW_READ_PAST_BYTES: usize = 64;
 /// to [`Scanner::skip_raw`].
 const PAST_RENDERING_STRETCH_BYTES: usize = 64;
 
+/// Room for a role marker (`<|role|>\n`) built on the stack by [`Acc::role_before`].
+const MARKER_BYTES: usize = 64;
+
 impl<'e> Acc<'e> {
     /// `body_len`, the request body's size in bytes, sizes the prefix rendering once
     /// (the rendering is never longer than the body's text up to `prefix_limit`, plus role
@@ -304,7 +305,6 @@ impl<'e> Acc<'e> {
             exact: false,
             media: MediaCounts::default(),
             prompts: 1,
-            aside: String::new(),
             window: String::new(),
             skipped_raw: 0,
             sample_raw: 0,
@@ -313,31 +313,48 @@ impl<'e> Acc<'e> {
         }
     }
 
-    /// Render into [`Self::aside`] instead of the prefix (for content read before its
-    /// role), bounded by the room the prefix has left; [`Self::end_aside`] switches back.
-    /// Returns the limit to restore.
-    fn begin_aside(&mut self) -> usize {
-        let limit = self.prefix_limit;
-        self.prefix_limit = limit.saturating_sub(self.prefix.len());
-        self.aside.clear();
-        // Sized once per request, like the prefix (the two buffers swap back and forth).
-        self.aside
-            .reserve(self.prefix_limit.min(self.prefix.capacity()));
-        std::mem::swap(&mut self.prefix, &mut self.aside);
-        limit
-    }
-
-    fn end_aside(&mut self, limit: usize) {
-        std::mem::swap(&mut self.prefix, &mut self.aside);
-        self.prefix_limit = limit;
-    }
-
-    /// Append what was rendered aside (after the role marker it waited for).
-    fn push_aside(&mut self) {
-        let aside = std::mem::take(&mut self.aside);
-        self.push_prefix(&aside);
-        self.aside = aside;
-        self.aside.clear();
+    /// Write the role marker of a message whose content was rendered before its role, in
+    /// place from byte `start` of the prefix: the marker goes in before that content, and
+    /// the result is cut where [`Self::push_prefix`] would have cut the marker and content
+    /// pushed in order (at the first character boundary at or past the limit), so the
+    /// rendering is the one of a role-first message. One move of the content for a role
+    /// of up to [`MARKER_BYTES`] − 5 bytes (the standard roles and any other name that
+    /// short), three past it; a second buffer for the content (the way before) touched a
+    /// second body-sized stretch of memory per request (docs/overhead.md, the
+    /// twenty-third change). Out of line: inlined into `message_from` it changed that
+    /// function's code enough to cost 5 % of a warm native decision on every body.
+    #[inline(never)]
+    fn role_before(&mut self, start: usize, role: &str) {
+        if start >= self.prefix.len() {
+            // Nothing was rendered: the marker goes at the end, as for a role-first message.
+            self.role(role);
+            return;
+        }
+        self.overhead_tokens = self.overhead_tokens.saturating_add(TOKENS_PER_MESSAGE);
+        let mut buf = [0u8; MARKER_BYTES];
+        let marker = buf.get_mut(..5 + role.len()).and_then(|m| {
+            let (open, rest) = m.split_at_mut(2);
+            let (name, close) = rest.split_at_mut(role.len());
+            open.copy_from_slice(b"<|");
+            name.copy_from_slice(role.as_bytes());
+            close.copy_from_slice(b"|>\n");
+            std::str::from_utf8(m).ok()
+        });
+        match marker {
+            Some(m) => self.prefix.insert_str(start, m),
+            None => {
+                for piece in ["|>\n", role, "<|"] {
+                    self.prefix.insert_str(start, piece);
+                }
+            }
+        }
+        if self.prefix.len() > self.prefix_limit {
+            let mut cut = self.prefix_limit;
+            while !self.prefix.is_char_boundary(cut) {
+                cut += 1;
+            }
+            self.prefix.truncate(cut);
+        }
     }
 
     /// Append to the prefix text while it is shorter than the limit; the last piece is
@@ -1261,8 +1278,9 @@ fn quick_message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Optio
 }
 
 /// One chat message, read in place. `content` is rendered after the role marker; when it
-/// comes before `role` (serde_json's sorted keys do that) its rendering waits aside until
-/// the role is read. `tool_calls` is kept raw and read after the object.
+/// comes before `role` (serde_json's and Go's sorted keys do that) it is rendered in place
+/// and the role marker inserted before it ([`Acc::role_before`]). `tool_calls` is kept
+/// raw and read after the object.
 fn message(acc: &mut Acc<'_>, sc: &mut Scanner<'_>, i: usize) -> Syn<Sem> {
     message_from(acc, sc, i, None)
 }
@@ -1282,7 +1300,8 @@ fn message_from(
     let mut role_ok = false;
     let mut role_err = None;
     let mut content_read: Option<Sem> = None;
-    let mut aside = false;
+    // Where a content read before its role starts in the rendering.
+    let mut aside: Option<usize> = None;
     let mut calls_tok = None;
     // After a value already read, the next field comes after a comma.
     let mut after_value = false;
@@ -1336,12 +1355,11 @@ fn message_from(
                         };
                         match role {
                             Ok(role) if !bad_object => {
-                                acc.role(&role);
-                                role_ok = true;
-                                if aside {
-                                    acc.push_aside();
-                                    aside = false;
+                                match aside.take() {
+                                    Some(start) => acc.role_before(start, &role),
+                                    None => acc.role(&role),
                                 }
+                                role_ok = true;
                             }
                             Ok(_) => {}
                             Err(e) => role_err = Some(e),
@@ -1354,17 +1372,12 @@ fn message_from(
                     if !sc.null()? {
                         if bad_object {
                             sc.skip_value()?;
-                        } else if role_ok || acc.rendering_full() {
-                            // Once the rendering is full nothing waits for the role
-                            // marker: the content is only counted, in place (~250 Wasm
-                            // operations less per message than the aside's swaps).
-                            content_read = Some(content(acc, sc, &|| path(".content"))?);
                         } else {
-                            let limit = acc.begin_aside();
-                            let r = content(acc, sc, &|| path(".content"));
-                            acc.end_aside(limit);
-                            content_read = Some(r?);
-                            aside = true;
+                            if !role_ok {
+                                // Rendered in place; the role marker goes in before it.
+                                aside = Some(acc.prefix.len());
+                            }
+                            content_read = Some(content(acc, sc, &|| path(".content"))?);
                         }
                     }
                 }

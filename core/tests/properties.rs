@@ -301,7 +301,8 @@ proptest! {
     /// which moves the windows a few bytes: over 12,000 cases of both orders, mean
     /// deviation +0.3 %, p99 4.3 %, max 7.9 %; a window the body's end cuts to a few
     /// bytes once gave the escapes' ratio alone and 23 % low, before `SAMPLE_PRIOR_BYTES`). Both key orders: `content` after `role`
-    /// is rendered in place; before it (serde_json's sorted keys), aside and then appended.
+    /// is rendered after the marker; before it (serde_json's sorted keys), rendered first and
+    /// the marker inserted before it.
     #[test]
     fn any_prefix_limit_keeps_the_estimate_and_cuts_the_rendering(
         text in "([a-z 东é]{1,80}[\"\\\\\n\t\u{1}]){40,300}",
@@ -326,6 +327,52 @@ proptest! {
             let every = Estimator::every_byte();
             let a = analyze_bounded(ApiKind::ChatCompletions, body.as_bytes(), &every, limit).unwrap();
             prop_assert_eq!(a.prompt_tokens, every.estimate_text(&text) + 6);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The key order of a message does not change its analysis: `content` before `role`
+    /// (rendered first, the marker inserted before it) gives the rendering and counts of
+    /// `role` first, for any role (a known one, multi-byte, or longer than the marker's
+    /// stack room, which takes the three-insert path), any number of messages and any prefix
+    /// limit (inside the marker, inside the content, at a multi-byte character).
+    #[test]
+    fn content_before_role_renders_as_role_first(
+        messages in prop::collection::vec(
+            (
+                prop_oneof![
+                    Just("user".to_string()),
+                    "[a-z东é]{0,12}",
+                    "[a-zé]{55,90}",
+                ],
+                "[a-z 东é\n\"]{0,300}",
+            ),
+            1..5,
+        ),
+        limit in 0usize..1500,
+    ) {
+        let render = |content_first: bool| {
+            let msgs: Vec<String> = messages
+                .iter()
+                .map(|(role, text)| {
+                    let (r, c) = (serde_json::to_string(role).unwrap(), serde_json::to_string(text).unwrap());
+                    if content_first {
+                        format!(r#"{{"content":{c},"role":{r}}}"#)
+                    } else {
+                        format!(r#"{{"role":{r},"content":{c}}}"#)
+                    }
+                })
+                .collect();
+            format!(r#"{{"model":"m","messages":[{}]}}"#, msgs.join(","))
+        };
+        for est in [Estimator::default(), Estimator::every_byte()] {
+            let want = analyze_bounded(ApiKind::ChatCompletions, render(false).as_bytes(), &est, limit).unwrap();
+            let got = analyze_bounded(ApiKind::ChatCompletions, render(true).as_bytes(), &est, limit).unwrap();
+            prop_assert_eq!(&got.prefix_text, &want.prefix_text);
+            prop_assert_eq!(got.prompt_tokens, want.prompt_tokens);
         }
     }
 }
