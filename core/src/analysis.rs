@@ -18,9 +18,10 @@
 //! carry dozens: `temperature`, `response_format`, `logit_bias`...) are validated and
 //! skipped; the other top-level fields the router reads are kept as raw slices and decoded
 //! after the scan (small scalars with serde_json), in a fixed order, so an error names the
-//! exact JSON path (`messages[2].content`). Nesting is tracked on a heap stack, never by recursion, so no
-//! input can overflow the stack. The results equal those of the serde_json-based analyser
-//! this replaced on every input of `core/tests/analysis_differential.rs`.
+//! exact JSON path (`messages[2].content`). Nesting is tracked on a heap stack, never by
+//! recursion, so no input can overflow the stack. The results equal those of the
+//! serde_json-based analyser this replaced on every input of
+//! `core/tests/analysis_differential.rs`.
 //!
 //! ## APIs
 //! | API | prompt fields | output limit |
@@ -293,11 +294,15 @@ const MARKER_BYTES: usize = 64;
 impl<'e> Acc<'e> {
     /// `body_len`, the request body's size in bytes, sizes the prefix rendering once
     /// (the rendering is never longer than the body's text up to `prefix_limit`, plus role
-    /// markers): growing it chunk by chunk was ~5 reallocations per 1 KiB chat request.
+    /// markers, the last character past the limit and a marker [`Self::role_before`]
+    /// puts in before cutting): growing it chunk by chunk was ~5 reallocations per 1 KiB
+    /// chat request.
     fn new(estimator: &'e Estimator, prefix_limit: usize, body_len: usize) -> Self {
         Self {
             estimator,
-            prefix: String::with_capacity(body_len.min(prefix_limit)),
+            prefix: String::with_capacity(
+                body_len.min(prefix_limit.saturating_add(MARKER_BYTES + 3)),
+            ),
             prefix_limit,
             tally: estimator.tally(),
             overhead_tokens: 0,
@@ -1301,7 +1306,7 @@ fn message_from(
     let mut role_err = None;
     let mut content_read: Option<Sem> = None;
     // Where a content read before its role starts in the rendering.
-    let mut aside: Option<usize> = None;
+    let mut content_start: Option<usize> = None;
     let mut calls_tok = None;
     // After a value already read, the next field comes after a comma.
     let mut after_value = false;
@@ -1355,7 +1360,7 @@ fn message_from(
                         };
                         match role {
                             Ok(role) if !bad_object => {
-                                match aside.take() {
+                                match content_start.take() {
                                     Some(start) => acc.role_before(start, &role),
                                     None => acc.role(&role),
                                 }
@@ -1375,7 +1380,7 @@ fn message_from(
                         } else {
                             if !role_ok {
                                 // Rendered in place; the role marker goes in before it.
-                                aside = Some(acc.prefix.len());
+                                content_start = Some(acc.prefix.len());
                             }
                             content_read = Some(content(acc, sc, &|| path(".content"))?);
                         }

@@ -334,11 +334,14 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
 
-    /// The key order of a message does not change its analysis: `content` before `role`
-    /// (rendered first, the marker inserted before it) gives the rendering and counts of
-    /// `role` first, for any role (a known one, multi-byte, or longer than the marker's
-    /// stack room, which takes the three-insert path), any number of messages and any prefix
-    /// limit (inside the marker, inside the content, at a multi-byte character).
+    /// The key order of a message does not change its rendering: `content` before `role`
+    /// (rendered first, the marker inserted before it) gives the rendering of `role` first,
+    /// for any role (a known one, multi-byte, or longer than the marker's stack room, which
+    /// takes the three-insert path), any number of messages and any prefix limit (inside the
+    /// marker, inside the content, at a multi-byte character). Nor its token count here,
+    /// where all the text stays within the tally's exactly counted head (past it, the
+    /// sampled windows fall on other bytes in the two orders, as before the in-place
+    /// rendering).
     #[test]
     fn content_before_role_renders_as_role_first(
         messages in prop::collection::vec(
