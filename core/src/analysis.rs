@@ -288,7 +288,10 @@ const WINDOW_READ_PAST_BYTES: usize = 64;
 /// to [`Scanner::skip_raw`].
 const PAST_RENDERING_STRETCH_BYTES: usize = 64;
 
-/// Room for a role marker (`<|role|>\n`) built on the stack by [`Acc::role_before`].
+/// A role marker in the rendering: `<|role|>\n` ([`Acc::role`], [`Acc::role_before`]).
+const ROLE_OPEN: &str = "<|";
+const ROLE_CLOSE: &str = "|>\n";
+/// Room for a role marker built on the stack by [`Acc::role_before`].
 const MARKER_BYTES: usize = 64;
 
 impl<'e> Acc<'e> {
@@ -337,18 +340,19 @@ impl<'e> Acc<'e> {
         }
         self.overhead_tokens = self.overhead_tokens.saturating_add(TOKENS_PER_MESSAGE);
         let mut buf = [0u8; MARKER_BYTES];
-        let marker = buf.get_mut(..5 + role.len()).and_then(|m| {
-            let (open, rest) = m.split_at_mut(2);
+        let len = ROLE_OPEN.len() + role.len() + ROLE_CLOSE.len();
+        let marker = buf.get_mut(..len).and_then(|m| {
+            let (open, rest) = m.split_at_mut(ROLE_OPEN.len());
             let (name, close) = rest.split_at_mut(role.len());
-            open.copy_from_slice(b"<|");
+            open.copy_from_slice(ROLE_OPEN.as_bytes());
             name.copy_from_slice(role.as_bytes());
-            close.copy_from_slice(b"|>\n");
+            close.copy_from_slice(ROLE_CLOSE.as_bytes());
             std::str::from_utf8(m).ok()
         });
         match marker {
             Some(m) => self.prefix.insert_str(start, m),
             None => {
-                for piece in ["|>\n", role, "<|"] {
+                for piece in [ROLE_CLOSE, role, ROLE_OPEN] {
                     self.prefix.insert_str(start, piece);
                 }
             }
@@ -595,9 +599,9 @@ impl<'e> Acc<'e> {
     }
 
     fn role(&mut self, role: &str) {
-        self.push_prefix("<|");
+        self.push_prefix(ROLE_OPEN);
         self.push_prefix(role);
-        self.push_prefix("|>\n");
+        self.push_prefix(ROLE_CLOSE);
         self.overhead_tokens = self.overhead_tokens.saturating_add(TOKENS_PER_MESSAGE);
     }
 
