@@ -711,7 +711,8 @@ fn check_expanded_size(text: &str) -> Result<(), ConfigError> {
 
 /// Longest value echoed whole in a [`ConfigError::Invalid`] (4 KiB): a 1 MB value was
 /// logged as one 1 MB line on a rejected reload (found by a breaker, 2026-12-05). Past it
-/// the value is cut at a character boundary and its length given.
+/// the value is cut at a character boundary and its length given
+/// ([`kvroute_core::echo::echo_within`]).
 pub const MAX_ERROR_VALUE_BYTES: usize = 4096;
 
 fn invalid(
@@ -719,19 +720,10 @@ fn invalid(
     value: impl ToString,
     reason: impl Into<String>,
 ) -> ConfigError {
-    let mut value = value.to_string();
-    if value.len() > MAX_ERROR_VALUE_BYTES {
-        let total = value.len();
-        let mut cut = MAX_ERROR_VALUE_BYTES;
-        while !value.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        value.truncate(cut);
-        value.push_str(&format!("… ({total} bytes in all)"));
-    }
+    let value = value.to_string();
     ConfigError::Invalid {
         field: field.into(),
-        value,
+        value: kvroute_core::echo::echo_within(&value, MAX_ERROR_VALUE_BYTES).into_owned(),
         reason: reason.into(),
     }
 }

@@ -12,13 +12,13 @@ pub const ECHO_MAX_BYTES: usize = 256;
 
 /// `text` as an error message quotes it: whole up to [`ECHO_MAX_BYTES`] bytes, else its
 /// first bytes up to that many, cut on a character boundary, then `…` and its length in
-/// bytes (`"mmm…m… (100000 bytes)"`).
+/// bytes (`"mmm…m… (100000 bytes in all)"`).
 pub fn echo(text: &str) -> Cow<'_, str> {
     echo_within(text, ECHO_MAX_BYTES)
 }
 
-/// [`echo`] with a bound of `max_bytes` instead of [`ECHO_MAX_BYTES`] (for a whole message
-/// from elsewhere, whose quoted names are already bounded).
+/// [`echo`] with a bound of `max_bytes` instead of [`ECHO_MAX_BYTES`] (a snapshot's decode
+/// error, a config value in kvroute-cp's errors).
 pub fn echo_within(text: &str, max_bytes: usize) -> Cow<'_, str> {
     if text.len() <= max_bytes {
         return text.into();
@@ -27,12 +27,8 @@ pub fn echo_within(text: &str, max_bytes: usize) -> Cow<'_, str> {
     while !text.is_char_boundary(cut) {
         cut -= 1;
     }
-    format!(
-        "{}… ({} bytes)",
-        text.get(..cut).unwrap_or_default(),
-        text.len()
-    )
-    .into()
+    let kept = text.get(..cut).unwrap_or_default();
+    format!("{kept}… ({} bytes in all)", text.len()).into()
 }
 
 #[cfg(test)]
@@ -47,11 +43,17 @@ mod tests {
         let at_limit = "m".repeat(ECHO_MAX_BYTES);
         assert_eq!(echo(&at_limit), at_limit.as_str());
         let long = "m".repeat(100_000);
-        assert_eq!(echo(&long), format!("{}… (100000 bytes)", "m".repeat(256)));
+        assert_eq!(
+            echo(&long),
+            format!("{}… (100000 bytes in all)", "m".repeat(256))
+        );
         // 255 ASCII bytes then a 3-byte character that straddles the limit: cut before it.
         let straddle = format!("{}东东", "a".repeat(255));
-        assert_eq!(echo(&straddle), format!("{}… (261 bytes)", "a".repeat(255)));
-        assert_eq!(echo_within("东东", 4), "东… (6 bytes)");
-        assert_eq!(echo_within("东东", 0), "… (6 bytes)");
+        assert_eq!(
+            echo(&straddle),
+            format!("{}… (261 bytes in all)", "a".repeat(255))
+        );
+        assert_eq!(echo_within("东东", 4), "东… (6 bytes in all)");
+        assert_eq!(echo_within("东东", 0), "… (6 bytes in all)");
     }
 }

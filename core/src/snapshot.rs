@@ -255,14 +255,15 @@ pub enum SnapshotError {
     InvalidEndpoint {
         /// Index in `endpoints`.
         index: usize,
-        /// Endpoint id.
+        /// Endpoint id as the message quotes it: whole up to
+        /// [`crate::echo::ECHO_MAX_BYTES`], else cut with its length ([`crate::echo::echo`]).
         id: String,
         /// Field name.
         field: &'static str,
         /// What is wrong.
         reason: &'static str,
     },
-    /// Two endpoints share one id.
+    /// Two endpoints share one id (quoted as [`Self::InvalidEndpoint`]'s `id` is).
     #[error("duplicate endpoint id `{0}`")]
     DuplicateId(String),
     /// A name in `unavailable_models` is invalid.
@@ -274,6 +275,10 @@ pub enum SnapshotError {
         reason: &'static str,
     },
 }
+
+/// Longest decode error message [`Snapshot::decode`] keeps, in bytes (serde_json's
+/// messages are short; this bounds the names and values they quote from the body).
+pub const DECODE_DETAIL_MAX_BYTES: usize = 2048;
 
 impl Snapshot {
     /// A snapshot of the given version with `endpoints` and no `unavailable_models`.
@@ -333,10 +338,15 @@ impl Snapshot {
         self.generated_at_ms = to;
     }
 
-    /// Decode and validate wire bytes.
+    /// Decode and validate wire bytes. A decode error's message is serde_json's, bounded to
+    /// [`DECODE_DETAIL_MAX_BYTES`] ([`crate::echo::echo_within`]): it quotes names and
+    /// values from the body (`invalid type: string "…"`), which could be megabytes.
     pub fn decode(bytes: &[u8]) -> Result<Self, SnapshotError> {
-        let snap: Snapshot =
-            serde_json::from_slice(bytes).map_err(|e| SnapshotError::Decode(e.to_string()))?;
+        let snap: Snapshot = serde_json::from_slice(bytes).map_err(|e| {
+            SnapshotError::Decode(
+                crate::echo::echo_within(&e.to_string(), DECODE_DETAIL_MAX_BYTES).into_owned(),
+            )
+        })?;
         snap.validate()?;
         Ok(snap)
     }

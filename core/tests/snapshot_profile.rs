@@ -148,7 +148,7 @@ fn snapshot_validation_rejects_bad_values() {
         Err(SnapshotError::InvalidEndpoint {
             index: 0,
             // The error quotes the id's first 256 bytes and its length (kvroute_core::echo).
-            id: format!("{}… (1025 bytes)", "x".repeat(256)),
+            id: format!("{}… (1025 bytes in all)", "x".repeat(256)),
             field: "id",
             reason: "is longer than 1024 bytes"
         })

@@ -7,7 +7,8 @@
 //!    the crate uses;
 //! 3. the exported event hooks (`envoy_dynamic_module_on_*`), thin shims that turn raw
 //!    pointers into references and call [`crate::glue`], every one inside
-//!    [`crate::guard::fail_open`].
+//!    [`crate::guard::fail_open`], or (stream hooks and a stream's destroy, which have a
+//!    panic path of their own) [`crate::guard::catch`].
 //!
 //! Source of every declaration: `source/extensions/dynamic_modules/abi/abi.h` of
 //! envoyproxy/envoy as of the fork commit `agrawroh/envoy@05f72c01c038709243e7b58d9faccc6e7d1b7754`,
@@ -662,7 +663,9 @@ impl ConfigHandle {
 
 // ----------------------------------------------------------------------------------------
 // Exported event hooks. Each turns its pointers into references and calls the glue inside
-// `guard::fail_open`: a panic is caught, logged once, and the hook answers "continue".
+// `guard::fail_open`: a panic is caught, logged once, and the hook answers "continue". The
+// stream hooks and a stream's destroy use `guard::catch` and their own panic path
+// (`HttpFilter::panicked`, the destroy's cleanup).
 // ----------------------------------------------------------------------------------------
 
 /// The ABI version this module was built against: Envoy 1.40.0's own (see module doc).
@@ -869,7 +872,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
     // SAFETY: made by Box::into_raw in on_http_filter_new; Envoy destroys it once.
     let cell = unsafe { Box::from_raw(m.cast::<Http>()) };
     let mut h = cell.into_inner();
-    let me = h.filter();
     if crate::guard::catch(|| {
         h.destroy();
         crate::glue::run_deferred(h.take_deferred());
@@ -878,12 +880,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
     {
         // What the panic left for other streams (a final tick's resumes) runs now, never
         // later against streams that may be gone by then; nothing for this one.
-        let _ = crate::guard::catch(|| {
-            let mut d = h.take_deferred();
-            d.extend(crate::glue::take_orphaned());
-            crate::glue::drop_calls_to(&mut d, me);
-            crate::glue::run_deferred(d);
-        });
+        let _ = crate::guard::catch(|| crate::glue::run_deferred(h.leftovers(false)));
     }
 }
 

@@ -761,7 +761,9 @@ enum Serving {
         slot: Rc<Slot>,
     },
     Ingest(IngestStream),
-    /// No worker could be made: every hook continues.
+    /// No worker could be made, or the stream's creation panicked
+    /// ([`HttpFilter::unrouted`]): every hook continues, the request headers hook after
+    /// removing the client's routing headers.
     Nothing,
 }
 
@@ -779,7 +781,9 @@ pub struct HttpFilter {
     /// Registration with the admission ticker while parked.
     parked: Option<u64>,
     /// The request headers have not gone on past this filter: true until a request hook
-    /// answers "continue" ([`Self::panicked`] removes the client's routing headers only then).
+    /// answers "continue" ([`Self::panicked`] removes the client's routing headers only
+    /// then). A tick's resume of a parked request lets them go on unseen here: a panic in
+    /// a later request hook then removes headers already sent, which changes nothing.
     held: bool,
     deferred: Vec<Deferred>,
 }
@@ -812,7 +816,7 @@ pub enum Hooked {
 }
 
 /// Drop the deferred calls that target stream `me` (a reply to it, its resume).
-pub fn drop_calls_to(deferred: &mut Vec<Deferred>, me: Filter) {
+fn drop_calls_to(deferred: &mut Vec<Deferred>, me: Filter) {
     deferred.retain(|d| d.target() != me);
 }
 
@@ -845,13 +849,15 @@ impl HttpFilter {
             },
             Role::Ingest => Serving::Ingest(IngestStream::new(ingest_config(&cfg))),
         };
-        // Registered after everything that runs kvroute code but `carry_ticks` (lookups and
-        // the ticker's registration): a panic before this point leaves no entry pointing at
-        // a stream Envoy will never destroy through us.
+        // Registered after everything that runs kvroute code but `carry_ticks`: a panic
+        // before this point leaves no entry (the stream is then `unrouted`, whose destroy
+        // removes none). `carry_ticks` (lookups and the ticker's registration) runs after
+        // the registration, which makes this stream the first carrier; a panic in it only
+        // loses the carrier (the next stream takes it), never the entry this one owns.
         if let Serving::Route { slot, .. } = &serving {
             slot.live.set(slot.live.get() + 1);
             LIVE.with(|l| l.borrow_mut().insert(context_id, (cfg.id, filter)));
-            carry_ticks(&cfg, slot);
+            let _ = crate::guard::catch(|| carry_ticks(&cfg, slot));
         }
         Self::of(cfg, filter, context_id, serving)
     }
@@ -879,11 +885,6 @@ impl HttpFilter {
         Self::of(cfg.0.clone(), filter, 0, Serving::Nothing)
     }
 
-    /// The stream's filter in Envoy.
-    pub fn filter(&self) -> Filter {
-        self.filter
-    }
-
     /// The deferred host calls of the last hook.
     pub fn take_deferred(&mut self) -> Vec<Deferred> {
         std::mem::take(&mut self.deferred)
@@ -905,11 +906,7 @@ impl HttpFilter {
     pub fn panicked(&mut self, hooked: Hooked) -> Vec<Deferred> {
         self.failed = true;
         count_fail_open(&self.cfg);
-        let mut d = self.take_deferred();
-        d.extend(take_orphaned());
-        if hooked != Hooked::Scheduled {
-            drop_calls_to(&mut d, self.filter);
-        }
+        let mut d = self.leftovers(hooked == Hooked::Scheduled);
         if hooked == Hooked::Request && !self.done {
             let host = DmHost::new(&self.cfg, Some(self.filter), None);
             if let Serving::Route { stream, .. } = &mut self.serving {
@@ -923,6 +920,18 @@ impl HttpFilter {
             if let Some(key) = self.parked.take() {
                 unpark(key);
             }
+        }
+        d
+    }
+
+    /// What a panic left to run: this stream's deferred calls and those of the hosts the
+    /// panic dropped ([`take_orphaned`]), less the calls to this stream itself unless
+    /// `keep_own` (a panicked hook answers for its own stream; a destroyed one is gone).
+    pub fn leftovers(&mut self, keep_own: bool) -> Vec<Deferred> {
+        let mut d = self.take_deferred();
+        d.extend(take_orphaned());
+        if !keep_own {
+            drop_calls_to(&mut d, self.filter);
         }
         d
     }
@@ -981,7 +990,9 @@ impl HttpFilter {
         op: impl FnOnce(&mut Serving, &DmHost<'_>) -> Flow,
     ) -> u32 {
         let st = self.run(eos, op);
-        self.held = st != 0;
+        // Once a hook has continued, the headers are gone; a later "stop" (a body hook
+        // buffering) does not hold them again.
+        self.held &= st != 0;
         st
     }
 

@@ -8,6 +8,7 @@
 //! - `204` — valid; enqueued on the shared queue for the root-context consumer;
 //! - `401` (`invalid_ingest_token`) — missing or wrong token (constant-time comparison);
 //! - `413` (`request_too_large`) — body over `ingest_max_bytes` (named in the message);
+//! - `415` (`unsupported_encoding`) — a `Content-Encoding` other than none or `identity`;
 //! - `400` (`invalid_snapshot`) — not a valid snapshot (the message says why);
 //! - `404` (`not_found`) / `405` (`method_not_allowed`) — other paths or methods;
 //! - `503` (`queue_unavailable`) — the shared queue could not be resolved.
@@ -40,13 +41,15 @@ pub fn authorized(config: &Config, authorization: Option<&str>) -> bool {
     !want.is_empty() && bool::from(given.trim().as_bytes().ct_eq(want))
 }
 
-/// Header-time checks. `Some(reply)` answers now; `None` means "read the body".
+/// Header-time checks, in this order: path, method, token, declared length, content
+/// encoding. `Some(reply)` answers now; `None` means "read the body".
 pub fn check_headers(
     config: &Config,
     method: Option<&str>,
     path: Option<&str>,
     authorization: Option<&str>,
     content_length: Option<&str>,
+    content_encoding: Option<&[u8]>,
 ) -> Option<Reply> {
     let path = path.unwrap_or("").split('?').next().unwrap_or("");
     if path != config.ingest_path {
@@ -62,6 +65,13 @@ pub fn check_headers(
         if len > config.ingest_max_bytes as u64 {
             return Some(too_large(config));
         }
+    }
+    // A compressed snapshot would fail to decode with a parse error at its first byte
+    // (found by a breaker): named for what it is instead.
+    if let Some(e) = content_encoding.filter(|e| crate::headers::encodes(e)) {
+        return Some(reply::ingest_encoded(&String::from_utf8_lossy(
+            e.trim_ascii(),
+        )));
     }
     None
 }
@@ -130,28 +140,21 @@ impl IngestStream {
         Flow::Pause
     }
 
-    /// Request headers arrived: path, method, token and declared length are checked now.
+    /// Request headers arrived: path, method, token, declared length and content encoding
+    /// are checked now ([`check_headers`]).
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
         // Every header this reads, in one host call.
         let headers = host.request_headers();
         let reply = check_headers(
             &self.config,
             headers.get_str(":method"),
-            Some(headers.get_str(":path").unwrap_or_default()),
+            headers.get_str(":path"),
             headers.get_str("authorization"),
             headers.get_str("content-length"),
+            headers.get("content-encoding"),
         );
         if let Some(r) = reply {
             return self.reject(host, &r);
-        }
-        // A compressed snapshot would fail to decode with a parse error at its first byte
-        // (found by a breaker): named for what it is instead.
-        if let Some(e) = headers
-            .get("content-encoding")
-            .filter(|e| crate::headers::encodes(e))
-        {
-            let e = String::from_utf8_lossy(e.trim_ascii());
-            return self.reject(host, &reply::ingest_encoded(&e));
         }
         if end_of_stream {
             return self.finish(host, &[]);
@@ -352,41 +355,57 @@ mod tests {
         let c = cfg();
         let auth = Some("Bearer 0123456789abcdef");
         let p = Some("/kvroute/v1/snapshot");
-        assert_eq!(check_headers(&c, Some("POST"), p, auth, Some("10")), None);
         assert_eq!(
-            check_headers(&c, Some("POST"), Some("/x"), auth, None)
+            check_headers(&c, Some("POST"), p, auth, Some("10"), None),
+            None
+        );
+        assert_eq!(
+            check_headers(&c, Some("POST"), Some("/x"), auth, None, None)
                 .unwrap()
                 .status,
             404
         );
         assert_eq!(
-            check_headers(&c, Some("GET"), p, auth, None)
+            check_headers(&c, Some("GET"), p, auth, None, None)
                 .unwrap()
                 .status,
             405
         );
-        let r = check_headers(&c, Some("POST"), p, None, None).unwrap();
+        let r = check_headers(&c, Some("POST"), p, None, None, None).unwrap();
         assert_eq!(r, reply::ingest_unauthorized());
         assert_eq!(r.status, 401);
         assert_eq!(r.code().as_deref(), Some("invalid_ingest_token"));
         assert_eq!(
-            check_headers(&c, Some("POST"), p, Some("Bearer wrong"), None)
+            check_headers(&c, Some("POST"), p, Some("Bearer wrong"), None, None)
                 .unwrap()
                 .status,
             401
         );
         assert_eq!(
-            check_headers(&c, Some("POST"), p, Some("0123456789abcdef"), None)
+            check_headers(&c, Some("POST"), p, Some("0123456789abcdef"), None, None)
                 .unwrap()
                 .status,
             401
         );
-        let r = check_headers(&c, Some("POST"), p, auth, Some("201")).unwrap();
+        let r = check_headers(&c, Some("POST"), p, auth, Some("201"), None).unwrap();
         assert_eq!(r.status, 413);
         assert_eq!(
             r.body,
             r#"{"error":{"code":"request_too_large","message":"Snapshot larger than ingest_max_bytes (200 bytes).","param":null,"type":"invalid_request_error"}}"#
         );
+        // A compressed body is refused by name; empty and `identity` are no encoding.
+        let r = check_headers(&c, Some("POST"), p, auth, None, Some(b" gzip ")).unwrap();
+        assert_eq!(r.status, 415);
+        assert_eq!(
+            r.body,
+            r#"{"error":{"code":"unsupported_encoding","message":"Snapshot sent with content-encoding `gzip`; the ingest listener takes it uncompressed.","param":null,"type":"invalid_request_error"}}"#
+        );
+        for none in [b"".as_slice(), b"identity", b" Identity "] {
+            assert_eq!(
+                check_headers(&c, Some("POST"), p, auth, None, Some(none)),
+                None
+            );
+        }
     }
 
     #[test]

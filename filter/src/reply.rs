@@ -99,12 +99,7 @@ pub fn error(
 const INVALID: &str = "invalid_request_error";
 const SERVER: &str = "server_error";
 
-use kvroute_core::echo::{echo, echo_within};
-
-/// How much of a message from elsewhere (a snapshot's decode error, which quotes field names
-/// from the body) an ingest reply repeats, in bytes: the quoted names in it are already
-/// bounded ([`echo`]), this bounds the rest.
-const DETAIL_MAX_BYTES: usize = 2048;
+use kvroute_core::echo::echo;
 
 /// 404: no endpoint lists `model`.
 pub fn model_not_found(model: &str) -> LocalReply {
@@ -200,10 +195,7 @@ pub fn ingest_invalid(detail: &str) -> LocalReply {
         400,
         INVALID,
         "invalid_snapshot",
-        &format!(
-            "Invalid snapshot: {}",
-            echo_within(detail, DETAIL_MAX_BYTES)
-        ),
+        &format!("Invalid snapshot: {detail}"),
         None,
         None,
     )
@@ -415,7 +407,7 @@ mod tests {
         let long = "m".repeat(100_000);
         let r = model_not_found(&long);
         assert!(r.body.len() < 600, "{} bytes", r.body.len());
-        assert!(r.body.contains("(100000 bytes)"), "{}", r.body);
+        assert!(r.body.contains("(100000 bytes in all)"), "{}", r.body);
         let bad = kvroute_core::snapshot::SnapshotError::InvalidEndpoint {
             index: 3,
             id: kvroute_core::echo::echo(&"e".repeat(1100)).into_owned(),
@@ -426,13 +418,24 @@ mod tests {
         assert!(r.body.len() < 800, "{} bytes", r.body.len());
         assert!(
             r.body
-                .contains("(1100 bytes)`): field `id` is longer than 1024 bytes"),
+                .contains("(1100 bytes in all)`): field `id` is longer than 1024 bytes"),
             "{}",
             r.body
         );
-        let r = ingest_invalid(&"东".repeat(10_000));
+        // A decode error quoting a 30 KB value from the body: bounded where it is made
+        // (`Snapshot::decode`), so the reply stays short and says how long it was.
+        let body = format!(r#"{{"version":"{}"}}"#, "东".repeat(10_000));
+        let whole = serde_json::from_str::<kvroute_core::snapshot::Snapshot>(&body)
+            .unwrap_err()
+            .to_string();
+        let e = kvroute_core::snapshot::Snapshot::decode(body.as_bytes()).unwrap_err();
+        let r = ingest_invalid(&e.to_string());
         assert!(r.body.len() < 2300, "{} bytes", r.body.len());
-        assert!(r.body.contains("(30000 bytes)"), "{}", r.body);
+        assert!(
+            r.body.contains(&format!("({} bytes in all)", whole.len())),
+            "{}",
+            r.body
+        );
     }
 
     #[test]
