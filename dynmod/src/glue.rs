@@ -44,8 +44,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Request header that makes a hook panic, honoured only when Envoy was started with
 /// `KVROUTE_DYNMOD_TEST_PANIC=1` in its environment: the integration test's way to check
-/// the panic barrier in real Envoy. Never set in production.
+/// the panic barrier in real Envoy. Never set in production. Any value makes the request
+/// headers hook panic, but [`TEST_PANIC_NEXT_STREAM`], which lets the request go on and
+/// makes the next routing stream's creation panic instead ([`HttpFilter::unrouted`]).
 pub const TEST_PANIC_HEADER: &str = "x-kvroute-test-panic";
+
+/// [`TEST_PANIC_HEADER`]'s value that arms a panic in the next routing stream's
+/// [`HttpFilter::new`] (on any worker), where no request header can be read yet.
+pub const TEST_PANIC_NEXT_STREAM: &[u8] = b"next-stream";
+
+/// Armed by [`TEST_PANIC_NEXT_STREAM`]; taken by the next routing stream's creation.
+static TEST_PANIC_ARMED: AtomicBool = AtomicBool::new(false);
 
 /// Counters, gauges and histograms of `kvroute_filter::names::metric`, with their kinds:
 /// defined on every config (names identical to the Wasm filter's).
@@ -834,6 +843,17 @@ impl HttpFilter {
     pub fn new(cfg: &FilterConfig, filter: Filter) -> Self {
         sweep_retired();
         let cfg = cfg.0.clone();
+        if cfg.test_panic
+            && cfg.config.role == Role::Route
+            && TEST_PANIC_ARMED.swap(false, Ordering::Relaxed)
+        {
+            #[allow(clippy::panic)] // The test knob's whole purpose (TEST_PANIC_NEXT_STREAM).
+            {
+                panic!(
+                    "kvroute: deliberate test panic in a stream's creation ({TEST_PANIC_HEADER})"
+                );
+            }
+        }
         let context_id = NEXT_CONTEXT.with(|c| {
             let id = c.get().wrapping_add(1).max(1);
             c.set(id);
@@ -998,16 +1018,18 @@ impl HttpFilter {
 
     /// `on_http_filter_request_headers`.
     pub fn request_headers(&mut self, eos: bool) -> u32 {
-        if self.cfg.test_panic
-            && !self.failed
-            && self
-                .filter
-                .header(abi::REQUEST_HEADERS, TEST_PANIC_HEADER)
-                .is_some()
-        {
-            #[allow(clippy::panic)] // The test knob's whole purpose (TEST_PANIC_HEADER).
-            {
-                panic!("kvroute: deliberate test panic ({TEST_PANIC_HEADER})");
+        if self.cfg.test_panic && !self.failed {
+            match self.filter.header(abi::REQUEST_HEADERS, TEST_PANIC_HEADER) {
+                Some(v) if v == TEST_PANIC_NEXT_STREAM => {
+                    TEST_PANIC_ARMED.store(true, Ordering::Relaxed);
+                }
+                Some(_) => {
+                    #[allow(clippy::panic)] // The test knob's whole purpose (TEST_PANIC_HEADER).
+                    {
+                        panic!("kvroute: deliberate test panic ({TEST_PANIC_HEADER})");
+                    }
+                }
+                None => {}
             }
         }
         self.request_hook(eos, |s, h| match s {

@@ -6,7 +6,8 @@
 //!
 //! Envoy finds the module through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, which the harness sets
 //! to [`dynmod_dir`] for every Envoy it starts; [`setup`] adds `KVROUTE_DYNMOD_TEST_PANIC=1`
-//! (the module's test knob: a request with `x-kvroute-test-panic` panics inside the hook).
+//! (the module's test knob: a request with `x-kvroute-test-panic` panics inside the hook;
+//! with the value `next-stream`, the next stream's creation panics instead).
 
 use kvroute_integration::harness::kvroute::{chat, Fleet, FleetMode, FleetOptions};
 use kvroute_integration::harness::{dynmod_dir, envoy_binary, workspace_root};
@@ -301,6 +302,76 @@ async fn a_panic_fails_open_and_envoy_lives() {
         .count();
     assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
     // The next request is routed as usual.
+    let r = fleet
+        .post("/v1/chat/completions", &chat("after"))
+        .await
+        .unwrap();
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let mut envoy = fleet.envoy;
+    assert!(envoy.is_running());
+}
+
+/// A stream whose creation panicked (`HttpFilter::unrouted`, the `x-kvroute-test-panic:
+/// next-stream` knob: the arming request goes on, the next stream's creation panics) routes
+/// nothing: its request takes the default route, without the routing headers a client sent
+/// (else a client could name its backend whenever stream creation fails), and counts as a
+/// fail-open. Streams after it are routed as usual.
+#[tokio::test]
+async fn a_stream_whose_creation_panicked_goes_unrouted_without_client_routing() {
+    setup();
+    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
+        .await
+        .unwrap();
+    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
+    let request = |headers: Vec<(&'static str, &'static str)>, body: Vec<u8>| {
+        let url = fleet.url("/v1/chat/completions");
+        async move {
+            let mut h = vec![("content-type", "application/json")];
+            h.extend(headers);
+            kvroute_integration::harness::http::request("POST", &url, &h, &body)
+                .await
+                .unwrap()
+        }
+    };
+    for i in 0..4 {
+        // The arming request itself is routed (least KV: b1).
+        let r = request(
+            vec![("x-kvroute-test-panic", "next-stream")],
+            chat(&format!("arm {i}")),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-backend"), Some("b1"));
+        let r = request(
+            vec![
+                ("x-kvroute-cluster", "c0"),
+                ("x-kvroute-decision", "forged"),
+            ],
+            chat(&format!("named {i}")),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 4);
+    assert!(fleet.log_tail(200).contains("in a stream's creation"));
+    let named: Vec<_> = fleet
+        .backends
+        .iter()
+        .flat_map(|b| b.requests())
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
+        .collect();
+    assert_eq!(named.len(), 4);
+    for r in &named {
+        assert_eq!(r.header("x-kvroute-cluster"), None);
+        assert_eq!(r.header("x-kvroute-decision"), None);
+    }
+    // The default route's round robin, not the named c0 (b0) every time.
+    let to_b1 = fleet.backends[1]
+        .requests()
+        .iter()
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
+        .count();
+    assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
     let r = fleet
         .post("/v1/chat/completions", &chat("after"))
         .await
