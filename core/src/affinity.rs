@@ -246,55 +246,64 @@ pub fn append(
         }
         _ => (1, &[][..], Vec::new()),
     };
-    // New records, encoded.
-    let mut fresh = Vec::new();
-    let mut fresh_starts = Vec::new();
-    for (endpoint, hashes) in chains {
-        if hashes.is_empty() || endpoint.len() > usize::from(u16::MAX) {
-            continue;
-        }
-        let fixed = RECORD_FIXED + endpoint.len();
-        let n = hashes
-            .len()
-            .min((room.saturating_sub(fixed) / 8).min(usize::from(u16::MAX)));
-        if n == 0 {
-            continue;
-        }
-        fresh_starts.push(fresh.len());
-        fresh.extend_from_slice(&next_seq.to_le_bytes());
-        fresh.extend_from_slice(&now_ms.to_le_bytes());
-        fresh.extend_from_slice(&writer.to_le_bytes());
-        fresh.extend_from_slice(&(endpoint.len() as u16).to_le_bytes());
-        fresh.extend_from_slice(endpoint.as_bytes());
-        fresh.extend_from_slice(&(n as u16).to_le_bytes());
-        for h in hashes.iter().take(n) {
-            fresh.extend_from_slice(&h.to_le_bytes());
-        }
-        next_seq = next_seq.saturating_add(1);
-    }
-    // Drop the oldest (kept records first, then fresh ones) until the whole fits: `k` kept
-    // and `f` fresh records from the front. (An index, not `Vec::remove(0)`: a journal at
+    // New records: each chain's hash count (cut to what fits alone), measured before any
+    // is encoded.
+    let sized: Vec<(&str, &[u64])> = chains
+        .iter()
+        .filter_map(|(endpoint, hashes)| {
+            if hashes.is_empty() || endpoint.len() > usize::from(u16::MAX) {
+                return None;
+            }
+            let fixed = RECORD_FIXED + endpoint.len();
+            let n = hashes
+                .len()
+                .min((room.saturating_sub(fixed) / 8).min(usize::from(u16::MAX)));
+            (n > 0).then(|| (endpoint.as_str(), hashes.get(..n).unwrap_or_default()))
+        })
+        .collect();
+    let record_len =
+        |(endpoint, hashes): &(&str, &[u64])| RECORD_FIXED + endpoint.len() + 8 * hashes.len();
+    // Drop the oldest (kept records first, then new ones) until the whole fits: `k` kept
+    // and `f` new records from the front. (An index, not `Vec::remove(0)`: a journal at
     // its bound drops about as many records per sync as it appends, hundreds at 9,000
     // requests a second, and removing each from the front moved the rest every time: about
-    // a tenth of a sync's ~335 µs in Envoy, docs/overhead.md.)
+    // a tenth of a sync's ~335 µs in Envoy, docs/overhead.md.) New records that are dropped
+    // are never encoded: at that rate a tick's records came to several times the bound,
+    // all encoded into a buffer grown by doubling, then mostly dropped.
     let kept_len = |k: usize| starts.get(k).map_or(0, |&s| body.len() - s);
-    let fresh_len = |f: usize| fresh.len() - fresh_starts.get(f).copied().unwrap_or(fresh.len());
+    let mut fresh_len: usize = sized.iter().map(record_len).sum();
     let (mut k, mut f) = (0, 0);
-    while kept_len(k) + fresh_len(f) > room {
+    while kept_len(k) + fresh_len > room {
         if k < starts.len() {
             k += 1;
-        } else {
+        } else if let Some(r) = sized.get(f) {
+            fresh_len -= record_len(r);
             f += 1;
+        } else {
+            break;
         }
     }
-    let fresh_from = fresh_starts.get(f).copied().unwrap_or(fresh.len());
-    let mut out = Vec::with_capacity(HEADER + kept_len(k) + fresh_len(f));
+    // Every new record takes a sequence number, the dropped ones too.
+    let first_seq = next_seq;
+    next_seq = next_seq.saturating_add(sized.len() as u64);
+    let mut out = Vec::with_capacity(HEADER + kept_len(k) + fresh_len);
     out.extend_from_slice(&JOURNAL_MAGIC);
     out.extend_from_slice(&next_seq.to_le_bytes());
     if let Some(&s) = starts.get(k) {
         out.extend_from_slice(body.get(s..).unwrap_or_default());
     }
-    out.extend_from_slice(fresh.get(fresh_from..).unwrap_or_default());
+    for (i, (endpoint, hashes)) in sized.iter().enumerate().skip(f) {
+        let seq = first_seq.saturating_add(i as u64);
+        out.extend_from_slice(&seq.to_le_bytes());
+        out.extend_from_slice(&now_ms.to_le_bytes());
+        out.extend_from_slice(&writer.to_le_bytes());
+        out.extend_from_slice(&(endpoint.len() as u16).to_le_bytes());
+        out.extend_from_slice(endpoint.as_bytes());
+        out.extend_from_slice(&(hashes.len() as u16).to_le_bytes());
+        for h in *hashes {
+            out.extend_from_slice(&h.to_le_bytes());
+        }
+    }
     out
 }
 

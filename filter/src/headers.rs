@@ -36,7 +36,10 @@ impl HeaderMap {
     /// Serialize `pairs` in the host's layout (the mock host and tests build maps so).
     pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Self {
         let pairs: Vec<_> = pairs.into_iter().collect();
-        let mut raw = Vec::new();
+        // Sized once: grown by doubling, a request's ~10 headers took ~7 reallocations
+        // (~2 k instructions of the native module's request, callgrind).
+        let text: usize = pairs.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        let mut raw = Vec::with_capacity(4 + 8 * pairs.len() + text);
         let n = u32::try_from(pairs.len()).unwrap_or(u32::MAX);
         raw.extend_from_slice(&n.to_le_bytes());
         for (k, v) in &pairs {
