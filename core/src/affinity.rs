@@ -267,9 +267,9 @@ pub fn append(
     // and `f` new records from the front. (An index, not `Vec::remove(0)`: a journal at
     // its bound drops about as many records per sync as it appends, hundreds at 9,000
     // requests a second, and removing each from the front moved the rest every time: about
-    // a tenth of a sync's ~335 µs in Envoy, docs/overhead.md.) New records that are dropped
-    // are never encoded: at that rate a tick's records came to several times the bound,
-    // all encoded into a buffer grown by doubling, then mostly dropped.
+    // a tenth of a sync's ~335 µs in Envoy, docs/overhead.md.) Only the new records that
+    // stay are encoded, straight into the journal sized for them: at that rate a tick's
+    // records come to several times the bound, and most are dropped here.
     let kept_len = |k: usize| starts.get(k).map_or(0, |&s| body.len() - s);
     let mut fresh_len: usize = sized.iter().map(record_len).sum();
     let (mut k, mut f) = (0, 0);
@@ -366,6 +366,29 @@ mod tests {
             ]
         );
         assert_eq!(read(&empty()).unwrap(), (1, vec![]));
+    }
+
+    /// Sequence numbers saturate at `u64::MAX`: the header's next number stays there, the
+    /// records numbered up to it read back, and one numbered past it repeats it, which a
+    /// reader reports as a bad sequence (the journal is then taken as reset).
+    #[test]
+    fn sequence_numbers_saturate() {
+        let mut j = empty();
+        j[4..12].copy_from_slice(&(u64::MAX - 2).to_le_bytes());
+        let two = [chain("p/a", &[1]), chain("p/b", &[2])];
+        let j = append(Some(&j), 1, 5, &two, BIG, FOREVER);
+        let (next, recs) = read(&j).unwrap();
+        assert_eq!(next, u64::MAX);
+        let seqs: Vec<u64> = recs.iter().map(|r| r.0).collect();
+        assert_eq!(seqs, [u64::MAX - 2, u64::MAX - 1]);
+        let j = append(Some(&j), 1, 6, &two, BIG, FOREVER);
+        assert_eq!(JournalRef::parse(&j).unwrap().next_seq(), u64::MAX);
+        // Header 12, then four 35-byte records (24 fixed, a 3-byte id, one hash); the third
+        // and fourth are both numbered u64::MAX.
+        assert_eq!(j.len(), 12 + 4 * 35);
+        assert_eq!(j[12 + 70..12 + 78], u64::MAX.to_le_bytes());
+        assert_eq!(j[12 + 105..12 + 113], u64::MAX.to_le_bytes());
+        assert_eq!(read(&j), Err(JournalError::BadSequence(12 + 70)));
     }
 
     #[test]

@@ -50,7 +50,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub const TEST_PANIC_HEADER: &str = "x-kvroute-test-panic";
 
 /// [`TEST_PANIC_HEADER`]'s value that arms a panic in the next routing stream's
-/// [`HttpFilter::new`] (on any worker), where no request header can be read yet.
+/// [`HttpFilter::new`], where no request header can be read yet: the process's next one,
+/// on any worker and of any config honouring the knob.
 pub const TEST_PANIC_NEXT_STREAM: &[u8] = b"next-stream";
 
 /// Armed by [`TEST_PANIC_NEXT_STREAM`]; taken by the next routing stream's creation.
@@ -253,8 +254,8 @@ pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<Fi
 // Shared data: one process, so one map.
 // ----------------------------------------------------------------------------------------
 
-/// The module's hash maps: keyed by what the module itself names (shared-data keys,
-/// `vm_id`s, config and context ids, metric names), never by request content, so a fixed
+/// The module's hash maps: keyed by names the module or its operator chose (shared-data
+/// keys, `vm_id`s, config and context ids, metric names), never by request content, so a fixed
 /// `foldhash` serves: std's SipHash, which resists keys chosen to collide, was ~2 k
 /// instructions of each request (callgrind: four shared-data reads, three writes, a
 /// stream's registration and removal).

@@ -33,7 +33,8 @@ impl HeaderMap {
         Self { raw }
     }
 
-    /// Serialize `pairs` in the host's layout (the mock host and tests build maps so).
+    /// Serialize `pairs` in the host's layout: the native module's header reads (which get
+    /// Envoy's headers as pairs), the mock host and tests.
     pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Self {
         let pairs: Vec<_> = pairs.into_iter().collect();
         // Sized once: grown by doubling, a request's ~10 headers took ~7 reallocations

@@ -7,7 +7,7 @@
 //! Envoy finds the module through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, which the harness sets
 //! to [`dynmod_dir`] for every Envoy it starts; [`setup`] adds `KVROUTE_DYNMOD_TEST_PANIC=1`
 //! (the module's test knob: a request with `x-kvroute-test-panic` panics inside the hook;
-//! with the value `next-stream`, the next stream's creation panics instead).
+//! with the value `next-stream`, the next routing stream's creation panics instead).
 
 use kvroute_integration::harness::kvroute::{chat, Fleet, FleetMode, FleetOptions};
 use kvroute_integration::harness::{dynmod_dir, envoy_binary, workspace_root};
