@@ -9,7 +9,9 @@
 //! (the module's test knob: a request with `x-kvroute-test-panic` panics inside the hook;
 //! with the value `next-stream`, the next routing stream's creation panics instead).
 
+use kvroute_integration::harness::http::Response;
 use kvroute_integration::harness::kvroute::{chat, Fleet, FleetMode, FleetOptions};
+use kvroute_integration::harness::RecordingBackend;
 use kvroute_integration::harness::{dynmod_dir, envoy_binary, workspace_root};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -177,11 +179,7 @@ async fn endpoint_mode_sets_the_destination_endpoint() {
 
 #[tokio::test]
 async fn error_replies_are_the_filters() {
-    setup();
-    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
-        .await
-        .unwrap();
-    fleet.push_usages(1, &[0.2, 0.3]).await.unwrap();
+    let fleet = least_kv_fleet(&[0.2, 0.3]).await;
     // A body that is not JSON: routed by load alone and counted, as by the Wasm filter.
     let r = fleet
         .post("/v1/chat/completions", b"not json at all")
@@ -242,66 +240,61 @@ async fn a_bad_config_is_refused_with_a_clear_line() {
     assert!(err.contains("no_such_policy"), "{err}");
 }
 
-#[tokio::test]
-async fn a_panic_fails_open_and_envoy_lives() {
+/// A least-KV fleet on the native module (test knob armed), with one snapshot pushed:
+/// backend `i` at KV usage `usages[i]` (0..1).
+async fn least_kv_fleet(usages: &[f64]) -> Fleet {
     setup();
     let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
         .await
         .unwrap();
-    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
+    fleet.push_usages(1, usages).await.unwrap();
+    fleet
+}
+
+/// POST a chat body with `headers` (and `content-type`) to the fleet's Envoy; asserts a 200.
+async fn post_chat(fleet: &Fleet, headers: &[(&str, &str)], text: &str) -> Response {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
     let r = kvroute_integration::harness::http::request(
         "POST",
         &fleet.url("/v1/chat/completions"),
-        &[
-            ("content-type", "application/json"),
-            ("x-kvroute-test-panic", "1"),
-        ],
-        &chat("panic"),
+        &h,
+        &chat(text),
     )
     .await
     .unwrap();
-    // Unrouted: the default route (round robin over both), never a kvroute decision.
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
-    assert!(fleet.log_tail(200).contains("panic caught"));
-    // A client naming its own backend while the hook panics (before the stream's own
-    // removal of the routing headers) does not get it: the headers go, and the default
-    // route's round robin reaches both backends (found by a breaker: all four went to c0).
-    for i in 0..4 {
-        let r = kvroute_integration::harness::http::request(
-            "POST",
-            &fleet.url("/v1/chat/completions"),
-            &[
-                ("content-type", "application/json"),
-                ("x-kvroute-test-panic", "1"),
-                ("x-kvroute-cluster", "c0"),
-                ("x-kvroute-decision", "forged"),
-            ],
-            &chat(&format!("named {i}")),
-        )
-        .await
-        .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 5);
-    let named: Vec<_> = fleet
-        .backends
-        .iter()
-        .flat_map(|b| b.requests())
-        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
-        .collect();
-    assert_eq!(named.len(), 4);
-    for r in &named {
+    r
+}
+
+/// The client's routing headers on the requests named `named 0` to `named 3`.
+const NAMING: [(&str, &str); 2] = [
+    ("x-kvroute-cluster", "c0"),
+    ("x-kvroute-decision", "forged"),
+];
+
+/// The four `named i` requests, sent with [`NAMING`], went unrouted: none reached a backend
+/// with those headers, and the default route's round robin spread them over both backends
+/// instead of sending them all to the named c0.
+fn assert_named_went_to_the_default_route(fleet: &Fleet) {
+    let named = |b: &RecordingBackend| {
+        b.requests()
+            .into_iter()
+            .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
+            .collect::<Vec<_>>()
+    };
+    let all: Vec<_> = fleet.backends.iter().flat_map(named).collect();
+    assert_eq!(all.len(), 4);
+    for r in &all {
         assert_eq!(r.header("x-kvroute-cluster"), None);
         assert_eq!(r.header("x-kvroute-decision"), None);
     }
-    let to_b1 = fleet.backends[1]
-        .requests()
-        .iter()
-        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
-        .count();
+    let to_b1 = named(&fleet.backends[1]).len();
     assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
-    // The next request is routed as usual.
+}
+
+/// After the panics: the next request is routed as usual (least KV: b1), Envoy still up.
+async fn assert_routed_after(fleet: Fleet) {
     let r = fleet
         .post("/v1/chat/completions", &chat("after"))
         .await
@@ -311,74 +304,49 @@ async fn a_panic_fails_open_and_envoy_lives() {
     assert!(envoy.is_running());
 }
 
+#[tokio::test]
+async fn a_panic_fails_open_and_envoy_lives() {
+    let fleet = least_kv_fleet(&[0.9, 0.1]).await;
+    // Unrouted: the default route (round robin over both), never a kvroute decision.
+    post_chat(&fleet, &[("x-kvroute-test-panic", "1")], "panic").await;
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
+    assert!(fleet.log_tail(200).contains("panic caught"));
+    // A client naming its own backend while the hook panics (before the stream's own
+    // removal of the routing headers) does not get it: the headers go, and the default
+    // route's round robin reaches both backends (found by a breaker: all four went to c0).
+    for i in 0..4 {
+        let mut h = vec![("x-kvroute-test-panic", "1")];
+        h.extend_from_slice(&NAMING);
+        post_chat(&fleet, &h, &format!("named {i}")).await;
+    }
+    assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 5);
+    assert_named_went_to_the_default_route(&fleet);
+    assert_routed_after(fleet).await;
+}
+
 /// A stream whose creation panicked (`HttpFilter::unrouted`, the `x-kvroute-test-panic:
-/// next-stream` knob: the arming request goes on, the next stream's creation panics) routes
-/// nothing: its request takes the default route, without the routing headers a client sent
-/// (else a client could name its backend whenever stream creation fails), and counts as a
-/// fail-open. Streams after it are routed as usual.
+/// next-stream` knob: the arming request goes on, the next routing stream's creation
+/// panics) routes nothing: its request takes the default route, without the routing
+/// headers a client sent (else a client could name its backend whenever stream creation
+/// fails), and counts as a fail-open. Streams after it are routed as usual.
 #[tokio::test]
 async fn a_stream_whose_creation_panicked_goes_unrouted_without_client_routing() {
-    setup();
-    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
-        .await
-        .unwrap();
-    fleet.push_usages(1, &[0.9, 0.1]).await.unwrap();
-    let request = |headers: Vec<(&'static str, &'static str)>, body: Vec<u8>| {
-        let url = fleet.url("/v1/chat/completions");
-        async move {
-            let mut h = vec![("content-type", "application/json")];
-            h.extend(headers);
-            kvroute_integration::harness::http::request("POST", &url, &h, &body)
-                .await
-                .unwrap()
-        }
-    };
+    let fleet = least_kv_fleet(&[0.9, 0.1]).await;
     for i in 0..4 {
         // The arming request itself is routed (least KV: b1).
-        let r = request(
-            vec![("x-kvroute-test-panic", "next-stream")],
-            chat(&format!("arm {i}")),
+        let r = post_chat(
+            &fleet,
+            &[("x-kvroute-test-panic", "next-stream")],
+            &format!("arm {i}"),
         )
         .await;
-        assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.header("x-backend"), Some("b1"));
-        let r = request(
-            vec![
-                ("x-kvroute-cluster", "c0"),
-                ("x-kvroute-decision", "forged"),
-            ],
-            chat(&format!("named {i}")),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.text());
+        post_chat(&fleet, &NAMING, &format!("named {i}")).await;
     }
     assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 4);
     assert!(fleet.log_tail(200).contains("in a stream's creation"));
-    let named: Vec<_> = fleet
-        .backends
-        .iter()
-        .flat_map(|b| b.requests())
-        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
-        .collect();
-    assert_eq!(named.len(), 4);
-    for r in &named {
-        assert_eq!(r.header("x-kvroute-cluster"), None);
-        assert_eq!(r.header("x-kvroute-decision"), None);
-    }
-    // The default route's round robin, not the named c0 (b0) every time.
-    let to_b1 = fleet.backends[1]
-        .requests()
-        .iter()
-        .filter(|r| String::from_utf8_lossy(&r.body).contains("named "))
-        .count();
-    assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
-    let r = fleet
-        .post("/v1/chat/completions", &chat("after"))
-        .await
-        .unwrap();
-    assert_eq!(r.header("x-backend"), Some("b1"));
-    let mut envoy = fleet.envoy;
-    assert!(envoy.is_running());
+    assert_named_went_to_the_default_route(&fleet);
+    assert_routed_after(fleet).await;
 }
 
 #[test]
