@@ -179,7 +179,7 @@ async fn endpoint_mode_sets_the_destination_endpoint() {
 
 #[tokio::test]
 async fn error_replies_are_the_filters() {
-    let fleet = least_kv_fleet(&[0.2, 0.3]).await;
+    let fleet = least_kv_fleet(&[0.2, 0.3]).await.unwrap();
     // A body that is not JSON: routed by load alone and counted, as by the Wasm filter.
     let r = fleet
         .post("/v1/chat/completions", b"not json at all")
@@ -242,17 +242,19 @@ async fn a_bad_config_is_refused_with_a_clear_line() {
 
 /// A least-KV fleet on the native module (test knob armed), with one snapshot pushed:
 /// backend `i` at KV usage `usages[i]` (0..1).
-async fn least_kv_fleet(usages: &[f64]) -> Fleet {
+async fn least_kv_fleet(usages: &[f64]) -> anyhow::Result<Fleet> {
     setup();
-    let fleet = Fleet::start(dynmod(FleetOptions::least_kv()))
-        .await
-        .unwrap();
-    fleet.push_usages(1, usages).await.unwrap();
-    fleet
+    let fleet = Fleet::start(dynmod(FleetOptions::least_kv())).await?;
+    fleet.push_usages(1, usages).await?;
+    Ok(fleet)
 }
 
 /// POST a chat body with `headers` (and `content-type`) to the fleet's Envoy; asserts a 200.
-async fn post_chat(fleet: &Fleet, headers: &[(&str, &str)], text: &str) -> Response {
+async fn post_chat(
+    fleet: &Fleet,
+    headers: &[(&str, &str)],
+    text: &str,
+) -> anyhow::Result<Response> {
     let mut h = vec![("content-type", "application/json")];
     h.extend_from_slice(headers);
     let r = kvroute_integration::harness::http::request(
@@ -261,10 +263,9 @@ async fn post_chat(fleet: &Fleet, headers: &[(&str, &str)], text: &str) -> Respo
         &h,
         &chat(text),
     )
-    .await
-    .unwrap();
+    .await?;
     assert_eq!(r.status, 200, "{}", r.text());
-    r
+    Ok(r)
 }
 
 /// The client's routing headers on the requests named `named 0` to `named 3`.
@@ -289,26 +290,26 @@ fn assert_named_went_to_the_default_route(fleet: &Fleet) {
         assert_eq!(r.header("x-kvroute-cluster"), None);
         assert_eq!(r.header("x-kvroute-decision"), None);
     }
-    let to_b1 = named(&fleet.backends[1]).len();
+    let to_b1 = fleet.backends.get(1).map_or(0, |b| named(b).len());
     assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
 }
 
 /// After the panics: the next request is routed as usual (least KV: b1), Envoy still up.
-async fn assert_routed_after(fleet: Fleet) {
-    let r = fleet
-        .post("/v1/chat/completions", &chat("after"))
-        .await
-        .unwrap();
+async fn assert_routed_after(fleet: Fleet) -> anyhow::Result<()> {
+    let r = fleet.post("/v1/chat/completions", &chat("after")).await?;
     assert_eq!(r.header("x-backend"), Some("b1"));
     let mut envoy = fleet.envoy;
     assert!(envoy.is_running());
+    Ok(())
 }
 
 #[tokio::test]
 async fn a_panic_fails_open_and_envoy_lives() {
-    let fleet = least_kv_fleet(&[0.9, 0.1]).await;
+    let fleet = least_kv_fleet(&[0.9, 0.1]).await.unwrap();
     // Unrouted: the default route (round robin over both), never a kvroute decision.
-    post_chat(&fleet, &[("x-kvroute-test-panic", "1")], "panic").await;
+    post_chat(&fleet, &[("x-kvroute-test-panic", "1")], "panic")
+        .await
+        .unwrap();
     assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 1);
     assert!(fleet.log_tail(200).contains("panic caught"));
     // A client naming its own backend while the hook panics (before the stream's own
@@ -317,11 +318,11 @@ async fn a_panic_fails_open_and_envoy_lives() {
     for i in 0..4 {
         let mut h = vec![("x-kvroute-test-panic", "1")];
         h.extend_from_slice(&NAMING);
-        post_chat(&fleet, &h, &format!("named {i}")).await;
+        post_chat(&fleet, &h, &format!("named {i}")).await.unwrap();
     }
     assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 5);
     assert_named_went_to_the_default_route(&fleet);
-    assert_routed_after(fleet).await;
+    assert_routed_after(fleet).await.unwrap();
 }
 
 /// A stream whose creation panicked (`HttpFilter::unrouted`, the `x-kvroute-test-panic:
@@ -331,7 +332,7 @@ async fn a_panic_fails_open_and_envoy_lives() {
 /// fails), and counts as a fail-open. Streams after it are routed as usual.
 #[tokio::test]
 async fn a_stream_whose_creation_panicked_goes_unrouted_without_client_routing() {
-    let fleet = least_kv_fleet(&[0.9, 0.1]).await;
+    let fleet = least_kv_fleet(&[0.9, 0.1]).await.unwrap();
     for i in 0..4 {
         // The arming request itself is routed (least KV: b1).
         let r = post_chat(
@@ -339,14 +340,17 @@ async fn a_stream_whose_creation_panicked_goes_unrouted_without_client_routing()
             &[("x-kvroute-test-panic", "next-stream")],
             &format!("arm {i}"),
         )
-        .await;
+        .await
+        .unwrap();
         assert_eq!(r.header("x-backend"), Some("b1"));
-        post_chat(&fleet, &NAMING, &format!("named {i}")).await;
+        post_chat(&fleet, &NAMING, &format!("named {i}"))
+            .await
+            .unwrap();
     }
     assert_eq!(fleet.custom("kvroute.fail_open").await.unwrap(), 4);
     assert!(fleet.log_tail(200).contains("in a stream's creation"));
     assert_named_went_to_the_default_route(&fleet);
-    assert_routed_after(fleet).await;
+    assert_routed_after(fleet).await.unwrap();
 }
 
 #[test]
