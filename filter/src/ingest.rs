@@ -30,11 +30,15 @@ use subtle::ConstantTimeEq;
 /// A local reply (see [`crate::reply`]).
 pub type Reply = LocalReply;
 
-/// Token check: `Authorization: Bearer <token>`, constant time in the token's content.
+/// Token check: `Authorization: Bearer <token>`, constant time in the token's content. The
+/// scheme's name is matched in any case, as HTTP's authentication schemes are (RFC 9110
+/// §11.1: `bearer` is `Bearer`).
 pub fn authorized(config: &Config, authorization: Option<&str>) -> bool {
-    let Some(given) =
-        authorization.and_then(|a| a.strip_prefix(kvroute_core::snapshot::AUTH_SCHEME))
-    else {
+    let scheme = kvroute_core::snapshot::AUTH_SCHEME.trim_end();
+    let Some(given) = authorization.and_then(|a| {
+        let (name, token) = a.trim_start().split_once(' ')?;
+        name.eq_ignore_ascii_case(scheme).then_some(token)
+    }) else {
         return false;
     };
     let want = config.ingest_token.as_bytes();
@@ -348,6 +352,29 @@ mod tests {
             br#"{"role":"ingest","ingest_token":"0123456789abcdef","ingest_max_bytes":200}"#,
         )
         .unwrap()
+    }
+
+    /// The scheme's name in any case (RFC 9110 §11.1), the token exact; another scheme, no
+    /// token, or the token alone is refused.
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        let c = cfg();
+        for (auth, ok) in [
+            ("Bearer 0123456789abcdef", true),
+            ("bearer 0123456789abcdef", true),
+            ("BEARER 0123456789abcdef", true),
+            (" Bearer  0123456789abcdef ", true),
+            ("Bearer 0123456789ABCDEF", false),
+            ("Basic 0123456789abcdef", false),
+            ("Bearer0123456789abcdef", false),
+            ("Bearer", false),
+            ("Bearer ", false),
+            ("0123456789abcdef", false),
+            ("Bearerx 0123456789abcdef", false),
+        ] {
+            assert_eq!(authorized(&c, Some(auth)), ok, "{auth:?}");
+        }
+        assert!(!authorized(&c, None));
     }
 
     #[test]

@@ -125,7 +125,7 @@ enum Body<'a> {
     /// buffer, so a saturated request of this kind can be held in the admission queue.
     None,
     /// One follows that the filter does not read: over `max_body_bytes` (declared, or
-    /// buffered past it), `Content-Encoding`, or an upgrade's or a CONNECT's tunnel. It is
+    /// buffered past it), `Content-Encoding`, or an upgrade's stream. It is
     /// routed by load alone and streams once decided; it is never held, since a paused
     /// stream makes Envoy buffer the body until `per_connection_buffer_limit_bytes`, where
     /// Envoy answers its own 413.
@@ -233,10 +233,18 @@ impl Stream {
             strip_client_routing(host, &w.config, |name| get(name).is_some());
             w.config.max_body_bytes
         };
-        // A CONNECT's tunnel never ends its body, so waiting for the end would hold it
-        // until a timeout (found by a breaker: plain Envoy answers 404 at once); like an
-        // upgrade it is decided now.
-        let tunnel = get("upgrade").is_some() || get(":method") == Some(b"CONNECT".as_slice());
+        if get(":method") == Some(b"CONNECT".as_slice()) {
+            // A tunnel, not an inference request (no OpenAI-style API uses CONNECT): it goes
+            // on unrouted, nothing reserved, its client's routing headers removed above.
+            // Routed by load, its reservation counted it in flight on an endpoint its route
+            // need not reach, for the tunnel's whole life (found by a breaker); waiting for
+            // its body's end would hold it until a timeout (a tunnel's body never ends).
+            self.decided = true;
+            return Flow::Continue;
+        }
+        // An upgrade (a WebSocket session, such as a realtime API's) streams both ways
+        // without a body's end: decided now, by load.
+        let tunnel = get("upgrade").is_some();
         let encoded = get("content-encoding").is_some_and(crate::headers::encodes);
         let too_big = headers
             .get_str("content-length")
@@ -924,7 +932,6 @@ mod tests {
             Some(("content-length", "101")),
             Some(("content-encoding", "gzip")),
             Some(("upgrade", "websocket")),
-            Some((":method", "CONNECT")),
         ] {
             let mut r = request(&h, "/v1/chat/completions", BODY);
             if let Some((k, v)) = extra {
@@ -936,10 +943,33 @@ mod tests {
             assert_eq!(r.header("x-kvroute-cluster").as_deref(), Some("c0"));
             s.on_done(&r);
         }
-        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 5);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 4);
         // Releases reach the other workers (and the counter) with the tick.
         w.borrow_mut().publish_inflight(&h, NOW);
         assert_eq!(held(&h), 0);
+    }
+
+    /// A CONNECT is a tunnel, not an inference request: it goes on at its headers and its
+    /// data flows, with no routing header set, nothing reserved and no decision counted;
+    /// the routing headers its client sent are removed.
+    #[test]
+    fn a_connect_tunnel_goes_on_unrouted() {
+        let (h, w) = setup("{}", vec![ep(0, 0.1)]);
+        let r = request(&h, "/", b"tunnel bytes")
+            .with_header(":method", "CONNECT")
+            .with_header("x-kvroute-cluster", "c0");
+        let mut s = Stream::new(w.clone(), 3);
+        assert_eq!(s.on_request_headers(&r, false), Flow::Continue);
+        assert_eq!(r.header("x-kvroute-cluster"), None);
+        assert_eq!(s.on_request_body(&r, 12, false), Flow::Continue);
+        assert_eq!(s.on_request_body(&r, 24, false), Flow::Continue);
+        w.borrow_mut().publish_inflight(&h, NOW);
+        assert_eq!(held(&h), 0);
+        assert_eq!(h.metric(metric::DECISIONS_LOAD_ONLY), 0);
+        assert_eq!(h.metric(metric::DECISIONS_POLICY), 0);
+        assert_eq!(h.metric(metric::RESERVED), 0);
+        s.on_done(&r);
+        assert_eq!(h.metric(metric::RELEASED), 0);
     }
 
     /// `content-encoding` that is empty, blank or `identity` (any case) encodes nothing: the
