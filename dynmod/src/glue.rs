@@ -288,7 +288,9 @@ impl SharedData {
         }
         self.next_cas = self.next_cas.wrapping_add(1).max(1);
         // In place when the key exists (every write but a key's first: the in-flight
-        // tables, the journals, the signals): no new key, and the value's buffer reused.
+        // tables, the journals, the signals): no new key, and the value's buffer reused,
+        // which keeps the largest value the key held (each bounded where it is written:
+        // a snapshot by `ingest_max_bytes`, a journal by its byte bound).
         match self.map.get_mut(key) {
             Some((v, c)) => {
                 v.clear();
