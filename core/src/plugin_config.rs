@@ -177,6 +177,15 @@ impl RawConfig {
     pub fn shares_with_workers(&self) -> bool {
         self.share_affinity || self.share_learning
     }
+
+    /// The header a routing decision sets: `cluster_header` in cluster mode,
+    /// `endpoint_header` in endpoint mode.
+    pub fn routing_header(&self) -> &str {
+        match self.mode {
+            Mode::Cluster => &self.cluster_header,
+            Mode::Endpoint => &self.endpoint_header,
+        }
+    }
 }
 
 impl Default for RawConfig {
@@ -462,6 +471,17 @@ mod tests {
         assert_eq!(c.admission.max_queue_bytes, 8_388_608);
         assert!(c.fail_open);
         assert_eq!(Config::parse(b"{}").unwrap().0, RawConfig::default());
+    }
+
+    /// The header a decision sets is the mode's own.
+    #[test]
+    fn the_routing_header_is_the_modes() {
+        let c = Config::parse(br#"{"cluster_header":"x-c","endpoint_header":"x-e"}"#).unwrap();
+        assert_eq!(c.routing_header(), "x-c");
+        let c =
+            Config::parse(br#"{"mode":"endpoint","cluster_header":"x-c","endpoint_header":"x-e"}"#)
+                .unwrap();
+        assert_eq!(c.routing_header(), "x-e");
     }
 
     #[test]

@@ -53,9 +53,8 @@ pub struct Held {
 /// A routed decision, ready to apply: the core [`Route`] plus what the host does with it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed {
-    /// Routing header name (`cluster_header` or `endpoint_header`).
-    pub header: String,
-    /// Its value: the endpoint's cluster, or `host:port[,fallback...]`.
+    /// The routing header's value (the header: `RawConfig::routing_header`): the endpoint's
+    /// cluster, or `host:port[,fallback...]`.
     pub value: String,
     /// Decision reason (debug header): `policy:<name>` or `stale_fallback`, then
     /// `;endpoint=<id>`, `;load_only=<cause>` when the body was not used
@@ -673,8 +672,8 @@ impl Worker {
                 if route.demand_over_capacity {
                     host.metric_add(MetricKind::Counter, metric::DEMAND_OVER_CAPACITY, 1);
                 }
-                let (header, value) = match self.config.mode {
-                    Mode::Cluster => (self.config.cluster_header.clone(), primary.cluster.clone()),
+                let value = match self.config.mode {
+                    Mode::Cluster => primary.cluster.clone(),
                     Mode::Endpoint => {
                         let mut v = primary.address.clone();
                         for f in route
@@ -685,7 +684,7 @@ impl Worker {
                             v.push(',');
                             v.push_str(&f.address);
                         }
-                        (self.config.endpoint_header.clone(), v)
+                        v
                     }
                 };
                 match route.reason {
@@ -708,7 +707,6 @@ impl Worker {
                     String::new()
                 };
                 Decision::Route(Box::new(Routed {
-                    header,
                     value,
                     reason,
                     route,
@@ -728,7 +726,7 @@ impl Worker {
     /// Wasm filter changes a request header (see `docs/filter.md`, "The route cache").
     /// Returns the reservation.
     pub fn apply_route<H: Host>(&mut self, host: &H, routed: &mut Routed) -> Held {
-        host.set_request_header(&routed.header, Some(&routed.value));
+        host.set_request_header(self.config.routing_header(), Some(&routed.value));
         if self.config.debug_header {
             host.set_request_header(DECISION_HEADER, Some(&routed.reason));
         }
@@ -1249,7 +1247,6 @@ mod tests {
         let h = MockHost::new(1000);
         let mut w = worker("{}");
         let mut routed = Routed {
-            header: "x-kvroute-cluster".into(),
             value: "c1".into(),
             reason: "r".into(),
             route: Route {
@@ -1747,7 +1744,7 @@ mod tests {
             worker(r#"{"mode":"endpoint","picker":{"policy":"round_robin","max_fallbacks":2}}"#);
         match w.decide(&h, "/v1/models", None, h.now_ms()) {
             Decision::Route(r) => {
-                assert_eq!(r.header, "x-gateway-destination-endpoint");
+                assert_eq!(w.config.routing_header(), "x-gateway-destination-endpoint");
                 let value = r.value;
                 let parts: Vec<&str> = value.split(',').collect();
                 assert_eq!(parts.len(), 3, "{value}");

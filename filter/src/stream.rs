@@ -244,7 +244,7 @@ impl Stream {
         }
         // An upgrade (a WebSocket session, such as a realtime API's) streams both ways
         // without a body's end: decided now, by load.
-        let tunnel = get("upgrade").is_some();
+        let upgrade = get("upgrade").is_some();
         let encoded = get("content-encoding").is_some_and(crate::headers::encodes);
         let too_big = headers
             .get_str("content-length")
@@ -253,7 +253,7 @@ impl Stream {
         if end_of_stream {
             return self.decide(host, Body::None);
         }
-        if tunnel || encoded || too_big {
+        if upgrade || encoded || too_big {
             return self.decide(host, Body::Unread);
         }
         Flow::Pause
