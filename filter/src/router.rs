@@ -53,8 +53,9 @@ pub struct Held {
 /// A routed decision, ready to apply: the core [`Route`] plus what the host does with it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed {
-    /// The routing header's value (the header: `RawConfig::routing_header`): the endpoint's
-    /// cluster, or `host:port[,fallback...]`.
+    /// The routing header's value (the header is the config's:
+    /// [`kvroute_core::plugin_config::RawConfig::routing_header`]): the endpoint's cluster,
+    /// or `host:port[,fallback...]`.
     pub value: String,
     /// Decision reason (debug header): `policy:<name>` or `stale_fallback`, then
     /// `;endpoint=<id>`, `;load_only=<cause>` when the body was not used
