@@ -885,7 +885,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: *mut c_void) {
 }
 
 /// `void on_http_filter_scheduled(filter_envoy_ptr, module_ptr, uint64_t event_id)`: the
-/// admission ticker's wake-up of a parked stream's worker.
+/// ticker thread's wake-up of a worker's tick carrier (`glue::carry_ticks`).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     _e: *mut c_void,

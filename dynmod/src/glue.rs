@@ -18,12 +18,12 @@
 //!   its period (as the Wasm filter computes it, `kvroute_filter::router::tick_period_ms`) has passed, and when a
 //!   worker's last stream ends (so releases are published and the gauges fall back to 0 even
 //!   when traffic stops). While streams are in flight, one of them per worker (the tick
-//!   carrier, [`carry_ticks`]) and every request parked by admission register their
-//!   stream's scheduler with one process-wide ticker thread, which commits an event to each
-//!   every period; `on_http_filter_scheduled` then runs the worker's tick on its own
-//!   thread. So reservations are published while their requests wait on the upstream,
-//!   parked requests are retried and timed out as under Wasm, and nothing is committed
-//!   while nothing is in flight.
+//!   carrier, [`carry_ticks`]) registers its scheduler with one process-wide ticker thread,
+//!   which commits an event to each carrier every period; `on_http_filter_scheduled` then
+//!   runs the worker's tick on its own thread. So reservations are published while their
+//!   requests wait on the upstream, requests parked by admission (live streams, so their
+//!   worker has a carrier) are retried and timed out as under Wasm, and nothing is
+//!   committed while nothing is in flight.
 //! - **Deferred replies and resumes**: local replies and resumes asked for inside a hook run
 //!   after the hook's state is released ([`run_deferred`]): Envoy runs a stream's encoder
 //!   hooks inside `send_response`, and another stream's hooks inside `continue_decoding`.
@@ -178,7 +178,7 @@ fn sweep_retired() {
             let keep = cfg.strong_count() > 0;
             if !keep {
                 if let Some((_, key)) = slot.carrier.take() {
-                    unpark(key);
+                    stop_waking(key);
                 }
             }
             keep
@@ -322,23 +322,25 @@ fn shared() -> MutexGuard<'static, Map<String, SharedData>> {
 // The admission ticker.
 // ----------------------------------------------------------------------------------------
 
-/// Schedulers of parked streams and of tick carriers ([`carry_ticks`]), by registration key:
-/// the ticker commits to each one every period. Deleted under the same lock, so a commit
-/// never races a delete.
-fn parked() -> MutexGuard<'static, BTreeMap<u64, Scheduler>> {
-    static PARKED: OnceLock<Mutex<BTreeMap<u64, Scheduler>>> = OnceLock::new();
-    PARKED
+/// Schedulers of the workers' tick carriers ([`carry_ticks`]), by registration key: the
+/// ticker commits to each one every period. Deleted under the same lock, so a commit never
+/// races a delete.
+fn woken() -> MutexGuard<'static, BTreeMap<u64, Scheduler>> {
+    static WOKEN: OnceLock<Mutex<BTreeMap<u64, Scheduler>>> = OnceLock::new();
+    WOKEN
         .get_or_init(|| Mutex::new(BTreeMap::new()))
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
 
-static NEXT_PARKED: AtomicU64 = AtomicU64::new(1);
-/// The ticker's period, ms: the smallest tick of the configs that parked a request.
+static NEXT_WOKEN: AtomicU64 = AtomicU64::new(1);
+/// The ticker's period, ms: the smallest tick of the configs that registered a carrier.
 static TICKER_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 static TICKER_STARTED: AtomicBool = AtomicBool::new(false);
 
-fn park(s: Scheduler, tick_ms: u64) -> u64 {
+/// Have the ticker thread (started on the first call) wake scheduler `s` every `tick_ms`
+/// (or the smallest period registered before); returns the key [`stop_waking`] takes.
+fn wake_every(s: Scheduler, tick_ms: u64) -> u64 {
     TICKER_MS.fetch_min(tick_ms, Ordering::Relaxed);
     if !TICKER_STARTED.swap(true, Ordering::Relaxed) {
         let spawned = std::thread::Builder::new()
@@ -346,7 +348,7 @@ fn park(s: Scheduler, tick_ms: u64) -> u64 {
             .spawn(|| loop {
                 let ms = TICKER_MS.load(Ordering::Relaxed).clamp(1, 1000);
                 std::thread::sleep(Duration::from_millis(ms));
-                for s in parked().values() {
+                for s in woken().values() {
                     s.commit(0);
                 }
             });
@@ -354,17 +356,18 @@ fn park(s: Scheduler, tick_ms: u64) -> u64 {
             TICKER_STARTED.store(false, Ordering::Relaxed);
             abi::log(
                 LogLevel::Error,
-                &format!("kvroute: no admission ticker ({e}); parked requests wait for traffic"),
+                &format!("kvroute: no ticker thread ({e}); parked requests and in-flight tables wait for traffic"),
             );
         }
     }
-    let key = NEXT_PARKED.fetch_add(1, Ordering::Relaxed);
-    parked().insert(key, s);
+    let key = NEXT_WOKEN.fetch_add(1, Ordering::Relaxed);
+    woken().insert(key, s);
     key
 }
 
-fn unpark(key: u64) {
-    let mut p = parked();
+/// Stop waking the scheduler registered as `key` ([`wake_every`]), and delete it.
+fn stop_waking(key: u64) {
+    let mut p = woken();
     if let Some(s) = p.remove(&key) {
         s.delete();
     }
@@ -428,12 +431,13 @@ fn slot(cfg: &Arc<Inner>) -> Option<Rc<Slot>> {
 }
 
 /// Give `slot` a tick carrier when it has none: a live stream of its config on this thread,
-/// whose scheduler is registered with the ticker ([`park`]). Without it, a worker whose
-/// streams are all waiting on their upstreams would run no tick until the next hook: its
-/// reservations would reach neither the other workers nor its in-flight gauges (which
-/// kvroute-cp reads for the other gateways), and those are exactly the requests in flight.
-/// When the carrier ends, another live stream takes over; when none is left, the last
-/// stream's end runs the tick itself ([`HttpFilter::finish`]).
+/// whose scheduler is registered with the ticker ([`wake_every`]). Without it, a worker whose
+/// streams are all waiting on their upstreams, or parked by admission, would run no tick
+/// until the next hook: its reservations would reach neither the other workers nor its
+/// in-flight gauges (which kvroute-cp reads for the other gateways), and its parked
+/// requests would be neither retried nor timed out. When the carrier ends, another live
+/// stream takes over; when none is left, the last stream's end runs the tick itself
+/// ([`HttpFilter::finish`]).
 fn carry_ticks(cfg: &Inner, slot: &Slot) {
     if slot.carrier.get().is_some() {
         return;
@@ -446,7 +450,7 @@ fn carry_ticks(cfg: &Inner, slot: &Slot) {
     });
     if let Some((ctx, f)) = next {
         if let Some(s) = f.scheduler() {
-            slot.carrier.set(Some((ctx, park(s, cfg.tick_ms))));
+            slot.carrier.set(Some((ctx, wake_every(s, cfg.tick_ms))));
         }
     }
 }
@@ -808,8 +812,6 @@ pub struct HttpFilter {
     done: bool,
     /// A hook of this stream panicked: its later request/response hooks only continue.
     failed: bool,
-    /// Registration with the admission ticker while parked.
-    parked: Option<u64>,
     /// The request headers have not gone on past this filter: true until a request hook
     /// answers "continue" ([`Self::panicked`] removes the client's routing headers only
     /// then). A tick's resume of a parked request lets them go on unseen here: a panic in
@@ -912,7 +914,6 @@ impl HttpFilter {
             serving,
             done: false,
             failed: false,
-            parked: None,
             held: true,
             deferred: Vec::new(),
         }
@@ -958,9 +959,6 @@ impl HttpFilter {
                 self.held = false;
             }
             d.extend(host.deferred.take());
-            if let Some(key) = self.parked.take() {
-                unpark(key);
-            }
         }
         d
     }
@@ -977,8 +975,8 @@ impl HttpFilter {
         d
     }
 
-    /// Run `op` with this stream's host (after the worker's tick when due), keep the
-    /// deferred calls, and park the stream with the ticker when it waits at end of stream.
+    /// Run `op` with this stream's host (after the worker's tick when due) and keep the
+    /// deferred calls.
     fn run(&mut self, eos: bool, op: impl FnOnce(&mut Serving, &DmHost<'_>) -> Flow) -> u32 {
         if self.failed {
             return 0;
@@ -989,7 +987,6 @@ impl HttpFilter {
             cfg,
             filter,
             serving,
-            parked,
             deferred,
             ..
         } = self;
@@ -1006,18 +1003,13 @@ impl HttpFilter {
         let host = DmHost::new(cfg, Some(*filter), Some(now));
         let flow = op(serving, &host);
         deferred.extend(host.deferred.take());
-        if flow == Flow::Pause && eos && parked.is_none() {
+        if flow == Flow::Pause && eos {
+            // Parked by admission: only the worker's tick retries or times it out, which the
+            // tick carrier brings while no hook comes. The worker has had one since its first
+            // live stream; this gives it one again if `carry_ticks` panicked (a Cell read
+            // when it has one).
             if let Serving::Route { slot, .. } = serving {
-                let queued = slot
-                    .worker
-                    .try_borrow()
-                    .map(|w| !w.admission.is_empty())
-                    .unwrap_or(false);
-                if queued {
-                    if let Some(s) = filter.scheduler() {
-                        *parked = Some(park(s, cfg.tick_ms));
-                    }
-                }
+                carry_ticks(cfg, slot);
             }
         }
         status(flow)
@@ -1119,9 +1111,6 @@ impl HttpFilter {
             return;
         }
         self.done = true;
-        if let Some(key) = self.parked.take() {
-            unpark(key);
-        }
         let Self {
             cfg,
             filter,
@@ -1137,7 +1126,7 @@ impl HttpFilter {
             LIVE.with(|l| l.borrow_mut().remove(context_id));
             if let Some((ctx, key)) = slot.carrier.get() {
                 if ctx == *context_id {
-                    unpark(key);
+                    stop_waking(key);
                     slot.carrier.set(None);
                     carry_ticks(cfg, slot);
                 }
@@ -1160,9 +1149,6 @@ impl HttpFilter {
         if !self.done {
             self.finish(false);
             drop_calls_to(&mut self.deferred, self.filter);
-        }
-        if let Some(key) = self.parked.take() {
-            unpark(key);
         }
     }
 }

@@ -192,7 +192,7 @@ pub struct Worker {
     id_prefix: u64,
     seq: u32,
     /// Admission queue.
-    pub admission: AdmissionQueue<Parked>,
+    pub(crate) admission: AdmissionQueue<Parked>,
     /// The queue length this worker has added to the shared `kvroute.queue_length` gauge
     /// ([`Worker::report_queue_length`]).
     queue_reported: u64,

@@ -369,7 +369,19 @@ async fn original_dst_rejects_a_host_list() {
 
 #[tokio::test]
 async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
+    saturated_fleet_holds_then_resumes_or_answers_429(false).await;
+}
+
+/// The same with the native build (`make dynmod`), whose parked requests are retried on the
+/// tick its ticker thread wakes (docs/dynamic-module.md).
+#[tokio::test]
+async fn saturated_native_fleet_holds_requests_then_resumes_or_answers_429() {
+    saturated_fleet_holds_then_resumes_or_answers_429(true).await;
+}
+
+async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) {
     let fleet = Fleet::start(FleetOptions {
+        dynmod,
         route_config: concat!(
             r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
             r#""admission":{"enabled":true,"timeout_ms":1500,"tick_ms":20,"retry_after_s":2,"#,
@@ -421,6 +433,70 @@ async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     assert_eq!(r.header("retry-after"), Some("2"));
     assert!(started.elapsed() < std::time::Duration::from_millis(1000));
     assert_eq!(fleet.counts(), vec![0, 1]);
+}
+
+/// Two requests parked on a saturated fleet; the first one's client goes away. The other
+/// is still resumed by the tick once an endpoint has room, with no hook of any stream to
+/// run it: in the native build the tick then comes only from the ticker thread waking the
+/// worker's tick carrier, and the carrier was the stream that went away (another live
+/// stream takes over, docs/dynamic-module.md).
+#[tokio::test]
+async fn a_parked_request_outlives_the_stream_that_parked_first() {
+    parked_request_outlives_the_first(false).await;
+}
+
+/// The same with the native build (`make dynmod`).
+#[tokio::test]
+async fn a_native_parked_request_outlives_the_stream_that_parked_first() {
+    parked_request_outlives_the_first(true).await;
+}
+
+async fn parked_request_outlives_the_first(dynmod: bool) {
+    let fleet = Fleet::start(FleetOptions {
+        dynmod,
+        route_config: concat!(
+            r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
+            r#""admission":{"enabled":true,"timeout_ms":8000,"tick_ms":20,"retry_after_s":2},"#,
+            r#""debug_header":true"#
+        )
+        .into(),
+        ..FleetOptions::default()
+    })
+    .await
+    .unwrap();
+    fleet.push_usages(1, &[0.95, 0.97]).await.unwrap();
+    let first = fleet
+        .post_parked("/v1/chat/completions", chat("first"), 1)
+        .await
+        .unwrap();
+    let second = fleet
+        .post_parked("/v1/chat/completions", chat("second"), 2)
+        .await
+        .unwrap();
+    // The first client goes away (its connection closes); one request stays queued.
+    first.abort();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while fleet.custom("kvroute.queue_length").await.unwrap() != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "queue length {} after the first client left",
+            fleet.custom("kvroute.queue_length").await.unwrap()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let started = std::time::Instant::now();
+    fleet.push_usages(2, &[0.95, 0.1]).await.unwrap();
+    let r = second.await.unwrap().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    assert_eq!(
+        r.header("x-kvroute-decision"),
+        Some("policy:least_kv;endpoint=pool/e1")
+    );
+    // Resumed by a tick (every 20 ms), long before the 8 s admission timeout.
+    assert!(started.elapsed() < std::time::Duration::from_secs(4));
+    assert_eq!(fleet.counts(), vec![0, 1]);
+    assert_eq!(fleet.settled_reservations().await.unwrap(), 1);
 }
 
 /// The harness's own retry: a listener port taken between `free_port` and Envoy's bind
