@@ -747,11 +747,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     crate::guard::fail_open(ptr::null_mut(), || {
         // A stream whose state could not be made still gets one that fails open (its
         // request unrouted, the client's routing headers removed), not a null pointer.
-        let h = crate::guard::catch(|| crate::glue::HttpFilter::new(cfg, f)).unwrap_or_else(|()| {
-            // A new worker's hosts resume nothing; never keep their calls for later.
-            drop(crate::glue::take_orphaned());
-            crate::glue::HttpFilter::unrouted(cfg, f)
-        });
+        let h = crate::guard::catch(|| crate::glue::HttpFilter::new(cfg, f))
+            .unwrap_or_else(|()| crate::glue::HttpFilter::unrouted(cfg, f));
         Box::into_raw(Box::new(std::cell::RefCell::new(h))).cast::<c_void>()
     })
 }
@@ -785,7 +782,7 @@ fn hook(
         // and run what the hook left for other streams (a tick's resumes).
         let deferred = match cell.try_borrow_mut() {
             Ok(mut h) => crate::guard::catch(|| h.panicked(hooked)).unwrap_or_default(),
-            Err(_) => crate::glue::take_orphaned(),
+            Err(_) => Vec::new(),
         };
         let _ = crate::guard::catch(|| crate::glue::run_deferred(deferred));
         0

@@ -241,7 +241,9 @@ pub fn config_new(handle: ConfigHandle, name: &[u8], config: &[u8]) -> Option<Fi
     // Here, on the main thread before any stream, as the Wasm filter does at configure:
     // made lazily by each worker's first stream, two workers' first updates could race
     // (`kvroute_filter::shared::ensure_keys`).
-    if let Err(e) = kvroute_filter::shared::ensure_keys(&DmHost::new(&inner, None, None)) {
+    let nothing = RefCell::new(Vec::new());
+    if let Err(e) = kvroute_filter::shared::ensure_keys(&DmHost::new(&inner, None, None, &nothing))
+    {
         abi::log(
             LogLevel::Warn,
             &format!("kvroute: shared keys not created: {e}"),
@@ -412,7 +414,9 @@ fn slot(cfg: &Arc<Inner>) -> Option<Rc<Slot>> {
     if let Some(s) = WORKERS.with(|w| w.borrow().get(&cfg.id).map(|(_, s)| s.clone())) {
         return Some(s);
     }
-    let host = DmHost::new(cfg, None, None);
+    // Starting a worker replies to and resumes no stream.
+    let nothing = RefCell::new(Vec::new());
+    let host = DmHost::new(cfg, None, None, &nothing);
     let seed = now_us() ^ (u64::from(NEXT_SEED.fetch_add(1, Ordering::Relaxed)) << 40);
     let worker = Worker::start(cfg.config.clone(), seed, &host)?;
     let s = Rc::new(Slot {
@@ -476,16 +480,17 @@ fn now_ms() -> u64 {
 }
 
 /// Run the worker's tick if its period has passed; with `force` (the worker goes idle), now
-/// and with the journal sync forced ([`Worker::flush`]). Returns what it deferred.
-fn tick(cfg: &Inner, slot: &Slot, now: u64, force: bool) -> Vec<Deferred> {
+/// and with the journal sync forced ([`Worker::flush`]). What it defers (resumes of and
+/// replies to parked requests) goes into `deferred`, the calling stream's list.
+fn tick(cfg: &Inner, slot: &Slot, now: u64, force: bool, deferred: &RefCell<Vec<Deferred>>) {
     if !force && now.saturating_sub(slot.last_tick.get()) < cfg.tick_ms {
-        return Vec::new();
+        return;
     }
     let Ok(mut w) = slot.worker.try_borrow_mut() else {
-        return Vec::new();
+        return;
     };
     slot.last_tick.set(now);
-    let host = DmHost::new(cfg, None, None);
+    let host = DmHost::new(cfg, None, None, deferred);
     if force {
         // One idle flush at a time in the process: each publishes its worker's releases,
         // reads the others' tables and sets the shared gauges, so the last to go idle
@@ -498,7 +503,6 @@ fn tick(cfg: &Inner, slot: &Slot, now: u64, force: bool) -> Vec<Deferred> {
     } else {
         w.periodic(&host);
     }
-    host.deferred.take()
 }
 
 // ----------------------------------------------------------------------------------------
@@ -555,13 +559,19 @@ pub fn run_deferred(v: Vec<Deferred>) {
 }
 
 /// [`Host`] over the ABI for one hook: the stream it targets (the hook's own, or the one
-/// the tick made effective), the config's metrics, and the deferred calls.
+/// the tick made effective), the config's metrics, and where its deferred calls go.
 struct DmHost<'a> {
     cfg: &'a Inner,
     /// The shared-data namespace: the config's `vm_id` ([`shared`]).
     ns: &'a str,
     target: Cell<Option<Filter>>,
-    deferred: RefCell<Vec<Deferred>>,
+    /// The hook's stream's list of deferred calls ([`HttpFilter::deferred`]), outside the
+    /// hook's panic barrier: a call asked for before a panic stays there for the panic
+    /// path ([`HttpFilter::panicked`]). A tick that took parked requests from the admission
+    /// queue and re-decided them before panicking still resumes (or answers) them, where
+    /// they had waited for Envoy's stream idle timeout (found by a breaker, reading the
+    /// code).
+    deferred: &'a RefCell<Vec<Deferred>>,
     /// A stream hook's clock in Unix ms, read once when the hook's own work began: during
     /// one hook (a few µs) [`Host::now_ms`] needs no new read. A clock read cost ~0.1 µs on
     /// the benchmark's VM, and a request made eight (`perf`: ~0.9 µs per request in
@@ -571,52 +581,20 @@ struct DmHost<'a> {
     now_ms: Option<u64>,
 }
 
-thread_local! {
-    /// Deferred host calls of hosts dropped by a panic's unwinding ([`take_orphaned`]).
-    static ORPHANED: RefCell<Vec<Deferred>> = const { RefCell::new(Vec::new()) };
-}
-
-impl Drop for DmHost<'_> {
-    /// A host dropped by a panic keeps its deferred calls for the hook's panic path: a tick
-    /// that took parked requests from the admission queue and re-decided them before the
-    /// panic left their resumes (or replies) here, and without them those requests would
-    /// wait for Envoy's stream idle timeout (found by a breaker, reading the code).
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            // Nothing here may panic (a panic while unwinding aborts Envoy): `try_` forms
-            // throughout, and the calls are dropped if the thread's state is gone.
-            if let Ok(mut d) = self.deferred.try_borrow_mut() {
-                let d = std::mem::take(&mut *d);
-                if !d.is_empty() {
-                    let _ = ORPHANED.try_with(|o| {
-                        if let Ok(mut o) = o.try_borrow_mut() {
-                            o.extend(d);
-                        }
-                    });
-                }
-            }
-        }
-    }
-}
-
-/// The deferred calls of hosts a panic dropped on this thread ([`DmHost`]'s `Drop`).
-pub fn take_orphaned() -> Vec<Deferred> {
-    ORPHANED
-        .try_with(|o| o.try_borrow_mut().map(|mut o| std::mem::take(&mut *o)))
-        .ok()
-        .and_then(Result::ok)
-        .unwrap_or_default()
-}
-
 impl<'a> DmHost<'a> {
     /// A host for one hook; `now_ms` ([`DmHost::now_ms`]): its clock, or `None` to read the
-    /// clock at each call.
-    fn new(cfg: &'a Inner, target: Option<Filter>, now_ms: Option<u64>) -> Self {
+    /// clock at each call; `deferred`: where its deferred calls go ([`DmHost::deferred`]).
+    fn new(
+        cfg: &'a Inner,
+        target: Option<Filter>,
+        now_ms: Option<u64>,
+        deferred: &'a RefCell<Vec<Deferred>>,
+    ) -> Self {
         Self {
             cfg,
             ns: &cfg.config.vm_id,
             target: Cell::new(target),
-            deferred: RefCell::new(Vec::new()),
+            deferred,
             now_ms,
         }
     }
@@ -703,7 +681,7 @@ impl Host for DmHost<'_> {
         // version (proxy-wasm has one consumer, the ingest VM's root context).
         static CONSUMING: Mutex<()> = Mutex::new(());
         let _one = CONSUMING.lock().unwrap_or_else(|e| e.into_inner());
-        let mut to = DmHost::new(self.cfg, None, None);
+        let mut to = DmHost::new(self.cfg, None, None, self.deferred);
         to.ns = vm_id;
         consume_snapshots(&to, vec![data.to_vec()]);
         Ok(())
@@ -817,7 +795,9 @@ pub struct HttpFilter {
     /// then). A tick's resume of a parked request lets them go on unseen here: a panic in
     /// a later request hook then removes headers already sent, which changes nothing.
     held: bool,
-    deferred: Vec<Deferred>,
+    /// Host calls this stream's hooks deferred ([`run_deferred`] runs them after the hook),
+    /// kept outside the panic barrier ([`DmHost::deferred`]).
+    deferred: RefCell<Vec<Deferred>>,
 }
 
 /// Remove the client's routing headers from the request of `host`'s stream, as the stream
@@ -915,7 +895,7 @@ impl HttpFilter {
             done: false,
             failed: false,
             held: true,
-            deferred: Vec::new(),
+            deferred: RefCell::new(Vec::new()),
         }
     }
 
@@ -929,13 +909,13 @@ impl HttpFilter {
 
     /// The deferred host calls of the last hook.
     pub fn take_deferred(&mut self) -> Vec<Deferred> {
-        std::mem::take(&mut self.deferred)
+        std::mem::take(self.deferred.get_mut())
     }
 
     /// A hook of this stream panicked (`hooked`: which kind): count it, and let the rest of
-    /// the stream through. Returns the deferred calls to run now: the hook's, and those of
-    /// hosts the panic dropped ([`take_orphaned`]), so that a tick's resumes of parked
-    /// requests are not lost.
+    /// the stream through. Returns the deferred calls to run now: what the hook asked for
+    /// before the panic ([`DmHost::deferred`]), so that a tick's resumes of parked requests
+    /// are not lost.
     ///
     /// - A request hook answers "continue" itself: this stream's own deferred calls are
     ///   dropped, it leaves the admission queue if parked there, and while its headers are
@@ -950,7 +930,7 @@ impl HttpFilter {
         count_fail_open(&self.cfg);
         let mut d = self.leftovers(hooked == Hooked::Scheduled);
         if hooked == Hooked::Request && !self.done {
-            let host = DmHost::new(&self.cfg, Some(self.filter), None);
+            let host = DmHost::new(&self.cfg, Some(self.filter), None, &self.deferred);
             if let Serving::Route { stream, .. } = &mut self.serving {
                 stream.leave_queue(&host);
             }
@@ -958,17 +938,16 @@ impl HttpFilter {
                 strip_client_routing(&host);
                 self.held = false;
             }
-            d.extend(host.deferred.take());
+            d.append(self.deferred.get_mut());
         }
         d
     }
 
-    /// What a panic left to run: this stream's deferred calls and those of the hosts the
-    /// panic dropped ([`take_orphaned`]), less the calls to this stream itself unless
-    /// `keep_own` (a panicked hook answers for its own stream; a destroyed one is gone).
+    /// What a panic left to run: this stream's deferred calls, less the calls to this
+    /// stream itself unless `keep_own` (a panicked hook answers for its own stream; a
+    /// destroyed one is gone).
     pub fn leftovers(&mut self, keep_own: bool) -> Vec<Deferred> {
         let mut d = self.take_deferred();
-        d.extend(take_orphaned());
         if !keep_own {
             drop_calls_to(&mut d, self.filter);
         }
@@ -994,15 +973,14 @@ impl HttpFilter {
         let mut now = now_ms();
         if let Serving::Route { slot, .. } = serving {
             let ticked = slot.last_tick.get();
-            deferred.extend(tick(cfg, slot, now, false));
+            tick(cfg, slot, now, false, deferred);
             if slot.last_tick.get() != ticked {
                 // The tick ran: the hook's own work begins after it.
                 now = now_ms();
             }
         }
-        let host = DmHost::new(cfg, Some(*filter), Some(now));
+        let host = DmHost::new(cfg, Some(*filter), Some(now), deferred);
         let flow = op(serving, &host);
-        deferred.extend(host.deferred.take());
         if flow == Flow::Pause && eos {
             // Parked by admission: only the worker's tick retries or times it out, which the
             // tick carrier brings while no hook comes. The worker has had one since its first
@@ -1095,8 +1073,7 @@ impl HttpFilter {
     /// `on_http_filter_scheduled`: the ticker's wake-up; run the worker's tick when due.
     pub fn scheduled(&mut self) {
         if let Serving::Route { slot, .. } = &self.serving {
-            let d = tick(&self.cfg, slot, now_ms(), false);
-            self.deferred.extend(d);
+            tick(&self.cfg, slot, now_ms(), false, &self.deferred);
         }
     }
 
@@ -1133,12 +1110,11 @@ impl HttpFilter {
             }
             let live = slot.live.get().saturating_sub(1);
             slot.live.set(live);
-            let host = DmHost::new(cfg, attached.then_some(*filter), Some(now_ms()));
+            let host = DmHost::new(cfg, attached.then_some(*filter), Some(now_ms()), deferred);
             stream.on_done(&host);
-            deferred.extend(host.deferred.take());
             if live == 0 {
                 // No stream left to run the tick on: publish the releases now.
-                deferred.extend(tick(cfg, slot, now_ms(), true));
+                tick(cfg, slot, now_ms(), true, deferred);
             }
         }
     }
@@ -1148,7 +1124,7 @@ impl HttpFilter {
     pub fn destroy(&mut self) {
         if !self.done {
             self.finish(false);
-            drop_calls_to(&mut self.deferred, self.filter);
+            drop_calls_to(self.deferred.get_mut(), self.filter);
         }
     }
 }
@@ -1157,46 +1133,10 @@ impl HttpFilter {
 mod tests {
     use super::*;
 
-    /// A host dropped by a panic leaves its deferred calls for the hook's panic path: a
-    /// tick's resume of a parked request is not lost with it.
-    #[test]
-    fn a_panic_keeps_the_deferred_calls_of_its_hosts() {
-        let a = config_new(ConfigHandle::for_tests(), b"a", br#"{"mode":"cluster"}"#).unwrap();
-        assert!(take_orphaned().is_empty());
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let h = DmHost::new(&a.0, Some(Filter::for_tests(7)), None);
-            h.resume_request();
-            #[allow(clippy::panic)] // The point of the test.
-            {
-                panic!("deliberate");
-            }
-        }));
-        assert!(r.is_err());
-        let d = take_orphaned();
-        assert!(
-            matches!(d.as_slice(), [Deferred::Resume(f)] if *f == Filter::for_tests(7)),
-            "{d:?}"
-        );
-        assert!(take_orphaned().is_empty());
-        // Without a panic the calls stay with the host (taken by its hook as usual).
-        let h = DmHost::new(&a.0, Some(Filter::for_tests(7)), None);
-        h.resume_request();
-        assert_eq!(h.deferred.take().len(), 1);
-        drop(h);
-        assert!(take_orphaned().is_empty());
-        // The panic path keeps the calls for other streams only.
-        let mut d = vec![
-            Deferred::Resume(Filter::for_tests(7)),
-            Deferred::Resume(Filter::for_tests(8)),
-        ];
-        drop_calls_to(&mut d, Filter::for_tests(7));
-        assert!(matches!(d.as_slice(), [Deferred::Resume(f)] if *f == Filter::for_tests(8)));
-    }
-
     /// What a panicked hook's stream keeps of the deferred calls: the ticker's wake-up keeps
     /// the stream's own (a resume the tick decided for it is its only way on), a request or
     /// response hook drops them (it answers "continue" itself); calls for other streams,
-    /// and those of hosts the panic dropped, always run.
+    /// those asked for by a host the panic unwound through included, always run.
     #[test]
     fn a_panicked_hook_keeps_what_other_streams_need() {
         let cfg = config_new(ConfigHandle::for_tests(), b"p", br#"{"mode":"cluster"}"#).unwrap();
@@ -1208,21 +1148,27 @@ mod tests {
             (Hooked::Other, vec![other, other]),
         ] {
             let mut h = HttpFilter::unrouted(&cfg, me);
-            h.deferred = vec![Deferred::Resume(me), Deferred::Resume(other)];
-            // A host the panic dropped, holding a tick's resume of another stream.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let host = DmHost::new(&cfg.0, Some(other), None);
+            h.deferred = RefCell::new(vec![Deferred::Resume(me), Deferred::Resume(other)]);
+            // A hook's host (a tick's, made effective on another stream) resumes that
+            // stream, then the hook panics.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let host = DmHost::new(&cfg.0, Some(other), None, &h.deferred);
                 host.resume_request();
                 #[allow(clippy::panic)] // The point of the test.
                 {
                     panic!("deliberate");
                 }
             }));
+            assert!(r.is_err());
             let d = h.panicked(hooked);
             assert_eq!(targets(&d), want, "{hooked:?}");
             assert!(h.failed);
-            assert!(take_orphaned().is_empty());
+            assert!(h.take_deferred().is_empty());
         }
+        // A destroyed stream's leftovers: the calls for other streams only.
+        let mut h = HttpFilter::unrouted(&cfg, me);
+        h.deferred = RefCell::new(vec![Deferred::Resume(me), Deferred::Resume(other)]);
+        assert_eq!(targets(&h.leftovers(false)), vec![other]);
     }
 
     /// Configs with different `vm_id`s see different shared data, as proxy-wasm VMs do;
@@ -1236,7 +1182,11 @@ mod tests {
             br#"{"mode":"cluster","vm_id":"vm-ns-test"}"#,
         )
         .unwrap();
-        let (ha, hb) = (DmHost::new(&a.0, None, None), DmHost::new(&b.0, None, None));
+        let nothing = RefCell::new(Vec::new());
+        let (ha, hb) = (
+            DmHost::new(&a.0, None, None, &nothing),
+            DmHost::new(&b.0, None, None, &nothing),
+        );
         ha.shared_set("ns-test-key", b"1", None).unwrap();
         assert_eq!(
             ha.shared_get("ns-test-key").unwrap().0.as_deref(),

@@ -14,14 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static LOGGED: AtomicBool = AtomicBool::new(false);
 
 /// Run `f`; on a panic, log (the first time) and return `fallback`. `Err(())` from
-/// [`catch`] tells a caller that wants to know. Host calls that hosts dropped by the panic
-/// left ([`crate::glue::take_orphaned`]) and no inner catch site took are dropped here, so
-/// none outlives the hook (a caller of [`catch`] takes them itself).
+/// [`catch`] tells a caller that wants to know.
 pub fn fail_open<T>(fallback: T, f: impl FnOnce() -> T) -> T {
-    catch(f).unwrap_or_else(|()| {
-        drop(crate::glue::take_orphaned());
-        fallback
-    })
+    catch(f).unwrap_or(fallback)
 }
 
 /// Run `f`; `Err(())` when it panicked (logged the first time).

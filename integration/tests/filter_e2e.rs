@@ -369,17 +369,21 @@ async fn original_dst_rejects_a_host_list() {
 
 #[tokio::test]
 async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
-    saturated_fleet_holds_then_resumes_or_answers_429(false).await;
+    saturated_fleet_holds_then_resumes_or_answers_429(false)
+        .await
+        .unwrap();
 }
 
 /// The same with the native build (`make dynmod`), whose parked requests are retried on the
 /// tick its ticker thread wakes (docs/dynamic-module.md).
 #[tokio::test]
 async fn saturated_native_fleet_holds_requests_then_resumes_or_answers_429() {
-    saturated_fleet_holds_then_resumes_or_answers_429(true).await;
+    saturated_fleet_holds_then_resumes_or_answers_429(true)
+        .await
+        .unwrap();
 }
 
-async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) {
+async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) -> anyhow::Result<()> {
     let fleet = Fleet::start(FleetOptions {
         dynmod,
         route_config: concat!(
@@ -390,16 +394,14 @@ async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) {
         .into(),
         ..FleetOptions::default()
     })
-    .await
-    .unwrap();
-    fleet.push_usages(1, &[0.95, 0.97]).await.unwrap();
+    .await?;
+    fleet.push_usages(1, &[0.95, 0.97]).await?;
     let held = fleet
         .post_parked("/v1/chat/completions", chat("wait"), 1)
-        .await
-        .unwrap();
+        .await?;
     assert_eq!(fleet.counts(), vec![0, 0], "held, not forwarded");
-    fleet.push_usages(2, &[0.95, 0.1]).await.unwrap();
-    let r = held.await.unwrap().unwrap();
+    fleet.push_usages(2, &[0.95, 0.1]).await?;
+    let r = held.await??;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-backend"), Some("b1"));
     // Resumed by the tick, it carries the decision that resumed it, as any routed request.
@@ -408,12 +410,9 @@ async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) {
         Some("policy:least_kv;endpoint=pool/e1")
     );
 
-    fleet.push_usages(3, &[0.95, 0.97]).await.unwrap();
+    fleet.push_usages(3, &[0.95, 0.97]).await?;
     let started = std::time::Instant::now();
-    let r = fleet
-        .post("/v1/chat/completions", &chat("give up"))
-        .await
-        .unwrap();
+    let r = fleet.post("/v1/chat/completions", &chat("give up")).await?;
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("2"));
     assert_eq!(
@@ -427,12 +426,12 @@ async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) {
     let started = std::time::Instant::now();
     let r = fleet
         .post("/v1/chat/completions", &chat(&"long ".repeat(1000)))
-        .await
-        .unwrap();
+        .await?;
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("2"));
     assert!(started.elapsed() < std::time::Duration::from_millis(1000));
     assert_eq!(fleet.counts(), vec![0, 1]);
+    Ok(())
 }
 
 /// Two requests parked on a saturated fleet; the first one's client goes away. The other
@@ -442,16 +441,16 @@ async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) {
 /// stream takes over, docs/dynamic-module.md).
 #[tokio::test]
 async fn a_parked_request_outlives_the_stream_that_parked_first() {
-    parked_request_outlives_the_first(false).await;
+    parked_request_outlives_the_first(false).await.unwrap();
 }
 
 /// The same with the native build (`make dynmod`).
 #[tokio::test]
 async fn a_native_parked_request_outlives_the_stream_that_parked_first() {
-    parked_request_outlives_the_first(true).await;
+    parked_request_outlives_the_first(true).await.unwrap();
 }
 
-async fn parked_request_outlives_the_first(dynmod: bool) {
+async fn parked_request_outlives_the_first(dynmod: bool) -> anyhow::Result<()> {
     let fleet = Fleet::start(FleetOptions {
         dynmod,
         route_config: concat!(
@@ -462,31 +461,28 @@ async fn parked_request_outlives_the_first(dynmod: bool) {
         .into(),
         ..FleetOptions::default()
     })
-    .await
-    .unwrap();
-    fleet.push_usages(1, &[0.95, 0.97]).await.unwrap();
+    .await?;
+    fleet.push_usages(1, &[0.95, 0.97]).await?;
     let first = fleet
         .post_parked("/v1/chat/completions", chat("first"), 1)
-        .await
-        .unwrap();
+        .await?;
     let second = fleet
         .post_parked("/v1/chat/completions", chat("second"), 2)
-        .await
-        .unwrap();
+        .await?;
     // The first client goes away (its connection closes); one request stays queued.
     first.abort();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while fleet.custom("kvroute.queue_length").await.unwrap() != 1 {
+    while fleet.custom("kvroute.queue_length").await? != 1 {
         assert!(
             std::time::Instant::now() < deadline,
             "queue length {} after the first client left",
-            fleet.custom("kvroute.queue_length").await.unwrap()
+            fleet.custom("kvroute.queue_length").await?
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let started = std::time::Instant::now();
-    fleet.push_usages(2, &[0.95, 0.1]).await.unwrap();
-    let r = second.await.unwrap().unwrap();
+    fleet.push_usages(2, &[0.95, 0.1]).await?;
+    let r = second.await??;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-backend"), Some("b1"));
     assert_eq!(
@@ -496,7 +492,8 @@ async fn parked_request_outlives_the_first(dynmod: bool) {
     // Resumed by a tick (every 20 ms), long before the 8 s admission timeout.
     assert!(started.elapsed() < std::time::Duration::from_secs(4));
     assert_eq!(fleet.counts(), vec![0, 1]);
-    assert_eq!(fleet.settled_reservations().await.unwrap(), 1);
+    assert_eq!(fleet.settled_reservations().await?, 1);
+    Ok(())
 }
 
 /// The harness's own retry: a listener port taken between `free_port` and Envoy's bind
