@@ -105,12 +105,38 @@ pub enum LogLevel {
     Critical = 5,
 }
 
+/// Declares Envoy's callbacks (`fn name(args) -> ret => stand_in;`) as one `extern "C"`
+/// block and, for the unit tests, a stand-in definition of each: unit tests link a test
+/// executable, where Envoy's callbacks do not exist, so each is defined there as a no-op
+/// returning `stand_in` ("nothing", or 1 for a metrics call: not Success). Nothing in the
+/// unit tests reaches them; one list keeps the two signatures from drifting apart.
+macro_rules! callbacks {
+    ($($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $stand_in:expr;)*) => {
+        extern "C" {
+            $($(#[$meta])* fn $name($($arg: $ty),*) $(-> $ret)?;)*
+        }
+        #[cfg(test)]
+        mod stand_ins {
+            use super::{Buf, HeaderPair};
+            use std::ffi::c_void;
+            $(
+                #[no_mangle]
+                #[allow(unused_variables)]
+                extern "C" fn $name($($arg: $ty),*) $(-> $ret)? {
+                    $stand_in
+                }
+            )*
+        }
+    };
+}
+
 // Signatures: abi.h (see the module doc). Pointer typedefs (`*_envoy_ptr`, `*_module_ptr`)
 // are `void*`; `envoy_dynamic_module_type_metrics_result` is returned as `u32` (0 Success).
-extern "C" {
+#[rustfmt::skip] // rustfmt would unindent the list.
+callbacks! {
     // void envoy_dynamic_module_callback_log(envoy_dynamic_module_type_log_level level,
     //     envoy_dynamic_module_type_module_buffer message);
-    fn envoy_dynamic_module_callback_log(level: u32, message: Buf);
+    fn envoy_dynamic_module_callback_log(level: u32, message: Buf) => ();
     // bool envoy_dynamic_module_callback_http_get_header(filter_envoy_ptr,
     //     envoy_dynamic_module_type_http_header_type header_type, module_buffer key,
     //     envoy_buffer* result_buffer, size_t index, size_t* optional_size);
@@ -121,26 +147,26 @@ extern "C" {
         result: *mut Buf,
         index: usize,
         optional_size: *mut usize,
-    ) -> bool;
+    ) -> bool => false;
     // size_t envoy_dynamic_module_callback_http_get_headers_size(filter_envoy_ptr, header_type);
     fn envoy_dynamic_module_callback_http_get_headers_size(
         f: *mut c_void,
         header_type: u32,
-    ) -> usize;
+    ) -> usize => 0;
     // bool envoy_dynamic_module_callback_http_get_headers(filter_envoy_ptr, header_type,
     //     envoy_dynamic_module_type_envoy_http_header* result_headers);
     fn envoy_dynamic_module_callback_http_get_headers(
         f: *mut c_void,
         header_type: u32,
         result: *mut HeaderPair,
-    ) -> bool;
+    ) -> bool => false;
     // bool envoy_dynamic_module_callback_http_set_filter_state_bytes(filter_envoy_ptr,
     //     module_buffer key, module_buffer value);
     fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
         f: *mut c_void,
         key: Buf,
         value: Buf,
-    ) -> bool;
+    ) -> bool => false;
     // bool envoy_dynamic_module_callback_http_set_header(filter_envoy_ptr, header_type,
     //     module_buffer key, module_buffer value);   (null value: remove)
     fn envoy_dynamic_module_callback_http_set_header(
@@ -148,7 +174,7 @@ extern "C" {
         header_type: u32,
         key: Buf,
         value: Buf,
-    ) -> bool;
+    ) -> bool => false;
     // void envoy_dynamic_module_callback_http_send_response(filter_envoy_ptr,
     //     uint32_t status_code, module_http_header* headers_vector, size_t headers_vector_size,
     //     module_buffer body, module_buffer details);
@@ -159,41 +185,41 @@ extern "C" {
         headers_len: usize,
         body: Buf,
         details: Buf,
-    );
+    ) => ();
     // size_t envoy_dynamic_module_callback_http_get_body_chunks_size(filter_envoy_ptr,
     //     envoy_dynamic_module_type_http_body_type body_type);
-    fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, body: u32) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, body: u32) -> usize => 0;
     // size_t envoy_dynamic_module_callback_http_get_body_size(filter_envoy_ptr,
     //     envoy_dynamic_module_type_http_body_type body_type);
-    fn envoy_dynamic_module_callback_http_get_body_size(f: *mut c_void, body: u32) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_size(f: *mut c_void, body: u32) -> usize => 0;
     // bool envoy_dynamic_module_callback_http_get_body_chunks(filter_envoy_ptr, body_type,
     //     envoy_dynamic_module_type_envoy_buffer* result_buffer_vector);
     fn envoy_dynamic_module_callback_http_get_body_chunks(
         f: *mut c_void,
         body: u32,
         result: *mut Buf,
-    ) -> bool;
+    ) -> bool => false;
     // bool envoy_dynamic_module_callback_http_received_buffered_request_body(filter_envoy_ptr);
-    fn envoy_dynamic_module_callback_http_received_buffered_request_body(f: *mut c_void) -> bool;
+    fn envoy_dynamic_module_callback_http_received_buffered_request_body(f: *mut c_void) -> bool => false;
     // void envoy_dynamic_module_callback_http_clear_route_cache(filter_envoy_ptr);
-    fn envoy_dynamic_module_callback_http_clear_route_cache(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_clear_route_cache(f: *mut c_void) => ();
     // void envoy_dynamic_module_callback_http_filter_continue_decoding(filter_envoy_ptr);
-    fn envoy_dynamic_module_callback_http_filter_continue_decoding(f: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_continue_decoding(f: *mut c_void) => ();
     // bool envoy_dynamic_module_callback_http_filter_get_attribute_string(filter_envoy_ptr,
     //     envoy_dynamic_module_type_attribute_id attribute_id, envoy_buffer* result);
     fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
         f: *mut c_void,
         id: u32,
         result: *mut Buf,
-    ) -> bool;
+    ) -> bool => false;
     // http_filter_scheduler_module_ptr
     // envoy_dynamic_module_callback_http_filter_scheduler_new(filter_envoy_ptr);
-    fn envoy_dynamic_module_callback_http_filter_scheduler_new(f: *mut c_void) -> *mut c_void;
+    fn envoy_dynamic_module_callback_http_filter_scheduler_new(f: *mut c_void) -> *mut c_void => std::ptr::null_mut();
     // void envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler_module_ptr,
     //     uint64_t event_id);   ("safe to call from any thread")
-    fn envoy_dynamic_module_callback_http_filter_scheduler_commit(s: *mut c_void, event: u64);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_commit(s: *mut c_void, event: u64) => ();
     // void envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler_module_ptr);
-    fn envoy_dynamic_module_callback_http_filter_scheduler_delete(s: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_delete(s: *mut c_void) => ();
     // metrics_result envoy_dynamic_module_callback_http_filter_config_define_{counter,gauge,
     //     histogram}(filter_config_envoy_ptr, module_buffer name, module_buffer* label_names,
     //     size_t label_names_length, size_t* id_ptr);
@@ -203,21 +229,21 @@ extern "C" {
         labels: *const Buf,
         labels_len: usize,
         id: *mut usize,
-    ) -> u32;
+    ) -> u32 => 1;
     fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
         c: *mut c_void,
         name: Buf,
         labels: *const Buf,
         labels_len: usize,
         id: *mut usize,
-    ) -> u32;
+    ) -> u32 => 1;
     fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
         c: *mut c_void,
         name: Buf,
         labels: *const Buf,
         labels_len: usize,
         id: *mut usize,
-    ) -> u32;
+    ) -> u32 => 1;
     // metrics_result envoy_dynamic_module_callback_http_filter_config_{increment_counter,
     //     increment_gauge,decrement_gauge,set_gauge,record_histogram_value}(
     //     filter_config_envoy_ptr, size_t id, module_buffer* label_values,
@@ -230,35 +256,35 @@ extern "C" {
         labels: *const Buf,
         labels_len: usize,
         value: u64,
-    ) -> u32;
+    ) -> u32 => 1;
     fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
         c: *mut c_void,
         id: usize,
         labels: *const Buf,
         labels_len: usize,
         value: u64,
-    ) -> u32;
+    ) -> u32 => 1;
     fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
         c: *mut c_void,
         id: usize,
         labels: *const Buf,
         labels_len: usize,
         value: u64,
-    ) -> u32;
+    ) -> u32 => 1;
     fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
         c: *mut c_void,
         id: usize,
         labels: *const Buf,
         labels_len: usize,
         value: u64,
-    ) -> u32;
+    ) -> u32 => 1;
     fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
         c: *mut c_void,
         id: usize,
         labels: *const Buf,
         labels_len: usize,
         value: u64,
-    ) -> u32;
+    ) -> u32 => 1;
 }
 
 // ----------------------------------------------------------------------------------------
@@ -941,201 +967,3 @@ unused_hooks!(
     envoy_dynamic_module_on_http_filter_config_http_stream_complete,
     envoy_dynamic_module_on_http_filter_config_http_stream_reset,
 );
-
-/// Unit tests link a test executable, where Envoy's callbacks do not exist: these stand-ins
-/// (no-ops answering "nothing") satisfy the linker. Nothing in the unit tests reaches them.
-#[cfg(test)]
-mod stand_ins {
-    use super::{Buf, HeaderPair};
-    use std::ffi::c_void;
-
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_log(_l: u32, _m: Buf) {}
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_get_header(
-        _f: *mut c_void,
-        _t: u32,
-        _k: Buf,
-        _r: *mut Buf,
-        _i: usize,
-        _s: *mut usize,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_get_headers_size(
-        _f: *mut c_void,
-        _t: u32,
-    ) -> usize {
-        0
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_get_headers(
-        _f: *mut c_void,
-        _t: u32,
-        _r: *mut HeaderPair,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_set_filter_state_bytes(
-        _f: *mut c_void,
-        _k: Buf,
-        _v: Buf,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_set_header(
-        _f: *mut c_void,
-        _t: u32,
-        _k: Buf,
-        _v: Buf,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_send_response(
-        _f: *mut c_void,
-        _s: u32,
-        _h: *const HeaderPair,
-        _n: usize,
-        _b: Buf,
-        _d: Buf,
-    ) {
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_get_body_chunks_size(
-        _f: *mut c_void,
-        _b: u32,
-    ) -> usize {
-        0
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_get_body_size(
-        _f: *mut c_void,
-        _b: u32,
-    ) -> usize {
-        0
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_get_body_chunks(
-        _f: *mut c_void,
-        _b: u32,
-        _r: *mut Buf,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_received_buffered_request_body(
-        _f: *mut c_void,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_clear_route_cache(_f: *mut c_void) {}
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_continue_decoding(_f: *mut c_void) {}
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
-        _f: *mut c_void,
-        _i: u32,
-        _r: *mut Buf,
-    ) -> bool {
-        false
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_scheduler_new(
-        _f: *mut c_void,
-    ) -> *mut c_void {
-        std::ptr::null_mut()
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
-        _s: *mut c_void,
-        _e: u64,
-    ) {
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_scheduler_delete(_s: *mut c_void) {}
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_define_counter(
-        _c: *mut c_void,
-        _n: Buf,
-        _l: *const Buf,
-        _ll: usize,
-        _id: *mut usize,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
-        _c: *mut c_void,
-        _n: Buf,
-        _l: *const Buf,
-        _ll: usize,
-        _id: *mut usize,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
-        _c: *mut c_void,
-        _n: Buf,
-        _l: *const Buf,
-        _ll: usize,
-        _id: *mut usize,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
-        _c: *mut c_void,
-        _id: usize,
-        _l: *const Buf,
-        _ll: usize,
-        _v: u64,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
-        _c: *mut c_void,
-        _id: usize,
-        _l: *const Buf,
-        _ll: usize,
-        _v: u64,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
-        _c: *mut c_void,
-        _id: usize,
-        _l: *const Buf,
-        _ll: usize,
-        _v: u64,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
-        _c: *mut c_void,
-        _id: usize,
-        _l: *const Buf,
-        _ll: usize,
-        _v: u64,
-    ) -> u32 {
-        1
-    }
-    #[no_mangle]
-    extern "C" fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
-        _c: *mut c_void,
-        _id: usize,
-        _l: *const Buf,
-        _ll: usize,
-        _v: u64,
-    ) -> u32 {
-        1
-    }
-}
