@@ -2,6 +2,7 @@
 //! requests. Needs the built `.wasm` and the PyPI Envoy (`make test-filter` provides both).
 
 use kvroute_core::snapshot::Snapshot;
+use kvroute_integration::harness::http::Response;
 use kvroute_integration::harness::kvroute::{
     chat, now_ms, Fleet, FleetMode, FleetOptions, TEST_TOKEN,
 };
@@ -367,6 +368,45 @@ async fn original_dst_rejects_a_host_list() {
     assert_eq!(fleet.counts(), vec![0, 0]);
 }
 
+/// Two backends whose snapshot (version 1) has both above the 0.5 KV headroom, so every
+/// request is parked: least-KV routing, the debug header, admission on with a 20 ms tick,
+/// `retry-after: 2` and the `admission` fields in `admission` (JSON members).
+async fn saturated_fleet(dynmod: bool, admission: &str) -> anyhow::Result<Fleet> {
+    let fleet = Fleet::start(FleetOptions {
+        dynmod,
+        route_config: format!(
+            concat!(
+                r#""picker":{{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5}},"#,
+                r#""admission":{{"enabled":true,"tick_ms":20,"retry_after_s":2,{}}},"#,
+                r#""debug_header":true"#
+            ),
+            admission
+        ),
+        ..FleetOptions::default()
+    })
+    .await?;
+    fleet.push_usages(1, &[0.95, 0.97]).await?;
+    Ok(fleet)
+}
+
+/// Push snapshot version 2 of a [`saturated_fleet`], in which e1 has room, and check that
+/// the `held` request is resumed there by the tick, carrying the decision that resumed it
+/// (as any routed request does).
+async fn resumed_on_e1_once_it_has_room(
+    fleet: &Fleet,
+    held: tokio::task::JoinHandle<anyhow::Result<Response>>,
+) -> anyhow::Result<()> {
+    fleet.push_usages(2, &[0.95, 0.1]).await?;
+    let r = held.await??;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    assert_eq!(
+        r.header("x-kvroute-decision"),
+        Some("policy:least_kv;endpoint=pool/e1")
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn saturated_fleet_holds_requests_then_resumes_or_answers_429() {
     saturated_fleet_holds_then_resumes_or_answers_429(false)
@@ -384,31 +424,12 @@ async fn saturated_native_fleet_holds_requests_then_resumes_or_answers_429() {
 }
 
 async fn saturated_fleet_holds_then_resumes_or_answers_429(dynmod: bool) -> anyhow::Result<()> {
-    let fleet = Fleet::start(FleetOptions {
-        dynmod,
-        route_config: concat!(
-            r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
-            r#""admission":{"enabled":true,"timeout_ms":1500,"tick_ms":20,"retry_after_s":2,"#,
-            r#""max_queue_bytes":4096},"debug_header":true"#
-        )
-        .into(),
-        ..FleetOptions::default()
-    })
-    .await?;
-    fleet.push_usages(1, &[0.95, 0.97]).await?;
+    let fleet = saturated_fleet(dynmod, r#""timeout_ms":1500,"max_queue_bytes":4096"#).await?;
     let held = fleet
         .post_parked("/v1/chat/completions", chat("wait"), 1)
         .await?;
     assert_eq!(fleet.counts(), vec![0, 0], "held, not forwarded");
-    fleet.push_usages(2, &[0.95, 0.1]).await?;
-    let r = held.await??;
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.header("x-backend"), Some("b1"));
-    // Resumed by the tick, it carries the decision that resumed it, as any routed request.
-    assert_eq!(
-        r.header("x-kvroute-decision"),
-        Some("policy:least_kv;endpoint=pool/e1")
-    );
+    resumed_on_e1_once_it_has_room(&fleet, held).await?;
 
     fleet.push_usages(3, &[0.95, 0.97]).await?;
     let started = std::time::Instant::now();
@@ -451,18 +472,7 @@ async fn a_native_parked_request_outlives_the_stream_that_parked_first() {
 }
 
 async fn parked_request_outlives_the_first(dynmod: bool) -> anyhow::Result<()> {
-    let fleet = Fleet::start(FleetOptions {
-        dynmod,
-        route_config: concat!(
-            r#""picker":{"policy":"least_kv","stale_after_ms":60000,"min_kv_headroom":0.5},"#,
-            r#""admission":{"enabled":true,"timeout_ms":8000,"tick_ms":20,"retry_after_s":2},"#,
-            r#""debug_header":true"#
-        )
-        .into(),
-        ..FleetOptions::default()
-    })
-    .await?;
-    fleet.push_usages(1, &[0.95, 0.97]).await?;
+    let fleet = saturated_fleet(dynmod, r#""timeout_ms":8000"#).await?;
     let first = fleet
         .post_parked("/v1/chat/completions", chat("first"), 1)
         .await?;
@@ -481,14 +491,7 @@ async fn parked_request_outlives_the_first(dynmod: bool) -> anyhow::Result<()> {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let started = std::time::Instant::now();
-    fleet.push_usages(2, &[0.95, 0.1]).await?;
-    let r = second.await??;
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.header("x-backend"), Some("b1"));
-    assert_eq!(
-        r.header("x-kvroute-decision"),
-        Some("policy:least_kv;endpoint=pool/e1")
-    );
+    resumed_on_e1_once_it_has_room(&fleet, second).await?;
     // Resumed by a tick (every 20 ms), long before the 8 s admission timeout.
     assert!(started.elapsed() < std::time::Duration::from_secs(4));
     assert_eq!(fleet.counts(), vec![0, 1]);
