@@ -604,6 +604,18 @@ impl<'a> DmHost<'a> {
     fn metric(&self, name: &str) -> Option<(Kind, usize)> {
         self.cfg.metrics.by_name.get(name).copied()
     }
+    /// Add `call` to the stream's deferred calls. The list is borrowed only here, and
+    /// by its owner between hooks, so it is never busy; were it busy, the call is logged
+    /// and dropped rather than panicking.
+    fn defer(&self, call: Deferred) {
+        match self.deferred.try_borrow_mut() {
+            Ok(mut d) => d.push(call),
+            Err(_) => abi::log(
+                LogLevel::Error,
+                &format!("kvroute: deferred call to a stream dropped (list busy): {call:?}"),
+            ),
+        }
+    }
 }
 
 impl Host for DmHost<'_> {
@@ -650,7 +662,7 @@ impl Host for DmHost<'_> {
     }
     fn send_local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
         if let Some(to) = self.target.get() {
-            self.deferred.borrow_mut().push(Deferred::Reply {
+            self.defer(Deferred::Reply {
                 to,
                 status,
                 headers: headers
@@ -738,7 +750,7 @@ impl Host for DmHost<'_> {
     }
     fn resume_request(&self) {
         if let Some(f) = self.target.get() {
-            self.deferred.borrow_mut().push(Deferred::Resume(f));
+            self.defer(Deferred::Resume(f));
         }
     }
     fn set_property(&self, path: &[&str], value: &[u8]) {
