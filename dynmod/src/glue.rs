@@ -612,7 +612,10 @@ impl<'a> DmHost<'a> {
             Ok(mut d) => d.push(call),
             Err(_) => abi::log(
                 LogLevel::Error,
-                &format!("kvroute: deferred call to a stream dropped (list busy): {call:?}"),
+                &format!(
+                    "kvroute: deferred call to stream {:?} dropped (list busy)",
+                    call.target()
+                ),
             ),
         }
     }
