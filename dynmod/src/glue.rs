@@ -30,7 +30,7 @@
 
 use crate::abi::{self, ConfigHandle, Filter, Kind, LogLevel, Scheduler};
 use kvroute_core::plugin_config::{Config, Role};
-use kvroute_filter::host::{HeaderMap, Host, HostError, Level, MetricKind};
+use kvroute_filter::host::{period_passed, HeaderMap, Host, HostError, Level, MetricKind};
 use kvroute_filter::ingest::{consume_snapshots, IngestStream};
 use kvroute_filter::names::metric;
 use kvroute_filter::router::Worker;
@@ -479,11 +479,15 @@ fn now_ms() -> u64 {
     now_us() / 1000
 }
 
-/// Run the worker's tick if its period has passed; with `force` (the worker goes idle), now
-/// and with the journal sync forced ([`Worker::flush`]). What it defers (resumes of and
+/// Run the worker's tick if its period has passed, or the clock went back past the last
+/// tick ([`period_passed`]: the hooks read the wall clock anyway, so the check costs no
+/// clock read of its own; with a plain difference a clock stepped back by Δ stopped the
+/// worker's ticks for Δ, its parked requests neither resumed nor timed out meanwhile, found
+/// by a breaker reading the code); with `force` (the worker goes idle),
+/// now and with the journal sync forced ([`Worker::flush`]). What it defers (resumes of and
 /// replies to parked requests) goes into `deferred`, the calling stream's list.
 fn tick(cfg: &Inner, slot: &Slot, now: u64, force: bool, deferred: &RefCell<Vec<Deferred>>) {
-    if !force && now.saturating_sub(slot.last_tick.get()) < cfg.tick_ms {
+    if !force && !period_passed(now, slot.last_tick.get(), cfg.tick_ms) {
         return;
     }
     let Ok(mut w) = slot.worker.try_borrow_mut() else {

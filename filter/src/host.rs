@@ -39,6 +39,16 @@ pub enum Level {
     Error,
 }
 
+/// Whether `period_ms` has passed at `now_ms` since `last_ms` (both [`Host::now_ms`], Unix
+/// ms), or the clock went back past `last_ms`. The host's clock is the wall clock, which an
+/// NTP step can move back: with a plain difference, work done "once per period" would then
+/// stop for as long as the step (a worker's ticks in the native build, its journal sync,
+/// its reads of the other workers' tables); here it runs at once and its period starts
+/// again from the new time.
+pub fn period_passed(now_ms: u64, last_ms: u64, period_ms: u64) -> bool {
+    now_ms < last_ms || now_ms - last_ms >= period_ms
+}
+
 /// Host calls used by the filter glue.
 pub trait Host {
     /// Now, Unix milliseconds (proxy-wasm `get_current_time`).
@@ -423,5 +433,22 @@ pub mod mock {
             let ctx = *self.effective.borrow();
             self.ctx_events.borrow_mut().push((ctx, "resume".into()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::period_passed;
+
+    #[test]
+    fn a_period_passes_after_its_length_or_a_clock_step_back() {
+        assert!(!period_passed(1_000, 1_000, 50));
+        assert!(!period_passed(1_049, 1_000, 50));
+        assert!(period_passed(1_050, 1_000, 50));
+        // Never done (0) and a period of 0.
+        assert!(period_passed(1_000, 0, 50));
+        assert!(period_passed(1_000, 1_000, 0));
+        // The clock stepped back by a minute: passed at once, not a minute later.
+        assert!(period_passed(1_000, 61_000, 50));
     }
 }

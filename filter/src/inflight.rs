@@ -33,7 +33,7 @@
 //! The value under `kvroute.inflight.<worker number>`: empty, or the publication time (Unix
 //! ms, u64 big-endian) then `InflightTable::encode`.
 
-use crate::host::{Host, Level};
+use crate::host::{period_passed, Host, Level};
 use crate::names::{INFLIGHT_KEY_PREFIX, WORKER_SEQ_KEY};
 use kvroute_core::inflight::InflightTable;
 use std::collections::BTreeMap;
@@ -203,7 +203,7 @@ impl WorkerInflight {
             return None;
         }
         if let Some(t) = self.read_ms {
-            if now_ms >= t && now_ms - t < self.share_ms {
+            if !period_passed(now_ms, t, self.share_ms) {
                 return None;
             }
         }
@@ -211,7 +211,7 @@ impl WorkerInflight {
         // The counter again once its last read is old (or the clock stepped back past it).
         if self
             .count_ms
-            .is_none_or(|t| now_ms < t || now_ms - t >= WORKER_COUNT_MS)
+            .is_none_or(|t| period_passed(now_ms, t, WORKER_COUNT_MS))
         {
             let count = match host.shared_get(WORKER_SEQ_KEY) {
                 Ok((Some(b), _)) => b
@@ -309,10 +309,9 @@ impl WorkerInflight {
         if self.worker == 0 {
             return false;
         }
-        // The clock stepped back past the last publication: republish now.
-        let since = now_ms.checked_sub(self.published_ms).unwrap_or(u64::MAX);
-        let due = (self.dirty && (force || since >= self.share_ms))
-            || (!self.own.is_empty() && since >= HEARTBEAT_MS);
+        let passed = |period| period_passed(now_ms, self.published_ms, period);
+        let due = (self.dirty && (force || passed(self.share_ms)))
+            || (!self.own.is_empty() && passed(HEARTBEAT_MS));
         if !due {
             return false;
         }

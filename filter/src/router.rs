@@ -21,7 +21,7 @@
 //! Requests routed without their body (no body, upgrade, over `max_body_bytes`, encoded)
 //! are picked with zero prompt tokens: the policy then ranks by load alone.
 
-use crate::host::{Host, Level, MetricKind};
+use crate::host::{period_passed, Host, Level, MetricKind};
 use crate::names::{metric, DECISION_HEADER, DECISION_PROPERTY, FAIL_OPEN_REASON};
 use crate::shared::SnapshotCache;
 use crate::sharing::{Journal, Synced};
@@ -439,7 +439,7 @@ impl Worker {
         self.gauges_with(host, now, snap.as_deref());
         if self.config.shares_with_workers()
             && (sync_now
-                || now.saturating_sub(self.affinity_synced_ms) >= self.config.affinity_sync_ms)
+                || period_passed(now, self.affinity_synced_ms, self.config.affinity_sync_ms))
         {
             self.affinity_synced_ms = now;
             self.sync_with(host, snap.as_deref());
@@ -460,7 +460,11 @@ impl Worker {
         // request; the rest waits for its next tick.
         let now = host.now_ms();
         let sync_now = self.router.has_unshared()
-            && now.saturating_sub(self.affinity_flushed_ms) >= self.config.affinity_sync_ms / 10;
+            && period_passed(
+                now,
+                self.affinity_flushed_ms,
+                self.config.affinity_sync_ms / 10,
+            );
         if sync_now {
             self.affinity_flushed_ms = now;
         }
