@@ -771,7 +771,7 @@ impl Worker {
             && self
                 .upstream_checked
                 .get(endpoint)
-                .is_none_or(|at| now_ms.saturating_sub(*at) >= UPSTREAM_CHECK_MS)
+                .is_none_or(|at| period_passed(now_ms, *at, UPSTREAM_CHECK_MS))
     }
 
     /// Record a check of `endpoint`'s upstream at `now_ms` (made at a response's headers,
