@@ -321,7 +321,7 @@ fn shared() -> MutexGuard<'static, Map<String, SharedData>> {
 }
 
 // ----------------------------------------------------------------------------------------
-// The admission ticker.
+// The ticker thread.
 // ----------------------------------------------------------------------------------------
 
 /// Schedulers of the workers' tick carriers ([`carry_ticks`]), by registration key: the
@@ -479,13 +479,12 @@ fn now_ms() -> u64 {
     now_us() / 1000
 }
 
-/// Run the worker's tick if its period has passed, or the clock went back past the last
-/// tick ([`period_passed`]: the hooks read the wall clock anyway, so the check costs no
-/// clock read of its own; with a plain difference a clock stepped back by Δ stopped the
-/// worker's ticks for Δ, its parked requests neither resumed nor timed out meanwhile, found
-/// by a breaker reading the code); with `force` (the worker goes idle),
-/// now and with the journal sync forced ([`Worker::flush`]). What it defers (resumes of and
-/// replies to parked requests) goes into `deferred`, the calling stream's list.
+/// Run the worker's tick when due: its period has passed since the last tick, or the clock
+/// went back past it ([`period_passed`]; with a plain difference, a clock stepped back by Δ
+/// stopped the worker's ticks for Δ, and its parked requests were neither resumed nor timed
+/// out meanwhile: found by a breaker, reading the code). With `force` (the worker goes
+/// idle): now, with the journal sync forced ([`Worker::flush`]). What it defers (resumes of
+/// and replies to parked requests) goes into `deferred`, the calling stream's list.
 fn tick(cfg: &Inner, slot: &Slot, now: u64, force: bool, deferred: &RefCell<Vec<Deferred>>) {
     if !force && !period_passed(now, slot.last_tick.get(), cfg.tick_ms) {
         return;
