@@ -18,7 +18,7 @@ bench-cp: ## Control-plane benchmark (optimised build): 1,000 endpoints @1 s (CP
 	$(CARGO) bench -p kvroute-cp --bench fleet
 
 check-cp-example: ## Check the example control-plane config against each example Envoy config (kvroute-cp --check --envoy-config, the examples' placeholder token)
-	@for e in examples/envoy/*.yaml; do \
+	@for e in examples/envoy/*.yaml examples/envoy/dynamic-module/*.yaml; do \
 	  echo "== kvroute-cp --check --envoy-config $$e"; \
 	  KVROUTE_INGEST_TOKEN=change-me-to-a-long-random-secret $(CARGO) run -q --release -p kvroute-cp -- \
 	    --config examples/control-plane/kvroute-cp.yaml --check --envoy-config "$$e" || exit 1; \

@@ -9,10 +9,14 @@
 //! (the module's test knob: a request with `x-kvroute-test-panic` panics inside the hook;
 //! with the value `next-stream`, the next routing stream's creation panics instead).
 
+use kvroute_core::snapshot::{EndpointStats, Snapshot};
 use kvroute_integration::harness::http::Response;
-use kvroute_integration::harness::kvroute::{chat, Fleet, FleetMode, FleetOptions};
-use kvroute_integration::harness::RecordingBackend;
+use kvroute_integration::harness::kvroute::{
+    chat, example_config, logged_decision, now_ms, push_to_example, routed_to, Fleet, FleetMode,
+    FleetOptions,
+};
 use kvroute_integration::harness::{dynmod_dir, envoy_binary, workspace_root};
+use kvroute_integration::harness::{Envoy, RecordingBackend, Reply};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
@@ -351,6 +355,55 @@ async fn a_stream_whose_creation_panicked_goes_unrouted_without_client_routing()
     assert!(fleet.log_tail(200).contains("in a stream's creation"));
     assert_named_went_to_the_default_route(&fleet);
     assert_routed_after(fleet).await.unwrap();
+}
+
+/// The shipped example (`examples/envoy/dynamic-module/cluster-mode.yaml`, only its ports
+/// and model-server addresses rewritten) routes by its pushed snapshot, and its access log
+/// line carries the decision record (filter state `wasm.kvroute_decision`, the key the Wasm
+/// filter sets): policy, chosen endpoint, both candidates ranked, the chosen one first.
+#[tokio::test]
+async fn the_example_routes_and_logs_its_decisions() -> anyhow::Result<()> {
+    setup();
+    let b = [
+        RecordingBackend::start("b0", Reply::default()).await?,
+        RecordingBackend::start("b1", Reply::default()).await?,
+    ];
+    let addrs: Vec<String> = b.iter().map(RecordingBackend::address).collect();
+    let (envoy, [listen, ingest]) = Envoy::start_on_free_ports(1, |[listen, ingest]| {
+        example_config("dynamic-module/cluster-mode.yaml", listen, ingest, &addrs)
+    })
+    .await?;
+    let now = now_ms();
+    let eps = addrs
+        .iter()
+        .zip([("vllm-a", 0.9), ("vllm-b", 0.1)])
+        .enumerate()
+        .map(|(i, (a, (cluster, kv)))| EndpointStats {
+            id: format!("pool/{cluster}"),
+            address: a.clone(),
+            cluster: cluster.into(),
+            kv_usage: Some(kv),
+            ..EndpointStats::fixture(i, now)
+        })
+        .collect();
+    push_to_example(ingest, &Snapshot::new(1, now, eps)).await?;
+    assert_eq!(
+        routed_to(listen).await?,
+        "b1",
+        "the endpoint with KV headroom"
+    );
+    let record = logged_decision(&envoy).await?;
+    assert!(
+        record.starts_with("policy:hybrid;endpoint=pool/vllm-b;"),
+        "{record}"
+    );
+    let top = record
+        .split_once(";top=")
+        .map(|(_, t)| t)
+        .ok_or_else(|| anyhow::anyhow!("no candidates: {record}"))?;
+    assert!(top.starts_with("pool/vllm-b[score="), "{record}");
+    assert_eq!(top.matches("[score=").count(), 2, "{record}");
+    Ok(())
 }
 
 #[test]

@@ -17,8 +17,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use kvroute_core::snapshot::{EndpointStats, Snapshot};
-use kvroute_integration::harness::kvroute::now_ms;
-use kvroute_integration::harness::{http, wasm_path, workspace_root, Envoy};
+use kvroute_integration::harness::kvroute::{
+    example_config, logged_decision, now_ms, push_to_example,
+};
+use kvroute_integration::harness::Envoy;
 use kvroute_sim::metrics::Dialect;
 use kvroute_sim::perf::BatchShape;
 use kvroute_sim::server::{spawn_fleet, FleetConfig, ReplicaConfig};
@@ -29,40 +31,6 @@ const STREAM_SECONDS: f64 = 36.0;
 /// Tokens generated.
 const OUTPUT_TOKENS: u32 = 120;
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
-/// The ingest token written in the shipped example.
-const EXAMPLE_TOKEN: &str = "change-me-to-a-long-random-secret";
-
-/// `examples/envoy/<name>` with its ports, backends and module path replaced.
-fn example(name: &str, listen: u16, ingest: u16, backends: &[String]) -> String {
-    let path = workspace_root().join("examples").join("envoy").join(name);
-    let mut y = std::fs::read_to_string(&path).unwrap();
-    for (from, to) in [
-        ("port_value: 10000", format!("port_value: {listen}")),
-        ("port_value: 10001", format!("port_value: {ingest}")),
-        ("port_value: 9901", "port_value: 0".to_owned()),
-        ("address: 0.0.0.0", "address: 127.0.0.1".to_owned()),
-        (
-            "/etc/envoy/kvroute_filter.wasm",
-            wasm_path().display().to_string(),
-        ),
-    ] {
-        assert!(y.contains(from), "{name} no longer contains `{from}`");
-        y = y.replace(from, &to);
-    }
-    for (i, b) in backends.iter().enumerate() {
-        let (host, port) = b.rsplit_once(':').unwrap();
-        let from = format!(
-            "{{socket_address: {{address: \"127.0.0.1\", port_value: {}}}}}",
-            8001 + i
-        );
-        assert!(y.contains(&from), "{name} no longer contains `{from}`");
-        y = y.replace(
-            &from,
-            &format!("{{socket_address: {{address: \"{host}\", port_value: {port}}}}}"),
-        );
-    }
-    y
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_longer_than_the_old_route_timeout_completes() {
@@ -78,7 +46,7 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
     let backends: Vec<String> = sims.addrs().iter().map(|a| a.to_string()).collect();
 
     let (envoy, [listen, ingest]) = Envoy::start_on_free_ports(1, |[listen, ingest]| {
-        Ok(example("endpoint-mode.yaml", listen, ingest, &backends))
+        example_config("endpoint-mode.yaml", listen, ingest, &backends)
     })
     .await
     .unwrap();
@@ -94,15 +62,9 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
             ..EndpointStats::fixture(i, now)
         })
         .collect();
-    let r = http::request(
-        "POST",
-        &format!("http://127.0.0.1:{ingest}/kvroute/v1/snapshot"),
-        &[("authorization", &format!("Bearer {EXAMPLE_TOKEN}"))],
-        &Snapshot::new(1, now, eps).encode(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 204, "{}", r.text());
+    push_to_example(ingest, &Snapshot::new(1, now, eps))
+        .await
+        .unwrap();
 
     let body = serde_json::json!({
         "model": MODEL,
@@ -171,28 +133,15 @@ async fn a_stream_longer_than_the_old_route_timeout_completes() {
     assert!(arrivals.iter().any(|t| *t > 30.0), "{arrivals:?}");
     // The example's access log line carries the decision record (filter state
     // `wasm.kvroute_decision`): reason, chosen endpoint, then both replicas ranked, the
-    // chosen one first. Envoy flushes access logs on a timer, so poll.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let line = loop {
-        let log = envoy.log();
-        if let Some(l) = log
-            .lines()
-            .find(|l| l.contains("\"POST /v1/chat/completions\" 200"))
-        {
-            break l.to_owned();
-        }
-        assert!(Instant::now() < deadline, "no access log line:\n{log}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    eprintln!("access log: {line}");
-    let record = line.split_once(" kvroute=").unwrap().1;
+    // chosen one first.
+    let record = logged_decision(&envoy).await.unwrap();
     let (head, top) = record.split_once(";top=").unwrap();
     let chosen = head
         .strip_prefix("policy:hybrid;endpoint=")
-        .unwrap_or_else(|| panic!("{line}"));
-    assert!(chosen.starts_with("pool/sim-"), "{line}");
-    assert!(top.starts_with(&format!("{chosen}[score=")), "{line}");
-    assert_eq!(top.matches("[score=").count(), 2, "{line}");
-    assert_eq!(top.matches(",kv=").count(), 2, "{line}");
+        .unwrap_or_else(|| panic!("{record}"));
+    assert!(chosen.starts_with("pool/sim-"), "{record}");
+    assert!(top.starts_with(&format!("{chosen}[score=")), "{record}");
+    assert_eq!(top.matches("[score=").count(), 2, "{record}");
+    assert_eq!(top.matches(",kv=").count(), 2, "{record}");
     assert!(envoy.wasm_failures().await.unwrap().is_empty());
 }

@@ -29,6 +29,107 @@ pub enum FleetMode {
     OriginalDst,
 }
 
+/// The ingest token written in the shipped example configs (`examples/envoy/`).
+pub const EXAMPLE_TOKEN: &str = "change-me-to-a-long-random-secret";
+
+/// `examples/envoy/<name>` (`name` relative to that folder) as the tests run it: its client
+/// listener on `127.0.0.1:listen`, its ingest listener on port `ingest`, its admin on a free
+/// port, its `.wasm` path ([`wasm_path`]) where it names one, and its model servers
+/// `127.0.0.1:8001`, `:8002`, … replaced by `backends` (`host:port`) in order.
+///
+/// Errors: the file cannot be read, or no longer contains a string replaced here (the
+/// example changed under the test).
+pub fn example_config(
+    name: &str,
+    listen: u16,
+    ingest: u16,
+    backends: &[String],
+) -> anyhow::Result<String> {
+    let path = super::workspace_root()
+        .join("examples")
+        .join("envoy")
+        .join(name);
+    let mut y =
+        std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let wasm = "/etc/envoy/kvroute_filter.wasm";
+    let mut swaps = vec![
+        (
+            "port_value: 10000".to_owned(),
+            format!("port_value: {listen}"),
+        ),
+        (
+            "port_value: 10001".to_owned(),
+            format!("port_value: {ingest}"),
+        ),
+        ("port_value: 9901".to_owned(), "port_value: 0".to_owned()),
+        (
+            "address: 0.0.0.0".to_owned(),
+            "address: 127.0.0.1".to_owned(),
+        ),
+    ];
+    if y.contains(wasm) {
+        swaps.push((wasm.to_owned(), wasm_path().display().to_string()));
+    }
+    for (i, b) in backends.iter().enumerate() {
+        let (host, port) = b
+            .rsplit_once(':')
+            .ok_or_else(|| anyhow::anyhow!("backend `{b}` is not host:port"))?;
+        swaps.push((
+            format!(
+                "{{socket_address: {{address: \"127.0.0.1\", port_value: {}}}}}",
+                8001 + i
+            ),
+            format!("{{socket_address: {{address: \"{host}\", port_value: {port}}}}}"),
+        ));
+    }
+    for (from, to) in swaps {
+        anyhow::ensure!(y.contains(&from), "{name} no longer contains `{from}`");
+        y = y.replace(&from, &to);
+    }
+    Ok(y)
+}
+
+/// Push `snap` to the ingest listener (port `ingest`) of an [`example_config`], with the
+/// examples' token. Errors: the push failed, or was answered other than 204.
+pub async fn push_to_example(ingest: u16, snap: &Snapshot) -> anyhow::Result<()> {
+    let r = http::request(
+        "POST",
+        &format!("http://127.0.0.1:{ingest}/kvroute/v1/snapshot"),
+        &[("authorization", &format!("Bearer {EXAMPLE_TOKEN}"))],
+        &snap.encode(),
+    )
+    .await?;
+    anyhow::ensure!(
+        r.status == 204,
+        "ingest answered {}: {}",
+        r.status,
+        r.text()
+    );
+    Ok(())
+}
+
+/// The decision record in the access log line of the first chat completion `envoy`
+/// answered 200, as the examples' log format writes it (`… kvroute=<record>`): Envoy
+/// flushes access logs on a timer, so this polls, for up to 20 s. Errors: no such line by
+/// then, or one without a record.
+pub async fn logged_decision(envoy: &Envoy) -> anyhow::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = envoy.log();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("\"POST /v1/chat/completions\" 200"))
+        {
+            return l
+                .split_once(" kvroute=")
+                .map(|(_, r)| r.to_owned())
+                .ok_or_else(|| anyhow::anyhow!("no decision record: {l}"));
+        }
+        anyhow::ensure!(Instant::now() < deadline, "no access log line:\n{log}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Envoy's config for the filter in front of `addrs` (`host:port`, endpoint `i` is
 /// `addrs[i]`): main listener on `port`, ingest listener on `ingest_port` (token
 /// [`TEST_TOKEN`]), `per_connection_buffer_limit_bytes` `buffer_limit`, and the route
