@@ -57,56 +57,20 @@ pub const TEST_PANIC_NEXT_STREAM: &[u8] = b"next-stream";
 /// Armed by [`TEST_PANIC_NEXT_STREAM`]; taken by the next routing stream's creation.
 static TEST_PANIC_ARMED: AtomicBool = AtomicBool::new(false);
 
-/// Counters, gauges and histograms of `kvroute_filter::names::metric`, with their kinds:
-/// defined on every config (names identical to the Wasm filter's).
+/// The fixed metrics (`kvroute_filter::names::metric::fixed`), as the ABI's kinds: defined
+/// on every config (names identical to the Wasm filter's).
 fn fixed_metrics() -> Vec<(&'static str, Kind)> {
-    use kvroute_core::picker::PolicyKind as P;
-    let mut v = vec![
-        (metric::DECISIONS_POLICY, Kind::Counter),
-        (metric::DECISIONS_STALE, Kind::Counter),
-        (metric::DECISIONS_LOAD_ONLY, Kind::Counter),
-        (metric::NO_ENDPOINTS, Kind::Counter),
-        (metric::MODEL_NOT_FOUND, Kind::Counter),
-        (metric::CLUSTER_NOT_FOUND, Kind::Counter),
-        (metric::UPSTREAM_MISMATCH, Kind::Counter),
-        (metric::MODELS_LISTED, Kind::Counter),
-        (metric::AFFINITY_IMPORTED, Kind::Counter),
-        (metric::AFFINITY_PUBLISHED, Kind::Counter),
-        (metric::AFFINITY_RESET, Kind::Counter),
-        (metric::LEARNED_IMPORTED, Kind::Counter),
-        (metric::LEARNED_PUBLISHED, Kind::Counter),
-        (metric::LEARNED_RESET, Kind::Counter),
-        (metric::REJECTED, Kind::Counter),
-        (metric::DEMAND_OVER_CAPACITY, Kind::Counter),
-        (metric::QUEUED, Kind::Counter),
-        (metric::FAIL_OPEN, Kind::Counter),
-        (metric::PARSE_ERRORS, Kind::Counter),
-        (metric::INGEST_ACCEPTED, Kind::Counter),
-        (metric::INGEST_REJECTED, Kind::Counter),
-        (metric::SNAPSHOTS_PUBLISHED, Kind::Counter),
-        (metric::SNAPSHOTS_STALE, Kind::Counter),
-        (metric::RELEASED, Kind::Counter),
-        (metric::EXPIRED, Kind::Counter),
-        (metric::RESERVED, Kind::Counter),
-        (metric::SNAPSHOT_AGE_MS, Kind::Gauge),
-        (metric::QUEUE_LENGTH, Kind::Gauge),
-        (metric::INFLIGHT, Kind::Gauge),
-        (metric::DECISION_US, Kind::Histogram),
-        (metric::TTFB_MS, Kind::Histogram),
-        (metric::ESTIMATE_ERROR_PCT, Kind::Histogram),
-    ];
-    for p in [
-        P::RoundRobin,
-        P::Random,
-        P::LeastRequest,
-        P::LeastKv,
-        P::PrefixAffinity,
-        P::Hybrid,
-        P::PredictedTtft,
-    ] {
-        v.push((metric::decisions_by_policy(p), Kind::Counter));
-    }
-    v
+    metric::fixed()
+        .into_iter()
+        .map(|(n, k)| {
+            let kind = match k {
+                MetricKind::Counter => Kind::Counter,
+                MetricKind::Gauge => Kind::Gauge,
+                MetricKind::Histogram => Kind::Histogram,
+            };
+            (n, kind)
+        })
+        .collect()
 }
 
 // The per-endpoint gauges' label: each prefix (`kvroute.inflight_unseen.requests`,
@@ -1293,25 +1257,11 @@ mod tests {
     }
 
     #[test]
-    fn every_filter_metric_is_defined_with_its_kind() {
+    fn every_fixed_metric_is_defined_with_its_kind() {
         let m = fixed_metrics();
-        let names: std::collections::BTreeSet<_> = m.iter().map(|(n, _)| *n).collect();
-        assert_eq!(names.len(), m.len(), "no duplicates");
-        for n in [
-            metric::INFLIGHT,
-            metric::QUEUE_LENGTH,
-            metric::SNAPSHOT_AGE_MS,
-        ] {
-            assert!(m.contains(&(n, Kind::Gauge)), "{n}");
-        }
-        for n in [
-            metric::DECISION_US,
-            metric::TTFB_MS,
-            metric::ESTIMATE_ERROR_PCT,
-        ] {
-            assert!(m.contains(&(n, Kind::Histogram)), "{n}");
-        }
-        assert!(m.contains(&(metric::RESERVED, Kind::Counter)));
-        assert!(m.contains(&("kvroute.decisions.by_policy.least_kv", Kind::Counter)));
+        assert_eq!(m.len(), metric::fixed().len());
+        assert!(m.contains(&(metric::INFLIGHT, Kind::Gauge)));
+        assert!(m.contains(&(metric::DECISION_US, Kind::Histogram)));
+        assert!(m.contains(&(metric::FAIL_OPEN, Kind::Counter)));
     }
 }

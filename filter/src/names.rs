@@ -150,4 +150,93 @@ pub mod metric {
     pub fn stat_id(id: &str) -> String {
         id.replace('.', "_")
     }
+
+    /// Every metric with a fixed name, with its kind: all of this module's but the
+    /// Wasm-only [`WASM_MEMORY`] and the per-endpoint gauges ([`INFLIGHT_UNSEEN_REQUESTS`],
+    /// [`INFLIGHT_UNSEEN_TOKENS`]). Both builds define them when a plugin config starts
+    /// (the native build must: its ABI defines metrics at config time only), so each reads
+    /// 0 until first counted instead of being absent from `/stats`, as alerting rules and
+    /// dashboards expect (`rate(kvroute_fail_open[5m])` has no series to alert on before
+    /// the first fail-open otherwise).
+    pub fn fixed() -> Vec<(&'static str, crate::host::MetricKind)> {
+        use crate::host::MetricKind::{Counter, Gauge, Histogram};
+        use kvroute_core::picker::PolicyKind as P;
+        let mut v = vec![
+            (DECISIONS_POLICY, Counter),
+            (DECISIONS_STALE, Counter),
+            (DECISIONS_LOAD_ONLY, Counter),
+            (NO_ENDPOINTS, Counter),
+            (MODEL_NOT_FOUND, Counter),
+            (CLUSTER_NOT_FOUND, Counter),
+            (UPSTREAM_MISMATCH, Counter),
+            (MODELS_LISTED, Counter),
+            (AFFINITY_IMPORTED, Counter),
+            (AFFINITY_PUBLISHED, Counter),
+            (AFFINITY_RESET, Counter),
+            (LEARNED_IMPORTED, Counter),
+            (LEARNED_PUBLISHED, Counter),
+            (LEARNED_RESET, Counter),
+            (REJECTED, Counter),
+            (DEMAND_OVER_CAPACITY, Counter),
+            (QUEUED, Counter),
+            (FAIL_OPEN, Counter),
+            (PARSE_ERRORS, Counter),
+            (INGEST_ACCEPTED, Counter),
+            (INGEST_REJECTED, Counter),
+            (SNAPSHOTS_PUBLISHED, Counter),
+            (SNAPSHOTS_STALE, Counter),
+            (RELEASED, Counter),
+            (EXPIRED, Counter),
+            (RESERVED, Counter),
+            (SNAPSHOT_AGE_MS, Gauge),
+            (QUEUE_LENGTH, Gauge),
+            (INFLIGHT, Gauge),
+            (DECISION_US, Histogram),
+            (TTFB_MS, Histogram),
+            (ESTIMATE_ERROR_PCT, Histogram),
+        ];
+        for p in [
+            P::RoundRobin,
+            P::Random,
+            P::LeastRequest,
+            P::LeastKv,
+            P::PrefixAffinity,
+            P::Hybrid,
+            P::PredictedTtft,
+        ] {
+            v.push((decisions_by_policy(p), Counter));
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric;
+    use crate::host::MetricKind;
+
+    #[test]
+    fn every_fixed_metric_is_listed_once_with_its_kind() {
+        let m = metric::fixed();
+        let names: std::collections::BTreeSet<_> = m.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names.len(), m.len(), "no duplicates");
+        assert_eq!(m.len(), 39);
+        for n in [
+            metric::INFLIGHT,
+            metric::QUEUE_LENGTH,
+            metric::SNAPSHOT_AGE_MS,
+        ] {
+            assert!(m.contains(&(n, MetricKind::Gauge)), "{n}");
+        }
+        for n in [
+            metric::DECISION_US,
+            metric::TTFB_MS,
+            metric::ESTIMATE_ERROR_PCT,
+        ] {
+            assert!(m.contains(&(n, MetricKind::Histogram)), "{n}");
+        }
+        assert!(m.contains(&(metric::FAIL_OPEN, MetricKind::Counter)));
+        assert!(m.contains(&("kvroute.decisions.by_policy.least_kv", MetricKind::Counter)));
+        assert!(!names.contains(metric::WASM_MEMORY));
+    }
 }

@@ -217,6 +217,11 @@ impl RootContext for Root {
                 &format!("kvroute: shared keys not created: {e}"),
             );
         }
+        // Every fixed metric now, not at its first use: each reads 0 in `/stats` until first
+        // counted (`names::metric::fixed`), as the native build's do.
+        for (name, kind) in crate::names::metric::fixed() {
+            let _ = metric_id(kind, name);
+        }
         if config.role == Role::Ingest {
             match abi::register_queue(&config.queue_name) {
                 Ok(id) => self.queue = Some(id),

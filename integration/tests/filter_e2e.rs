@@ -15,6 +15,17 @@ async fn cluster_mode_routes_by_body_after_ingest() {
     })
     .await
     .unwrap();
+    // Every fixed metric is defined when the plugin starts: 0 before any request, not absent
+    // (`names::metric::fixed`).
+    let stats = fleet.envoy.stats().await.unwrap();
+    for n in [
+        "kvroute.fail_open",
+        "kvroute.decisions.policy",
+        "kvroute.outcome.rejected",
+        "kvroute.inflight",
+    ] {
+        assert_eq!(stats.get(&format!("wasmcustom.{n}")), Some(&0), "{n}");
+    }
     // No stats yet: the filter fails open and the default route (round robin over all) applies.
     let r = fleet
         .post("/v1/chat/completions", &chat("hello"))
