@@ -292,18 +292,20 @@ fn check_reports_the_scrape_token_source() {
 }
 
 /// The documented pairing holds: `examples/control-plane/kvroute-cp.yaml` passes
-/// `--check --envoy-config` against every Envoy config in `examples/envoy/` (with the
-/// examples' placeholder token): no errors, and its target is that Envoy's ingest listener.
+/// `--check --envoy-config` against every Envoy config in `examples/envoy/` and
+/// `examples/envoy/dynamic-module/` (the native build's), with the examples' placeholder
+/// token: no errors, and its target is that Envoy's ingest listener.
 #[test]
 fn shipped_example_passes_check_against_every_shipped_envoy_config() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut envoys: Vec<_> = std::fs::read_dir(root.join("examples/envoy"))
-        .unwrap()
+    let mut envoys: Vec<_> = ["examples/envoy", "examples/envoy/dynamic-module"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(root.join(d)).unwrap())
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
         .collect();
     envoys.sort();
-    assert_eq!(envoys.len(), 3, "{envoys:?}");
+    assert_eq!(envoys.len(), 4, "{envoys:?}");
     for envoy in &envoys {
         let out = Command::new(BIN)
             .arg("--check")

@@ -5,7 +5,7 @@
 //!
 //! | module | job |
 //! |---|---|
-//! | [`host`] | the host seam (trait); its in-memory mock only under `cfg(test)` or the `testing` feature |
+//! | [`host`] | the host seam (trait), and `period_passed` for periodic work on its wall clock; its in-memory mock only under `cfg(test)` or the `testing` feature |
 //! | [`headers`] | a header map as the host serializes it, read in place (bytes, never assumed UTF-8) |
 //! | [`names`] | every header, shared-data key and metric name |
 //! | [`reply`] | every reply the filter makes itself (OpenAI error object, `GET /v1/models`) |

@@ -2,11 +2,8 @@
 //! the decision record on, printed by its access log), and a bad plugin configuration is
 //! refused by `on_configure` with one clear log line.
 
-use kvroute_integration::harness::kvroute::ingest_plugin_config;
+use kvroute_integration::harness::kvroute::{ingest_plugin_config, EXAMPLE_WASM};
 use kvroute_integration::harness::{render, templates, wasm_path, workspace_root, Envoy};
-
-/// Where the examples expect the module; replaced by the built one for validation.
-const EXAMPLE_WASM: &str = "/etc/envoy/kvroute_filter.wasm";
 
 #[test]
 fn every_example_config_validates() {

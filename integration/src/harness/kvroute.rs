@@ -32,6 +32,10 @@ pub enum FleetMode {
 /// The ingest token written in the shipped example configs (`examples/envoy/`).
 pub const EXAMPLE_TOKEN: &str = "change-me-to-a-long-random-secret";
 
+/// Where the shipped Wasm example configs load the module from; [`example_config`] puts the
+/// built one ([`wasm_path`]) there.
+pub const EXAMPLE_WASM: &str = "/etc/envoy/kvroute_filter.wasm";
+
 /// `examples/envoy/<name>` (`name` relative to that folder) as the tests run it: its client
 /// listener on `127.0.0.1:listen`, its ingest listener on port `ingest`, its admin on a free
 /// port, its `.wasm` path ([`wasm_path`]) where it names one, and its model servers
@@ -51,7 +55,6 @@ pub fn example_config(
         .join(name);
     let mut y =
         std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let wasm = "/etc/envoy/kvroute_filter.wasm";
     let mut swaps = vec![
         (
             "port_value: 10000".to_owned(),
@@ -67,8 +70,8 @@ pub fn example_config(
             "address: 127.0.0.1".to_owned(),
         ),
     ];
-    if y.contains(wasm) {
-        swaps.push((wasm.to_owned(), wasm_path().display().to_string()));
+    if y.contains(EXAMPLE_WASM) {
+        swaps.push((EXAMPLE_WASM.to_owned(), wasm_path().display().to_string()));
     }
     for (i, b) in backends.iter().enumerate() {
         let (host, port) = b
