@@ -1,6 +1,7 @@
 //! Every shipped Envoy config in `examples/envoy/` passes `envoy --mode validate` (and has
 //! the decision record on, printed by its access log), and a bad plugin configuration is
-//! refused by `on_configure` with one clear log line.
+//! refused by `on_configure` with one clear log line. The harness reports an Envoy that
+//! died with its exit status and log.
 
 use kvroute_integration::harness::kvroute::{ingest_plugin_config, EXAMPLE_WASM};
 use kvroute_integration::harness::{render, templates, wasm_path, workspace_root, Envoy};
@@ -99,4 +100,32 @@ async fn bad_plugin_config_is_refused_with_one_clear_line() {
     let err = format!("{err:#}");
     let line = "kvroute plugin config field `max_body_bytes` = 0: must be at least 1";
     assert_eq!(err.matches(line).count(), 1, "{err}");
+}
+
+#[tokio::test]
+async fn a_killed_envoy_reports_its_exit_and_log() {
+    let yaml = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 0}\n";
+    let mut envoy = Envoy::start(yaml, 1).await.unwrap();
+    assert!(envoy.exit_error().is_none());
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &envoy.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let err = loop {
+        if let Some(e) = envoy.exit_error() {
+            break e.to_string();
+        }
+        assert!(std::time::Instant::now() < deadline, "still running");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert!(
+        err.starts_with("envoy not ready: exited with signal: 9"),
+        "{err}"
+    );
+    // The tail is Envoy's own log: its start-up lines are there.
+    assert!(err.contains("--- envoy log tail ---\n"), "{err}");
+    assert!(err.contains("starting main dispatch loop"), "{err}");
+    assert!(envoy.stats().await.is_err());
 }

@@ -315,6 +315,17 @@ impl Envoy {
         self.child.try_exit().is_none()
     }
 
+    /// `Some` once Envoy has exited: [`EnvoyError::NotReady`] with its exit status and the
+    /// last 40 lines of its log (a crash's stack trace among them), so a caller whose
+    /// admin request failed can tell a dead Envoy from a transient failure.
+    pub fn exit_error(&mut self) -> Option<EnvoyError> {
+        let status = self.child.try_exit()?;
+        Some(EnvoyError::NotReady {
+            reason: format!("exited with {status}"),
+            log_tail: tail(&self.child.log(), 40),
+        })
+    }
+
     /// All counters and gauges from admin `/stats` (`name: integer` lines; histograms are
     /// skipped).
     pub async fn stats(&self) -> Result<BTreeMap<String, u64>, EnvoyError> {

@@ -362,7 +362,7 @@ impl Gateway {
                 let cp = ControlPlane::start(config)
                     .await
                     .map_err(|e| DemoError::ControlPlane(e.to_string()))?;
-                let gw = Self {
+                let mut gw = Self {
                     envoy,
                     cp: Some(cp),
                     listen_port,
@@ -377,17 +377,27 @@ impl Gateway {
         }
     }
 
-    async fn wait_first_snapshot(&self, backends: usize) -> Result<(), DemoError> {
+    /// A failed read of Envoy's stats is tried again until the deadline (the last failure
+    /// is named then), unless Envoy has exited: that returns at once, with its log's tail.
+    async fn wait_first_snapshot(&mut self, backends: usize) -> Result<(), DemoError> {
         let deadline = Instant::now() + SNAPSHOT_DEADLINE;
         loop {
-            let published = self.envoy.stat(STAT_PUBLISHED).await?.unwrap_or(0);
+            let (published, admin_error) = match self.envoy.stat(STAT_PUBLISHED).await {
+                Ok(n) => (n.unwrap_or(0), None),
+                Err(e) => match self.envoy.exit_error() {
+                    Some(exited) => return Err(exited.into()),
+                    None => (0, Some(e)),
+                },
+            };
             let healthy = self.cp.as_ref().map_or(0, |cp| cp.hub().up_count());
             if published > 0 && healthy == backends {
                 return Ok(());
             }
             if Instant::now() > deadline {
+                let admin =
+                    admin_error.map_or(String::new(), |e| format!(" (last stats read: {e})"));
                 return Err(DemoError::NotReady(format!(
-                    "after {SNAPSHOT_DEADLINE:?}: filter published {published} snapshots, kvroute-cp sees {healthy}/{backends} backends healthy"
+                    "after {SNAPSHOT_DEADLINE:?}: filter published {published} snapshots, kvroute-cp sees {healthy}/{backends} backends healthy{admin}"
                 )));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
