@@ -148,6 +148,14 @@ fn tail(s: &str, lines: usize) -> String {
         .join("\n")
 }
 
+/// Envoy exited with `status`: its status and the last 40 lines of its log.
+fn exited(child: &ChildGuard, status: std::process::ExitStatus) -> EnvoyError {
+    EnvoyError::NotReady {
+        reason: format!("exited with {status}"),
+        log_tail: tail(&child.log(), 40),
+    }
+}
+
 impl Envoy {
     /// Write `yaml` to a temp file, start Envoy with `--concurrency concurrency`, and wait
     /// (up to [`READY_DEADLINE`]) until admin `/ready` answers 200.
@@ -195,10 +203,7 @@ impl Envoy {
         let mut last = String::from("admin address not written yet");
         loop {
             if let Some(status) = child.try_exit() {
-                return Err(EnvoyError::NotReady {
-                    reason: format!("exited with {status}"),
-                    log_tail: tail(&child.log(), 40),
-                });
+                return Err(exited(&child, status));
             }
             if Instant::now() > deadline {
                 return Err(EnvoyError::NotReady {
@@ -320,10 +325,7 @@ impl Envoy {
     /// admin request failed can tell a dead Envoy from a transient failure.
     pub fn exit_error(&mut self) -> Option<EnvoyError> {
         let status = self.child.try_exit()?;
-        Some(EnvoyError::NotReady {
-            reason: format!("exited with {status}"),
-            log_tail: tail(&self.child.log(), 40),
-        })
+        Some(exited(&self.child, status))
     }
 
     /// All counters and gauges from admin `/stats` (`name: integer` lines; histograms are
