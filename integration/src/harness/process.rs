@@ -30,11 +30,22 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
+/// This process's start, Unix ms, fixed at the first [`temp_path`].
+static STARTED_MS: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
 
-/// A unique path in the temp directory: `kvroute-<pid>-<seq>-<name>`.
+/// A unique path in the temp directory: `kvroute-<pid>-<ms>-<seq>-<name>`, `<ms>` the
+/// process's first call in Unix ms. The pid alone repeats across runs where each run has
+/// its own pid namespace (a container's first processes get the same pids every run) and
+/// the temp directory outlives it: a file another run left (an Envoy's admin address
+/// file, which the start reads until the new Envoy writes it) must not be found.
 pub(crate) fn temp_path(name: &str) -> PathBuf {
     let n = SEQ.fetch_add(1, Ordering::Relaxed);
-    std::env::temp_dir().join(format!("kvroute-{}-{n}-{name}", std::process::id()))
+    let ms = STARTED_MS.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    });
+    std::env::temp_dir().join(format!("kvroute-{}-{ms}-{n}-{name}", std::process::id()))
 }
 
 /// A running child process; stdout and stderr go to one log file. Dropping it kills the
