@@ -14,6 +14,9 @@
 //! - **kvroute**: the same plus the kvroute filter in cluster mode, hybrid policy, 16
 //!   endpoints (all on the one backend) in a snapshot pushed to the ingest listener once a
 //!   second, as the control plane does ([`templates::CLUSTER_MODE`]);
+//! - **floor-native** (only with a module, as kvroute-native): the plain listener plus
+//!   Envoy's own buffer filter (C++), which waits for the whole body and does nothing else
+//!   ([`templates::FLOOR_NATIVE`]): the floor of a body-reading filter without a VM;
 //! - **kvroute-native** (only with a module: `--dynmod PATH`, `KVROUTE_DYNMOD`): the kvroute
 //!   config with the filter stanzas alone changed, to `DynamicModuleFilter` loading kvroute
 //!   as a native Envoy dynamic module ([`templates::FilterModule::DynamicModule`]), in the
@@ -23,7 +26,7 @@
 //!
 //! The proxies run side by side with the same buffer limit and stats flush interval.
 //! For each body size a fresh set is started; then, for each repetition, `wrk -t1 -c8`
-//! drives plain, floor, kvroute (and kvroute-native) in turn (alternating, so slow drift
+//! drives plain, floor, kvroute (and floor-native, kvroute-native) in turn (alternating, so slow drift
 //! from other load on the machine hits all alike) with the same chat body: real ShareGPT
 //! turns from
 //! `../shared/data/prompts/` (LMBenchmark warm-up inputs) as alternating user/assistant
@@ -113,6 +116,11 @@ pub const VARIANTS: [&str; 3] = ["plain", "floor", "kvroute"];
 /// The native proxy, run after [`VARIANTS`] when a dynamic module is given
 /// ([`Options::dynmod`]).
 pub const NATIVE: &str = "kvroute-native";
+/// The native proxy's floor, run before it: Envoy's own buffer filter (C++), the cheapest
+/// filter that reads the whole body before routing without a VM ([`templates::FLOOR_NATIVE`]).
+/// What the Wasm floor is to kvroute's `.wasm`, it is to the native module: how close any
+/// body-reading native filter can come to plain Envoy.
+pub const FLOOR_NATIVE: &str = "floor-native";
 /// The environment variable whose `:`-separated directories Envoy searches for a dynamic
 /// module's `lib<name>.so`.
 pub const DYNMOD_SEARCH_PATH: &str = "ENVOY_DYNAMIC_MODULES_SEARCH_PATH";
@@ -209,11 +217,12 @@ pub struct Options {
 }
 
 impl Options {
-    /// The proxies to run, in order: [`VARIANTS`], then [`NATIVE`] when there is a module.
+    /// The proxies to run, in order: [`VARIANTS`], then [`FLOOR_NATIVE`] and [`NATIVE`]
+    /// when there is a module.
     pub fn variants(&self) -> Vec<&'static str> {
         let mut v = VARIANTS.to_vec();
         if self.dynmod.is_some() {
-            v.push(NATIVE);
+            v.extend([FLOOR_NATIVE, NATIVE]);
         }
         v
     }
@@ -576,6 +585,15 @@ pub fn proxy_yaml(
                 ("CLUSTERS", default),
             ],
         )?,
+        FLOOR_NATIVE => render(
+            templates::FLOOR_NATIVE,
+            &[
+                ("LISTEN_PORT", listen.to_string()),
+                ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
+                ("DEFAULT_CLUSTER", "default".into()),
+                ("CLUSTERS", default),
+            ],
+        )?,
         "kvroute" | NATIVE => {
             let module = match (variant, &opts.dynmod) {
                 ("kvroute", _) => FilterModule::Wasm(&opts.kvroute_wasm),
@@ -606,7 +624,9 @@ pub fn proxy_yaml(
             ));
             render(templates::CLUSTER_MODE, &vars)?
         }
-        other => anyhow::bail!("unknown proxy variant `{other}` (one of {VARIANTS:?} or {NATIVE})"),
+        other => anyhow::bail!(
+            "unknown proxy variant `{other}` (one of {VARIANTS:?}, {FLOOR_NATIVE} or {NATIVE})"
+        ),
     };
     Ok(with_flush(yaml))
 }
@@ -822,7 +842,7 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
     let mut report = Report::default();
     match &opts.dynmod {
         None => report.notes.push(format!(
-            "{NATIVE}: skipped (no dynamic module: --dynmod PATH or KVROUTE_DYNMOD)"
+            "{NATIVE} and {FLOOR_NATIVE}: skipped (no dynamic module: --dynmod PATH or KVROUTE_DYNMOD)"
         )),
         Some(m) => {
             // Settle the module's name and directory before anything starts.
@@ -900,7 +920,7 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
         for proxy in p
             .proxies
             .iter()
-            .filter(|x| x.variant != "plain" && x.variant != "floor")
+            .filter(|x| x.variant == "kvroute" || x.variant == NATIVE)
         {
             let stats = filter_stats(&proxy.envoy, plain_rss).await?;
             report.filter.push(FilterRow {
@@ -1192,7 +1212,11 @@ Transfer/sec:      1.22MB
         assert_eq!(options(None).push_port(NATIVE, 9), None);
         assert_eq!(options(None).push_port("kvroute", 9), Some(9));
         let o = options(Some(module("/m/libkvroute.so")));
-        assert_eq!(o.variants(), ["plain", "floor", "kvroute", NATIVE]);
+        assert_eq!(
+            o.variants(),
+            ["plain", "floor", "kvroute", FLOOR_NATIVE, NATIVE]
+        );
+        assert_eq!(o.push_port(FLOOR_NATIVE, 9), None);
         assert_eq!(o.push_port(NATIVE, 9), Some(9));
         assert_eq!(o.push_port("floor", 9), None);
         let o = options(Some(DynModule {
@@ -1245,6 +1269,40 @@ Transfer/sec:      1.22MB
         assert!(native.contains(&format!("value: '{ingest}'")), "{native}");
         let e = proxy_yaml(NATIVE, &options(None), 1, 2, "127.0.0.1:9", config).unwrap_err();
         assert!(e.to_string().contains("needs a dynamic module"), "{e}");
+    }
+
+    #[test]
+    fn the_native_floor_is_the_wasm_floor_with_envoys_buffer_filter_instead() {
+        let o = options(Some(module("/m/libkvroute.so")));
+        let floor = proxy_yaml("floor", &o, 1000, 1001, "127.0.0.1:9", "{}").unwrap();
+        let native = proxy_yaml(FLOOR_NATIVE, &o, 1000, 1001, "127.0.0.1:9", "{}").unwrap();
+        // The config without its comments and its first filter (up to the router).
+        let rest = |yaml: &str| -> Vec<String> {
+            let mut filter = false;
+            let mut out = Vec::new();
+            for l in yaml.lines().filter(|l| !l.starts_with('#')) {
+                if l.trim_start().starts_with("- name: envoy.filters.http.")
+                    && !l.contains(".router")
+                {
+                    filter = true;
+                } else if l.contains("envoy.filters.http.router") {
+                    filter = false;
+                }
+                if !filter {
+                    out.push(l.to_owned());
+                }
+            }
+            out
+        };
+        assert_eq!(rest(&floor), rest(&native));
+        assert!(!native.contains("wasm"), "{native}");
+        assert!(
+            native.contains(&format!(
+                "envoy.extensions.filters.http.buffer.v3.Buffer\n              max_request_bytes: {BUFFER_LIMIT}\n"
+            )),
+            "{native}"
+        );
+        assert_eq!(native.matches("- name: envoy.filters.http.").count(), 2);
     }
 
     #[test]

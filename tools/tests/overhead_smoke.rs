@@ -4,13 +4,14 @@
 //! row on a shared machine says nothing about speed.
 //!
 //! With `KVROUTE_DYNMOD` (a dynamic module's `lib<name>.so`, `make test-overhead DYNMOD=...`)
-//! the kvroute-native proxy runs too and must report its rows; its own metrics are printed,
+//! the kvroute-native proxy and its floor (Envoy's buffer filter) run too and must report
+//! their rows; the module's own metrics are printed,
 //! not asserted (a module may have none yet). `KVROUTE_DYNMOD_SKIP_PUSH=1` pushes it no
 //! snapshot (a module without the ingest role).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
 
 use kvroute_integration::harness::{wasm_path, workspace_root};
-use kvroute_tools::overhead::{run, DynModule, Options, NATIVE, VARIANTS};
+use kvroute_tools::overhead::{run, DynModule, Options, FLOOR_NATIVE, NATIVE, VARIANTS};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -48,7 +49,7 @@ async fn every_size_and_proxy_reports() {
     };
     let variants = opts.variants();
     let native = opts.dynmod.is_some();
-    assert_eq!(variants.len(), VARIANTS.len() + usize::from(native));
+    assert_eq!(variants.len(), VARIANTS.len() + 2 * usize::from(native));
     let report = run(&opts, |l| eprintln!("{l}")).await.unwrap();
     let md = report.markdown();
     eprintln!("{md}");
@@ -98,7 +99,16 @@ async fn every_size_and_proxy_reports() {
         for f in report.filter.iter().filter(|f| f.variant == NATIVE) {
             assert_eq!(f.stats.wasm_memory_bytes, None, "{f:?}");
         }
+        // Its floor, Envoy's buffer filter, in the first table only.
+        assert_eq!(
+            md.matches(&format!("| {FLOOR_NATIVE} |")).count(),
+            sizes.len(),
+            "{md}"
+        );
     } else {
-        assert!(md.contains(&format!("{NATIVE}: skipped")), "{md}");
+        assert!(
+            md.contains(&format!("{NATIVE} and {FLOOR_NATIVE}: skipped")),
+            "{md}"
+        );
     }
 }

@@ -171,6 +171,11 @@ pub fn original_dst_cluster(header: &str) -> String {
 /// `DEFAULT_CLUSTER`, `CLUSTERS`).
 pub const FLOOR: &str = include_str!("templates/floor.yaml");
 
+/// Benchmark floor of a native filter (`make bench-overhead`): the plain listener plus
+/// Envoy's own buffer filter, which waits for the whole request body and does nothing else
+/// (placeholders `LISTEN_PORT`, `BUFFER_LIMIT`, `DEFAULT_CLUSTER`, `CLUSTERS`).
+pub const FLOOR_NATIVE: &str = include_str!("templates/floor_native.yaml");
+
 /// Benchmark backend (`make bench-overhead`): Envoy reading each request body whole, then
 /// answering `REPLY` (JSON, no single quotes) itself (placeholders `LISTEN_PORT`,
 /// `BUFFER_LIMIT`, `REPLY`).
