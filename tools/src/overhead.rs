@@ -1227,6 +1227,24 @@ Transfer/sec:      1.22MB
         assert_eq!(o.push_port("kvroute", 9), Some(9));
     }
 
+    /// The lines of `yaml` outside the stretches that run from a line where `starts` holds
+    /// to the router filter's line (kept).
+    fn outside_filters(yaml: &str, starts: impl Fn(&str) -> bool) -> Vec<String> {
+        let mut inside = false;
+        let mut out = Vec::new();
+        for l in yaml.lines() {
+            if starts(l) {
+                inside = true;
+            } else if l.contains("envoy.filters.http.router") {
+                inside = false;
+            }
+            if !inside {
+                out.push(l.to_owned());
+            }
+        }
+        out
+    }
+
     #[test]
     fn the_native_config_differs_from_the_wasm_one_only_in_the_filters() {
         let o = options(Some(DynModule {
@@ -1238,21 +1256,7 @@ Transfer/sec:      1.22MB
         let native = proxy_yaml(NATIVE, &o, 1000, 1001, "127.0.0.1:9", config).unwrap();
         // Lines outside the two filter stanzas (from an `http_filters:` item to the
         // router) are the same.
-        let outside = |yaml: &str| -> Vec<String> {
-            let mut inside = false;
-            let mut out = Vec::new();
-            for l in yaml.lines() {
-                if l.contains("templates::kvroute_filters") {
-                    inside = true;
-                } else if l.contains("envoy.filters.http.router") {
-                    inside = false;
-                }
-                if !inside {
-                    out.push(l.to_owned());
-                }
-            }
-            out
-        };
+        let outside = |yaml| outside_filters(yaml, |l| l.contains("templates::kvroute_filters"));
         assert_eq!(outside(&wasm), outside(&native));
         assert_ne!(wasm, native);
         assert_eq!(wasm.matches("envoy.filters.http.wasm").count(), 2);
@@ -1277,22 +1281,15 @@ Transfer/sec:      1.22MB
         let floor = proxy_yaml("floor", &o, 1000, 1001, "127.0.0.1:9", "{}").unwrap();
         let native = proxy_yaml(FLOOR_NATIVE, &o, 1000, 1001, "127.0.0.1:9", "{}").unwrap();
         // The config without its comments and its first filter (up to the router).
-        let rest = |yaml: &str| -> Vec<String> {
-            let mut filter = false;
-            let mut out = Vec::new();
-            for l in yaml.lines().filter(|l| !l.starts_with('#')) {
-                if l.trim_start().starts_with("- name: envoy.filters.http.")
-                    && !l.contains(".router")
-                {
-                    filter = true;
-                } else if l.contains("envoy.filters.http.router") {
-                    filter = false;
-                }
-                if !filter {
-                    out.push(l.to_owned());
-                }
-            }
-            out
+        let rest = |yaml: &str| {
+            let uncommented: String = yaml
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            outside_filters(&uncommented, |l| {
+                l.trim_start().starts_with("- name: envoy.filters.http.") && !l.contains(".router")
+            })
         };
         assert_eq!(rest(&floor), rest(&native));
         assert!(!native.contains("wasm"), "{native}");
