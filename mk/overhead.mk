@@ -1,5 +1,6 @@
 # Data-plane overhead (issue 13): plain Envoy vs a trivial body-buffering Wasm filter vs
-# kvroute, side by side, with wrk (see docs/overhead.md).
+# kvroute (and vs Envoy's buffer filter vs kvroute-native), side by side, with wrk
+# (see docs/overhead.md).
 FLOOR_WASM := $(TARGET_DIR)/wasm32-wasip1/release/kvroute_floor_filter.wasm
 OVERHEAD_ARGS ?=
 # kvroute as a native Envoy dynamic module (a lib<name>.so, `make dynmod`): the
@@ -12,7 +13,7 @@ DYNMOD_ENV = $(if $(DYNMOD),KVROUTE_DYNMOD="$(abspath $(DYNMOD))")
 wasm-floor: ## Build the benchmark floor filter (bench/floor-filter) for wasm32-wasip1
 	$(CARGO) build -p kvroute-floor-filter --target wasm32-wasip1 --release
 
-bench-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute and kvroute-native (the dynamic module) at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, memory)
+bench-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute, and (with the dynamic module) Envoy's buffer filter vs kvroute-native at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, memory)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \
 	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- $(OVERHEAD_ARGS)

@@ -1,6 +1,6 @@
 //! `make bench-overhead`: what the kvroute filter costs next to plain Envoy and next to the
-//! cheapest body-reading Wasm filter, in one run (issue 13; method and results in
-//! `docs/overhead.md`).
+//! cheapest body-reading filter of each kind (a Wasm one; Envoy's own buffer filter for the
+//! native build), in one run (issue 13; method and results in `docs/overhead.md`).
 //!
 //! ## Set-up
 //! - **backend**: one Envoy (`--concurrency 1`) that reads each request body whole (buffer
@@ -26,11 +26,10 @@
 //!
 //! The proxies run side by side with the same buffer limit and stats flush interval.
 //! For each body size a fresh set is started; then, for each repetition, `wrk -t1 -c8`
-//! drives plain, floor, kvroute (and floor-native, kvroute-native) in turn (alternating, so slow drift
-//! from other load on the machine hits all alike) with the same chat body: real ShareGPT
-//! turns from
-//! `../shared/data/prompts/` (LMBenchmark warm-up inputs) as alternating user/assistant
-//! messages up to the size.
+//! drives plain, floor, kvroute (and floor-native, kvroute-native) in turn (alternating, so
+//! slow drift from other load on the machine hits all alike) with the same chat body: real
+//! ShareGPT turns from `../shared/data/prompts/` (LMBenchmark warm-up inputs) as
+//! alternating user/assistant messages up to the size.
 //!
 //! ## What is reported (medians over repetitions)
 //! - req/s and its ratio to plain; p50/p99 latency from wrk and the latency added over plain;
