@@ -26,7 +26,7 @@ test-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Overhead benc
 # 256 KiB (a request takes ~0.3 s under valgrind): CALLGRIND_ARGS="--sizes 262144 --callgrind 100 --callgrind-warmup 300"
 CALLGRIND_ARGS ?= --sizes 1024,16384 --callgrind 300
 .PHONY: bench-overhead-instructions
-bench-overhead-instructions: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy ## Instructions per request inside Envoy (plain, floor, kvroute, kvroute-native with DYNMOD) under callgrind: deterministic on a noisy machine (needs valgrind)
+bench-overhead-instructions: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy ## Instructions per request inside Envoy (plain, floor, kvroute; floor-native and kvroute-native with DYNMOD) under callgrind: deterministic on a noisy machine (needs valgrind)
 	@command -v valgrind >/dev/null || { echo "bench-overhead-instructions: valgrind is required (Debian/Ubuntu: apt-get install valgrind)"; exit 1; }
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \
