@@ -3,8 +3,8 @@
 //!
 //! On a shared or throttled machine, req/s and CPU time per request move by tens of percent
 //! from one run to the next; the number of instructions Envoy executes per request does not
-//! (a few percent). Each proxy of [`Options::variants`] (floor-native and kvroute-native too, with a dynamic
-//! module; its snapshot push as in the timed runs) is started alone under
+//! (a few percent). Each proxy of [`Options::variants`] (floor-native and kvroute-native
+//! too, with a dynamic module; its snapshot push as in the timed runs) is started alone under
 //! `valgrind --tool=callgrind --instr-atstart=no` (instrumentation off until asked), with
 //! the same configs, backend and bodies as the timed benchmark. Requests go one at a time
 //! over one keep-alive HTTP/1.1 connection. For each proxy:
