@@ -60,7 +60,7 @@ struct Args {
     #[arg(long, env = "VALGRIND", default_value = "valgrind")]
     valgrind: PathBuf,
     /// Proxies to count (with --callgrind; default all: plain, floor, kvroute, and
-    /// kvroute-native with --dynmod).
+    /// floor-native and kvroute-native with --dynmod).
     #[arg(long, value_delimiter = ',')]
     callgrind_proxies: Vec<String>,
     /// callgrind_control script (with --callgrind).
