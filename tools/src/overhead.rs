@@ -10,13 +10,15 @@
 //!   model server streams a completion;
 //! - **plain**: Envoy 1.40, `--concurrency 1`, router only ([`templates::PLAIN`]);
 //! - **floor**: the same plus `bench/floor-filter`, a proxy-wasm filter that buffers the body
-//!   and copies it into the VM, nothing else ([`templates::FLOOR`]);
+//!   and copies it into the VM, nothing else ([`templates::FLOOR`] with
+//!   [`templates::Floor::Wasm`]);
 //! - **kvroute**: the same plus the kvroute filter in cluster mode, hybrid policy, 16
 //!   endpoints (all on the one backend) in a snapshot pushed to the ingest listener once a
 //!   second, as the control plane does ([`templates::CLUSTER_MODE`]);
 //! - **floor-native** (only with a module, as kvroute-native): the plain listener plus
 //!   Envoy's own buffer filter (C++), which waits for the whole body and does nothing else
-//!   ([`templates::FLOOR_NATIVE`]): the floor of a body-reading filter without a VM;
+//!   ([`templates::FLOOR`] with [`templates::Floor::EnvoyBuffer`]): the floor of a
+//!   body-reading filter without a VM;
 //! - **kvroute-native** (only with a module: `--dynmod PATH`, `KVROUTE_DYNMOD`): the kvroute
 //!   config with the filter stanzas alone changed, to `DynamicModuleFilter` loading kvroute
 //!   as a native Envoy dynamic module ([`templates::FilterModule::DynamicModule`]), in the
@@ -116,7 +118,8 @@ pub const VARIANTS: [&str; 3] = ["plain", "floor", "kvroute"];
 /// ([`Options::dynmod`]).
 pub const NATIVE: &str = "kvroute-native";
 /// The native proxy's floor, run before it: Envoy's own buffer filter (C++), the cheapest
-/// filter that reads the whole body before routing without a VM ([`templates::FLOOR_NATIVE`]).
+/// filter that reads the whole body before routing without a VM
+/// ([`templates::Floor::EnvoyBuffer`]).
 /// What the Wasm floor is to kvroute's `.wasm`, it is to the native module: how close any
 /// body-reading native filter can come to plain Envoy.
 pub const FLOOR_NATIVE: &str = "floor-native";
@@ -574,25 +577,25 @@ pub fn proxy_yaml(
                 ("CLUSTERS", default),
             ],
         )?,
-        "floor" => render(
-            templates::FLOOR,
-            &[
-                ("LISTEN_PORT", listen.to_string()),
-                ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
-                ("WASM", opts.floor_wasm.display().to_string()),
-                ("DEFAULT_CLUSTER", "default".into()),
-                ("CLUSTERS", default),
-            ],
-        )?,
-        FLOOR_NATIVE => render(
-            templates::FLOOR_NATIVE,
-            &[
-                ("LISTEN_PORT", listen.to_string()),
-                ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
-                ("DEFAULT_CLUSTER", "default".into()),
-                ("CLUSTERS", default),
-            ],
-        )?,
+        "floor" | FLOOR_NATIVE => {
+            let floor = if variant == "floor" {
+                templates::Floor::Wasm(&opts.floor_wasm)
+            } else {
+                templates::Floor::EnvoyBuffer {
+                    max_request_bytes: BUFFER_LIMIT,
+                }
+            };
+            render(
+                templates::FLOOR,
+                &[
+                    ("LISTEN_PORT", listen.to_string()),
+                    ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
+                    ("FLOOR_FILTER", templates::floor_filter(floor)),
+                    ("DEFAULT_CLUSTER", "default".into()),
+                    ("CLUSTERS", default),
+                ],
+            )?
+        }
         "kvroute" | NATIVE => {
             let module = match (variant, &opts.dynmod) {
                 ("kvroute", _) => FilterModule::Wasm(&opts.kvroute_wasm),

@@ -166,15 +166,53 @@ pub fn original_dst_cluster(header: &str) -> String {
     )
 }
 
-/// Benchmark floor (`make bench-overhead`): the plain listener plus the trivial body-buffering
-/// filter of `bench/floor-filter` (placeholders `LISTEN_PORT`, `BUFFER_LIMIT`, `WASM`,
-/// `DEFAULT_CLUSTER`, `CLUSTERS`).
+/// Benchmark floor (`make bench-overhead`): the plain listener plus one body-reading filter
+/// that does nothing else, [`floor_filter`] (placeholders `LISTEN_PORT`, `BUFFER_LIMIT`,
+/// `FLOOR_FILTER`, `DEFAULT_CLUSTER`, `CLUSTERS`).
 pub const FLOOR: &str = include_str!("templates/floor.yaml");
 
-/// Benchmark floor of a native filter (`make bench-overhead`): the plain listener plus
-/// Envoy's own buffer filter, which waits for the whole request body and does nothing else
-/// (placeholders `LISTEN_PORT`, `BUFFER_LIMIT`, `DEFAULT_CLUSTER`, `CLUSTERS`).
-pub const FLOOR_NATIVE: &str = include_str!("templates/floor_native.yaml");
+/// The filter of a benchmark floor ([`FLOOR`]'s `FLOOR_FILTER`).
+#[derive(Debug, Clone, Copy)]
+pub enum Floor<'a> {
+    /// `bench/floor-filter`'s `.wasm` at this path, run by V8 like kvroute's: it pauses until
+    /// the body is whole and copies it into the VM once (the Wasm build's floor).
+    Wasm(&'a Path),
+    /// Envoy's own buffer filter (C++), holding the request until the body is whole, up to
+    /// `max_request_bytes` (the native build's floor: no VM).
+    EnvoyBuffer {
+        /// `max_request_bytes`.
+        max_request_bytes: usize,
+    },
+}
+
+/// The `http_filters` item of `floor`, ending in a newline, for [`FLOOR`]'s `FLOOR_FILTER`.
+pub fn floor_filter(floor: Floor<'_>) -> String {
+    match floor {
+        Floor::Wasm(wasm) => format!(
+            r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: floor
+                root_id: floor
+                failure_policy: FAIL_OPEN
+                allow_on_headers_stop_iteration: true
+                vm_config:
+                  vm_id: floor
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{local: {{filename: "{}"}}}}
+"#,
+            wasm.display()
+        ),
+        Floor::EnvoyBuffer { max_request_bytes } => format!(
+            r#"          - name: envoy.filters.http.buffer
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
+              max_request_bytes: {max_request_bytes}
+"#
+        ),
+    }
+}
 
 /// Benchmark backend (`make bench-overhead`): Envoy reading each request body whole, then
 /// answering `REPLY` (JSON, no single quotes) itself (placeholders `LISTEN_PORT`,
