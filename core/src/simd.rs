@@ -1,6 +1,6 @@
 //! Sixteen bytes side by side ([`U8x16`]): the few lane-wise operations that the block
-//! scans use (the JSON string scans of [`crate::json_scan`], the byte classes of the token
-//! tally in [`crate::estimate`]), each written once over this type.
+//! scans use (the JSON string scans of [`crate::json_scan`], the byte classes and lane-wise
+//! counters of the token tally in [`crate::estimate`]), each written once over this type.
 //!
 //! Two bodies, chosen at compile time, with no runtime detection:
 //! - Wasm SIMD (`core::arch::wasm32`, `simd128`), which the workspace's
@@ -154,6 +154,28 @@ impl U8x16 {
         }
     }
 
+    /// The sum of the sixteen lanes as unsigned bytes (0..=4080): the population count of
+    /// per-lane counters (the tally's, [`crate::estimate`]). SSE2's `psadbw` against zero
+    /// (two sums of eight lanes), or Wasm's pairwise widening adds.
+    #[inline(always)]
+    pub(crate) fn sum(self) -> u32 {
+        #[cfg(target_arch = "wasm32")]
+        {
+            let d = arch::u32x4_extadd_pairwise_u16x8(arch::u16x8_extadd_pairwise_u8x16(self.0));
+            arch::u32x4_extract_lane::<0>(d)
+                + arch::u32x4_extract_lane::<1>(d)
+                + arch::u32x4_extract_lane::<2>(d)
+                + arch::u32x4_extract_lane::<3>(d)
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let [lo, hi]: [u64; 2] =
+                arch::sum_of_u8_abs_diff_m128i(self.0, arch::zeroed_m128i()).into();
+            // Each half is at most 8 × 255.
+            (lo + hi) as u32
+        }
+    }
+
     /// Lane *k* is lane *k* − 1 of `self`; lane 0 is `first`.
     #[inline(always)]
     pub(crate) fn shift_in(self, first: u8) -> Self {
@@ -287,6 +309,7 @@ mod tests {
             proptest::prop_assert!(same(va ^ vb, std::array::from_fn(|k| a[k] ^ b[k])));
             proptest::prop_assert!(same(!va, a.map(|x| !x)));
             proptest::prop_assert!(same(U8x16::splat(first), [first; 16]));
+            proptest::prop_assert_eq!(va.sum(), a.iter().map(|&x| u32::from(x)).sum::<u32>());
             let shifted: [u8; 16] = std::array::from_fn(|k| k.checked_sub(1).map_or(first, |j| a[j]));
             proptest::prop_assert!(same(va.shift_in(first), shifted));
         }

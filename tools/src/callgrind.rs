@@ -59,6 +59,10 @@ pub struct CallgrindOptions {
     pub control: PathBuf,
     /// Which of [`Options::variants`] to count (all when empty).
     pub variants: Vec<String>,
+    /// Keep each counted window's dump here, as `<proxy>-<size>-<requests>.out` (the idle
+    /// window's as `...-0.out`), for `callgrind_annotate`: the functions behind a proxy's
+    /// count are the `2n` window's minus the `n` window's. `None`: dumps are deleted.
+    pub keep: Option<PathBuf>,
 }
 
 /// One proxy at one body size.
@@ -105,8 +109,9 @@ async fn control(cg: &CallgrindOptions, args: &[&str], pid: u32) -> anyhow::Resu
     Ok(())
 }
 
-/// Sum of the `totals:` lines of the dump files `<base>.<n>`, which are then removed.
-fn take_dumps(base: &Path) -> anyhow::Result<u64> {
+/// Sum of the `totals:` lines of the dump files `<base>.<n>`, which are then removed, or
+/// moved to `keep` (the first as `keep` itself, further ones with `.<n>` appended).
+fn take_dumps(base: &Path, keep: Option<&Path>) -> anyhow::Result<u64> {
     let dir = base.parent().unwrap_or(Path::new("."));
     let name = base
         .file_name()
@@ -132,7 +137,16 @@ fn take_dumps(base: &Path) -> anyhow::Result<u64> {
                 total += v.trim().parse::<u64>().unwrap_or(0);
             }
         }
-        std::fs::remove_file(entry.path())?;
+        match keep {
+            Some(keep) => {
+                let mut to = keep.to_path_buf();
+                if to.exists() {
+                    to = keep.with_extension(format!("out.{rest}"));
+                }
+                std::fs::rename(entry.path(), to)?;
+            }
+            None => std::fs::remove_file(entry.path())?,
+        }
     }
     Ok(total)
 }
@@ -184,7 +198,7 @@ async fn window(
     client: &mut Client,
     requests: usize,
 ) -> anyhow::Result<(u64, f64)> {
-    take_dumps(base)?;
+    take_dumps(base, None)?;
     let t0 = Instant::now();
     control(cg, &["-i", "on"], pid).await?;
     tokio::time::sleep(SETTLE).await;
@@ -201,7 +215,11 @@ async fn window(
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         tokio::time::sleep(SETTLE).await;
-        let got = take_dumps(base)?;
+        let keep = cg.keep.as_ref().map(|dir| {
+            let stem = base.file_stem().and_then(|s| s.to_str()).unwrap_or("proxy");
+            dir.join(format!("{stem}-{requests}.out"))
+        });
+        let got = take_dumps(base, keep.as_deref())?;
         if got > 0 || Instant::now() > deadline {
             return Ok((got, secs));
         }
@@ -353,10 +371,37 @@ mod tests {
         std::fs::write(&base, "totals: 999\n").unwrap();
         std::fs::write(dir.path().join("plain-1024.cg.1"), "totals: 7\n").unwrap();
         std::fs::write(dir.path().join("kvroute-1024.cg.x"), "totals: 7\n").unwrap();
-        assert_eq!(take_dumps(&base).unwrap(), 1234);
+        assert_eq!(take_dumps(&base, None).unwrap(), 1234);
         assert!(!dir.path().join("kvroute-1024.cg.1").exists());
         assert!(base.exists());
-        assert_eq!(take_dumps(&base).unwrap(), 0);
+        assert_eq!(take_dumps(&base, None).unwrap(), 0);
+    }
+
+    #[test]
+    fn kept_dumps_are_moved_not_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("kvroute-1024.cg");
+        std::fs::write(dir.path().join("kvroute-1024.cg.1"), "totals: 20\n").unwrap();
+        std::fs::write(dir.path().join("kvroute-1024.cg.2"), "totals: 22\n").unwrap();
+        let keep = dir.path().join("kvroute-1024-100.out");
+        assert_eq!(take_dumps(&base, Some(&keep)).unwrap(), 42);
+        assert!(!dir.path().join("kvroute-1024.cg.1").exists());
+        assert!(!dir.path().join("kvroute-1024.cg.2").exists());
+        let mut kept: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| n.contains(".out"))
+            .collect();
+        kept.sort();
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        let text: Vec<String> = kept
+            .iter()
+            .map(|n| std::fs::read_to_string(dir.path().join(n)).unwrap())
+            .collect();
+        let mut totals: Vec<&str> = text.iter().map(|t| t.trim()).collect();
+        totals.sort();
+        assert_eq!(totals, ["totals: 20", "totals: 22"]);
     }
 
     #[test]

@@ -63,6 +63,10 @@ struct Args {
     /// floor-native and kvroute-native with --dynmod).
     #[arg(long, value_delimiter = ',')]
     callgrind_proxies: Vec<String>,
+    /// Keep each counted window's callgrind dump in DIR (`<proxy>-<size>-<requests>.out`)
+    /// for `callgrind_annotate` (with --callgrind).
+    #[arg(long, value_name = "DIR")]
+    callgrind_keep: Option<PathBuf>,
     /// callgrind_control script (with --callgrind).
     #[arg(long, env = "CALLGRIND_CONTROL", default_value = "callgrind_control")]
     callgrind_control: PathBuf,
@@ -147,7 +151,11 @@ async fn main() -> anyhow::Result<()> {
             valgrind: a.valgrind,
             control: a.callgrind_control,
             variants: a.callgrind_proxies,
+            keep: a.callgrind_keep,
         };
+        if let Some(dir) = &cg.keep {
+            std::fs::create_dir_all(dir)?;
+        }
         let rows = callgrind::run(&opts, &cg, |line| println!("{line}")).await?;
         println!();
         print!("{}", callgrind::markdown(&rows));
