@@ -146,14 +146,42 @@ fn key(model: &str, api: ApiKind) -> String {
     let mut k = String::with_capacity(model.len() + 2);
     k.push_str(model);
     k.push('\u{0}');
-    k.push(match api {
-        ApiKind::ChatCompletions => 'c',
-        ApiKind::Completions => 'p',
-        ApiKind::Responses => 'r',
-        ApiKind::Embeddings => 'e',
-        ApiKind::Other => 'o',
-    });
+    k.push(char::from(api_letter(api)));
     k
+}
+
+/// The API's letter in a [`key`].
+fn api_letter(api: ApiKind) -> u8 {
+    match api {
+        ApiKind::ChatCompletions => b'c',
+        ApiKind::Completions => b'p',
+        ApiKind::Responses => b'r',
+        ApiKind::Embeddings => b'e',
+        ApiKind::Other => b'o',
+    }
+}
+
+/// Model names up to this long have their [`key`] looked up from the stack.
+const STACK_KEY_BYTES: usize = 126;
+
+/// `f` of the [`key`] of (`model`, `api`), built on the stack for a model name of up to
+/// [`STACK_KEY_BYTES`] (a lookup on every request: the key's `String` was an allocation
+/// and a free per prediction, callgrind), else as a `String`.
+fn with_key<R>(model: &str, api: ApiKind, f: impl FnOnce(&str) -> R) -> R {
+    let mut buf = [0u8; STACK_KEY_BYTES + 2];
+    let n = model.len();
+    if let Some(head) = buf.get_mut(..n) {
+        head.copy_from_slice(model.as_bytes());
+        // buf[n] is already NUL.
+        if let Some(letter) = buf.get_mut(n + 1) {
+            *letter = api_letter(api);
+            // A model name (UTF-8), a NUL and an ASCII letter.
+            if let Ok(k) = std::str::from_utf8(buf.get(..n + 2).unwrap_or_default()) {
+                return f(k);
+            }
+        }
+    }
+    f(&key(model, api))
 }
 
 impl OutputLengths {
@@ -214,7 +242,7 @@ impl OutputLengths {
         if self.keys.is_empty() {
             return None;
         }
-        let s = self.keys.get(&key(model, api))?;
+        let s = with_key(model, api, |k| self.keys.get(k))?;
         let h = s
             .buckets
             .get(octave(prompt_tokens))
@@ -235,6 +263,38 @@ mod tests {
     use super::*;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// The key looked up from the stack is [`key`]'s, for every API, at the stack's limit
+    /// and past it (then from a `String`), and for a multi-byte model name.
+    #[test]
+    fn stack_keys_are_keys() {
+        let apis = [
+            ApiKind::ChatCompletions,
+            ApiKind::Completions,
+            ApiKind::Responses,
+            ApiKind::Embeddings,
+            ApiKind::Other,
+        ];
+        for len in [
+            0,
+            1,
+            33,
+            STACK_KEY_BYTES - 1,
+            STACK_KEY_BYTES,
+            STACK_KEY_BYTES + 1,
+            300,
+        ] {
+            for model in ["m".repeat(len), "é".repeat(len / 2)] {
+                for api in apis {
+                    assert_eq!(with_key(&model, api, str::to_owned), key(&model, api));
+                }
+            }
+        }
+        assert_eq!(
+            with_key("llama", ApiKind::Completions, str::to_owned),
+            "llama\0p"
+        );
+    }
 
     #[test]
     fn bins_and_octaves() {

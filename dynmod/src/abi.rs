@@ -75,6 +75,10 @@ struct HeaderPair {
     value_len: usize,
 }
 
+/// Header pairs [`Filter::headers`] reads into a buffer on the stack; more take one on the
+/// heap.
+const STACK_HEADERS: usize = 32;
+
 /// `envoy_dynamic_module_type_http_header_type_RequestHeader`.
 pub const REQUEST_HEADERS: u32 = 0;
 /// `envoy_dynamic_module_type_http_header_type_ResponseHeader`.
@@ -342,15 +346,21 @@ impl Filter {
             value_ptr: ptr::null(),
             value_len: 0,
         };
-        let mut v = vec![empty; n];
+        // Up to `STACK_HEADERS` pairs on the stack (a request has ~10): no allocation.
+        let mut stack = [empty; STACK_HEADERS];
+        let mut heap = Vec::new();
+        let v: &mut [HeaderPair] = if n <= STACK_HEADERS {
+            stack.get_mut(..n).unwrap_or_default()
+        } else {
+            heap.resize(n, empty);
+            &mut heap
+        };
         // SAFETY: v has room for the n headers Envoy just counted.
         let ok = n > 0
             && unsafe {
                 envoy_dynamic_module_callback_http_get_headers(self.ptr(), map, v.as_mut_ptr())
             };
-        if !ok {
-            v.clear();
-        }
+        let v: &[HeaderPair] = if ok { v } else { &[] };
         // SAFETY: Envoy's buffers are valid until the end of this hook; from_pairs copies.
         kvroute_filter::headers::HeaderMap::from_pairs(v.iter().map(|h| unsafe {
             (

@@ -786,9 +786,9 @@ pub struct HttpFilter {
 /// does before it decides ([`kvroute_filter::stream::strip_client_routing`]).
 fn strip_client_routing(host: &DmHost<'_>) {
     let headers = host.request_headers();
-    kvroute_filter::stream::strip_client_routing(host, &host.cfg.config, |name| {
-        headers.get(name).is_some()
-    });
+    let names = kvroute_filter::stream::client_routing_headers(&host.cfg.config);
+    let present = headers.get_all(names).map(|v| v.is_some());
+    kvroute_filter::stream::strip_client_routing(host, &host.cfg.config, present);
 }
 
 /// Count a stream that fails open (`kvroute.fail_open`).

@@ -35,21 +35,29 @@ impl HeaderMap {
 
     /// Serialize `pairs` in the host's layout: the native module's header reads (which get
     /// Envoy's headers as pairs), the mock host and tests.
-    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> Self {
-        let pairs: Vec<_> = pairs.into_iter().collect();
-        // Sized once: grown by doubling, a request's ~10 headers took ~7 reallocations
-        // (~2 k instructions of the native module's request, callgrind).
-        let text: usize = pairs.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
-        let mut raw = Vec::with_capacity(4 + 8 * pairs.len() + text);
-        let n = u32::try_from(pairs.len()).unwrap_or(u32::MAX);
+    /// The pairs are walked three times (sizes, lengths, bytes), so the buffer is sized
+    /// once and nothing else is allocated: grown by doubling, a request's ~10 headers took
+    /// ~7 reallocations (~2 k instructions of the native module's request), and a list of
+    /// the pairs collected first one allocation more (callgrind).
+    pub fn from_pairs<'a, I>(pairs: I) -> Self
+    where
+        I: IntoIterator<Item = (&'a [u8], &'a [u8])>,
+        I::IntoIter: Clone,
+    {
+        let pairs = pairs.into_iter();
+        let (count, text) = pairs.clone().fold((0usize, 0usize), |(n, t), (k, v)| {
+            (n + 1, t + k.len() + v.len() + 2)
+        });
+        let mut raw = Vec::with_capacity(4 + 8 * count + text);
+        let n = u32::try_from(count).unwrap_or(u32::MAX);
         raw.extend_from_slice(&n.to_le_bytes());
-        for (k, v) in &pairs {
+        for (k, v) in pairs.clone() {
             for s in [k, v] {
                 let l = u32::try_from(s.len()).unwrap_or(u32::MAX);
                 raw.extend_from_slice(&l.to_le_bytes());
             }
         }
-        for (k, v) in &pairs {
+        for (k, v) in pairs {
             for s in [k, v] {
                 raw.extend_from_slice(s);
                 raw.push(0);
@@ -92,6 +100,31 @@ impl HeaderMap {
             .map(|(_, v)| v)
     }
 
+    /// The values of several headers in one walk over the map: item *i* is the first
+    /// value of `names[i]` (ASCII case-insensitive), `None` when absent. One walk instead
+    /// of one per name: the request-header callback looks up nine names, and a lookup
+    /// walks the pairs up to its name (all of them for an absent one): ~300 instructions
+    /// each in the native module (callgrind, 1 KiB request).
+    pub fn get_all<const N: usize>(&self, names: [&str; N]) -> [Option<&[u8]>; N] {
+        let mut out = [None; N];
+        let mut left = N;
+        for (k, v) in self.iter() {
+            for (slot, name) in out.iter_mut().zip(names) {
+                if slot.is_none()
+                    && k.len() == name.len()
+                    && k.eq_ignore_ascii_case(name.as_bytes())
+                {
+                    *slot = Some(v);
+                    left -= 1;
+                }
+            }
+            if left == 0 {
+                break;
+            }
+        }
+        out
+    }
+
     /// [`Self::get`] as text: `None` when absent or not UTF-8.
     pub fn get_str(&self, name: &str) -> Option<&str> {
         std::str::from_utf8(self.get(name)?).ok()
@@ -117,6 +150,43 @@ mod tests {
     }
 
     /// The layout byte for byte, as Envoy writes it: two pairs.
+    /// One walk finds what one lookup per name finds: the first of repeated names, any
+    /// case, absent names `None`, a name asked twice found twice.
+    #[test]
+    fn get_all_is_get_per_name() {
+        let m = map(&[
+            (":path", b"/v1"),
+            ("Content-Length", b"12"),
+            ("x-a", b"1"),
+            ("X-A", b"2"),
+            ("upgrade", b""),
+        ]);
+        let names = [
+            ":path",
+            "content-length",
+            "x-a",
+            "absent",
+            "UPGRADE",
+            "x-a",
+            "",
+        ];
+        let want = names.map(|n| m.get(n));
+        assert_eq!(m.get_all(names), want);
+        assert_eq!(
+            want,
+            [
+                Some(&b"/v1"[..]),
+                Some(&b"12"[..]),
+                Some(&b"1"[..]),
+                None,
+                Some(&b""[..]),
+                Some(&b"1"[..]),
+                None
+            ]
+        );
+        assert_eq!(HeaderMap::default().get_all([":path"]), [None]);
+    }
+
     #[test]
     fn the_serialized_layout_is_the_abis() {
         let m = map(&[(":path", b"/v1"), ("a", b"")]);

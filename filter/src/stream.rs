@@ -105,17 +105,23 @@ struct AwaitFirstToken {
 pub fn strip_client_routing<H: Host>(
     host: &H,
     config: &kvroute_core::plugin_config::Config,
-    present: impl Fn(&str) -> bool,
+    present: [bool; 3],
 ) {
-    for name in [
-        config.cluster_header.as_str(),
-        config.endpoint_header.as_str(),
-        DECISION_HEADER,
-    ] {
-        if present(name) {
+    for (name, present) in client_routing_headers(config).into_iter().zip(present) {
+        if present {
             host.set_request_header(name, None);
         }
     }
+}
+
+/// The headers [`strip_client_routing`] removes, in the order of its `present`: the
+/// cluster mode's routing header, the endpoint mode's, and [`DECISION_HEADER`].
+pub fn client_routing_headers(config: &kvroute_core::plugin_config::Config) -> [&str; 3] {
+    [
+        config.cluster_header.as_str(),
+        config.endpoint_header.as_str(),
+        DECISION_HEADER,
+    ]
 }
 
 /// What a decision has of the request body.
@@ -212,10 +218,29 @@ impl Stream {
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
         // One host call for every header this callback reads (instead of one per header).
         let headers = host.request_headers();
-        let get = |name: &str| headers.get(name);
+        // Every header this callback reads, in one walk over the map.
+        let (found, max) = {
+            let w = self.worker.borrow();
+            let [cluster, endpoint, decision] = client_routing_headers(&w.config);
+            let names = [
+                ":path",
+                ":method",
+                "upgrade",
+                "content-encoding",
+                "content-length",
+                cluster,
+                endpoint,
+                decision,
+            ];
+            (headers.get_all(names), w.config.max_body_bytes)
+        };
+        let [path, method, upgrade, encoding, length, routing @ ..] = found;
+        fn text(v: Option<&[u8]>) -> Option<&str> {
+            v.and_then(|v| std::str::from_utf8(v).ok())
+        }
         // A path or method that is not UTF-8 reads as none: not an inference request.
-        self.path = headers.get_str(":path").unwrap_or_default().to_owned();
-        if let Some(models) = reply::models_request(headers.get_str(":method"), &self.path) {
+        self.path = text(path).unwrap_or_default().to_owned();
+        if let Some(models) = reply::models_request(text(method), &self.path) {
             let catalog = self.worker.borrow_mut().cache.catalog(host).ok().flatten();
             if let Some(c) = catalog {
                 host.metric_add(MetricKind::Counter, metric::MODELS_LISTED, 1);
@@ -225,15 +250,14 @@ impl Stream {
             }
             // No snapshot yet: let the model servers answer.
         }
-        let max = {
+        {
             // The header names are read in place (no copy per request); the host calls
             // below do not reach the worker.
             let w = self.worker.borrow();
             // A client must not choose its own backend.
-            strip_client_routing(host, &w.config, |name| get(name).is_some());
-            w.config.max_body_bytes
-        };
-        if get(":method") == Some(b"CONNECT".as_slice()) {
+            strip_client_routing(host, &w.config, routing.map(|v| v.is_some()));
+        }
+        if method == Some(b"CONNECT".as_slice()) {
             // A tunnel, not an inference request (no OpenAI-style API uses CONNECT): it goes
             // on unrouted, nothing reserved, its client's routing headers removed above.
             // Routed by load, its reservation counted it in flight on an endpoint its route
@@ -244,10 +268,9 @@ impl Stream {
         }
         // An upgrade (a WebSocket session, such as a realtime API's) streams both ways
         // without a body's end: decided now, by load.
-        let upgrade = get("upgrade").is_some();
-        let encoded = get("content-encoding").is_some_and(crate::headers::encodes);
-        let too_big = headers
-            .get_str("content-length")
+        let upgrade = upgrade.is_some();
+        let encoded = encoding.is_some_and(crate::headers::encodes);
+        let too_big = text(length)
             .and_then(|l| l.trim().parse::<u64>().ok())
             .is_some_and(|l| l > max as u64);
         if end_of_stream {

@@ -298,6 +298,28 @@ fn assert_named_went_to_the_default_route(fleet: &Fleet) {
     assert!((1..4).contains(&to_b1), "{to_b1} of 4 on b1");
 }
 
+/// A request with more headers than the module reads on the stack (40 of its own, then a
+/// forged routing header after them): the filter still sees every one. The forged cluster
+/// is replaced by its decision (least KV: c1), and the other headers reach the backend.
+#[tokio::test]
+async fn a_request_with_many_headers_is_read_whole() -> anyhow::Result<()> {
+    let fleet = least_kv_fleet(&[0.9, 0.1]).await?;
+    let names: Vec<String> = (0..40).map(|i| format!("x-extra-{i:02}")).collect();
+    let mut headers: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "v")).collect();
+    headers.push(("x-kvroute-cluster", "c0"));
+    let r = post_chat(&fleet, &headers, "many headers").await?;
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let rec = fleet.backends[1]
+        .requests()
+        .pop()
+        .ok_or_else(|| anyhow::anyhow!("b1 got no request"))?;
+    assert_eq!(rec.header("x-kvroute-cluster"), Some("c1"));
+    assert_eq!(rec.header("x-extra-00"), Some("v"));
+    assert_eq!(rec.header("x-extra-39"), Some("v"));
+    assert!(fleet.backends[0].requests().is_empty());
+    Ok(())
+}
+
 /// After the panics: the next request is routed as usual (least KV: b1), Envoy still up.
 async fn assert_routed_after(fleet: Fleet) -> anyhow::Result<()> {
     let r = fleet.post("/v1/chat/completions", &chat("after")).await?;
