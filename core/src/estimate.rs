@@ -372,6 +372,8 @@ impl LaneCounts {
 /// Word and digit run lengths counted one by one; longer runs are rare and kept in a short
 /// list.
 const RUN_BINS: usize = 64;
+// `Counts::tokens` walks the bins eight at a time (a build error otherwise, not a panic).
+const _: () = assert!(RUN_BINS.is_multiple_of(8));
 
 /// Streaming form of the heuristic: feed text in pieces (e.g. the segments of a JSON
 /// string between escapes), end a text with [`Tally::end_text`], read the estimate with
@@ -514,16 +516,22 @@ impl Counts {
         };
         let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
         let mut total = 0.0;
-        // Bin 0 is always empty.
-        for (len, (&w, &d)) in (0u32..)
-            .zip(self.words.iter().zip(self.digits.iter()))
-            .skip(1)
-        {
-            if w > 0 {
-                total += f64::from(w) * word(len);
+        // Eight bins of each histogram at a time: past a text's longest word and number the
+        // bins are empty, and a chunk of empty bins is passed with one test (the 63-bin
+        // walk was ~0.9 k instructions a request, callgrind). Bin 0 is always empty.
+        let chunks = self.words.chunks_exact(8).zip(self.digits.chunks_exact(8));
+        for (first, (ws, ds)) in (0u32..).step_by(8).zip(chunks) {
+            let any = ws.iter().chain(ds).fold(0, |a, &n| a | n);
+            if any == 0 {
+                continue;
             }
-            if d > 0 {
-                total += f64::from(d) * digit(len);
+            for (len, (&w, &d)) in (first..).zip(ws.iter().zip(ds)) {
+                if w > 0 {
+                    total += f64::from(w) * word(len);
+                }
+                if d > 0 {
+                    total += f64::from(d) * digit(len);
+                }
             }
         }
         let long = |class: Class| self.long.iter().filter(move |(k, _)| *k == class);
@@ -1179,6 +1187,41 @@ mod tests {
             }
         }
         out
+    }
+
+    proptest::proptest! {
+        /// `Counts::tokens`, which passes chunks of empty bins, prices the histograms as the
+        /// walk over every bin does, to the bit (the same additions in the same order).
+        #[test]
+        fn tokens_skip_only_empty_bins(
+            bins in proptest::collection::vec((1usize..RUN_BINS, 0u32..4, 0u32..4), 0..20),
+            free in 1.0f64..20.0,
+        ) {
+            let mut c = Counts::default();
+            for (len, w, d) in bins {
+                c.words[len] += w;
+                c.digits[len] += d;
+            }
+            let costs = CharClassCosts { word_free_chars: free, ..CharClassCosts::default() };
+            let word = |len: u32| {
+                let r = f64::from(len);
+                if r <= costs.word_free_chars {
+                    costs.word_base
+                } else {
+                    costs.word_base + ((r - costs.word_free_chars) / costs.word_chars_per_token).ceil()
+                }
+            };
+            let mut want = 0.0;
+            for len in 1..RUN_BINS {
+                if c.words[len] > 0 {
+                    want += f64::from(c.words[len]) * word(len as u32);
+                }
+                if c.digits[len] > 0 {
+                    want += f64::from(c.digits[len]) * (len as f64 / costs.digits_per_token).ceil();
+                }
+            }
+            proptest::prop_assert_eq!(c.tokens(&costs).to_bits(), want.to_bits());
+        }
     }
 
     /// Past 255 blocks in one call the lane counters are summed and start again: a long
