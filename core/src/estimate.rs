@@ -1043,7 +1043,8 @@ impl Tally {
     }
 
     /// Unrounded tokens of every text tallied so far, under costs `c` (call after
-    /// [`Self::end_text`]; an open run is not counted). For a sampled tally: the head's
+    /// [`Self::end_text`]: before it, an open word or number is not counted yet, while
+    /// the other classes count as they go). For a sampled tally: the head's
     /// tokens plus the windows' scaled to the whole tail (see the type's doc).
     pub fn tokens(&self, c: &CharClassCosts) -> f64 {
         let Some(st) = self.sample.as_deref() else {

@@ -607,30 +607,53 @@ pub fn proxy_yaml(
                     anyhow::bail!("{NATIVE} needs a dynamic module (--dynmod, KVROUTE_DYNMOD)")
                 }
             };
-            let mut clusters: String = (0..ENDPOINTS)
-                .map(|i| templates::static_cluster(&format!("c{i}"), &addrs))
-                .collect();
-            clusters.push_str(&default);
             let mut vars = vec![
                 ("LISTEN_PORT", listen.to_string()),
                 ("INGEST_PORT", ingest.to_string()),
                 ("BUFFER_LIMIT", BUFFER_LIMIT.to_string()),
-                ("CLUSTER_HEADER", "x-kvroute-cluster".into()),
-                ("DEFAULT_CLUSTER", "default".into()),
-                ("CLUSTERS", clusters),
             ];
             vars.extend(templates::kvroute_filters(
                 module,
                 plugin_config,
                 &kvroute_integration::harness::kvroute::ingest_plugin_config(),
             ));
-            render(templates::CLUSTER_MODE, &vars)?
+            if endpoint_mode(plugin_config) {
+                // Cluster `pool` over the backend, its load balancer reading the filter's
+                // endpoint header (every endpoint of the snapshot is the backend).
+                vars.push(("POOL_TYPE", "OverrideHost".into()));
+                vars.push((
+                    "CLUSTERS",
+                    templates::override_host_cluster("x-gateway-destination-endpoint", &addrs),
+                ));
+                render(templates::ENDPOINT_MODE, &vars)?
+            } else {
+                let mut clusters: String = (0..ENDPOINTS)
+                    .map(|i| templates::static_cluster(&format!("c{i}"), &addrs))
+                    .collect();
+                clusters.push_str(&default);
+                vars.push(("CLUSTER_HEADER", "x-kvroute-cluster".into()));
+                vars.push(("DEFAULT_CLUSTER", "default".into()));
+                vars.push(("CLUSTERS", clusters));
+                render(templates::CLUSTER_MODE, &vars)?
+            }
         }
         other => anyhow::bail!(
             "unknown proxy variant `{other}` (one of {VARIANTS:?}, {FLOOR_NATIVE} or {NATIVE})"
         ),
     };
     Ok(with_flush(yaml))
+}
+
+/// Whether kvroute's plugin configuration `plugin_config` (JSON) selects endpoint mode
+/// (`"mode":"endpoint"`, e.g. laid over the benchmark's with `--plugin-config`): the
+/// kvroute proxies then run [`templates::ENDPOINT_MODE`] (one cluster, `pool`, whose
+/// `override_host` load balancer reads `x-gateway-destination-endpoint`) instead of
+/// [`templates::CLUSTER_MODE`] (one cluster per endpoint, chosen by `cluster_header`).
+pub fn endpoint_mode(plugin_config: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(plugin_config)
+        .ok()
+        .and_then(|v| v.get("mode")?.as_str().map(|m| m == "endpoint"))
+        .unwrap_or(false)
 }
 
 /// kvroute's plugin configuration in the benchmark: cluster mode, every default.
@@ -1275,6 +1298,38 @@ Transfer/sec:      1.22MB
         assert!(native.contains(&format!("value: '{ingest}'")), "{native}");
         let e = proxy_yaml(NATIVE, &options(None), 1, 2, "127.0.0.1:9", config).unwrap_err();
         assert!(e.to_string().contains("needs a dynamic module"), "{e}");
+    }
+
+    /// `"mode":"endpoint"` in the plugin configuration runs both kvroute proxies in
+    /// endpoint mode: one `pool` cluster with the `override_host` load balancer, no
+    /// per-endpoint clusters and no `cluster_header` route.
+    #[test]
+    fn endpoint_mode_runs_the_endpoint_template() {
+        let o = options(Some(module("/m/libkvroute.so")));
+        let config = plugin_config(PLUGIN_CONFIG, Some(r#"{"mode":"endpoint"}"#)).unwrap();
+        assert!(endpoint_mode(&config));
+        assert!(!endpoint_mode(PLUGIN_CONFIG));
+        assert!(!endpoint_mode("not json"));
+        for variant in ["kvroute", NATIVE] {
+            let yaml = proxy_yaml(variant, &o, 1000, 1001, "127.0.0.1:9", &config).unwrap();
+            assert!(
+                yaml.contains("envoy.load_balancing_policies.override_host"),
+                "{yaml}"
+            );
+            assert!(
+                yaml.contains("header: x-gateway-destination-endpoint"),
+                "{yaml}"
+            );
+            assert!(yaml.contains("cluster: pool"), "{yaml}");
+            assert!(!yaml.contains("cluster_header"), "{yaml}");
+            assert!(!yaml.contains("name: c0"), "{yaml}");
+        }
+        let cluster = proxy_yaml(NATIVE, &o, 1000, 1001, "127.0.0.1:9", PLUGIN_CONFIG).unwrap();
+        assert!(
+            cluster.contains("cluster_header: x-kvroute-cluster"),
+            "{cluster}"
+        );
+        assert!(cluster.contains("name: c15"), "{cluster}");
     }
 
     #[test]
