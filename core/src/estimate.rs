@@ -113,6 +113,23 @@ impl Default for CharClassCosts {
     }
 }
 
+impl CharClassCosts {
+    /// Tokens of one ASCII word of `len` letters.
+    fn word_tokens(&self, len: u32) -> f64 {
+        let r = f64::from(len);
+        if r <= self.word_free_chars {
+            self.word_base
+        } else {
+            self.word_base + ((r - self.word_free_chars) / self.word_chars_per_token).ceil()
+        }
+    }
+
+    /// Tokens of one run of `len` digits.
+    fn digit_tokens(&self, len: u32) -> f64 {
+        (f64::from(len) / self.digits_per_token).ceil()
+    }
+}
+
 /// Estimates token counts from text.
 #[derive(Debug, Clone, Default)]
 pub struct Estimator {
@@ -506,15 +523,8 @@ impl Counts {
 
     /// Unrounded tokens of the counted runs under costs `c`.
     fn tokens(&self, c: &CharClassCosts) -> f64 {
-        let word = |len: u32| {
-            let r = f64::from(len);
-            if r <= c.word_free_chars {
-                c.word_base
-            } else {
-                c.word_base + ((r - c.word_free_chars) / c.word_chars_per_token).ceil()
-            }
-        };
-        let digit = |len: u32| (f64::from(len) / c.digits_per_token).ceil();
+        let word = |len: u32| c.word_tokens(len);
+        let digit = |len: u32| c.digit_tokens(len);
         let mut total = 0.0;
         // Eight bins of each histogram at a time: past a text's longest word and number the
         // bins are empty, and a chunk of empty bins is passed with one test (the 63-bin
@@ -1204,21 +1214,13 @@ mod tests {
                 c.digits[len] += d;
             }
             let costs = CharClassCosts { word_free_chars: free, ..CharClassCosts::default() };
-            let word = |len: u32| {
-                let r = f64::from(len);
-                if r <= costs.word_free_chars {
-                    costs.word_base
-                } else {
-                    costs.word_base + ((r - costs.word_free_chars) / costs.word_chars_per_token).ceil()
-                }
-            };
             let mut want = 0.0;
             for len in 1..RUN_BINS {
                 if c.words[len] > 0 {
-                    want += f64::from(c.words[len]) * word(len as u32);
+                    want += f64::from(c.words[len]) * costs.word_tokens(len as u32);
                 }
                 if c.digits[len] > 0 {
-                    want += f64::from(c.digits[len]) * (len as f64 / costs.digits_per_token).ceil();
+                    want += f64::from(c.digits[len]) * costs.digit_tokens(len as u32);
                 }
             }
             proptest::prop_assert_eq!(c.tokens(&costs).to_bits(), want.to_bits());
