@@ -251,138 +251,199 @@ const BYTE_CLASS: [Class; 256] = {
     t
 };
 
-/// A block of 16 ASCII bytes by class, as lane masks (lane *k* is 0xFF where byte *k* is of
-/// the class, 0x00 where not), from [`class_masks`].
+/// The 16-byte block step of the exact tally ([`Tally::block`]), built where there are
+/// 16-byte lanes ([`crate::simd`]: Wasm SIMD, enabled for `wasm32-wasip1` in
+/// `.cargo/config.toml`, or x86-64's SSE2). Other targets (aarch64 among them) have no block
+/// step and take the byte loop.
 #[cfg(any(
     all(target_arch = "wasm32", target_feature = "simd128"),
     all(target_arch = "x86_64", target_feature = "sse2")
 ))]
-#[derive(Clone, Copy)]
-struct Masks {
-    /// Bytes whose [`BYTE_CLASS`] differs from the byte before (byte 0 is compared with the
-    /// class of the byte before the block): where runs start.
-    starts: crate::simd::U8x16,
-    word: crate::simd::U8x16,
-    digit: crate::simd::U8x16,
-    punct: crate::simd::U8x16,
-    newline: crate::simd::U8x16,
-    space: crate::simd::U8x16,
-    control: crate::simd::U8x16,
-}
-
-/// The class masks of a block of 16 ASCII bytes, `prev` being the class of the byte before
-/// it; `None` when a byte is not ASCII (the caller then takes one byte per step).
-///
-/// With 16-byte lanes ([`crate::simd`]: Wasm SIMD, enabled for `wasm32-wasip1` in
-/// `.cargo/config.toml`, or x86-64's SSE2): each class is one or two lane-wise compares,
-/// the class ids are or-ed together (the classes are disjoint), and one compare with the
-/// ids shifted by a lane gives the run starts. Other targets (aarch64 among them) have no
-/// block step and take the byte loop: a portable 16-byte lookup loop measured slower than
-/// it natively (callgrind, 1 KiB chat body: 47 k instead of 31 k instructions per
-/// `Router::route`).
-#[cfg(any(
-    all(target_arch = "wasm32", target_feature = "simd128"),
-    all(target_arch = "x86_64", target_feature = "sse2")
-))]
-#[inline(always)]
-fn class_masks(block: &[u8; 16], prev: Class) -> Option<Masks> {
+mod block_step {
+    use super::{Class, Counts, Tally, BYTE_CLASS};
     use crate::simd::U8x16;
-    let v = U8x16::new(block);
-    if v.bitmask() != 0 {
-        return None;
-    }
-    let splat = U8x16::splat;
-    let id = |c: Class| splat(c as u8);
-    let eq = |b: u8| v.eq(splat(b));
-    // `x - lo < n` (unsigned, wrapping): x in lo..lo + n.
-    let within = |x: U8x16, lo: u8, n: u8| x.wrapping_sub(splat(lo)).lt(splat(n));
-    let word = within(v | splat(0x20), b'a', 26);
-    let digit = within(v, b'0', 10);
-    let newline = eq(b'\n') | eq(b'\r');
-    let space = eq(b' ') | eq(b'\t');
-    let control = v.lt(splat(0x20)).and_not(newline | space) | eq(0x7F);
-    let punct = !((word | digit) | ((newline | space) | control));
-    let ids = ((word & id(Class::Word)) | (digit & id(Class::Digit)))
-        | (((punct & id(Class::Punct)) | (newline & id(Class::Newline)))
-            | ((space & id(Class::Space)) | (control & id(Class::Control))));
-    // Lane k of `before` is lane k − 1 of `ids`; lane 0 is `prev`.
-    let before = ids.shift_in(prev as u8);
-    Some(Masks {
-        starts: !ids.eq(before),
-        word,
-        digit,
-        punct,
-        newline,
-        space,
-        control,
-    })
-}
 
-/// What the block step counts lane by lane ([`Tally::block`]): one byte counter per lane
-/// and count, each lane adding at most 1 per block, so they are summed into [`Counts`]
-/// ([`Self::flush`]) at least every 255 blocks, and at the end of every call that took a
-/// block step. This replaced a population count per class and block (six per block,
-/// each a dozen instructions on x86-64's baseline, which has no `POPCNT`): the exact
-/// tally of a 1 KiB chat body went from 12.5 k to 10.0 k instructions (callgrind,
-/// `decision_ops`; docs/core.md).
-#[cfg(any(
-    all(target_arch = "wasm32", target_feature = "simd128"),
-    all(target_arch = "x86_64", target_feature = "sse2")
-))]
-struct LaneCounts {
-    punct_runs: crate::simd::U8x16,
-    punct_bytes: crate::simd::U8x16,
-    newline_runs: crate::simd::U8x16,
-    space_runs_2: crate::simd::U8x16,
-    control_bytes: crate::simd::U8x16,
-    /// Blocks added since the last flush.
-    blocks: u32,
-}
-
-#[cfg(any(
-    all(target_arch = "wasm32", target_feature = "simd128"),
-    all(target_arch = "x86_64", target_feature = "sse2")
-))]
-impl LaneCounts {
-    fn new() -> Self {
-        let zero = crate::simd::U8x16::splat(0);
-        Self {
-            punct_runs: zero,
-            punct_bytes: zero,
-            newline_runs: zero,
-            space_runs_2: zero,
-            control_bytes: zero,
-            blocks: 0,
-        }
+    /// A block of 16 ASCII bytes by class, as lane masks (lane *k* is 0xFF where byte *k* is of
+    /// the class, 0x00 where not), from [`class_masks`].
+    #[derive(Clone, Copy)]
+    pub(super) struct Masks {
+        /// Bytes whose [`BYTE_CLASS`] differs from the byte before (byte 0 is compared with the
+        /// class of the byte before the block): where runs start.
+        pub(super) starts: U8x16,
+        pub(super) word: U8x16,
+        pub(super) digit: U8x16,
+        pub(super) punct: U8x16,
+        pub(super) newline: U8x16,
+        pub(super) space: U8x16,
+        pub(super) control: U8x16,
     }
 
-    /// Add `m`'s punctuation run starts and bytes, newline run starts and control bytes,
-    /// and `space_2`, the lanes that are the second byte of a space run (masks: a set lane
-    /// is 0xFF, which subtracted adds 1). Flushes into `c` every 255 blocks.
+    /// The class masks of a block of 16 ASCII bytes, `prev` being the class of the byte before
+    /// it; `None` when a byte is not ASCII (the caller then takes one byte per step).
+    ///
+    /// With 16-byte lanes ([`crate::simd`]: Wasm SIMD, enabled for `wasm32-wasip1` in
+    /// `.cargo/config.toml`, or x86-64's SSE2): each class is one or two lane-wise compares,
+    /// the class ids are or-ed together (the classes are disjoint), and one compare with the
+    /// ids shifted by a lane gives the run starts. Other targets (aarch64 among them) have no
+    /// block step and take the byte loop: a portable 16-byte lookup loop measured slower than
+    /// it natively (callgrind, 1 KiB chat body: 47 k instead of 31 k instructions per
+    /// `Router::route`).
     #[inline(always)]
-    fn add(&mut self, m: &Masks, space_2: crate::simd::U8x16, c: &mut Counts) {
-        self.punct_runs = self.punct_runs.wrapping_sub(m.starts & m.punct);
-        self.punct_bytes = self.punct_bytes.wrapping_sub(m.punct);
-        self.newline_runs = self.newline_runs.wrapping_sub(m.starts & m.newline);
-        self.space_runs_2 = self.space_runs_2.wrapping_sub(space_2);
-        self.control_bytes = self.control_bytes.wrapping_sub(m.control);
-        self.blocks += 1;
-        if self.blocks == 255 {
-            self.flush(c);
+    pub(super) fn class_masks(block: &[u8; 16], prev: Class) -> Option<Masks> {
+        let v = U8x16::new(block);
+        if v.bitmask() != 0 {
+            return None;
+        }
+        let splat = U8x16::splat;
+        let id = |c: Class| splat(c as u8);
+        let eq = |b: u8| v.eq(splat(b));
+        // `x - lo < n` (unsigned, wrapping): x in lo..lo + n.
+        let within = |x: U8x16, lo: u8, n: u8| x.wrapping_sub(splat(lo)).lt(splat(n));
+        let word = within(v | splat(0x20), b'a', 26);
+        let digit = within(v, b'0', 10);
+        let newline = eq(b'\n') | eq(b'\r');
+        let space = eq(b' ') | eq(b'\t');
+        let control = v.lt(splat(0x20)).and_not(newline | space) | eq(0x7F);
+        let punct = !((word | digit) | ((newline | space) | control));
+        let ids = ((word & id(Class::Word)) | (digit & id(Class::Digit)))
+            | (((punct & id(Class::Punct)) | (newline & id(Class::Newline)))
+                | ((space & id(Class::Space)) | (control & id(Class::Control))));
+        // Lane k of `before` is lane k − 1 of `ids`; lane 0 is `prev`.
+        let before = ids.shift_in(prev as u8);
+        Some(Masks {
+            starts: !ids.eq(before),
+            word,
+            digit,
+            punct,
+            newline,
+            space,
+            control,
+        })
+    }
+
+    /// What the block step counts lane by lane ([`Tally::block`]): one byte counter per lane
+    /// and count, each lane adding at most 1 per block, so they are summed into [`Counts`]
+    /// ([`Self::flush`]) at least every 255 blocks, and at the end of every call that took a
+    /// block step. This replaced a population count per class and block (six per block,
+    /// each a dozen instructions on x86-64's baseline, which has no `POPCNT`): the exact
+    /// tally of a 1 KiB chat body went from 12.5 k to 10.0 k instructions (callgrind,
+    /// `decision_ops`; docs/core.md).
+    pub(super) struct LaneCounts {
+        punct_runs: U8x16,
+        punct_bytes: U8x16,
+        newline_runs: U8x16,
+        space_runs_2: U8x16,
+        control_bytes: U8x16,
+        /// Blocks added since the last flush.
+        blocks: u32,
+    }
+
+    impl LaneCounts {
+        pub(super) fn new() -> Self {
+            let zero = U8x16::splat(0);
+            Self {
+                punct_runs: zero,
+                punct_bytes: zero,
+                newline_runs: zero,
+                space_runs_2: zero,
+                control_bytes: zero,
+                blocks: 0,
+            }
+        }
+
+        /// Add `m`'s punctuation run starts and bytes, newline run starts and control bytes,
+        /// and `space_2`, the lanes that are the second byte of a space run (masks: a set lane
+        /// is 0xFF, which subtracted adds 1). Flushes into `c` every 255 blocks.
+        #[inline(always)]
+        fn add(&mut self, m: &Masks, space_2: U8x16, c: &mut Counts) {
+            self.punct_runs = self.punct_runs.wrapping_sub(m.starts & m.punct);
+            self.punct_bytes = self.punct_bytes.wrapping_sub(m.punct);
+            self.newline_runs = self.newline_runs.wrapping_sub(m.starts & m.newline);
+            self.space_runs_2 = self.space_runs_2.wrapping_sub(space_2);
+            self.control_bytes = self.control_bytes.wrapping_sub(m.control);
+            self.blocks += 1;
+            if self.blocks == 255 {
+                self.flush(c);
+            }
+        }
+
+        /// Sum the lanes into `c` and start again from zero.
+        pub(super) fn flush(&mut self, c: &mut Counts) {
+            if self.blocks == 0 {
+                return;
+            }
+            c.punct_runs += u64::from(self.punct_runs.sum());
+            c.punct_bytes += u64::from(self.punct_bytes.sum());
+            c.newline_runs += u64::from(self.newline_runs.sum());
+            c.space_runs_2 += u64::from(self.space_runs_2.sum());
+            c.control_bytes += u64::from(self.control_bytes.sum());
+            *self = Self::new();
         }
     }
 
-    /// Sum the lanes into `c` and start again from zero.
-    fn flush(&mut self, c: &mut Counts) {
-        if self.blocks == 0 {
-            return;
+    impl Counts {
+        /// The word or digit runs (`class`) that start at the bits of `starts` in a block whose
+        /// run starts are `changes`: each ends where the next run starts, which is inside the
+        /// block (the block's last run is not in `starts`).
+        #[inline(always)]
+        pub(super) fn block_runs(&mut self, class: Class, mut starts: u32, changes: u32) {
+            let bins = if class == Class::Word {
+                &mut self.words
+            } else {
+                &mut self.digits
+            };
+            while starts != 0 {
+                let at = starts.trailing_zeros();
+                starts &= starts - 1;
+                // The next run start after `at` (`2 << at` fits: `at` < 16).
+                let end = (changes & !((2u32 << at) - 1)).trailing_zeros();
+                Self::length(bins, &mut self.long, class, end.wrapping_sub(at));
+            }
         }
-        c.punct_runs += u64::from(self.punct_runs.sum());
-        c.punct_bytes += u64::from(self.punct_bytes.sum());
-        c.newline_runs += u64::from(self.newline_runs.sum());
-        c.space_runs_2 += u64::from(self.space_runs_2.sum());
-        c.control_bytes += u64::from(self.control_bytes.sum());
-        *self = Self::new();
+    }
+
+    impl Tally {
+        /// One step over 16 ASCII bytes with class masks `m`, the open run being of `class` and
+        /// `run` bytes before it: the other classes' counts are added lane-wise to `lanes`;
+        /// the open run, if a word or number, is closed at the block's first run start, the
+        /// word and digit runs that start and end inside the block are counted, and the
+        /// block's last run is left open. Returns the open run's class and length after the
+        /// block.
+        #[inline(always)]
+        pub(super) fn block(
+            &mut self,
+            block: &[u8; 16],
+            m: &Masks,
+            lanes: &mut LaneCounts,
+            class: Class,
+            run: u32,
+        ) -> (Class, u32) {
+            // The second byte of a space run: a space after a space after a non-space. Byte −1
+            // is a space when the open run is one; byte −2 too when it is 2 bytes or more.
+            let flag = |b: bool| if b { 0xFF } else { 0 };
+            let space_1 = m.space.shift_in(flag(class == Class::Space));
+            let space_2 = space_1.shift_in(flag(class == Class::Space && run >= 2));
+            lanes.add(m, (m.space & space_1).and_not(space_2), &mut self.counts);
+            let changes = m.starts.bitmask();
+            if changes == 0 {
+                return (class, run.wrapping_add(16));
+            }
+            let first = changes.trailing_zeros();
+            let last = 31 - changes.leading_zeros();
+            self.close(class, run.wrapping_add(first));
+            // Bytes of the runs that start and end in the block: `first..last`.
+            let inner = ((1u32 << last) - 1) & !((1u32 << first) - 1);
+            let starts = changes & inner;
+            let c = &mut self.counts;
+            c.block_runs(Class::Word, starts & m.word.bitmask(), changes);
+            c.block_runs(Class::Digit, starts & m.digit.bitmask(), changes);
+            let class = block
+                .get(last as usize)
+                .and_then(|&b| BYTE_CLASS.get(usize::from(b)))
+                .copied()
+                .unwrap_or(Class::Control);
+            (class, 16 - last)
+        }
     }
 }
 
@@ -401,8 +462,8 @@ const _: () = assert!(RUN_BINS.is_multiple_of(8));
 /// (their costs are not linear in the length); the other classes as they go (a
 /// punctuation or newline run at its first byte, a space run at its second, punctuation
 /// and control bytes one by one); multi-byte characters take a separate path. With 16-byte
-/// lanes (Wasm SIMD, x86-64's SSE2), 16 ASCII bytes take one step ([`class_masks`],
-/// [`Tally::block`]): the other classes' counts are added lane-wise ([`LaneCounts`]), and
+/// lanes (Wasm SIMD, x86-64's SSE2), 16 ASCII bytes take one step (`block_step`): the
+/// other classes' counts are added lane-wise, and
 /// only the block's word and digit runs are visited one by one.
 /// The per-class costs ([`CharClassCosts`], floating point) are applied once, in
 /// [`Tally::tokens`]. Texts ended with `end_text` never join runs across their boundary.
@@ -499,25 +560,6 @@ impl Counts {
         match bins.get_mut(len as usize) {
             Some(n) => *n = n.wrapping_add(1),
             None => long.push((class, len)),
-        }
-    }
-
-    /// The word or digit runs (`class`) that start at the bits of `starts` in a block whose
-    /// run starts are `changes`: each ends where the next run starts, which is inside the
-    /// block (the block's last run is not in `starts`).
-    #[inline(always)]
-    fn block_runs(&mut self, class: Class, mut starts: u32, changes: u32) {
-        let bins = if class == Class::Word {
-            &mut self.words
-        } else {
-            &mut self.digits
-        };
-        while starts != 0 {
-            let at = starts.trailing_zeros();
-            starts &= starts - 1;
-            // The next run start after `at` (`2 << at` fits: `at` < 16).
-            let end = (changes & !((2u32 << at) - 1)).trailing_zeros();
-            Self::length(bins, &mut self.long, class, end.wrapping_sub(at));
         }
     }
 
@@ -667,7 +709,7 @@ impl Tally {
     /// Count one ASCII byte of class `c` (one of the run classes, or a control) that makes
     /// the open run `run` bytes long: a punctuation or newline run at its first byte, a
     /// space run at its second, punctuation and control bytes each. What
-    /// [`LaneCounts::add`] counts for a block, one byte at a time.
+    /// `block_step::LaneCounts::add` counts for a block, one byte at a time.
     #[inline(always)]
     fn ascii_byte(&mut self, c: Class, run: u32) {
         let n = &mut self.counts;
@@ -681,52 +723,6 @@ impl Tally {
             Class::Control => n.control_bytes += 1,
             _ => {}
         }
-    }
-
-    /// One step over 16 ASCII bytes with class masks `m`, the open run being of `class` and
-    /// `run` bytes before it: the other classes' counts are added lane-wise to `lanes`;
-    /// the open run, if a word or number, is closed at the block's first run start, the
-    /// word and digit runs that start and end inside the block are counted, and the
-    /// block's last run is left open. Returns the open run's class and length after the
-    /// block.
-    #[cfg(any(
-        all(target_arch = "wasm32", target_feature = "simd128"),
-        all(target_arch = "x86_64", target_feature = "sse2")
-    ))]
-    #[inline(always)]
-    fn block(
-        &mut self,
-        block: &[u8; 16],
-        m: &Masks,
-        lanes: &mut LaneCounts,
-        class: Class,
-        run: u32,
-    ) -> (Class, u32) {
-        // The second byte of a space run: a space after a space after a non-space. Byte −1
-        // is a space when the open run is one; byte −2 too when it is 2 bytes or more.
-        let flag = |b: bool| if b { 0xFF } else { 0 };
-        let space_1 = m.space.shift_in(flag(class == Class::Space));
-        let space_2 = space_1.shift_in(flag(class == Class::Space && run >= 2));
-        lanes.add(m, (m.space & space_1).and_not(space_2), &mut self.counts);
-        let changes = m.starts.bitmask();
-        if changes == 0 {
-            return (class, run.wrapping_add(16));
-        }
-        let first = changes.trailing_zeros();
-        let last = 31 - changes.leading_zeros();
-        self.close(class, run.wrapping_add(first));
-        // Bytes of the runs that start and end in the block: `first..last`.
-        let inner = ((1u32 << last) - 1) & !((1u32 << first) - 1);
-        let starts = changes & inner;
-        let c = &mut self.counts;
-        c.block_runs(Class::Word, starts & m.word.bitmask(), changes);
-        c.block_runs(Class::Digit, starts & m.digit.bitmask(), changes);
-        let class = block
-            .get(last as usize)
-            .and_then(|&b| BYTE_CLASS.get(usize::from(b)))
-            .copied()
-            .unwrap_or(Class::Control);
-        (class, 16 - last)
     }
 
     /// A whole multi-byte character with code point `cp` and `width` bytes.
@@ -963,7 +959,7 @@ impl Tally {
             all(target_arch = "wasm32", target_feature = "simd128"),
             all(target_arch = "x86_64", target_feature = "sse2")
         ))]
-        let mut lanes = LaneCounts::new();
+        let mut lanes = block_step::LaneCounts::new();
         let mut block_end = i;
         loop {
             if i >= block_end {
@@ -972,7 +968,7 @@ impl Tally {
                     all(target_arch = "x86_64", target_feature = "sse2")
                 ))]
                 if let Some(block) = bytes.get(i..).and_then(<[u8]>::first_chunk::<16>) {
-                    if let Some(m) = class_masks(block, class) {
+                    if let Some(m) = block_step::class_masks(block, class) {
                         (class, run) = self.block(block, &m, &mut lanes, class, run);
                         i += 16;
                         block_end = i;
@@ -1251,138 +1247,135 @@ mod tests {
         );
     }
 
-    /// A block of 16 ASCII bytes by class, one bit per byte (bit *k* for byte *k*): the
-    /// class masks' bitmasks.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    struct Lanes {
-        changes: u32,
-        word: u32,
-        digit: u32,
-        punct: u32,
-        newline: u32,
-        space: u32,
-        control: u32,
-    }
-
-    /// [`class_masks`] as bitmasks.
+    /// The block step's class masks against [`BYTE_CLASS`] (targets with 16-byte lanes).
     #[cfg(any(
         all(target_arch = "wasm32", target_feature = "simd128"),
         all(target_arch = "x86_64", target_feature = "sse2")
     ))]
-    fn class_lanes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
-        class_masks(block, prev).map(|m| Lanes {
-            changes: m.starts.bitmask(),
-            word: m.word.bitmask(),
-            digit: m.digit.bitmask(),
-            punct: m.punct.bitmask(),
-            newline: m.newline.bitmask(),
-            space: m.space.bitmask(),
-            control: m.control.bitmask(),
-        })
-    }
+    mod masks {
+        use super::super::*;
 
-    /// [`class_masks`] byte by byte from [`BYTE_CLASS`], as bitmasks: `None` when a byte
-    /// is not ASCII.
-    fn class_lanes_by_bytes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
-        if !block.is_ascii() {
-            return None;
+        /// A block of 16 ASCII bytes by class, one bit per byte (bit *k* for byte *k*): the
+        /// class masks' bitmasks.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        struct Lanes {
+            changes: u32,
+            word: u32,
+            digit: u32,
+            punct: u32,
+            newline: u32,
+            space: u32,
+            control: u32,
         }
-        let mut l = Lanes {
-            changes: 0,
-            word: 0,
-            digit: 0,
-            punct: 0,
-            newline: 0,
-            space: 0,
-            control: 0,
-        };
-        let mut before = prev;
-        for (k, &b) in block.iter().enumerate() {
-            let c = BYTE_CLASS[usize::from(b)];
-            let bit = 1u32 << k;
-            if c != before {
-                l.changes |= bit;
-            }
-            match c {
-                Class::Word => l.word |= bit,
-                Class::Digit => l.digit |= bit,
-                Class::Punct => l.punct |= bit,
-                Class::Newline => l.newline |= bit,
-                Class::Space => l.space |= bit,
-                Class::Control => l.control |= bit,
-                _ => unreachable!("{b:#04x} is ASCII"),
-            }
-            before = c;
+
+        /// `block_step::class_masks` as bitmasks.
+        fn class_lanes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
+            block_step::class_masks(block, prev).map(|m| Lanes {
+                changes: m.starts.bitmask(),
+                word: m.word.bitmask(),
+                digit: m.digit.bitmask(),
+                punct: m.punct.bitmask(),
+                newline: m.newline.bitmask(),
+                space: m.space.bitmask(),
+                control: m.control.bitmask(),
+            })
         }
-        Some(l)
-    }
 
-    /// The bytes of the [`class_lanes`] property, weighted by repetition: letters (twice),
-    /// digits, every printable ASCII byte (the punctuation at the edges of the letter and
-    /// digit ranges among them), spaces, tabs, newlines and carriage returns (three times),
-    /// controls and 0x7F, and a few non-ASCII bytes.
-    fn class_test_bytes() -> Vec<u8> {
-        let mut v: Vec<u8> = (b'a'..=b'z').chain(b'A'..=b'Z').collect();
-        v.extend_from_within(..);
-        v.extend(0x21u8..0x7F);
-        v.extend(b" \t\n\r".repeat(3));
-        v.extend((0u8..0x20).chain([0x7F]));
-        v.extend([0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0xFF]);
-        v
-    }
+        /// `block_step::class_masks` byte by byte from [`BYTE_CLASS`], as bitmasks: `None` when a byte
+        /// is not ASCII.
+        fn class_lanes_by_bytes(block: &[u8; 16], prev: Class) -> Option<Lanes> {
+            if !block.is_ascii() {
+                return None;
+            }
+            let mut l = Lanes {
+                changes: 0,
+                word: 0,
+                digit: 0,
+                punct: 0,
+                newline: 0,
+                space: 0,
+                control: 0,
+            };
+            let mut before = prev;
+            for (k, &b) in block.iter().enumerate() {
+                let c = BYTE_CLASS[usize::from(b)];
+                let bit = 1u32 << k;
+                if c != before {
+                    l.changes |= bit;
+                }
+                match c {
+                    Class::Word => l.word |= bit,
+                    Class::Digit => l.digit |= bit,
+                    Class::Punct => l.punct |= bit,
+                    Class::Newline => l.newline |= bit,
+                    Class::Space => l.space |= bit,
+                    Class::Control => l.control |= bit,
+                    _ => unreachable!("{b:#04x} is ASCII"),
+                }
+                before = c;
+            }
+            Some(l)
+        }
 
-    /// The classes `prev` can be: every class (the open run's is one of the ASCII ones or
-    /// `None`; the others are covered too).
-    const CLASSES: [Class; 11] = [
-        Class::None,
-        Class::Word,
-        Class::Digit,
-        Class::Punct,
-        Class::Newline,
-        Class::Space,
-        Class::Control,
-        Class::Lead2,
-        Class::Lead3,
-        Class::Lead4,
-        Class::Cont,
-    ];
+        /// The bytes of the [`class_lanes`] property, weighted by repetition: letters (twice),
+        /// digits, every printable ASCII byte (the punctuation at the edges of the letter and
+        /// digit ranges among them), spaces, tabs, newlines and carriage returns (three times),
+        /// controls and 0x7F, and a few non-ASCII bytes.
+        fn class_test_bytes() -> Vec<u8> {
+            let mut v: Vec<u8> = (b'a'..=b'z').chain(b'A'..=b'Z').collect();
+            v.extend_from_within(..);
+            v.extend(0x21u8..0x7F);
+            v.extend(b" \t\n\r".repeat(3));
+            v.extend((0u8..0x20).chain([0x7F]));
+            v.extend([0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0xFF]);
+            v
+        }
 
-    #[cfg(any(
-        all(target_arch = "wasm32", target_feature = "simd128"),
-        all(target_arch = "x86_64", target_feature = "sse2")
-    ))]
-    proptest::proptest! {
-        /// The 16-byte-lane body of [`class_lanes`] (SSE2 natively, Wasm SIMD under `make
-        /// test-wasm`) gives every byte its [`BYTE_CLASS`], on blocks of every class
-        /// ([`class_test_bytes`]) after every class.
+        /// The classes `prev` can be: every class (the open run's is one of the ASCII ones or
+        /// `None`; the others are covered too).
+        const CLASSES: [Class; 11] = [
+            Class::None,
+            Class::Word,
+            Class::Digit,
+            Class::Punct,
+            Class::Newline,
+            Class::Space,
+            Class::Control,
+            Class::Lead2,
+            Class::Lead3,
+            Class::Lead4,
+            Class::Cont,
+        ];
+
+        proptest::proptest! {
+            /// The 16-byte-lane body of [`class_lanes`] (SSE2 natively, Wasm SIMD under `make
+            /// test-wasm`) gives every byte its [`BYTE_CLASS`], on blocks of every class
+            /// ([`class_test_bytes`]) after every class.
+            #[test]
+            fn class_lanes_are_byte_class_byte_by_byte(
+                block in proptest::array::uniform16(proptest::sample::select(class_test_bytes())),
+                prev in 0..CLASSES.len(),
+            ) {
+                let prev = CLASSES[prev];
+                proptest::prop_assert_eq!(class_lanes(&block, prev), class_lanes_by_bytes(&block, prev));
+            }
+        }
+
+        /// Every byte value in every lane, beside letters and after each class.
         #[test]
-        fn class_lanes_are_byte_class_byte_by_byte(
-            block in proptest::array::uniform16(proptest::sample::select(class_test_bytes())),
-            prev in 0..CLASSES.len(),
-        ) {
-            let prev = CLASSES[prev];
-            proptest::prop_assert_eq!(class_lanes(&block, prev), class_lanes_by_bytes(&block, prev));
-        }
-    }
-
-    /// Every byte value in every lane, beside letters and after each class.
-    #[cfg(any(
-        all(target_arch = "wasm32", target_feature = "simd128"),
-        all(target_arch = "x86_64", target_feature = "sse2")
-    ))]
-    #[test]
-    fn class_lanes_cover_every_byte_value() {
-        for b in 0..=255u8 {
-            for k in 0..16 {
-                for prev in CLASSES {
-                    let mut block = [b'q'; 16];
-                    block[k] = b;
-                    assert_eq!(
-                        class_lanes(&block, prev),
-                        class_lanes_by_bytes(&block, prev),
-                        "{b:#04x} in lane {k} after class {}",
-                        prev as u8
-                    );
+        fn class_lanes_cover_every_byte_value() {
+            for b in 0..=255u8 {
+                for k in 0..16 {
+                    for prev in CLASSES {
+                        let mut block = [b'q'; 16];
+                        block[k] = b;
+                        assert_eq!(
+                            class_lanes(&block, prev),
+                            class_lanes_by_bytes(&block, prev),
+                            "{b:#04x} in lane {k} after class {}",
+                            prev as u8
+                        );
+                    }
                 }
             }
         }
