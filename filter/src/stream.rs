@@ -216,9 +216,9 @@ impl Stream {
 
     /// Request headers arrived.
     pub fn on_request_headers<H: Host>(&mut self, host: &H, end_of_stream: bool) -> Flow {
-        // One host call for every header this callback reads (instead of one per header).
+        // Every header this callback reads: one host call for the map (instead of one per
+        // header) and one walk over it (instead of one per name).
         let headers = host.request_headers();
-        // Every header this callback reads, in one walk over the map.
         let (found, max) = {
             let w = self.worker.borrow();
             let [cluster, endpoint, decision] = client_routing_headers(&w.config);

@@ -623,7 +623,10 @@ pub fn proxy_yaml(
                 vars.push(("POOL_TYPE", "OverrideHost".into()));
                 vars.push((
                     "CLUSTERS",
-                    templates::override_host_cluster("x-gateway-destination-endpoint", &addrs),
+                    templates::override_host_cluster(
+                        kvroute_core::plugin_config::ENDPOINT_HEADER,
+                        &addrs,
+                    ),
                 ));
                 render(templates::ENDPOINT_MODE, &vars)?
             } else {

@@ -196,7 +196,7 @@ pub fn envoy_config_with(
             templates::CLUSTER_MODE
         }
         FleetMode::OverrideHost | FleetMode::OriginalDst => {
-            let header = "x-gateway-destination-endpoint";
+            let header = kvroute_core::plugin_config::ENDPOINT_HEADER;
             let clusters = if mode == FleetMode::OverrideHost {
                 templates::override_host_cluster(header, addrs)
             } else {
