@@ -26,10 +26,12 @@ help: ## List the targets
 fmt: ## Format all Rust code
 	$(CARGO) fmt --all
 
-lint: toolchain ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter), warnings denied
+lint: toolchain ## rustfmt check + clippy (native, and wasm32-wasip1 for core and filter, wasm32-unknown-unknown for core: its paths without 16-byte lanes), warnings denied
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
+	@# wasm32-unknown-unknown has no simd128: core's portable paths (no 16-byte lanes, as on aarch64).
+	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-unknown-unknown -- -D warnings
 	$(CARGO) clippy -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
 test: bootstrap lint test-core test-wasm test-filter test-dynmod test-sim test-cp test-replay test-bench test-demo test-overhead test-decision-ops test-k8s test-reliability ## Everything CI runs: lint, unit, wasm, property, golden, real-Envoy, full-stack and real-model tests

@@ -11,9 +11,10 @@ test-wasm: toolchain wasm-bindgen-runner ## kvroute-core tests on wasm32-wasip1 
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER="$(WASM_BINDGEN_RUNNER)" \
 	  $(CARGO) test -p kvroute-core --target wasm32-unknown-unknown
 
-lint-core: ## clippy for kvroute-core, native (all targets) and wasm32-wasip1, warnings denied
+lint-core: ## clippy for kvroute-core, native (all targets), wasm32-wasip1 and wasm32-unknown-unknown (no simd128: the paths without 16-byte lanes), warnings denied
 	$(CARGO) clippy -p kvroute-core --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-wasip1 -- -D warnings
+	$(CARGO) clippy -p kvroute-core --all-targets --target wasm32-unknown-unknown -- -D warnings
 
 bench-core: ## criterion: decision time (8..4096 endpoints) and request analysis vs the serde analyser (1 KiB..1 MiB)
 	$(CARGO) bench -p kvroute-core --bench decision -- --warm-up-time 1 --measurement-time 3

@@ -1389,33 +1389,6 @@ mod tests {
         }
     }
 
-    /// One byte, mostly of the kinds the scans tell apart: `"`, `\\`, controls, 0x7F,
-    /// non-ASCII, letters, digits, spaces, newlines; with `plain`, letters nearly always
-    /// (so whole 16-, 32- and 64-byte blocks without a special byte are common too).
-    fn scan_byte(plain: bool) -> impl proptest::strategy::Strategy<Value = u8> {
-        use proptest::prelude::*;
-        let letters = if plain { 400 } else { 8 };
-        prop_oneof![
-            letters => prop_oneof![b'a'..=b'z', b'A'..=b'Z'],
-            2 => b'0'..=b'9',
-            2 => Just(b' '),
-            1 => Just(b'\n'),
-            1 => Just(b'"'),
-            1 => Just(b'\\'),
-            1 => 0u8..0x20,
-            1 => Just(0x7F),
-            1 => 0x80u8..=0xFF,
-        ]
-    }
-
-    fn scan_bytes() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
-        use proptest::prelude::*;
-        prop_oneof![
-            proptest::collection::vec(scan_byte(false), 0..300),
-            proptest::collection::vec(scan_byte(true), 0..300),
-        ]
-    }
-
     /// The 16-byte-lane bodies (SSE2 natively, Wasm SIMD under `make test-wasm`) return
     /// exactly what the portable bodies return. Off those targets both sides are portable.
     #[cfg(any(
@@ -1424,6 +1397,33 @@ mod tests {
     ))]
     mod lanes_match_portable {
         use super::*;
+
+        /// One byte, mostly of the kinds the scans tell apart: `"`, `\\`, controls, 0x7F,
+        /// non-ASCII, letters, digits, spaces, newlines; with `plain`, letters nearly always
+        /// (so whole 16-, 32- and 64-byte blocks without a special byte are common too).
+        fn scan_byte(plain: bool) -> impl proptest::strategy::Strategy<Value = u8> {
+            use proptest::prelude::*;
+            let letters = if plain { 400 } else { 8 };
+            prop_oneof![
+                letters => prop_oneof![b'a'..=b'z', b'A'..=b'Z'],
+                2 => b'0'..=b'9',
+                2 => Just(b' '),
+                1 => Just(b'\n'),
+                1 => Just(b'"'),
+                1 => Just(b'\\'),
+                1 => 0u8..0x20,
+                1 => Just(0x7F),
+                1 => 0x80u8..=0xFF,
+            ]
+        }
+
+        fn scan_bytes() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+            use proptest::prelude::*;
+            prop_oneof![
+                proptest::collection::vec(scan_byte(false), 0..300),
+                proptest::collection::vec(scan_byte(true), 0..300),
+            ]
+        }
 
         proptest::proptest! {
             #[test]
