@@ -185,7 +185,8 @@ pub enum Floor<'a> {
     },
 }
 
-/// The `http_filters` item of `floor`, ending in a newline, for [`FLOOR`]'s `FLOOR_FILTER`.
+/// The `http_filters` item of `floor`, indented for [`FLOOR`]'s `FLOOR_FILTER` (no trailing
+/// newline, as [`kvroute_filter`]'s).
 pub fn floor_filter(floor: Floor<'_>) -> String {
     match floor {
         Floor::Wasm(wasm) => format!(
@@ -200,16 +201,14 @@ pub fn floor_filter(floor: Floor<'_>) -> String {
                 vm_config:
                   vm_id: floor
                   runtime: envoy.wasm.runtime.v8
-                  code: {{local: {{filename: "{}"}}}}
-"#,
+                  code: {{local: {{filename: "{}"}}}}"#,
             wasm.display()
         ),
         Floor::EnvoyBuffer { max_request_bytes } => format!(
             r#"          - name: envoy.filters.http.buffer
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
-              max_request_bytes: {max_request_bytes}
-"#
+              max_request_bytes: {max_request_bytes}"#
         ),
     }
 }
