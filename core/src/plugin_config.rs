@@ -18,6 +18,39 @@ use serde::Deserialize;
 /// (<https://gateway-api-inference-extension.sigs.k8s.io/> "endpoint picker protocol").
 pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
 
+/// Debug header carrying the decision reason (when `debug_header` is on); the filter also
+/// strips it from client requests, so neither routing header may take its name.
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+
+/// Request headers a routing header may not be named after. The filter removes the
+/// client's values of its routing header and writes its own, so on one of these it would
+/// break the request: message framing and hop-by-hop headers (RFC 9110 §7.6.1, RFC 9112
+/// §6–7: `content-length`, `transfer-encoding`, `connection`, `keep-alive`, `te`, `trailer`,
+/// `upgrade`, `proxy-connection`), `host` (the upstream's authority), the body's own
+/// description (`content-type`, `content-encoding`), `expect` (RFC 9110 §10.1.1); and every `x-envoy-` header
+/// (`RESERVED_HEADER_PREFIX`), which Envoy's router reads as instructions. A breaker's
+/// `cluster_header: "content-length"` made every request a 503, `endpoint_header: "host"`
+/// rewrote every upstream authority.
+pub const RESERVED_HEADERS: [&str; 12] = [
+    "host",
+    "expect",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+/// Header prefix a routing header may not start with ([`RESERVED_HEADERS`]): Envoy's own
+/// request headers (`x-envoy-upstream-rq-timeout-ms`, `x-envoy-retry-on`, ...;
+/// <https://www.envoyproxy.io/docs/envoy/latest/configuration/http/http_filters/router_filter#http-headers-consumed>).
+pub const RESERVED_HEADER_PREFIX: &str = "x-envoy-";
+
 /// Default `inflight_share_ms`: how long a worker's view of the other workers' in-flight
 /// reservations may age before its next decision reads them again, milliseconds (the
 /// measurements behind it: docs/overhead.md, "Per-worker in-flight tables").
@@ -276,27 +309,41 @@ fn invalid(field: &str, value: impl std::fmt::Display, reason: &'static str) -> 
     }
 }
 
-fn header_name_ok(h: &str) -> bool {
-    !h.is_empty()
-        && h.bytes()
+/// Why routing header name `h` is refused, or `None` when it is a usable name.
+fn header_name_problem(h: &str) -> Option<&'static str> {
+    if h.is_empty()
+        || !h
+            .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    {
+        Some("must be a non-empty lower-case header name")
+    } else if RESERVED_HEADERS.contains(&h) {
+        Some("must not be a framing, hop-by-hop, host or content header: the filter removes the client's value and writes its own")
+    } else if h.starts_with(RESERVED_HEADER_PREFIX) {
+        Some("must not start with x-envoy-: Envoy's router reads those headers as instructions")
+    } else if h == DECISION_HEADER {
+        Some("must not be x-kvroute-decision, the filter's debug header")
+    } else {
+        None
+    }
 }
 
 impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
     fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
-        if !header_name_ok(&raw.cluster_header) {
-            return Err(invalid(
-                "cluster_header",
-                &raw.cluster_header,
-                "must be a non-empty lower-case header name",
-            ));
+        for (field, name) in [
+            ("cluster_header", &raw.cluster_header),
+            ("endpoint_header", &raw.endpoint_header),
+        ] {
+            if let Some(reason) = header_name_problem(name) {
+                return Err(invalid(field, name, reason));
+            }
         }
-        if !header_name_ok(&raw.endpoint_header) {
+        if raw.cluster_header == raw.endpoint_header {
             return Err(invalid(
                 "endpoint_header",
                 &raw.endpoint_header,
-                "must be a non-empty lower-case header name",
+                "must differ from cluster_header: the filter strips both from client requests",
             ));
         }
         if raw.max_body_bytes == 0 {
@@ -529,6 +576,26 @@ mod tests {
             (r#"{"mode":"nope"}"#, "unknown variant `nope`"),
             (r#"{"cluster_header":"X Bad"}"#, "field `cluster_header`"),
             (r#"{"endpoint_header":""}"#, "field `endpoint_header`"),
+            (
+                r#"{"cluster_header":"content-length"}"#,
+                "field `cluster_header` = content-length: must not be a framing, hop-by-hop, host or content header",
+            ),
+            (
+                r#"{"mode":"endpoint","endpoint_header":"host"}"#,
+                "field `endpoint_header` = host: must not be a framing",
+            ),
+            (
+                r#"{"cluster_header":"x-envoy-upstream-rq-timeout-ms"}"#,
+                "must not start with x-envoy-",
+            ),
+            (
+                r#"{"cluster_header":"x-kvroute-decision"}"#,
+                "field `cluster_header` = x-kvroute-decision: must not be x-kvroute-decision",
+            ),
+            (
+                r#"{"cluster_header":"x-route","endpoint_header":"x-route"}"#,
+                "field `endpoint_header` = x-route: must differ from cluster_header",
+            ),
             (r#"{"max_body_bytes":0}"#, "field `max_body_bytes`"),
             (r#"{"ingest_path":"x"}"#, "field `ingest_path`"),
             (

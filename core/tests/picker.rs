@@ -531,8 +531,32 @@ fn config_validation_names_the_field() {
     });
     assert_eq!(
         e.to_string(),
-        "picker config field `weights.queue` = -1: must be a finite number >= 0"
+        "picker config field `weights.queue` = -1: must be a number in 0..=1e6"
     );
+    // A weight past MAX_WEIGHT (1e308 overflowed the score to infinity); MAX_WEIGHT itself
+    // is accepted.
+    let e = bad(PickerConfig {
+        weights: HybridWeights {
+            prefix: 1e308,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    assert_eq!(
+        e.to_string(),
+        "picker config field `weights.prefix` = 1e308: must be a number in 0..=1e6"
+    );
+    assert!(Picker::new(
+        PickerConfig {
+            weights: HybridWeights {
+                prefix: kvroute_core::picker::MAX_WEIGHT,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        1
+    )
+    .is_ok());
     let e = bad(PickerConfig {
         classes: vec![RequestClass {
             name: "x".into(),
@@ -732,4 +756,15 @@ fn latency_config_is_validated() {
     c.latency.seed_prefill_tokens_per_s = f64::NAN;
     let e = Picker::new(c, 1).unwrap_err();
     assert_eq!(e.field, "latency.seed_prefill_tokens_per_s");
+    // Below a token a second every predicted TTFT overflowed to infinity (1e-320).
+    let mut c = PickerConfig::default();
+    c.latency.seed_prefill_tokens_per_s = 1e-320;
+    let e = Picker::new(c, 1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "picker config field `latency.seed_prefill_tokens_per_s` = 1e-320: must be a finite number >= 1"
+    );
+    let mut c = PickerConfig::default();
+    c.latency.seed_prefill_tokens_per_s = kvroute_core::picker::MIN_SEED_PREFILL_TOKENS_PER_S;
+    assert!(Picker::new(c, 1).is_ok());
 }

@@ -1,8 +1,6 @@
 //! Header, shared-data, queue and metric names: every name the filter exposes, in one place.
 
-pub use kvroute_core::plugin_config::ENDPOINT_HEADER;
-/// Debug header carrying the decision reason (when `debug_header` is on).
-pub const DECISION_HEADER: &str = "x-kvroute-decision";
+pub use kvroute_core::plugin_config::{DECISION_HEADER, ENDPOINT_HEADER};
 /// [`DECISION_HEADER`]'s value for a request that fell open to Envoy's default route (no
 /// snapshot yet, or an internal error, with `fail_open` on): decided at once or resumed
 /// from the admission queue.

@@ -79,7 +79,18 @@ impl PolicyKind {
     }
 }
 
-/// Weights of the `hybrid` score (each ≥ 0).
+/// Largest `hybrid` weight accepted. Only the weights' ratios matter; with every term in
+/// 0..1 the score stays at most 5 × this, finite and printable in decision records. A
+/// breaker's weights of 1e308 overflowed the score to infinity, and ties among infinite
+/// scores sent requests to the fuller endpoint.
+pub const MAX_WEIGHT: f64 = 1e6;
+
+/// Smallest `latency.seed_prefill_tokens_per_s` accepted, tokens/s. Below it a predicted
+/// TTFT (tokens ÷ rate) overflows to infinity for every candidate (a breaker's 1e-320 made
+/// every score −∞); no model server prefills slower than a token a second.
+pub const MIN_SEED_PREFILL_TOKENS_PER_S: f64 = 1.0;
+
+/// Weights of the `hybrid` score (each in 0..=[`MAX_WEIGHT`]).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HybridWeights {
@@ -452,6 +463,16 @@ impl RequestClass {
     }
 }
 
+/// A number as a config error shows it: in exponent form when plain digits would run long
+/// (a breaker's `1e308` came back as 309 digits).
+fn shown(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-6..1e15).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        v.to_string()
+    }
+}
+
 impl PickerConfig {
     /// Check every field; the error names the field, its value and the reason.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -468,7 +489,7 @@ impl PickerConfig {
         if !(self.min_kv_headroom.is_finite() && (0.0..1.0).contains(&self.min_kv_headroom)) {
             return err(
                 "min_kv_headroom".into(),
-                self.min_kv_headroom.to_string(),
+                shown(self.min_kv_headroom),
                 "must be a number in 0..1",
             );
         }
@@ -480,11 +501,11 @@ impl PickerConfig {
             );
         }
         let seed = self.latency.seed_prefill_tokens_per_s;
-        if !(seed.is_finite() && seed > 0.0) {
+        if !(seed.is_finite() && seed >= MIN_SEED_PREFILL_TOKENS_PER_S) {
             return err(
                 "latency.seed_prefill_tokens_per_s".into(),
-                seed.to_string(),
-                "must be a finite number > 0",
+                shown(seed),
+                "must be a finite number >= 1",
             );
         }
         let w = &self.weights;
@@ -495,8 +516,8 @@ impl PickerConfig {
             ("weights.prefill", w.prefill),
             ("weights.prefix", w.prefix),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return err(name.into(), v.to_string(), "must be a finite number >= 0");
+            if !(v.is_finite() && (0.0..=MAX_WEIGHT).contains(&v)) {
+                return err(name.into(), shown(v), "must be a number in 0..=1e6");
             }
         }
         for (i, c) in self.classes.iter().enumerate() {
