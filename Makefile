@@ -21,7 +21,9 @@ include $(sort $(wildcard mk/*.mk))
 
 .PHONY: help test lint fmt
 help: ## List the targets
-	@grep -hE '^[a-zA-Z0-9_.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk 'BEGIN{FS=":.*## "}{printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}'
+	@if [ -t 1 ]; then c='\033[36m'; r='\033[0m'; else c=; r=; fi; \
+	grep -hE '^[a-zA-Z0-9_.-]+:.*## ' $(MAKEFILE_LIST) | LC_ALL=C sort -t: -k1,1 | \
+	  awk -v c="$$c" -v r="$$r" 'BEGIN{FS=":.*## "}{printf "  %s%-22s%s %s\n", c, $$1, r, $$2}'
 
 fmt: ## Format all Rust code
 	$(CARGO) fmt --all
