@@ -23,12 +23,12 @@ pub const ENDPOINT_HEADER: &str = "x-gateway-destination-endpoint";
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
 
 /// Request headers a routing header may not be named after. The filter removes the
-/// client's values of its routing header and writes its own, so on one of these it would
+/// client's values of its routing headers and writes its own, so on one of these it would
 /// break the request: message framing and hop-by-hop headers (RFC 9110 §7.6.1, RFC 9112
-/// §6–7: `content-length`, `transfer-encoding`, `connection`, `keep-alive`, `te`, `trailer`,
-/// `upgrade`, `proxy-connection`), `host` (the upstream's authority), the body's own
-/// description (`content-type`, `content-encoding`), `expect` (RFC 9110 §10.1.1); and every `x-envoy-` header
-/// (`RESERVED_HEADER_PREFIX`), which Envoy's router reads as instructions. A breaker's
+/// §6–7: `content-length`, `transfer-encoding`, `connection`, `keep-alive`, `te`,
+/// `trailer`, `upgrade`, `proxy-connection`), `host` (the upstream's authority), `expect`
+/// (RFC 9110 §10.1.1) and the body's own description (`content-type`,
+/// `content-encoding`); nor may it start with [`RESERVED_HEADER_PREFIX`]. A breaker's
 /// `cluster_header: "content-length"` made every request a 503, `endpoint_header: "host"`
 /// rewrote every upstream authority.
 pub const RESERVED_HEADERS: [&str; 12] = [
@@ -47,7 +47,8 @@ pub const RESERVED_HEADERS: [&str; 12] = [
 ];
 
 /// Header prefix a routing header may not start with ([`RESERVED_HEADERS`]): Envoy's own
-/// request headers (`x-envoy-upstream-rq-timeout-ms`, `x-envoy-retry-on`, ...;
+/// request headers, which its router reads as instructions (`x-envoy-upstream-rq-timeout-ms`,
+/// `x-envoy-retry-on`, ...;
 /// <https://www.envoyproxy.io/docs/envoy/latest/configuration/http/http_filters/router_filter#http-headers-consumed>).
 pub const RESERVED_HEADER_PREFIX: &str = "x-envoy-";
 
