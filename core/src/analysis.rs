@@ -300,12 +300,18 @@ impl<'e> Acc<'e> {
     /// markers, the last character past the limit and a marker [`Self::role_before`]
     /// puts in before cutting): growing it chunk by chunk was ~5 reallocations per 1 KiB
     /// chat request.
-    fn new(estimator: &'e Estimator, prefix_limit: usize, body_len: usize) -> Self {
+    /// `rendering` is a buffer to render into (cleared first), or an empty `String`.
+    fn new(
+        estimator: &'e Estimator,
+        prefix_limit: usize,
+        body_len: usize,
+        mut rendering: String,
+    ) -> Self {
+        rendering.clear();
+        rendering.reserve(body_len.min(prefix_limit.saturating_add(MARKER_BYTES + 3)));
         Self {
             estimator,
-            prefix: String::with_capacity(
-                body_len.min(prefix_limit.saturating_add(MARKER_BYTES + 3)),
-            ),
+            prefix: rendering,
             prefix_limit,
             tally: estimator.tally(),
             overhead_tokens: 0,
@@ -929,7 +935,21 @@ pub fn analyze_bounded(
     estimator: &Estimator,
     prefix_limit: usize,
 ) -> Result<RequestAnalysis, AnalysisError> {
-    let mut acc = Acc::new(estimator, prefix_limit, body.len());
+    analyze_bounded_into(api, body, estimator, prefix_limit, String::new())
+}
+
+/// [`analyze_bounded`], rendering [`RequestAnalysis::prefix_text`] into `rendering`
+/// (cleared first; its allocation is reused when it has room): a router analysing one
+/// request after another passes back the last one's prefix text ([`crate::router::Router`]),
+/// so the rendering costs no allocation per request. The result is the same.
+pub fn analyze_bounded_into(
+    api: ApiKind,
+    body: &[u8],
+    estimator: &Estimator,
+    prefix_limit: usize,
+    rendering: String,
+) -> Result<RequestAnalysis, AnalysisError> {
+    let mut acc = Acc::new(estimator, prefix_limit, body.len(), rendering);
     let (f, main) = scan_top(api, body, &mut acc).map_err(|e| syntax(body, e))?;
     let [model, _messages, tools_tok, prompt, input, instructions, stream, n, max_tokens, max_completion_tokens, max_output_tokens, cache_salt, priority, inputs, parameters] =
         f;
@@ -1918,7 +1938,7 @@ mod tests {
         let est = Estimator::default();
         // Raw patterns need 16 bytes ahead: another message follows, as in a body.
         let body = format!(r#"{msg},{{"role":"user","content":"and the next message"}}]"#);
-        let mut acc = Acc::new(&est, 0, 1 << 20);
+        let mut acc = Acc::new(&est, 0, 1 << 20, String::new());
         acc.tally.feed("word ".repeat(filler / 5).as_bytes());
         let mut sc = Scanner::new(&body);
         let r = if quick {

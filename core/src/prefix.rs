@@ -441,12 +441,27 @@ impl PrefixIndex {
         snapshot: &crate::snapshot::Snapshot,
         last: &mut Vec<bool>,
     ) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.match_snapshot_into(hashes, snapshot, last, &mut out);
+        out
+    }
+
+    /// [`Self::match_snapshot_last`] into `out` (resized to the snapshot): a router keeps
+    /// one vector for every decision instead of allocating one each.
+    pub fn match_snapshot_into(
+        &self,
+        hashes: &[u64],
+        snapshot: &crate::snapshot::Snapshot,
+        last: &mut Vec<bool>,
+        out: &mut Vec<u32>,
+    ) {
         let eps = &snapshot.endpoints;
-        let mut out = vec![0; eps.len()];
+        out.clear();
+        out.resize(eps.len(), 0);
         last.clear();
         last.resize(eps.len(), false);
         if hashes.is_empty() || self.endpoints.is_empty() {
-            return out;
+            return;
         }
         if self.endpoints.len().saturating_mul(eps.len()) <= PAIRWISE_MAX {
             for (id, lru) in &self.endpoints {
@@ -464,7 +479,6 @@ impl PrefixIndex {
                 }
             }
         }
-        out
     }
 
     /// Drop everything recorded for `endpoint_id` (it restarted: its cache is cold).

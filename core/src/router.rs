@@ -51,7 +51,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::analysis::{analyze_bounded, AnalysisError, ApiKind, RequestAnalysis};
+use crate::analysis::{analyze_bounded_into, AnalysisError, ApiKind, RequestAnalysis};
 use crate::estimate::{Estimator, EstimatorConfig};
 use crate::inflight::Reservations;
 use crate::observation::Observation;
@@ -172,13 +172,19 @@ impl Default for RequestInfo {
 impl RequestInfo {
     /// From a body analysis, hashing its prefix text with `prefix`.
     pub fn from_analysis(a: RequestAnalysis, prefix: &PrefixConfig) -> Self {
+        Self::from_analysis_keeping_text(a, prefix).0
+    }
+
+    /// [`Self::from_analysis`], handing back the analysis's prefix text, whose allocation
+    /// the router renders the next request into.
+    fn from_analysis_keeping_text(a: RequestAnalysis, prefix: &PrefixConfig) -> (Self, String) {
         let prefix_hashes = block_hashes(
             a.model.as_deref().unwrap_or(""),
             a.cache_salt.as_deref(),
             &a.prefix_text,
             prefix,
         );
-        Self {
+        let info = Self {
             api: a.api,
             model: a.model,
             prompt_tokens: a.prompt_tokens,
@@ -188,7 +194,8 @@ impl RequestInfo {
             priority: a.priority,
             stream: a.stream,
             prefix_hashes,
-        }
+        };
+        (info, a.prefix_text)
     }
 
     fn load_only(api: ApiKind) -> Self {
@@ -404,6 +411,12 @@ pub struct Router {
     /// Per snapshot endpoint: whether the decision's chain is what the prefix index
     /// recorded there last ([`PrefixIndex::match_snapshot_last`]); kept between decisions.
     scratch_last: Vec<bool>,
+    /// Per-snapshot-endpoint prefix blocks matched ([`PrefixIndex::match_snapshot_into`]);
+    /// kept between decisions.
+    scratch_matches: Vec<u32>,
+    /// The last request's prefix rendering, whose allocation the next one renders into
+    /// ([`crate::analysis::analyze_bounded_into`]), up to [`KEPT_RENDERING_BYTES`].
+    scratch_rendering: String,
     /// Learned output lengths per (model, API), fed by [`Router::observe_output`].
     outputs: OutputLengths,
     /// Chains recorded since the last [`Router::take_recorded`], kept only while affinity
@@ -419,6 +432,11 @@ pub struct Router {
 /// [`Router::take_observations`], between two takes; later ones are not kept (the host
 /// syncs every ~100 ms, so this is thousands of requests per second).
 pub const MAX_RECORDED: usize = 4096;
+
+/// Largest prefix rendering a router keeps for the next request to render into, bytes
+/// (64 KiB; the default rendering is at most 16 KiB plus a role marker, so it is always
+/// kept): one allocation fewer per decision.
+pub const KEPT_RENDERING_BYTES: usize = 64 * 1024;
 
 impl Router {
     /// Validate `config` and build a router whose random tie-breaks come from `seed`.
@@ -458,6 +476,8 @@ impl Router {
             fleet: Fleet::default(),
             scratch_inflight: Vec::new(),
             scratch_last: Vec::new(),
+            scratch_matches: Vec::new(),
+            scratch_rendering: String::new(),
             outputs: OutputLengths::new(),
             recorded: None,
             observed: None,
@@ -703,12 +723,20 @@ impl Router {
                 Basis::LoadOnly(LoadOnlyCause::NotInference),
                 None,
             ),
-            Some(b) => match analyze_bounded(api, b, &self.estimator, self.prefix.max_bytes()) {
-                Ok(a) => (
-                    RequestInfo::from_analysis(a, &self.prefix),
-                    Basis::Body,
-                    None,
-                ),
+            Some(b) => match analyze_bounded_into(
+                api,
+                b,
+                &self.estimator,
+                self.prefix.max_bytes(),
+                std::mem::take(&mut self.scratch_rendering),
+            ) {
+                Ok(a) => {
+                    let (info, text) = RequestInfo::from_analysis_keeping_text(a, &self.prefix);
+                    if text.capacity() <= KEPT_RENDERING_BYTES {
+                        self.scratch_rendering = text;
+                    }
+                    (info, Basis::Body, None)
+                }
                 // Routed by load, but among the endpoints that serve the body's model
                 // when it names one: the analysis is stricter than model servers are
                 // (vLLM's pydantic models take `"n": "1"`).
@@ -825,9 +853,9 @@ impl Router {
         table.add_unseen_into(now_ms, |id| slots.get(id).copied(), &mut inflight);
         crate::peer::add_peer_load(snap, &mut inflight);
         let mut recorded_last = std::mem::take(&mut self.scratch_last);
-        let matches = self
-            .index
-            .match_snapshot_last(&req.prefix_hashes, snap, &mut recorded_last);
+        let mut matches = std::mem::take(&mut self.scratch_matches);
+        self.index
+            .match_snapshot_into(&req.prefix_hashes, snap, &mut recorded_last, &mut matches);
         let pick_req = PickRequest {
             model: req.model.as_deref(),
             api: req.api,
@@ -889,13 +917,17 @@ impl Router {
             _ => false,
         };
         self.scratch_last = recorded_last;
+        let matched = match &outcome {
+            PickOutcome::Picked(p) => matches.get(p.primary).copied().unwrap_or(0),
+            _ => 0,
+        };
+        self.scratch_matches = matches;
         match outcome {
             PickOutcome::Picked(p) => {
                 let Some(primary) = snap.endpoints.get(p.primary) else {
                     // The picker returns indices into the snapshot it was given.
                     return Outcome::NoEndpoints(req.model.clone());
                 };
-                let matched = matches.get(p.primary).copied().unwrap_or(0);
                 let prefill_tokens =
                     uncached_prompt_tokens(req.prompt_tokens, matched, pick_req.prefix_blocks);
                 // Nothing to record when the chain is what was recorded last there (the same

@@ -360,6 +360,35 @@ fn escaped_strings_are_decoded() {
 }
 
 #[test]
+fn rendering_into_a_used_buffer_is_rendering_afresh() {
+    use kvroute_core::analysis::{analyze_bounded, analyze_bounded_into};
+    // The router hands each analysis the last one's prefix text to render into: a longer
+    // one (with a multi-byte character and an escape), then one with no text at all.
+    let long = serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": "é东京 \"quoted\" ".repeat(900)},
+        {"role": "user", "content": "and a question?"}]})
+    .to_string();
+    let short = r#"{"model":"n","messages":[{"content":"hi","role":"user"}]}"#;
+    let empty = r#"{"model":"n","prompt":""}"#;
+    for limit in [16 * 1024, 100, usize::MAX] {
+        let first =
+            analyze_bounded(ApiKind::ChatCompletions, long.as_bytes(), &est(), limit).unwrap();
+        assert!(first.prefix_text.len() >= 100.min(limit));
+        let mut used = first.prefix_text;
+        for (api, body) in [
+            (ApiKind::ChatCompletions, short),
+            (ApiKind::Completions, empty),
+            (ApiKind::ChatCompletions, long.as_str()),
+        ] {
+            let again = analyze_bounded_into(api, body.as_bytes(), &est(), limit, used).unwrap();
+            let fresh = analyze_bounded(api, body.as_bytes(), &est(), limit).unwrap();
+            assert_eq!(again, fresh, "limit {limit}, {body:.40}");
+            used = again.prefix_text;
+        }
+    }
+}
+
+#[test]
 fn bounded_analysis_keeps_every_result_and_the_prefix_hashes() {
     use kvroute_core::analysis::analyze_bounded;
     use kvroute_core::prefix::{block_hashes, PrefixConfig};

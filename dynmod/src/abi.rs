@@ -467,20 +467,18 @@ impl Filter {
         }
     }
 
-    /// The request body so far: what Envoy buffered, then this hook's chunk unless it is
-    /// that buffer again (after a resume).
-    pub fn request_body(self) -> Vec<u8> {
-        let mut out = Vec::new();
-        self.body_into(BUFFERED_REQUEST_BODY, &mut out);
+    /// Append the request body so far to `out`: what Envoy buffered, then this hook's
+    /// chunk unless it is that buffer again (after a resume).
+    pub fn request_body_into(self, out: &mut Vec<u8>) {
+        self.body_into(BUFFERED_REQUEST_BODY, out);
         // SAFETY: the filter is live.
         if !unsafe { envoy_dynamic_module_callback_http_received_buffered_request_body(self.ptr()) }
         {
-            self.body_into(RECEIVED_REQUEST_BODY, &mut out);
+            self.body_into(RECEIVED_REQUEST_BODY, out);
         }
-        out
     }
 
-    /// Bytes of the request body so far, as [`Filter::request_body`] would return.
+    /// Bytes of the request body so far, as [`Filter::request_body_into`] would append.
     pub fn request_body_size(self) -> usize {
         // SAFETY: the filter is live.
         unsafe {

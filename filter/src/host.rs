@@ -69,8 +69,12 @@ pub trait Host {
     fn set_response_header(&self, name: &str, value: &str);
     /// A response header (`:status` included); `None` when absent or not UTF-8.
     fn response_header(&self, name: &str) -> Option<String>;
-    /// Bytes `0..size` of the buffered request body.
-    fn request_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Call `f` with bytes `0..size` of the buffered request body (`None` when the host
+    /// has none) and return what it returns. The bytes live only for the call: the native
+    /// build reads them into one buffer per worker thread, reused by every request whose
+    /// body fits it (`KEPT_BODY_BYTES` in `dynmod/src/glue.rs`: an allocation and a free
+    /// fewer per request); the Wasm build's host hands over a new copy.
+    fn with_request_body<R>(&self, size: usize, f: impl FnOnce(Option<&[u8]>) -> R) -> R;
     /// Bytes `0..size` of the current response body chunk.
     fn response_body(&self, size: usize) -> Option<Vec<u8>>;
     /// Answer locally; the request goes nowhere upstream.
@@ -319,10 +323,11 @@ pub mod mock {
             self.count("response_header");
             self.resp_headers.borrow().get(name).cloned()
         }
-        fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        fn with_request_body<R>(&self, size: usize, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
             self.count("request_body");
-            let b = self.req_body.borrow();
-            b.get(..size.min(b.len())).map(|s| s.to_vec())
+            // A copy, so that `f` may reach the host's body again (as a real host allows).
+            let b = self.req_body.borrow().clone();
+            f(b.get(..size.min(b.len())))
         }
         fn response_body(&self, size: usize) -> Option<Vec<u8>> {
             self.count("response_body");

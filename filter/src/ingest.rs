@@ -184,8 +184,7 @@ impl IngestStream {
         if !end_of_stream {
             return Flow::Pause;
         }
-        let body = host.request_body(buffered).unwrap_or_default();
-        self.finish(host, &body)
+        host.with_request_body(buffered, |b| self.finish(host, b.unwrap_or_default()))
     }
 
     /// Request trailers arrived: they end the upload (HTTP/2, or chunked with trailers).
@@ -193,8 +192,7 @@ impl IngestStream {
         if self.replied {
             return Flow::Pause;
         }
-        let body = host.request_body(self.body_len).unwrap_or_default();
-        self.finish(host, &body)
+        host.with_request_body(self.body_len, |b| self.finish(host, b.unwrap_or_default()))
     }
 
     fn finish<H: Host>(&mut self, host: &H, body: &[u8]) -> Flow {

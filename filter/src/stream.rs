@@ -305,8 +305,9 @@ impl Stream {
         if !end_of_stream {
             return Flow::Pause;
         }
-        let body = host.request_body(buffered).unwrap_or_default();
-        self.decide(host, Body::Read(&body))
+        host.with_request_body(buffered, |b| {
+            self.decide(host, Body::Read(b.unwrap_or_default()))
+        })
     }
 
     /// Request trailers arrived (HTTP/2, or HTTP/1 chunked with trailers enabled): the body
@@ -322,8 +323,9 @@ impl Stream {
         if self.decided {
             return Flow::Continue;
         }
-        let body = host.request_body(self.body_len).unwrap_or_default();
-        self.decide(host, Body::Read(&body))
+        host.with_request_body(self.body_len, |b| {
+            self.decide(host, Body::Read(b.unwrap_or_default()))
+        })
     }
 
     fn decide<H: Host>(&mut self, host: &H, body: Body<'_>) -> Flow {

@@ -86,8 +86,8 @@ impl Host for ProxyHost {
     fn response_header(&self, name: &str) -> Option<String> {
         header_text(RESPONSE_HEADERS, name)
     }
-    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
-        abi::buffer(BufferType::HttpRequestBody as u32, 0, size)
+    fn with_request_body<R>(&self, size: usize, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        f(abi::buffer(BufferType::HttpRequestBody as u32, 0, size).as_deref())
     }
     fn response_body(&self, size: usize) -> Option<Vec<u8>> {
         abi::buffer(BufferType::HttpResponseBody as u32, 0, size)

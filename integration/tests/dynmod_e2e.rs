@@ -320,6 +320,30 @@ async fn a_request_with_many_headers_is_read_whole() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One worker reads every request body into the same buffer (bodies up to 64 KiB; a larger
+/// one into its own): each body is read alone, whatever came before it. A short body naming
+/// a model no endpoint serves, after a 40 KB one, gets the filter's 404 (with the longer
+/// body's bytes left behind it, it would not parse and would be routed by load); a body past
+/// the kept size, then a short one, are both routed by the policy (least KV: b1); no body
+/// failed to parse.
+#[tokio::test]
+async fn bodies_of_any_size_in_turn_are_each_read_alone() -> anyhow::Result<()> {
+    let fleet = least_kv_fleet(&[0.9, 0.1]).await?;
+    post_chat(&fleet, &[], &"a long prompt. ".repeat(2_700)).await?;
+    let body = serde_json::json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]});
+    let r = fleet
+        .post("/v1/chat/completions", body.to_string().as_bytes())
+        .await?;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = post_chat(&fleet, &[], &"past the kept size. ".repeat(15_000)).await?;
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    let r = post_chat(&fleet, &[], "short").await?;
+    assert_eq!(r.header("x-backend"), Some("b1"));
+    assert_eq!(fleet.custom("kvroute.parse_errors").await?, 0);
+    assert_eq!(fleet.custom("kvroute.decisions.load_only").await?, 0);
+    Ok(())
+}
+
 /// After the panics: the next request is routed as usual (least KV: b1), Envoy still up.
 async fn assert_routed_after(fleet: Fleet) -> anyhow::Result<()> {
     let r = fleet.post("/v1/chat/completions", &chat("after")).await?;
