@@ -191,7 +191,7 @@ pub const DEFAULT_INDEX_CAPACITY: usize = 31_250;
 pub const DEFAULT_INDEX_TOTAL: usize = 1 << 20;
 
 /// Largest product of the index's endpoints and a snapshot's for which
-/// [`PrefixIndex::match_snapshot_last`] compares ids pairwise rather than looking each
+/// [`PrefixIndex::match_snapshot_into`] compares ids pairwise rather than looking each
 /// snapshot endpoint up.
 pub const PAIRWISE_MAX: usize = 256;
 
@@ -423,31 +423,21 @@ impl PrefixIndex {
 
     /// [`Self::match_blocks`] over every endpoint of a snapshot, in snapshot order.
     pub fn match_snapshot(&self, hashes: &[u64], snapshot: &crate::snapshot::Snapshot) -> Vec<u32> {
-        self.match_snapshot_last(hashes, snapshot, &mut Vec::new())
+        let mut out = Vec::new();
+        self.match_snapshot_into(hashes, snapshot, &mut Vec::new(), &mut out);
+        out
     }
 
-    /// [`Self::match_snapshot`], also setting `last[i]` (resized to the snapshot) when
-    /// `hashes` are the blocks last recorded for endpoint `i`, in order: recording them
-    /// there again ([`Self::record`]) would leave the index as it is.
+    /// [`Self::match_snapshot`] into `out` (resized to the snapshot; a router keeps one
+    /// vector for every decision), also setting `last[i]` (resized too) when `hashes` are
+    /// the blocks last recorded for endpoint `i`, in order: recording them there again
+    /// ([`Self::record`]) would leave the index as it is.
     ///
     /// While the index holds few endpoints (its endpoints × the snapshot's at most
     /// [`PAIRWISE_MAX`]), each held endpoint's id is compared with the snapshot's ids,
     /// 8 bytes per step, instead of a map lookup per snapshot endpoint: a lookup compares
     /// ids through wasi-libc's byte-at-a-time `memcmp`, ~290 Wasm operations for an
     /// endpoint the index does not hold (docs/overhead.md).
-    pub fn match_snapshot_last(
-        &self,
-        hashes: &[u64],
-        snapshot: &crate::snapshot::Snapshot,
-        last: &mut Vec<bool>,
-    ) -> Vec<u32> {
-        let mut out = Vec::new();
-        self.match_snapshot_into(hashes, snapshot, last, &mut out);
-        out
-    }
-
-    /// [`Self::match_snapshot_last`] into `out` (resized to the snapshot): a router keeps
-    /// one vector for every decision instead of allocating one each.
     pub fn match_snapshot_into(
         &self,
         hashes: &[u64],
@@ -514,6 +504,18 @@ impl PrefixIndex {
 mod tests {
     use super::*;
     use proptest::strategy::Strategy;
+
+    /// [`PrefixIndex::match_snapshot_into`]'s matches, returned.
+    fn matched_last(
+        idx: &PrefixIndex,
+        hashes: &[u64],
+        snapshot: &crate::snapshot::Snapshot,
+        last: &mut Vec<bool>,
+    ) -> Vec<u32> {
+        let mut out = Vec::new();
+        idx.match_snapshot_into(hashes, snapshot, last, &mut out);
+        out
+    }
 
     proptest::proptest! {
         /// The in-place chain step is the crate's `xxh64` of `block ‖ le_u64(prev)`.
@@ -613,7 +615,7 @@ mod tests {
             }
         }
 
-        /// `match_snapshot_last` gives `match_one` for every snapshot endpoint (ids
+        /// `match_snapshot_into` gives `match_one` for every snapshot endpoint (ids
         /// compared pairwise, or looked up for a large index), and flags exactly the
         /// endpoints where recording the chain again would change nothing.
         #[test]
@@ -640,7 +642,7 @@ mod tests {
                     .collect(),
             );
             let mut last = vec![true; 2];
-            let got = idx.match_snapshot_last(&probe, &snapshot, &mut last);
+            let got = matched_last(&idx, &probe, &snapshot, &mut last);
             proptest::prop_assert_eq!(last.len(), snapshot.endpoints.len());
             for (i, e) in snapshot.endpoints.iter().enumerate() {
                 proptest::prop_assert_eq!(got[i], idx.match_one(&probe, &e.id));
@@ -660,7 +662,7 @@ mod tests {
 
     /// Ids of every length 0..=17 (the 8-byte steps and the tail of `same_id`), and ids
     /// that differ from them in one byte at each place (last, first, inside a step), by
-    /// length, or only in a multi-byte character: `match_snapshot_last` matches an
+    /// length, or only in a multi-byte character: `match_snapshot_into` matches an
     /// endpoint exactly when its id is equal, ids compared pairwise (few held endpoints)
     /// or looked up (over `PAIRWISE_MAX` pairs).
     #[test]
@@ -704,7 +706,7 @@ mod tests {
                 eps.rotate_left(n / 2);
                 let snapshot = crate::snapshot::Snapshot::new(1, 0, eps);
                 let mut last = Vec::new();
-                let got = idx.match_snapshot_last(&[1, 2, 3], &snapshot, &mut last);
+                let got = matched_last(&idx, &[1, 2, 3], &snapshot, &mut last);
                 let want: Vec<(u32, bool)> = snapshot
                     .endpoints
                     .iter()
@@ -729,12 +731,12 @@ mod tests {
         idx.record("pool/e1", &chain);
         let snapshot = fleet(3);
         let mut last = Vec::new();
-        let got = idx.match_snapshot_last(&chain, &snapshot, &mut last);
+        let got = matched_last(&idx, &chain, &snapshot, &mut last);
         assert_eq!(
             (got, last.clone()),
             (vec![0, 64, 0], vec![false, true, false])
         );
-        let got = idx.match_snapshot_last(&chain[..32], &snapshot, &mut last);
+        let got = matched_last(&idx, &chain[..32], &snapshot, &mut last);
         assert_eq!((got, last.clone()), (vec![0, 32, 0], vec![false; 3]));
         // A next turn: the prefix held last is skipped, the new blocks recorded after it.
         let longer: Vec<u64> = (1..=80).collect();
@@ -759,9 +761,9 @@ mod tests {
         idx.record("pool/e1", &salted);
         let snapshot = fleet(2);
         let mut last = Vec::new();
-        let got = idx.match_snapshot_last(&unsalted, &snapshot, &mut last);
+        let got = matched_last(&idx, &unsalted, &snapshot, &mut last);
         assert_eq!((got, last.clone()), (vec![0, 0], vec![false, false]));
-        let got = idx.match_snapshot_last(&salted, &snapshot, &mut last);
+        let got = matched_last(&idx, &salted, &snapshot, &mut last);
         assert_eq!((got, last.clone()), (vec![0, 4], vec![false, true]));
         // Its suffixes are held in order too: a shorter chain ending in the same hash.
         assert_eq!(idx.match_one(&salted[1..], "pool/e1"), 3);

@@ -409,7 +409,7 @@ pub struct Router {
     fleet: Fleet,
     scratch_inflight: Vec<InFlight>,
     /// Per snapshot endpoint: whether the decision's chain is what the prefix index
-    /// recorded there last ([`PrefixIndex::match_snapshot_last`]); kept between decisions.
+    /// recorded there last ([`PrefixIndex::match_snapshot_into`]); kept between decisions.
     scratch_last: Vec<bool>,
     /// Per-snapshot-endpoint prefix blocks matched ([`PrefixIndex::match_snapshot_into`]);
     /// kept between decisions.
