@@ -49,11 +49,13 @@ fn every_example_config_validates() {
             "{}",
             f.display()
         );
-        let out = std::env::temp_dir().join(format!(
-            "kvroute-validate-{}-{}",
-            std::process::id(),
-            f.file_name().unwrap().to_string_lossy()
-        ));
+        // Removed when dropped; a refusal's message carries Envoy's own output.
+        let out = tempfile::Builder::new()
+            .prefix("kvroute-validate-")
+            .suffix(&format!("-{}", f.file_name().unwrap().to_string_lossy()))
+            .tempfile()
+            .unwrap()
+            .into_temp_path();
         std::fs::write(
             &out,
             yaml.replace(EXAMPLE_WASM, &wasm.display().to_string()),
@@ -65,8 +67,12 @@ fn every_example_config_validates() {
 
 #[test]
 fn validate_rejects_a_broken_config() {
-    let out =
-        std::env::temp_dir().join(format!("kvroute-validate-bad-{}.yaml", std::process::id()));
+    let out = tempfile::Builder::new()
+        .prefix("kvroute-validate-bad-")
+        .suffix(".yaml")
+        .tempfile()
+        .unwrap()
+        .into_temp_path();
     std::fs::write(&out, "static_resources: {listeners: [{name: x}]}\n").unwrap();
     assert!(Envoy::validate(&out).is_err());
 }

@@ -1,6 +1,6 @@
 //! Real Envoy: binary discovery, start with a rendered config, readiness, admin stats.
 
-use super::process::{temp_path, ChildGuard};
+use super::process::{ChildGuard, TempFile};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
@@ -132,13 +132,17 @@ fn with_dynmod_dir(cmd: &mut Command) {
     }
 }
 
-/// A running Envoy; killed on drop. Its admin interface binds 127.0.0.1 on an OS-chosen
+/// A running Envoy; killed on drop, and its config, admin-address file and log removed
+/// then unless kept for a post-mortem (a panicking test, or `KVROUTE_KEEP_TEMP`: see
+/// [`super::KEEP_TEMP_ENV`]). Its admin interface binds 127.0.0.1 on an OS-chosen
 /// port (the config's admin `port_value: 0`, read back through `--admin-address-path`).
 #[derive(Debug)]
 pub struct Envoy {
+    /// Declared first: dropped (Envoy killed) before its files are removed.
     child: ChildGuard,
     admin: String,
-    config: PathBuf,
+    config: TempFile,
+    _admin_file: TempFile,
 }
 
 fn tail(s: &str, lines: usize) -> String {
@@ -175,9 +179,11 @@ impl Envoy {
         ready_within: Duration,
     ) -> Result<Self, EnvoyError> {
         let bin = envoy_binary()?;
-        let config = temp_path("envoy.yaml");
-        std::fs::write(&config, yaml)?;
-        let admin_path = temp_path("admin-address");
+        let config = TempFile::new("envoy.yaml")?;
+        std::fs::write(config.path(), yaml)?;
+        // Created empty; Envoy writes its admin address into it once listening.
+        let admin_file = TempFile::new("admin-address")?;
+        let admin_path = admin_file.path();
         let mut cmd = match wrapper.split_first() {
             Some((program, args)) => {
                 let mut c = Command::new(program);
@@ -188,12 +194,12 @@ impl Envoy {
         };
         with_dynmod_dir(&mut cmd);
         cmd.arg("-c")
-            .arg(&config)
+            .arg(config.path())
             .arg("--concurrency")
             .arg(concurrency.to_string())
             .arg("--use-dynamic-base-id")
             .arg("--admin-address-path")
-            .arg(&admin_path)
+            .arg(admin_path)
             .arg("--log-level")
             .arg("info")
             .arg("--component-log-level")
@@ -211,7 +217,7 @@ impl Envoy {
                     log_tail: tail(&child.log(), 40),
                 });
             }
-            if let Ok(addr) = std::fs::read_to_string(&admin_path) {
+            if let Ok(addr) = std::fs::read_to_string(admin_path) {
                 let addr = addr.trim().to_owned();
                 if !addr.is_empty() {
                     match super::http::request("GET", &format!("http://{addr}/ready"), &[], b"")
@@ -222,6 +228,7 @@ impl Envoy {
                                 child,
                                 admin: addr,
                                 config,
+                                _admin_file: admin_file,
                             })
                         }
                         Ok(r) => last = format!("/ready answered {}", r.status),
@@ -302,7 +309,7 @@ impl Envoy {
 
     /// The rendered config file Envoy runs.
     pub fn config_path(&self) -> &std::path::Path {
-        &self.config
+        self.config.path()
     }
 
     /// Envoy's log so far (stdout + stderr).

