@@ -7,18 +7,24 @@ OVERHEAD_ARGS ?=
 # kvroute-native proxy of bench-overhead, test-overhead and bench-overhead-instructions.
 # DYNMOD= (empty) skips that column.
 DYNMOD ?= $(DYNMOD_SO)
-DYNMOD_ENV = $(if $(DYNMOD),KVROUTE_DYNMOD="$(abspath $(DYNMOD))")
+# The native build's routing floor (bench/floor-dynmod, the floor-dynmod proxy): run
+# whenever kvroute-native is.
+FLOOR_DYNMOD_SO := $(DYNMOD_DIR)/libkvroute_floor_dynmod.so
+DYNMOD_ENV = $(if $(DYNMOD),KVROUTE_DYNMOD="$(abspath $(DYNMOD))" KVROUTE_FLOOR_DYNMOD="$(abspath $(FLOOR_DYNMOD_SO))")
 
-.PHONY: wasm-floor bench-overhead test-overhead
+.PHONY: wasm-floor floor-dynmod bench-overhead test-overhead
 wasm-floor: ## Build the benchmark floor filter (bench/floor-filter) for wasm32-wasip1
 	$(CARGO) build -p kvroute-floor-filter --target wasm32-wasip1 --release
 
-bench-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute, and (with the dynamic module) Envoy's buffer filter vs kvroute-native at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, memory)
+floor-dynmod: toolchain ## Build the native build's routing floor (bench/floor-dynmod), a dynamic module
+	$(CARGO) build -p kvroute-floor-dynmod --profile dynmod
+
+bench-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod floor-dynmod) envoy wrk ## Filter overhead: plain Envoy vs floor filter vs kvroute, and (with the dynamic module) Envoy's buffer filter vs the routing floor module vs kvroute-native at 1 KiB..1 MiB bodies (req/s, latency, CPU/request, decision_us, memory)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \
 	  $(CARGO) run -q -p kvroute-tools --bin kvroute-overhead -- $(OVERHEAD_ARGS)
 
-test-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Overhead benchmark smoke: every size and proxy runs and reports (not a timed assertion)
+test-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod floor-dynmod) envoy wrk ## Overhead benchmark smoke: every size and proxy runs and reports (not a timed assertion)
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" WRK="$(WRK)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \
 	  $(CARGO) test -p kvroute-tools --test overhead_smoke
@@ -26,7 +32,7 @@ test-overhead: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy wrk ## Overhead benc
 # 256 KiB (a request takes ~0.3 s under valgrind): CALLGRIND_ARGS="--sizes 262144 --callgrind 100 --callgrind-warmup 300"
 CALLGRIND_ARGS ?= --sizes 1024,16384 --callgrind 300
 .PHONY: bench-overhead-instructions
-bench-overhead-instructions: wasm wasm-floor $(if $(DYNMOD),dynmod) envoy ## Instructions per request inside Envoy (plain, floor, kvroute; floor-native and kvroute-native with DYNMOD) under callgrind: deterministic on a noisy machine (needs valgrind)
+bench-overhead-instructions: wasm wasm-floor $(if $(DYNMOD),dynmod floor-dynmod) envoy ## Instructions per request inside Envoy (plain, floor, kvroute; floor-native, floor-dynmod and kvroute-native with DYNMOD) under callgrind: deterministic on a noisy machine (needs valgrind)
 	@command -v valgrind >/dev/null || { echo "bench-overhead-instructions: valgrind is required (Debian/Ubuntu: apt-get install valgrind)"; exit 1; }
 	KVROUTE_WASM="$(FILTER_WASM)" KVROUTE_FLOOR_WASM="$(FLOOR_WASM)" \
 	KVROUTE_ENVOY="$(ENVOY)" $(DYNMOD_ENV) \

@@ -235,8 +235,11 @@ pub async fn run(
     let prompts = prompts(&opts.data)?;
     let config =
         crate::overhead::plugin_config(CALLGRIND_PLUGIN_CONFIG, opts.plugin_config.as_deref())?;
-    let dir = std::env::temp_dir().join(format!("kvroute-callgrind-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    // Removed when dropped, however the run ends.
+    let scratch = tempfile::Builder::new()
+        .prefix("kvroute-callgrind-")
+        .tempdir()?;
+    let dir = scratch.path();
     let mut rows = Vec::new();
     let n = cg.requests.max(1);
     for &size in &opts.sizes {
@@ -288,7 +291,6 @@ pub async fn run(
             rows.push(row);
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(rows)
 }
 

@@ -1,6 +1,7 @@
 //! `make bench-overhead`: what the kvroute filter costs next to plain Envoy and next to the
-//! cheapest body-reading filter of each kind (a Wasm one; Envoy's own buffer filter for the
-//! native build), in one run (issue 13; method and results in `docs/overhead.md`).
+//! cheapest body-reading filter of each kind (a Wasm one; Envoy's own buffer filter and a
+//! routing dynamic module for the native build), in one run (issue 13; method and results
+//! in `docs/overhead.md`).
 //!
 //! ## Set-up
 //! - **backend**: one Envoy (`--concurrency 1`) that reads each request body whole (buffer
@@ -19,6 +20,10 @@
 //!   Envoy's own buffer filter (C++), which waits for the whole body and does nothing else
 //!   ([`templates::FLOOR`] with [`templates::Floor::EnvoyBuffer`]): the floor of a
 //!   body-reading filter without a VM;
+//! - **floor-dynmod** (only with `bench/floor-dynmod`'s module, `--floor-dynmod PATH`,
+//!   beside kvroute-native): kvroute-native's config with that module instead, which
+//!   buffers the body, copies it out once and sets a fixed routing header
+//!   ([`FLOOR_DYNMOD_HEADER`]): the floor of a body-routing module, all but the decision;
 //! - **kvroute-native** (only with a module: `--dynmod PATH`, `KVROUTE_DYNMOD`): the kvroute
 //!   config with the filter stanzas alone changed, to `DynamicModuleFilter` loading kvroute
 //!   as a native Envoy dynamic module ([`templates::FilterModule::DynamicModule`]), in the
@@ -28,7 +33,7 @@
 //!
 //! The proxies run side by side with the same buffer limit and stats flush interval.
 //! For each body size a fresh set is started; then, for each repetition, `wrk -t1 -c8`
-//! drives plain, floor, kvroute (and floor-native, kvroute-native) in turn (alternating, so
+//! drives plain, floor, kvroute (and floor-native, floor-dynmod, kvroute-native) in turn (alternating, so
 //! slow drift from other load on the machine hits all alike) with the same chat body: real
 //! ShareGPT turns from `../shared/data/prompts/` (LMBenchmark warm-up inputs) as
 //! alternating user/assistant messages up to the size.
@@ -123,6 +128,16 @@ pub const NATIVE: &str = "kvroute-native";
 /// What the Wasm floor is to kvroute's `.wasm`, it is to the native module: how close any
 /// body-reading native filter can come to plain Envoy.
 pub const FLOOR_NATIVE: &str = "floor-native";
+/// The native proxy's routing floor, run between [`FLOOR_NATIVE`] and [`NATIVE`] when its
+/// module is given ([`Options::floor_dynmod`]): kvroute-native's config with
+/// `bench/floor-dynmod` loaded instead of kvroute, a dynamic module that buffers the body,
+/// copies it out of Envoy once and sets a fixed routing header ([`FLOOR_DYNMOD_HEADER`]),
+/// as kvroute-native does, with no decision: what hosting a body-routing module costs in
+/// Envoy, so kvroute-native's cost over it is its decision and glue.
+pub const FLOOR_DYNMOD: &str = "floor-dynmod";
+/// The floor module's filter config: the routing header it sets on every request (cluster
+/// mode's header, naming the first endpoint's cluster).
+pub const FLOOR_DYNMOD_HEADER: &str = "x-kvroute-cluster: c0";
 /// The environment variable whose `:`-separated directories Envoy searches for a dynamic
 /// module's `lib<name>.so`.
 pub const DYNMOD_SEARCH_PATH: &str = "ENVOY_DYNAMIC_MODULES_SEARCH_PATH";
@@ -216,17 +231,33 @@ pub struct Options {
     pub plugin_config: Option<String>,
     /// kvroute's dynamic module, for the [`NATIVE`] proxy; `None`: it is skipped.
     pub dynmod: Option<DynModule>,
+    /// `bench/floor-dynmod`'s module, for the [`FLOOR_DYNMOD`] proxy (run only beside
+    /// [`Options::dynmod`]); `None`: it is skipped.
+    pub floor_dynmod: Option<DynModule>,
 }
 
 impl Options {
-    /// The proxies to run, in order: [`VARIANTS`], then [`FLOOR_NATIVE`] and [`NATIVE`]
-    /// when there is a module.
+    /// The proxies to run, in order: [`VARIANTS`], then [`FLOOR_NATIVE`], [`FLOOR_DYNMOD`]
+    /// (with its module) and [`NATIVE`] when there is a kvroute module.
     pub fn variants(&self) -> Vec<&'static str> {
         let mut v = VARIANTS.to_vec();
         if self.dynmod.is_some() {
-            v.extend([FLOOR_NATIVE, NATIVE]);
+            v.push(FLOOR_NATIVE);
+            if self.floor_dynmod.is_some() {
+                v.push(FLOOR_DYNMOD);
+            }
+            v.push(NATIVE);
         }
         v
+    }
+
+    /// The dynamic module proxy `variant` loads, if any.
+    pub fn module_of(&self, variant: &str) -> Option<&DynModule> {
+        match variant {
+            NATIVE => self.dynmod.as_ref(),
+            FLOOR_DYNMOD => self.floor_dynmod.as_ref(),
+            _ => None,
+        }
     }
 
     /// The ingest port of proxy `variant` started on `[listen, ingest]` ports to push the
@@ -556,8 +587,10 @@ pub fn backend_yaml(port: u16) -> anyhow::Result<String> {
 /// The config of proxy `variant` (one of [`Options::variants`]) listening on `listen`, with
 /// every cluster on `backend` (`host:port`); kvroute's ingest listener on `ingest` and its
 /// plugin configuration `plugin_config` (JSON). kvroute and kvroute-native differ only in
-/// where the filter comes from ([`FilterModule`]). Errors: an unknown variant, the native
-/// one without a module, a module not named `lib<name>.so`.
+/// where the filter comes from ([`FilterModule`]); floor-dynmod is kvroute-native's cluster
+/// mode config with the floor module and its [`FLOOR_DYNMOD_HEADER`] config instead.
+/// Errors: an unknown variant, a module proxy without its module, a module not named
+/// `lib<name>.so`.
 pub fn proxy_yaml(
     variant: &str,
     opts: &Options,
@@ -596,16 +629,26 @@ pub fn proxy_yaml(
                 ],
             )?
         }
-        "kvroute" | NATIVE => {
-            let module = match (variant, &opts.dynmod) {
+        "kvroute" | NATIVE | FLOOR_DYNMOD => {
+            let module = match (variant, opts.module_of(variant)) {
                 ("kvroute", _) => FilterModule::Wasm(&opts.kvroute_wasm),
                 (_, Some(m)) => FilterModule::DynamicModule {
                     name: m.name()?,
                     filter_name: &m.filter_name,
                 },
-                (_, None) => {
-                    anyhow::bail!("{NATIVE} needs a dynamic module (--dynmod, KVROUTE_DYNMOD)")
-                }
+                (_, None) => anyhow::bail!(
+                    "{variant} needs a dynamic module (--dynmod, KVROUTE_DYNMOD; --floor-dynmod, KVROUTE_FLOOR_DYNMOD)"
+                ),
+            };
+            // The floor sets its fixed header in both roles (it has no ingest role: no
+            // snapshot is pushed to it) and always runs in cluster mode.
+            let (plugin_config, ingest_config) = if variant == FLOOR_DYNMOD {
+                (FLOOR_DYNMOD_HEADER, FLOOR_DYNMOD_HEADER.to_owned())
+            } else {
+                (
+                    plugin_config,
+                    kvroute_integration::harness::kvroute::ingest_plugin_config(),
+                )
             };
             let mut vars = vec![
                 ("LISTEN_PORT", listen.to_string()),
@@ -615,7 +658,7 @@ pub fn proxy_yaml(
             vars.extend(templates::kvroute_filters(
                 module,
                 plugin_config,
-                &kvroute_integration::harness::kvroute::ingest_plugin_config(),
+                &ingest_config,
             ));
             if endpoint_mode(plugin_config) {
                 // Cluster `pool` over the backend, its load balancer reading the filter's
@@ -641,7 +684,7 @@ pub fn proxy_yaml(
             }
         }
         other => anyhow::bail!(
-            "unknown proxy variant `{other}` (one of {VARIANTS:?}, {FLOOR_NATIVE} or {NATIVE})"
+            "unknown proxy variant `{other}` (one of {VARIANTS:?}, {FLOOR_NATIVE}, {FLOOR_DYNMOD} or {NATIVE})"
         ),
     };
     Ok(with_flush(yaml))
@@ -681,7 +724,7 @@ pub fn plugin_config(base: &str, over: Option<&str>) -> anyhow::Result<String> {
 
 /// Start proxy `variant` (see [`proxy_yaml`]) on free `[listen, ingest]` ports (plain and
 /// floor leave the ingest port unused) under `wrapper` (see [`Envoy::start_wrapped`]);
-/// the native proxy under [`DynModule::env_wrapper`] first. Errors name the proxy.
+/// a module's proxy under its [`DynModule::env_wrapper`] first. Errors name the proxy.
 pub async fn start_proxy(
     variant: &'static str,
     opts: &Options,
@@ -690,9 +733,9 @@ pub async fn start_proxy(
     wrapper: &[String],
     ready_within: Duration,
 ) -> anyhow::Result<(Envoy, [u16; 2])> {
-    let mut wrap = match (&opts.dynmod, variant) {
-        (Some(m), NATIVE) => m.env_wrapper()?,
-        _ => Vec::new(),
+    let mut wrap = match opts.module_of(variant) {
+        Some(m) => m.env_wrapper()?,
+        None => Vec::new(),
     };
     wrap.extend_from_slice(wrapper);
     Envoy::start_wrapped_on_free_ports(1, &wrap, ready_within, |[port, ingest]| {
@@ -883,8 +926,11 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
             }
         }
     }
-    let dir = std::env::temp_dir().join(format!("kvroute-overhead-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    // Removed when dropped, however the run ends.
+    let scratch = tempfile::Builder::new()
+        .prefix("kvroute-overhead-")
+        .tempdir()?;
+    let dir = scratch.path();
     let mut version = now_ms();
     for &size in &opts.sizes {
         let body = chat_body(size, &prompts, opts.stream_events > 0);
@@ -979,7 +1025,6 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
         }
         drop(p.backend);
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(report)
 }
 
@@ -1195,6 +1240,7 @@ Transfer/sec:      1.22MB
             stream_gap: Duration::ZERO,
             plugin_config: None,
             dynmod,
+            floor_dynmod: None,
         }
     }
 
@@ -1253,6 +1299,66 @@ Transfer/sec:      1.22MB
         }));
         assert_eq!(o.push_port(NATIVE, 9), None);
         assert_eq!(o.push_port("kvroute", 9), Some(9));
+    }
+
+    #[test]
+    fn the_routing_floor_runs_between_the_native_floors_only_beside_kvroute_native() {
+        let floor = DynModule {
+            filter_name: "floor".into(),
+            push: false,
+            ..module("/m/libkvroute_floor_dynmod.so")
+        };
+        let alone = Options {
+            floor_dynmod: Some(floor.clone()),
+            ..options(None)
+        };
+        assert_eq!(alone.variants(), VARIANTS);
+        let o = Options {
+            floor_dynmod: Some(floor.clone()),
+            ..options(Some(module("/m/libkvroute.so")))
+        };
+        assert_eq!(
+            o.variants(),
+            [
+                "plain",
+                "floor",
+                "kvroute",
+                FLOOR_NATIVE,
+                FLOOR_DYNMOD,
+                NATIVE
+            ]
+        );
+        assert_eq!(o.module_of(FLOOR_DYNMOD), Some(&floor));
+        assert_eq!(o.push_port(FLOOR_DYNMOD, 9), None);
+
+        // kvroute-native's cluster-mode config, the floor module in both filters with the
+        // routing header as its config, even where kvroute's config asks for endpoint mode.
+        for config in [PLUGIN_CONFIG, r#"{"mode":"endpoint"}"#] {
+            let y = proxy_yaml(FLOOR_DYNMOD, &o, 1000, 1001, "127.0.0.1:9", config).unwrap();
+            assert_eq!(
+                y.matches(
+                    "dynamic_module_config: {name: kvroute_floor_dynmod, do_not_close: true}"
+                )
+                .count(),
+                2,
+                "{y}"
+            );
+            assert_eq!(y.matches("filter_name: floor").count(), 2, "{y}");
+            assert_eq!(
+                y.matches("value: 'x-kvroute-cluster: c0'").count(),
+                2,
+                "{y}"
+            );
+            assert!(y.contains("cluster_header: x-kvroute-cluster"), "{y}");
+            assert!(y.contains("- name: c15\n"), "{y}");
+            assert!(!y.contains(r#""mode""#), "{y}");
+        }
+        let e = proxy_yaml(FLOOR_DYNMOD, &options(None), 1, 2, "127.0.0.1:9", "{}").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("floor-dynmod needs a dynamic module"),
+            "{e}"
+        );
     }
 
     /// The lines of `yaml` outside the stretches that run from a line where `starts` holds

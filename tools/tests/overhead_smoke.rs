@@ -5,13 +5,18 @@
 //!
 //! With `KVROUTE_DYNMOD` (a dynamic module's `lib<name>.so`, `make test-overhead DYNMOD=...`)
 //! the kvroute-native proxy and its floor (Envoy's buffer filter) run too and must report
-//! their rows; the module's own metrics are printed,
+//! their rows, and with `KVROUTE_FLOOR_DYNMOD` (`bench/floor-dynmod`'s module, which `make
+//! test-overhead` gives with the kvroute module) its routing floor, floor-dynmod, whose
+//! every request must reach the backend through the cluster its header names (a non-2xx
+//! response fails the run). The module's own metrics are printed,
 //! not asserted (a module may have none yet). `KVROUTE_DYNMOD_SKIP_PUSH=1` pushes it no
 //! snapshot (a module without the ingest role).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
 
 use kvroute_integration::harness::{wasm_path, workspace_root};
-use kvroute_tools::overhead::{run, DynModule, Options, FLOOR_NATIVE, NATIVE, VARIANTS};
+use kvroute_tools::overhead::{
+    run, DynModule, Options, FLOOR_DYNMOD, FLOOR_NATIVE, NATIVE, VARIANTS,
+};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -31,6 +36,13 @@ async fn every_size_and_proxy_reports() {
                 ["", "0", "false", "no", "off", "n", "f"].contains(&v.to_ascii_lowercase().as_str())
             }),
         });
+    let floor_dynmod = std::env::var_os("KVROUTE_FLOOR_DYNMOD")
+        .filter(|p| !p.is_empty())
+        .map(|path| DynModule {
+            path: PathBuf::from(path),
+            filter_name: "floor".into(),
+            push: false,
+        });
     let sizes = vec![1024, 16 * 1024, 256 * 1024, 1024 * 1024];
     let opts = Options {
         sizes: sizes.clone(),
@@ -46,10 +58,15 @@ async fn every_size_and_proxy_reports() {
         stream_gap: Duration::ZERO,
         plugin_config: None,
         dynmod,
+        floor_dynmod,
     };
     let variants = opts.variants();
     let native = opts.dynmod.is_some();
-    assert_eq!(variants.len(), VARIANTS.len() + 2 * usize::from(native));
+    let routing_floor = native && opts.floor_dynmod.is_some();
+    assert_eq!(
+        variants.len(),
+        VARIANTS.len() + 2 * usize::from(native) + usize::from(routing_floor)
+    );
     let report = run(&opts, |l| eprintln!("{l}")).await.unwrap();
     let md = report.markdown();
     eprintln!("{md}");
@@ -99,10 +116,16 @@ async fn every_size_and_proxy_reports() {
         for f in report.filter.iter().filter(|f| f.variant == NATIVE) {
             assert_eq!(f.stats.wasm_memory_bytes, None, "{f:?}");
         }
-        // Its floor, Envoy's buffer filter, in the first table only.
+        // Its floors, Envoy's buffer filter and the routing module, in the first table
+        // only.
         assert_eq!(
             md.matches(&format!("| {FLOOR_NATIVE} |")).count(),
             sizes.len(),
+            "{md}"
+        );
+        assert_eq!(
+            md.matches(&format!("| {FLOOR_DYNMOD} |")).count(),
+            sizes.len() * usize::from(routing_floor),
             "{md}"
         );
     } else {

@@ -5,7 +5,8 @@
 //! ```text
 //! kvroute-overhead --floor-wasm target/wasm32-wasip1/release/kvroute_floor_filter.wasm
 //! kvroute-overhead --sizes 1024,16384 --reps 1 --duration 2   # a quick look
-//! kvroute-overhead --dynmod target/release/libkvroute.so        # plus kvroute-native
+//! kvroute-overhead --dynmod target/dynmod/libkvroute_dynmod.so  # plus kvroute-native
+//! kvroute-overhead --dynmod ... --floor-dynmod target/dynmod/libkvroute_floor_dynmod.so
 //! kvroute-overhead --callgrind 300                               # instructions per request
 //! kvroute-overhead --write-bodies target/decision-ops             # the bodies, for wasm-ops.py
 //! ```
@@ -101,6 +102,13 @@ struct Args {
     #[arg(long, env = "KVROUTE_DYNMOD_SKIP_PUSH",
           value_parser = clap::builder::FalseyValueParser::new())]
     dynmod_skip_push: bool,
+    /// `bench/floor-dynmod`'s module (`libkvroute_floor_dynmod.so`, with `--dynmod`): adds
+    /// the floor-dynmod proxy, kvroute-native's config with that module instead, which
+    /// buffers, copies the body and sets a fixed routing header: the cost of hosting a
+    /// body-routing module. Without it (or empty) that column is skipped.
+    #[arg(long, env = "KVROUTE_FLOOR_DYNMOD", value_name = "PATH",
+          value_parser = clap::builder::OsStringValueParser::new())]
+    floor_dynmod: Option<OsString>,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -132,6 +140,14 @@ async fn main() -> anyhow::Result<()> {
             filter_name: a.dynmod_filter_name,
             push: !a.dynmod_skip_push,
         }),
+        floor_dynmod: a
+            .floor_dynmod
+            .filter(|p| !p.is_empty())
+            .map(|path| DynModule {
+                path: path.into(),
+                filter_name: "floor".into(),
+                push: false,
+            }),
     };
     if let Some(dir) = &a.write_bodies {
         let prompts = prompts(&opts.data)?;

@@ -1,0 +1,364 @@
+//! # kvroute-floor-dynmod
+//!
+//! The native build's routing floor in `make bench-overhead` (see `docs/overhead.md`): the
+//! least an Envoy dynamic module can cost that routes by the request body the way
+//! kvroute-native does, with no decision. Per request it
+//! 1. pauses at the request headers while a body follows (`StopIteration`),
+//! 2. lets Envoy buffer the body until it is whole (`StopIterationAndBuffer`),
+//! 3. copies the body out of Envoy's slices into one buffer per worker thread, once (as
+//!    kvroute-native does before it analyses it),
+//! 4. sets one fixed routing header and clears the route cache, so Envoy resolves the route
+//!    again and sends the request where the header says (as kvroute-native's decision does),
+//! 5. continues.
+//!
+//! No parsing, no metrics, no shared state, no allocation per request. Envoy's own buffer
+//! filter (the benchmark's `floor-native`) is the floor of reading the body without a
+//! module; this is the floor of *hosting a routing module*: the dynamic-module hooks and
+//! callbacks, the copy, the routing header and the second route resolution. kvroute-native's
+//! cost over this one is its decision and its glue.
+//!
+//! The filter config (`filter_config`, a `StringValue`) is the header to set, `name: value`
+//! (`x-kvroute-cluster: c0`); a config without a colon or with an empty name is refused
+//! (Envoy then refuses the listener).
+//!
+//! ABI: Envoy 1.40.0's dynamic-module ABI `v0.2.0`
+//! (`source/extensions/dynamic_modules/abi/abi.h`; the declarations below mirror the ones of
+//! `dynmod/src/abi.rs`, which cites the header's commit and checks them against the binary's
+//! exports). This crate declares only the five callbacks it calls.
+
+#![allow(unsafe_code)] // The FFI boundary with Envoy; see the SAFETY notes.
+
+use std::cell::RefCell;
+use std::ffi::c_void;
+
+/// `envoy_dynamic_module_type_{envoy,module}_buffer`: a pointer and a length.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Buf {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl Buf {
+    const NULL: Buf = Buf {
+        ptr: std::ptr::null(),
+        len: 0,
+    };
+    fn of(b: &[u8]) -> Buf {
+        Buf {
+            ptr: b.as_ptr(),
+            len: b.len(),
+        }
+    }
+    /// SAFETY: `ptr` is valid for `len` bytes (or null) for `'a`.
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() || self.len == 0 {
+            &[]
+        } else {
+            // SAFETY: see the function's contract.
+            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        }
+    }
+}
+
+/// `envoy_dynamic_module_type_http_header_type_RequestHeader`.
+const REQUEST_HEADERS: u32 = 0;
+/// `envoy_dynamic_module_type_http_body_type_ReceivedRequestBody`.
+const RECEIVED_REQUEST_BODY: u32 = 0;
+/// `envoy_dynamic_module_type_http_body_type_BufferedRequestBody`.
+const BUFFERED_REQUEST_BODY: u32 = 1;
+/// Every status enumeration's `Continue`.
+const CONTINUE: u32 = 0;
+/// `..._request_headers_status_StopIteration` and `..._request_body_status_StopIterationAndBuffer`.
+const STOP: u32 = 1;
+/// Body chunks listed on the stack; more go to the heap.
+const CHUNKS_ON_STACK: usize = 16;
+
+extern "C" {
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, body: u32) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks(
+        f: *mut c_void,
+        body: u32,
+        result: *mut Buf,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_received_buffered_request_body(f: *mut c_void) -> bool;
+    fn envoy_dynamic_module_callback_http_set_header(
+        f: *mut c_void,
+        header_type: u32,
+        key: Buf,
+        value: Buf,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_clear_route_cache(f: *mut c_void);
+}
+
+/// The routing header every request gets: the filter config, split at its first colon.
+struct Config {
+    name: Vec<u8>,
+    value: Vec<u8>,
+}
+
+impl Config {
+    /// `name: value` (blanks around either trimmed); `None` without a colon or a name.
+    fn parse(config: &[u8]) -> Option<Config> {
+        let colon = config.iter().position(|&b| b == b':')?;
+        let (name, value) = (config.get(..colon)?, config.get(colon + 1..)?);
+        let name = name.trim_ascii().to_ascii_lowercase();
+        (!name.is_empty()).then(|| Config {
+            name,
+            value: value.trim_ascii().to_vec(),
+        })
+    }
+}
+
+thread_local! {
+    /// The body's copy, one buffer per worker thread, its capacity kept between requests.
+    static BODY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Append the chunks of body `kind` of filter `f` to `out`.
+///
+/// SAFETY: `f` is a live filter, inside one of its hooks.
+unsafe fn copy_body(f: *mut c_void, kind: u32, out: &mut Vec<u8>) {
+    // SAFETY: the caller's contract.
+    let n = unsafe { envoy_dynamic_module_callback_http_get_body_chunks_size(f, kind) };
+    if n == 0 {
+        return;
+    }
+    let mut stack = [Buf::NULL; CHUNKS_ON_STACK];
+    let mut heap = Vec::new();
+    let chunks: &mut [Buf] = match stack.get_mut(..n) {
+        Some(s) => s,
+        None => {
+            heap.resize(n, Buf::NULL);
+            &mut heap
+        }
+    };
+    // SAFETY: `chunks` has room for the n chunks Envoy just counted.
+    if unsafe { envoy_dynamic_module_callback_http_get_body_chunks(f, kind, chunks.as_mut_ptr()) } {
+        out.reserve(chunks.iter().map(|c| c.len).sum());
+        for c in chunks.iter() {
+            // SAFETY: Envoy's chunks are valid until the end of this hook.
+            out.extend_from_slice(unsafe { c.bytes() });
+        }
+    }
+}
+
+/// `envoy_dynamic_module_on_program_init`: the ABI version string.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
+    c"v0.2.0".as_ptr().cast()
+}
+
+/// `on_http_filter_config_new(filter_config_envoy_ptr, name, config)`: the [`Config`], or
+/// null (refused) when the config is not `name: value`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    _envoy: *mut c_void,
+    _name: Buf,
+    config: Buf,
+) -> *mut c_void {
+    // SAFETY: Envoy's buffers are valid for this hook.
+    match Config::parse(unsafe { config.bytes() }) {
+        Some(c) => Box::into_raw(Box::new(c)).cast(),
+        None => std::ptr::null_mut(),
+    }
+}
+
+/// `on_http_filter_config_destroy(config_module_ptr)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *mut c_void) {
+    if !config.is_null() {
+        // SAFETY: made by Box::into_raw in config_new; Envoy destroys it once, after its
+        // filters.
+        drop(unsafe { Box::from_raw(config.cast::<Config>()) });
+    }
+}
+
+/// `on_http_filter_per_route_config_new`: none (null refuses one).
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
+    _n: Buf,
+    _c: Buf,
+) -> *mut c_void {
+    std::ptr::null_mut()
+}
+
+/// `on_http_filter_per_route_config_destroy`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(_c: *mut c_void) {}
+
+/// `on_http_filter_new(config_module_ptr, filter_envoy_ptr)`: the stream's module pointer is
+/// the config itself (no per-stream state, no allocation).
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config: *mut c_void,
+    _envoy: *mut c_void,
+) -> *mut c_void {
+    config
+}
+
+/// `on_http_filter_request_headers`: wait for the body when one follows.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    _e: *mut c_void,
+    _m: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    if end_of_stream {
+        CONTINUE
+    } else {
+        STOP
+    }
+}
+
+/// The body is whole: copy it, set the routing header, clear the route cache. Called only
+/// from the body hook, whose contract (abi.h) makes `envoy` a live filter inside its hook
+/// and `module` its module pointer (the config, from `on_http_filter_new`); private, so
+/// nothing else can pass it other pointers.
+fn route(envoy: *mut c_void, module: *mut c_void) {
+    BODY.with(|b| {
+        let Ok(mut body) = b.try_borrow_mut() else {
+            return;
+        };
+        body.clear();
+        // SAFETY: `envoy` is this hook's live filter.
+        unsafe {
+            copy_body(envoy, BUFFERED_REQUEST_BODY, &mut body);
+            if !envoy_dynamic_module_callback_http_received_buffered_request_body(envoy) {
+                copy_body(envoy, RECEIVED_REQUEST_BODY, &mut body);
+            }
+        }
+        std::hint::black_box(body.len());
+    });
+    // SAFETY: the module pointer is the config (on_http_filter_new), alive until its
+    // filters are gone.
+    if let Some(c) = unsafe { module.cast::<Config>().as_ref() } {
+        // SAFETY: `envoy` is live; the buffers are valid for the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                envoy,
+                REQUEST_HEADERS,
+                Buf::of(&c.name),
+                Buf::of(&c.value),
+            );
+            envoy_dynamic_module_callback_http_clear_route_cache(envoy);
+        }
+    }
+}
+
+/// `on_http_filter_request_body`: buffer until the body is whole; then copy it, set the
+/// routing header, clear the route cache and continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    envoy: *mut c_void,
+    module: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    if !end_of_stream {
+        return STOP;
+    }
+    route(envoy, module);
+    CONTINUE
+}
+
+/// `on_http_filter_request_trailers`: Continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    _e: *mut c_void,
+    _m: *mut c_void,
+) -> u32 {
+    CONTINUE
+}
+
+/// `on_http_filter_response_headers`: Continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    _e: *mut c_void,
+    _m: *mut c_void,
+    _end_of_stream: bool,
+) -> u32 {
+    CONTINUE
+}
+
+/// `on_http_filter_response_body`: Continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    _e: *mut c_void,
+    _m: *mut c_void,
+    _end_of_stream: bool,
+) -> u32 {
+    CONTINUE
+}
+
+/// `on_http_filter_response_trailers`: Continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    _e: *mut c_void,
+    _m: *mut c_void,
+) -> u32 {
+    CONTINUE
+}
+
+/// `on_http_filter_local_reply`: Continue.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
+    _e: *mut c_void,
+    _m: *mut c_void,
+    _code: u32,
+    _details: Buf,
+    _reset: bool,
+) -> u32 {
+    CONTINUE
+}
+
+/// `on_http_filter_stream_complete`: nothing to do.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    _e: *mut c_void,
+    _m: *mut c_void,
+) {
+}
+
+/// `on_http_filter_destroy`: nothing to free (the module pointer is the config's).
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(_m: *mut c_void) {}
+
+/// `on_http_filter_scheduled`: never scheduled.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    _e: *mut c_void,
+    _m: *mut c_void,
+    _id: u64,
+) {
+}
+
+/// Hooks Envoy resolves when it loads any HTTP-filter module (callouts, streams,
+/// watermarks, config events), unused here: exported as no-ops, declared without their
+/// arguments (the C calling convention lets a callee ignore them).
+macro_rules! unused_hooks {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[doc = concat!("`", stringify!($name), "(...)`: unused.")]
+            #[no_mangle]
+            pub extern "C" fn $name() {}
+        )*
+    };
+}
+
+unused_hooks!(
+    envoy_dynamic_module_on_http_filter_http_callout_done,
+    envoy_dynamic_module_on_http_filter_http_stream_headers,
+    envoy_dynamic_module_on_http_filter_http_stream_data,
+    envoy_dynamic_module_on_http_filter_http_stream_trailers,
+    envoy_dynamic_module_on_http_filter_http_stream_complete,
+    envoy_dynamic_module_on_http_filter_http_stream_reset,
+    envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
+    envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
+    envoy_dynamic_module_on_http_filter_config_scheduled,
+    envoy_dynamic_module_on_http_filter_config_http_callout_done,
+    envoy_dynamic_module_on_http_filter_config_http_stream_headers,
+    envoy_dynamic_module_on_http_filter_config_http_stream_data,
+    envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
+    envoy_dynamic_module_on_http_filter_config_http_stream_complete,
+    envoy_dynamic_module_on_http_filter_config_http_stream_reset,
+);
