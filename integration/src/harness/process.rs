@@ -60,6 +60,7 @@ impl TempFile {
         })
     }
 
+    /// The file's path (empty only while the file is being dropped).
     pub(crate) fn path(&self) -> &Path {
         self.path.as_deref().unwrap_or(Path::new(""))
     }
