@@ -182,7 +182,7 @@ impl DynModule {
     pub fn search_dir(&self) -> anyhow::Result<PathBuf> {
         anyhow::ensure!(
             self.path.is_file(),
-            "{}: no such dynamic module (--dynmod, KVROUTE_DYNMOD)",
+            "{}: no such dynamic module",
             self.path.display()
         );
         let abs = std::path::absolute(&self.path)?;
@@ -913,12 +913,31 @@ pub async fn run(opts: &Options, mut progress: impl FnMut(&str)) -> anyhow::Resu
     let mut report = Report::default();
     match &opts.dynmod {
         None => report.notes.push(format!(
-            "{NATIVE} and {FLOOR_NATIVE}: skipped (no dynamic module: --dynmod PATH or KVROUTE_DYNMOD)"
+            "{NATIVE} and {FLOOR_NATIVE}: skipped (no dynamic module: --dynmod PATH or KVROUTE_DYNMOD){}",
+            if opts.floor_dynmod.is_some() {
+                format!(", and {FLOOR_DYNMOD} with them")
+            } else {
+                String::new()
+            }
         )),
         Some(m) => {
-            // Settle the module's name and directory before anything starts.
-            m.name()?;
-            m.search_dir()?;
+            // Settle the modules' names and directories before anything starts.
+            let floor = opts.floor_dynmod.as_ref();
+            for (m, flag) in [
+                (Some(m), "--dynmod, KVROUTE_DYNMOD"),
+                (floor, "--floor-dynmod, KVROUTE_FLOOR_DYNMOD"),
+            ] {
+                if let Some(m) = m {
+                    m.name()
+                        .and_then(|_| m.search_dir())
+                        .map_err(|e| anyhow::anyhow!("{e:#} ({flag})"))?;
+                }
+            }
+            if opts.floor_dynmod.is_none() {
+                report.notes.push(format!(
+                    "{FLOOR_DYNMOD}: skipped (no routing floor module: --floor-dynmod PATH or KVROUTE_FLOOR_DYNMOD; `make floor-dynmod` builds it)"
+                ));
+            }
             if !m.push {
                 report.notes.push(format!(
                     "{NATIVE}: no snapshot pushed (--dynmod-skip-push, KVROUTE_DYNMOD_SKIP_PUSH): it had no endpoint stats to route by"

@@ -128,6 +128,11 @@ async fn every_size_and_proxy_reports() {
             sizes.len() * usize::from(routing_floor),
             "{md}"
         );
+        assert_eq!(
+            md.contains(&format!("{FLOOR_DYNMOD}: skipped")),
+            !routing_floor,
+            "{md}"
+        );
     } else {
         assert!(
             md.contains(&format!("{NATIVE} and {FLOOR_NATIVE}: skipped")),
