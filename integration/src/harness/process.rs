@@ -29,9 +29,18 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Set (to anything but empty) to keep every file [`TempFile`] makes: the Envoy configs,
-/// admin-address files and child logs of a whole run, for a post-mortem.
+/// Set to keep every file [`TempFile`] makes: the Envoy configs, admin-address files and
+/// child logs of a whole run, for a post-mortem. Any value but empty, `0`, `false`, `no`,
+/// `off`, `n` or `f` (any case) keeps them, as clap's falsey values read the benchmarks'
+/// boolean variables.
 pub const KEEP_TEMP_ENV: &str = "KVROUTE_KEEP_TEMP";
+
+/// Whether [`KEEP_TEMP_ENV`] asks to keep the files.
+fn keep_temp_set() -> bool {
+    std::env::var(KEEP_TEMP_ENV).is_ok_and(|v| {
+        !["", "0", "false", "no", "off", "n", "f"].contains(&v.to_ascii_lowercase().as_str())
+    })
+}
 
 /// A file in the temp directory, named `kvroute-<random>-<name>` (unique across runs and
 /// processes: `tempfile` creates it exclusively), removed on drop unless kept for a
@@ -75,7 +84,7 @@ impl TempFile {
 /// Whether [`TempFile`]s are left for a post-mortem whatever their owner says: the thread
 /// is unwinding from a panic, or [`KEEP_TEMP_ENV`] is set.
 fn keep_all_temp() -> bool {
-    std::thread::panicking() || std::env::var_os(KEEP_TEMP_ENV).is_some_and(|v| !v.is_empty())
+    std::thread::panicking() || keep_temp_set()
 }
 
 impl Drop for TempFile {
@@ -154,7 +163,7 @@ mod tests {
     /// `KVROUTE_KEEP_TEMP` in the environment keeps every file: the removals are not
     /// checked then.
     fn removals_checked() -> bool {
-        let keep_all = std::env::var_os(KEEP_TEMP_ENV).is_some_and(|v| !v.is_empty());
+        let keep_all = keep_temp_set();
         if keep_all {
             eprintln!("{KEEP_TEMP_ENV} is set: removals not checked");
         }
