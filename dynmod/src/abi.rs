@@ -702,13 +702,11 @@ impl ConfigHandle {
 // (`HttpFilter::panicked`, the destroy's cleanup).
 // ----------------------------------------------------------------------------------------
 
-/// The ABI version this module was built against: Envoy 1.40.0's own (see module doc).
-static ABI_VERSION: &[u8] = b"v0.2.0\0";
-
 /// `envoy_dynamic_module_type_abi_version_module_ptr envoy_dynamic_module_on_program_init(void)`.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
-    ABI_VERSION.as_ptr()
+    // The ABI version this module was built against: Envoy 1.40.0's own (see module doc).
+    kvroute_dynmod_hooks::ABI_VERSION.as_ptr().cast()
 }
 
 /// `http_filter_config_module_ptr on_http_filter_config_new(filter_config_envoy_ptr,
@@ -943,35 +941,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
 }
 
 // Hooks kvroute does not use (callouts, streams, watermarks, config events): Envoy resolves
-// them when it loads the module, so they are exported as no-ops. Their arguments are
-// ignored, so they are declared without them (the C calling convention lets the callee
-// ignore trailing arguments).
-
-/// Export each named hook as a no-op `extern "C" fn()`.
-macro_rules! unused_hooks {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[doc = concat!("`", stringify!($name), "(...)`: unused.")]
-            #[no_mangle]
-            pub extern "C" fn $name() {}
-        )*
-    };
-}
-
-unused_hooks!(
-    envoy_dynamic_module_on_http_filter_http_callout_done,
-    envoy_dynamic_module_on_http_filter_http_stream_headers,
-    envoy_dynamic_module_on_http_filter_http_stream_data,
-    envoy_dynamic_module_on_http_filter_http_stream_trailers,
-    envoy_dynamic_module_on_http_filter_http_stream_complete,
-    envoy_dynamic_module_on_http_filter_http_stream_reset,
-    envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
-    envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
-    envoy_dynamic_module_on_http_filter_config_scheduled,
-    envoy_dynamic_module_on_http_filter_config_http_callout_done,
-    envoy_dynamic_module_on_http_filter_config_http_stream_headers,
-    envoy_dynamic_module_on_http_filter_config_http_stream_data,
-    envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
-    envoy_dynamic_module_on_http_filter_config_http_stream_complete,
-    envoy_dynamic_module_on_http_filter_config_http_stream_reset,
-);
+// them when it loads the module, so they are exported as no-ops (the list, shared with the
+// benchmark's floor module: `kvroute-dynmod-hooks`).
+kvroute_dynmod_hooks::export_unused_hooks!();

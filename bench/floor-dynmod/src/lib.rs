@@ -143,10 +143,10 @@ unsafe fn copy_body(f: *mut c_void, kind: u32, out: &mut Vec<u8>) {
     }
 }
 
-/// `envoy_dynamic_module_on_program_init`: the ABI version string.
+/// `envoy_dynamic_module_on_program_init`: the ABI version string (Envoy 1.40.0's).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
-    c"v0.2.0".as_ptr().cast()
+    kvroute_dynmod_hooks::ABI_VERSION.as_ptr().cast()
 }
 
 /// `on_http_filter_config_new(filter_config_envoy_ptr, name, config)`: the [`Config`], or
@@ -332,33 +332,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
 ) {
 }
 
-/// Hooks Envoy resolves when it loads any HTTP-filter module (callouts, streams,
-/// watermarks, config events), unused here: exported as no-ops, declared without their
-/// arguments (the C calling convention lets a callee ignore them).
-macro_rules! unused_hooks {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[doc = concat!("`", stringify!($name), "(...)`: unused.")]
-            #[no_mangle]
-            pub extern "C" fn $name() {}
-        )*
-    };
-}
-
-unused_hooks!(
-    envoy_dynamic_module_on_http_filter_http_callout_done,
-    envoy_dynamic_module_on_http_filter_http_stream_headers,
-    envoy_dynamic_module_on_http_filter_http_stream_data,
-    envoy_dynamic_module_on_http_filter_http_stream_trailers,
-    envoy_dynamic_module_on_http_filter_http_stream_complete,
-    envoy_dynamic_module_on_http_filter_http_stream_reset,
-    envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
-    envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
-    envoy_dynamic_module_on_http_filter_config_scheduled,
-    envoy_dynamic_module_on_http_filter_config_http_callout_done,
-    envoy_dynamic_module_on_http_filter_config_http_stream_headers,
-    envoy_dynamic_module_on_http_filter_config_http_stream_data,
-    envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
-    envoy_dynamic_module_on_http_filter_config_http_stream_complete,
-    envoy_dynamic_module_on_http_filter_config_http_stream_reset,
-);
+// Hooks Envoy resolves when it loads any HTTP-filter module (callouts, streams, watermarks,
+// config events), unused here as in kvroute's module: no-ops, from the shared list.
+kvroute_dynmod_hooks::export_unused_hooks!();
