@@ -29,41 +29,9 @@
 #![allow(unsafe_code)] // The FFI boundary with Envoy; see the SAFETY notes.
 
 use crate::glue::Hooked;
+pub use kvroute_dynmod_abi::{Buf, BUFFERED_REQUEST_BODY, RECEIVED_REQUEST_BODY, REQUEST_HEADERS};
 use std::ffi::c_void;
 use std::ptr;
-
-/// Body chunks [`Filter::body_into`] lists on the stack (16 bytes each); more go to the heap.
-const BODY_CHUNKS_ON_STACK: usize = 8;
-
-/// `envoy_dynamic_module_type_envoy_buffer` / `_module_buffer`: a pointer and a length.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct Buf {
-    ptr: *const u8,
-    len: usize,
-}
-
-impl Buf {
-    const NULL: Buf = Buf {
-        ptr: ptr::null(),
-        len: 0,
-    };
-    fn of(b: &[u8]) -> Buf {
-        Buf {
-            ptr: b.as_ptr(),
-            len: b.len(),
-        }
-    }
-    /// SAFETY: the caller guarantees `ptr` is valid for `len` bytes (or null) for `'a`.
-    unsafe fn bytes<'a>(self) -> &'a [u8] {
-        if self.ptr.is_null() || self.len == 0 {
-            &[]
-        } else {
-            // SAFETY: see the function's contract.
-            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-        }
-    }
-}
 
 /// `envoy_dynamic_module_type_{module,envoy}_http_header`: key and value buffers.
 #[repr(C)]
@@ -79,14 +47,8 @@ struct HeaderPair {
 /// heap.
 const STACK_HEADERS: usize = 32;
 
-/// `envoy_dynamic_module_type_http_header_type_RequestHeader`.
-pub const REQUEST_HEADERS: u32 = 0;
 /// `envoy_dynamic_module_type_http_header_type_ResponseHeader`.
 pub const RESPONSE_HEADERS: u32 = 2;
-/// `envoy_dynamic_module_type_http_body_type_ReceivedRequestBody`.
-pub const RECEIVED_REQUEST_BODY: u32 = 0;
-/// `envoy_dynamic_module_type_http_body_type_BufferedRequestBody`.
-pub const BUFFERED_REQUEST_BODY: u32 = 1;
 /// `envoy_dynamic_module_type_http_body_type_ReceivedResponseBody`.
 pub const RECEIVED_RESPONSE_BODY: u32 = 2;
 /// `envoy_dynamic_module_type_attribute_id_ResponseCodeDetails` (`response.code_details`).
@@ -440,30 +402,14 @@ impl Filter {
         // SAFETY: the filter is live.
         let n =
             unsafe { envoy_dynamic_module_callback_http_get_body_chunks_size(self.ptr(), kind) };
-        if n == 0 {
-            return;
-        }
-        // The chunk list on the stack when it is short (a small body is one or two
-        // chunks); a longer one on the heap.
-        let mut stack = [Buf::NULL; BODY_CHUNKS_ON_STACK];
-        let mut heap = Vec::new();
-        let v: &mut [Buf] = match stack.get_mut(..n) {
-            Some(v) => v,
-            None => {
-                heap.resize(n, Buf::NULL);
-                &mut heap
-            }
-        };
-        // SAFETY: v has room for the n chunks Envoy just counted.
-        if unsafe {
-            envoy_dynamic_module_callback_http_get_body_chunks(self.ptr(), kind, v.as_mut_ptr())
-        } {
-            // One allocation for the whole copy, not one per doubling.
-            out.reserve(v.iter().map(|b| b.len).sum());
-            for b in v.iter() {
-                // SAFETY: Envoy's chunks are valid until the end of this hook; copied at once.
-                out.extend_from_slice(unsafe { b.bytes() });
-            }
+        // SAFETY: Envoy fills the n chunks it just counted, valid until the end of this hook,
+        // which outlasts the copy.
+        unsafe {
+            kvroute_dynmod_abi::append_chunks(
+                n,
+                |v| envoy_dynamic_module_callback_http_get_body_chunks(self.ptr(), kind, v),
+                out,
+            );
         }
     }
 
@@ -706,7 +652,7 @@ impl ConfigHandle {
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
     // The ABI version this module was built against: Envoy 1.40.0's own (see module doc).
-    kvroute_dynmod_hooks::ABI_VERSION.as_ptr().cast()
+    kvroute_dynmod_abi::ABI_VERSION.as_ptr().cast()
 }
 
 /// `http_filter_config_module_ptr on_http_filter_config_new(filter_config_envoy_ptr,
@@ -942,5 +888,5 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
 
 // Hooks kvroute does not use (callouts, streams, watermarks, config events): Envoy resolves
 // them when it loads the module, so they are exported as no-ops (the list, shared with the
-// benchmark's floor module: `kvroute-dynmod-hooks`).
-kvroute_dynmod_hooks::export_unused_hooks!();
+// benchmark's floor module: `kvroute-dynmod-abi`).
+kvroute_dynmod_abi::export_unused_hooks!();

@@ -31,48 +31,12 @@
 use std::cell::RefCell;
 use std::ffi::c_void;
 
-/// `envoy_dynamic_module_type_{envoy,module}_buffer`: a pointer and a length.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct Buf {
-    ptr: *const u8,
-    len: usize,
-}
+use kvroute_dynmod_abi::{Buf, BUFFERED_REQUEST_BODY, RECEIVED_REQUEST_BODY, REQUEST_HEADERS};
 
-impl Buf {
-    const NULL: Buf = Buf {
-        ptr: std::ptr::null(),
-        len: 0,
-    };
-    fn of(b: &[u8]) -> Buf {
-        Buf {
-            ptr: b.as_ptr(),
-            len: b.len(),
-        }
-    }
-    /// SAFETY: `ptr` is valid for `len` bytes (or null) for `'a`.
-    unsafe fn bytes<'a>(self) -> &'a [u8] {
-        if self.ptr.is_null() || self.len == 0 {
-            &[]
-        } else {
-            // SAFETY: see the function's contract.
-            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-        }
-    }
-}
-
-/// `envoy_dynamic_module_type_http_header_type_RequestHeader`.
-const REQUEST_HEADERS: u32 = 0;
-/// `envoy_dynamic_module_type_http_body_type_ReceivedRequestBody`.
-const RECEIVED_REQUEST_BODY: u32 = 0;
-/// `envoy_dynamic_module_type_http_body_type_BufferedRequestBody`.
-const BUFFERED_REQUEST_BODY: u32 = 1;
 /// Every status enumeration's `Continue`.
 const CONTINUE: u32 = 0;
 /// `..._request_headers_status_StopIteration` and `..._request_body_status_StopIterationAndBuffer`.
 const STOP: u32 = 1;
-/// Body chunks listed on the stack; more go to the heap.
-const CHUNKS_ON_STACK: usize = 16;
 
 extern "C" {
     fn envoy_dynamic_module_callback_http_get_body_chunks_size(f: *mut c_void, body: u32) -> usize;
@@ -121,32 +85,20 @@ thread_local! {
 unsafe fn copy_body(f: *mut c_void, kind: u32, out: &mut Vec<u8>) {
     // SAFETY: the caller's contract.
     let n = unsafe { envoy_dynamic_module_callback_http_get_body_chunks_size(f, kind) };
-    if n == 0 {
-        return;
-    }
-    let mut stack = [Buf::NULL; CHUNKS_ON_STACK];
-    let mut heap = Vec::new();
-    let chunks: &mut [Buf] = match stack.get_mut(..n) {
-        Some(s) => s,
-        None => {
-            heap.resize(n, Buf::NULL);
-            &mut heap
-        }
-    };
-    // SAFETY: `chunks` has room for the n chunks Envoy just counted.
-    if unsafe { envoy_dynamic_module_callback_http_get_body_chunks(f, kind, chunks.as_mut_ptr()) } {
-        out.reserve(chunks.iter().map(|c| c.len).sum());
-        for c in chunks.iter() {
-            // SAFETY: Envoy's chunks are valid until the end of this hook.
-            out.extend_from_slice(unsafe { c.bytes() });
-        }
+    // SAFETY: Envoy fills the n chunks it just counted, valid until the end of this hook.
+    unsafe {
+        kvroute_dynmod_abi::append_chunks(
+            n,
+            |v| envoy_dynamic_module_callback_http_get_body_chunks(f, kind, v),
+            out,
+        );
     }
 }
 
 /// `envoy_dynamic_module_on_program_init`: the ABI version string (Envoy 1.40.0's).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
-    kvroute_dynmod_hooks::ABI_VERSION.as_ptr().cast()
+    kvroute_dynmod_abi::ABI_VERSION.as_ptr().cast()
 }
 
 /// `on_http_filter_config_new(filter_config_envoy_ptr, name, config)`: the [`Config`], or
@@ -334,4 +286,4 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
 
 // Hooks Envoy resolves when it loads any HTTP-filter module (callouts, streams, watermarks,
 // config events), unused here as in kvroute's module: no-ops, from the shared list.
-kvroute_dynmod_hooks::export_unused_hooks!();
+kvroute_dynmod_abi::export_unused_hooks!();
