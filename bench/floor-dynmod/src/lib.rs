@@ -11,7 +11,9 @@
 //!    again and sends the request where the header says (as kvroute-native's decision does),
 //! 5. continues.
 //!
-//! No parsing, no metrics, no shared state, no allocation per request. Envoy's own buffer
+//! No parsing, no metrics, no shared state; no allocation per request once the worker's
+//! buffer has grown to the body size (the chunk list goes to the heap past 8 chunks, as
+//! kvroute-native's: `kvroute_dynmod_abi::append_chunks`). Envoy's own buffer
 //! filter (the benchmark's `floor-native`) is the floor of reading the body without a
 //! module; this is the floor of *hosting a routing module*: the dynamic-module hooks and
 //! callbacks, the copy, the routing header and the second route resolution. kvroute-native's
