@@ -1,8 +1,8 @@
 //! # kvroute-floor-dynmod
 //!
-//! The native build's routing floor in `make bench-overhead` (see `docs/overhead.md`): the
-//! least an Envoy dynamic module can cost that routes by the request body the way
-//! kvroute-native does, with no decision. Per request it
+//! The native build's routing floor in `make bench-overhead` (see `docs/overhead.md`): an
+//! Envoy dynamic module that routes by the request body the way kvroute-native does, doing
+//! only what that takes and no decision. Per request it
 //! 1. pauses at the request headers while a body follows (`StopIteration`),
 //! 2. lets Envoy buffer the body until it is whole (`StopIterationAndBuffer`),
 //! 3. copies the body out of Envoy's slices into one buffer per worker thread, once (as
