@@ -637,7 +637,12 @@ pub fn proxy_yaml(
                     filter_name: &m.filter_name,
                 },
                 (_, None) => anyhow::bail!(
-                    "{variant} needs a dynamic module (--dynmod, KVROUTE_DYNMOD; --floor-dynmod, KVROUTE_FLOOR_DYNMOD)"
+                    "{variant} needs a dynamic module ({})",
+                    if variant == FLOOR_DYNMOD {
+                        "--floor-dynmod, KVROUTE_FLOOR_DYNMOD"
+                    } else {
+                        "--dynmod, KVROUTE_DYNMOD"
+                    }
                 ),
             };
             // The floor sets its fixed header in both roles (it has no ingest role: no
@@ -1374,8 +1379,9 @@ Transfer/sec:      1.22MB
         }
         let e = proxy_yaml(FLOOR_DYNMOD, &options(None), 1, 2, "127.0.0.1:9", "{}").unwrap_err();
         assert!(
-            e.to_string()
-                .contains("floor-dynmod needs a dynamic module"),
+            e.to_string().contains(
+                "floor-dynmod needs a dynamic module (--floor-dynmod, KVROUTE_FLOOR_DYNMOD)"
+            ),
             "{e}"
         );
     }
@@ -1425,7 +1431,11 @@ Transfer/sec:      1.22MB
         let ingest = kvroute_integration::harness::kvroute::ingest_plugin_config();
         assert!(native.contains(&format!("value: '{ingest}'")), "{native}");
         let e = proxy_yaml(NATIVE, &options(None), 1, 2, "127.0.0.1:9", config).unwrap_err();
-        assert!(e.to_string().contains("needs a dynamic module"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("kvroute-native needs a dynamic module (--dynmod, KVROUTE_DYNMOD)"),
+            "{e}"
+        );
     }
 
     /// `"mode":"endpoint"` in the plugin configuration runs both kvroute proxies in
