@@ -96,6 +96,7 @@ const SETTLE: Duration = Duration::from_millis(1500);
 
 async fn control(cg: &CallgrindOptions, args: &[&str], pid: u32) -> anyhow::Result<()> {
     let out = tokio::process::Command::new(&cg.control)
+        .kill_on_drop(true)
         .args(args)
         .arg(pid.to_string())
         .output()

@@ -819,6 +819,8 @@ pub async fn push(ingest: u16, version: u64, backend: &str) -> anyhow::Result<()
 async fn wrk(opts: &Options, port: u16, script: &Path, pid: u32) -> anyhow::Result<Run> {
     let cpu0 = cpu_ns(pid)?;
     let out = tokio::process::Command::new(&opts.wrk)
+        // A run dropped on a signal stops its wrk too.
+        .kill_on_drop(true)
         .arg("-t1")
         .arg(format!("-c{}", opts.connections))
         .arg(format!("-d{}s", opts.duration.as_secs().max(1)))

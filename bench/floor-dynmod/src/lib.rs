@@ -20,8 +20,9 @@
 //! cost over this one is its decision and its glue.
 //!
 //! The filter config (`filter_config`, a `StringValue`) is the header to set, `name: value`
-//! (`x-kvroute-cluster: c0`); a config without a colon or with an empty name is refused
-//! (Envoy then refuses the listener).
+//! (`x-kvroute-cluster: c0`); a config that is not a valid header (no colon, a name that is
+//! not a field name or is a framing or host header, a value with control bytes) is refused
+//! (Envoy then refuses the listener: "Failed to initialize dynamic module").
 //!
 //! ABI: Envoy 1.40.0's dynamic-module ABI `v0.2.0`
 //! (`source/extensions/dynamic_modules/abi/abi.h`; the declarations below mirror the ones of
@@ -63,15 +64,30 @@ struct Config {
     value: Vec<u8>,
 }
 
+/// Headers the floor may not set: framing and the authority (setting them would change the
+/// request, not route it).
+const REFUSED_NAMES: [&[u8]; 4] = [b"content-length", b"transfer-encoding", b"host", b"te"];
+
 impl Config {
-    /// `name: value` (blanks around either trimmed); `None` without a colon or a name.
+    /// `name: value` (blanks around either trimmed). `None` (the config refused) without a
+    /// colon, or when the name is not an HTTP field name (RFC 9110 §5.1: a token, one or
+    /// more of `!#$%&'*+-.^_`|~`, digits and letters; so no pseudo-header) or one of
+    /// [`REFUSED_NAMES`], or when the value holds anything but visible ASCII, spaces and
+    /// tabs (§5.5). Envoy would refuse such a header on every request (503).
     fn parse(config: &[u8]) -> Option<Config> {
         let colon = config.iter().position(|&b| b == b':')?;
         let (name, value) = (config.get(..colon)?, config.get(colon + 1..)?);
         let name = name.trim_ascii().to_ascii_lowercase();
-        (!name.is_empty()).then(|| Config {
+        let value = value.trim_ascii();
+        let tchar = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+        let field_byte = |b: u8| b == b'\t' || (b' '..=b'~').contains(&b);
+        (!name.is_empty()
+            && name.iter().all(|&b| tchar(b))
+            && !REFUSED_NAMES.contains(&name.as_slice())
+            && value.iter().all(|&b| field_byte(b)))
+        .then(|| Config {
             name,
-            value: value.trim_ascii().to_vec(),
+            value: value.to_vec(),
         })
     }
 }

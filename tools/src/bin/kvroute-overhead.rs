@@ -11,14 +11,17 @@
 //! kvroute-overhead --write-bodies target/decision-ops             # the bodies, for wasm-ops.py
 //! ```
 //! Prints one progress line per wrk run, then the Markdown tables. Exit code 1 on any setup
-//! error (a failed snapshot push to a proxy included), non-2xx response or Wasm failure.
+//! error (a failed snapshot push to a proxy included), non-2xx response or Wasm failure;
+//! 130 on SIGINT or SIGTERM, after stopping every Envoy and wrk it started.
 
 use clap::Parser;
 use kvroute_integration::harness::{wasm_path, workspace_root};
 use kvroute_tools::callgrind::{self, CallgrindOptions};
+use kvroute_tools::demo::signal::shutdown_signal;
 use kvroute_tools::overhead::{chat_body, prompts, run, DynModule, Options};
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
 /// Data-plane overhead: plain Envoy, floor filter, kvroute (Wasm), kvroute-native.
@@ -112,8 +115,29 @@ struct Args {
 }
 
 #[tokio::main(flavor = "current_thread")]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     let a = Args::parse();
+    let mut work = Box::pin(overhead(a));
+    tokio::select! {
+        r = &mut work => match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("Error: {e:#}");
+                ExitCode::from(1)
+            }
+        },
+        sig = shutdown_signal() => {
+            // Dropping the run kills and reaps every Envoy and wrk it started (their guards
+            // and `kill_on_drop`) and removes their temp files.
+            drop(work);
+            eprintln!("kvroute-overhead: {sig}: stopped every process it started");
+            ExitCode::from(130)
+        }
+    }
+}
+
+/// The benchmark as `a` asks (see the module doc).
+async fn overhead(a: Args) -> anyhow::Result<()> {
     let kvroute_wasm = wasm_path();
     let floor_wasm = a.floor_wasm.unwrap_or_else(|| {
         kvroute_wasm
