@@ -24,7 +24,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-/// Data-plane overhead: plain Envoy, floor filter, kvroute (Wasm), kvroute-native.
+/// Data-plane overhead: plain Envoy, floor filter, kvroute (Wasm), and with modules
+/// floor-native, floor-dynmod and kvroute-native.
 #[derive(Debug, Parser)]
 #[command(name = "kvroute-overhead", version)]
 struct Args {
@@ -64,7 +65,7 @@ struct Args {
     #[arg(long, env = "VALGRIND", default_value = "valgrind")]
     valgrind: PathBuf,
     /// Proxies to count (with --callgrind; default all: plain, floor, kvroute, and
-    /// floor-native and kvroute-native with --dynmod).
+    /// floor-native and kvroute-native with --dynmod, floor-dynmod with --floor-dynmod too).
     #[arg(long, value_delimiter = ',')]
     callgrind_proxies: Vec<String>,
     /// Keep each counted window's callgrind dump in DIR (`<proxy>-<size>-<requests>.out`)
